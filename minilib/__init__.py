@@ -1,0 +1,48 @@
+"""minilib: the library behind the ragged paged attention course.
+
+Each notebook builds one idea; from then on the course imports the tested version from here.
+"""
+
+from minilib.batch import RaggedBatch, make_batch, random_seq_lens, seq_kind
+from minilib.heads import (
+    attention_kind,
+    combined_head_slots,
+    head_groups,
+    kv_head_for_q_head,
+    merge_kv_pages,
+    nearest_valid_num_kv_heads,
+    repeat_kv,
+    split_kv_pages,
+    valid_num_kv_heads,
+)
+from minilib.reference import DEFAULT_MASK_VALUE, ref_ragged_paged_attention
+from minilib.validation import (
+    RPAInputError,
+    check_head_counts,
+    dynamic_validate_inputs,
+    static_validate_inputs,
+)
+from minilib.vectorized import ragged_paged_attention_jnp
+
+__all__ = [
+    "DEFAULT_MASK_VALUE",
+    "RPAInputError",
+    "RaggedBatch",
+    "attention_kind",
+    "check_head_counts",
+    "combined_head_slots",
+    "dynamic_validate_inputs",
+    "head_groups",
+    "kv_head_for_q_head",
+    "make_batch",
+    "merge_kv_pages",
+    "nearest_valid_num_kv_heads",
+    "random_seq_lens",
+    "ragged_paged_attention_jnp",
+    "ref_ragged_paged_attention",
+    "repeat_kv",
+    "seq_kind",
+    "split_kv_pages",
+    "static_validate_inputs",
+    "valid_num_kv_heads",
+]

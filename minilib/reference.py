@@ -1,0 +1,161 @@
+"""The readable reference: ragged paged attention one sequence at a time.
+
+This is the course's baseline. Each step is one idea, named after it:
+
+  1. find the sequence's q rows in the packed batch  (`cu_q_lens`)
+  2. gather its keys and values from the paged cache (`page_indices`, `kv_lens`)
+  3. dequantize fp8 K/V                              (`k_scale`, `v_scale`)
+  4. share each KV head with its group of q heads   (GQA / MQA)
+  5. scores = q . k * sm_scale, soft-capped          (`sm_scale`, `soft_cap`)
+  6. causal mask, offset by kv_len - q_len           (`sliding_window`)
+  7. softmax, then the weighted sum of values
+
+The Python loop over sequences makes it slow to compile (one trace per mix of lengths), which
+is why the later versions exist.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from minilib.validation import static_validate_inputs
+
+# The value a masked score is set to: very negative, but finite, so exp() gives 0, not NaN.
+DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def ref_ragged_paged_attention(
+    q: jax.Array,  # [max_num_batched_tokens, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # i32[max_num_seqs]
+    page_indices: jax.Array,  # i32[max_num_seqs, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = DEFAULT_MASK_VALUE,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+) -> jax.Array:  # [max_num_batched_tokens, num_q_heads, head_dim]
+    """Ragged paged attention, one sequence at a time. Same signature as JAX's reference.
+
+    Returns an array shaped like `q`: the attention output of every live row, and zeros in
+    the padding rows past `cu_q_lens[num_seqs]`. (JAX's reference returns only the live rows.)
+
+    >>> from minilib.batch import make_batch
+    >>> batch = make_batch([(3, 3), (1, 9)])
+    >>> ref_ragged_paged_attention(*batch.args(), sm_scale=0.125).shape
+    (4, 4, 64)
+    """
+    static_validate_inputs(
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        mask_value=mask_value,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    if mask_value is None:
+        mask_value = DEFAULT_MASK_VALUE
+    out = jnp.zeros_like(q)
+    for i in range(int(num_seqs[0])):
+        # 1. This sequence's q rows.
+        q_start, q_end = int(cu_q_lens[i]), int(cu_q_lens[i + 1])
+        kv_len = int(kv_lens[i])
+        seq_q = q[q_start:q_end]  # [q_len, num_q_heads, head_dim]
+        # 2-3. Its keys and values, in token order.
+        k, v = gather_kv(kv_pages, page_indices[i], kv_len)
+        k, v = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype)
+        # 4-7.
+        seq_out = attend(
+            seq_q,
+            k,
+            v,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            mask_value=mask_value,
+        )
+        out = out.at[q_start:q_end].set(seq_out)
+    return out
+
+
+def gather_kv(
+    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+    pages: jax.Array,  # i32[pages_per_seq], this sequence's row of page_indices
+    kv_len: int,
+) -> tuple[jax.Array, jax.Array]:  # k, v: [kv_len, num_kv_heads, head_dim]
+    """Read one sequence's K and V out of the paged cache, token by token.
+
+    Token t of the sequence lives in page `pages[t // page_size]`, slot `t % page_size`. Only
+    the first `ceil(kv_len / page_size)` pages are read, and the slots past `kv_len` in the last
+    page are cut off: they hold whatever was there before (NaN in our tests).
+    """
+    _, page_size, combined, head_dim = kv_pages.shape
+    num_pages = -(-kv_len // page_size)
+    seq_pages = kv_pages[pages[:num_pages]]  # [num_pages, page_size, 2*num_kv_heads, head_dim]
+    tokens = seq_pages.reshape(num_pages * page_size, combined, head_dim)[:kv_len]
+    return tokens[:, 0::2], tokens[:, 1::2]  # K in even head slots, V in odd ones
+
+
+def dequantize(x: jax.Array, scale: float | None, dtype) -> jax.Array:
+    """Undo fp8 quantization: x * scale in float32, then cast to the compute dtype."""
+    if scale is None:
+        return x.astype(dtype)
+    return (x.astype(jnp.float32) * scale).astype(dtype)
+
+
+def causal_mask(q_len: int, kv_len: int, sliding_window: int | None = None) -> jax.Array:
+    """True where query row i may NOT see key j.  [q_len, kv_len] bool.
+
+    The q rows are the *last* q_len tokens of the sequence, so row i sits at position
+    `kv_len - q_len + i` and sees keys 0..that position (and, with a sliding window, only the
+    last `sliding_window` of them).
+
+    >>> causal_mask(2, 4).astype(int).tolist()   # a prefill chunk of 2 after 2 cached tokens
+    [[0, 0, 0, 1], [0, 0, 0, 0]]
+    """
+    q_pos = (kv_len - q_len) + jnp.arange(q_len)[:, None]
+    k_pos = jnp.arange(kv_len)[None, :]
+    masked = k_pos > q_pos
+    if sliding_window is not None:
+        masked |= k_pos <= q_pos - sliding_window
+    return masked
+
+
+def attend(
+    q: jax.Array,  # [q_len, num_q_heads, head_dim]
+    k: jax.Array,  # [kv_len, num_kv_heads, head_dim]
+    v: jax.Array,  # [kv_len, num_kv_heads, head_dim]
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    mask_value: float,
+) -> jax.Array:  # [q_len, num_q_heads, head_dim]
+    """Causal attention of one sequence's new q rows over all its keys."""
+    q_len, num_q_heads, _ = q.shape
+    kv_len, num_kv_heads, _ = k.shape
+    # 4. GQA/MQA: q head h uses KV head h // group; repeating K/V makes that plain MHA.
+    group = num_q_heads // num_kv_heads
+    k = jnp.repeat(k, group, axis=1)
+    v = jnp.repeat(v, group, axis=1)
+    # 5. Scores, accumulated in float32 whatever the input dtype.
+    scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32)
+    scores = scores * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    # 6. Mask, 7. softmax and weighted sum.
+    scores = jnp.where(causal_mask(q_len, kv_len, sliding_window), mask_value, scores)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("hqk,khd->qhd", probs, v).astype(q.dtype)

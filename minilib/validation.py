@@ -1,0 +1,354 @@
+"""Input validation for ragged paged attention, in two parts, as in JAX's kernel.
+
+* `static_validate_inputs` needs only shapes, dtypes and Python options, so it runs at trace
+  time, inside `jax.jit`, and costs nothing at run time.
+* `dynamic_validate_inputs` needs the *values* of `kv_lens`, `page_indices`, `cu_q_lens` and
+  `num_seqs`, so it runs on concrete arrays, outside `jit` (for example once per batch in a
+  serving loop, or while debugging).
+
+Every check that JAX makes raises with JAX's own text, word for word, so a learner can search
+for it. Then comes a `Hint:` line that says how to fix it. Some mistakes JAX lets through, or
+meets with a bare `assert`; these get a message of our own. All of them raise `RPAInputError`,
+a `ValueError` that carries the hint as `.hint`.
+
+Only the live sequences, the first `num_seqs`, are checked: the padding slots past them may
+hold anything.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class RPAInputError(ValueError):
+    """A bad input to ragged paged attention. `str(err)` is the message, then the hint.
+
+    Attributes:
+      message: what is wrong, with the values (JAX's own text where JAX checks it).
+      hint: how to fix it.
+    """
+
+    def __init__(self, message: str, hint: str):
+        self.message = message
+        self.hint = hint
+        super().__init__(f"{message}\nHint: {hint}")
+
+
+SHAPES = (
+    "q: [max_num_batched_tokens, num_q_heads, head_dim]; "
+    "kv_pages: [total_num_pages, page_size, 2*num_kv_heads, head_dim]; "
+    "kv_lens: i32[max_num_seqs]; page_indices: i32[max_num_seqs, pages_per_seq]; "
+    "cu_q_lens: i32[max_num_seqs + 1]; num_seqs: i32[1]"
+)
+
+
+def check_head_counts(num_q_heads: int, num_kv_heads: int) -> None:
+    """Raise unless every KV head serves the same number of q heads.
+
+    >>> check_head_counts(32, 8)   # GQA, 4 q heads per KV head: fine
+    """
+    if num_kv_heads < 1:
+        raise RPAInputError(
+            f"{num_kv_heads=} must be positive.",
+            "kv_pages needs at least one K and one V head: its head axis is 2*num_kv_heads.",
+        )
+    if num_q_heads % num_kv_heads != 0:
+        valid = [n for n in range(1, num_q_heads + 1) if num_q_heads % n == 0]
+        best = min(abs(n - num_kv_heads) for n in valid)
+        nearest = " or ".join(str(n) for n in valid if abs(n - num_kv_heads) == best)
+        raise RPAInputError(
+            f"{num_q_heads=} must be divisible by {num_kv_heads=}",
+            f"each KV head must serve the same number of q heads. "
+            f"Valid num_kv_heads for num_q_heads={num_q_heads}: {valid} "
+            f"(nearest to {num_kv_heads}: {nearest}).\n"
+            f"  - To run shared KV heads as one KV head per q head (MHA), repeat them: "
+            f"jnp.repeat(k, num_q_heads // num_kv_heads, axis=head_axis) "
+            f"(minilib.repeat_kv), starting from a valid num_kv_heads.\n"
+            f"  - Check that q/k/v were not transposed: num_q_heads is q.shape[1] of "
+            f"q[max_num_batched_tokens, num_q_heads, head_dim], and num_kv_heads is "
+            f"kv_pages.shape[2] // 2.",
+        )
+
+
+def static_validate_inputs(
+    q,  # [max_num_batched_tokens, num_q_heads, head_dim]
+    kv_pages,  # [total_num_pages, page_size, num_combined_kv_heads, head_dim]
+    kv_lens,  # i32[max_num_seqs]
+    page_indices,  # i32[max_num_seqs, pages_per_seq]
+    cu_q_lens,  # i32[max_num_seqs + 1]
+    num_seqs,  # i32[1]
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    num_kv_pages_per_block: int | None = None,
+    num_queries_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+) -> None:
+    """Check shapes, dtypes and options. Works on tracers, so it is safe inside `jax.jit`.
+
+    Raises `RPAInputError` (a `ValueError`) with JAX's text and a hint.
+
+    >>> import jax.numpy as jnp
+    >>> static_validate_inputs(jnp.zeros((8, 12, 64)), jnp.zeros((4, 16, 16, 64)),
+    ...     jnp.zeros(2, jnp.int32), jnp.zeros((2, 4), jnp.int32), jnp.zeros(3, jnp.int32),
+    ...     jnp.zeros(1, jnp.int32))
+    Traceback (most recent call last):
+    ...
+    minilib.validation.RPAInputError: num_q_heads=12 must be divisible by num_kv_heads=8
+    Hint: ...
+    """
+    _check_ranks(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    _, num_q_heads, head_dim = q.shape
+    _, page_size, num_combined_kv_heads, head_dim_k = kv_pages.shape
+    if num_combined_kv_heads % 2 != 0:
+        raise RPAInputError(
+            f"{num_combined_kv_heads=} (kv_pages.shape[2]) must be even.",
+            "kv_pages interleaves K and V on one axis: K of KV head h in slot 2*h, V in slot "
+            "2*h+1. Build it with minilib.merge_kv_pages(k_pages, v_pages).",
+        )
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None and not isinstance(scale, float):
+            raise RPAInputError(
+                f"{name}={scale!r} must be a Python float or None.",
+                f"pass {name}=float(...); the scale is a compile-time constant, not an array.",
+            )
+    num_kv_heads = num_combined_kv_heads // 2
+    max_num_seqs, pages_per_seq = page_indices.shape
+    if num_seqs.shape != (1,):
+        raise RPAInputError(
+            f"{num_seqs.shape=} must be (1,)",
+            "num_seqs is a one-element int32 array, e.g. jnp.array([3], jnp.int32).",
+        )
+    if head_dim_k != head_dim:
+        raise RPAInputError(
+            f"Q head_dim {head_dim} must be the same as that of K/V {head_dim_k}.",
+            f"expected {SHAPES}. A different last axis often means a transposed array.",
+        )
+    if kv_lens.shape != (max_num_seqs,):
+        raise RPAInputError(
+            f"Expected {kv_lens.shape=} to be ({max_num_seqs},) where"
+            " `max_num_seqs` is `page_indices.shape[0]`.",
+            "kv_lens has one entry per sequence slot, the same count as the rows of "
+            "page_indices; pad both to max_num_seqs.",
+        )
+    if cu_q_lens.shape != (max_num_seqs + 1,):
+        raise RPAInputError(
+            f"Expected {cu_q_lens.shape=} to be ({max_num_seqs + 1},)  where"
+            " `max_num_seqs` is `page_indices.shape[0]`.",
+            "cu_q_lens is the cumulative sum of q lengths with a leading 0: "
+            "max_num_seqs + 1 entries.",
+        )
+    if any(a.dtype != np.int32 for a in (kv_lens, page_indices, cu_q_lens)):
+        raise RPAInputError(
+            "The dtype of `kv_lens`, `page_indices`, and `cu_q_lens` must be"
+            f" int32. Got {kv_lens.dtype=}, {page_indices.dtype=},"
+            f" {cu_q_lens.dtype=}.",
+            "convert with .astype(jnp.int32). jnp arrays are int32 unless x64 is on, "
+            "but NumPy makes int64 by default.",
+        )
+    if num_seqs.dtype != np.int32:
+        raise RPAInputError(
+            f"{num_seqs.dtype=} must be int32.",
+            "build it with jnp.array([n], dtype=jnp.int32).",
+        )
+    check_head_counts(num_q_heads, num_kv_heads)
+    if sliding_window is not None and sliding_window <= 0:
+        raise RPAInputError(
+            f"{sliding_window=} must be positive.",
+            "sliding_window=w lets each query see its last w keys, itself included; "
+            "use None for no window.",
+        )
+    if soft_cap is not None and soft_cap == 0.0:
+        raise RPAInputError(
+            f"{soft_cap=} must not be 0.0.",
+            "soft capping computes soft_cap * tanh(scores / soft_cap); use None to turn it "
+            "off (Gemma 2 uses 50.0).",
+        )
+    if num_kv_pages_per_block is not None and not 0 < num_kv_pages_per_block <= pages_per_seq:
+        raise RPAInputError(
+            f"{num_kv_pages_per_block=} must be in range (0, {pages_per_seq}].",
+            f"a KV block is a number of whole pages, at least 1 and at most "
+            f"pages_per_seq={pages_per_seq}; or pass None for the default.",
+        )
+    if num_queries_per_block is not None and num_queries_per_block <= 0:
+        raise RPAInputError(
+            f"{num_queries_per_block=} must be positive.",
+            "use a positive number of q rows per block, or None for the default.",
+        )
+    if vmem_limit_bytes is not None and vmem_limit_bytes <= 0:
+        raise RPAInputError(
+            f"{vmem_limit_bytes=} must be positive.",
+            "pass a byte count (e.g. 32 * 1024 * 1024), or None for the compiler's default.",
+        )
+    del sm_scale, mask_value  # no constraints, as in JAX
+
+
+def dynamic_validate_inputs(
+    q,  # [max_num_batched_tokens, num_q_heads, head_dim]
+    kv_pages,  # [total_num_pages, page_size, num_combined_kv_heads, head_dim]
+    kv_lens,  # i32[max_num_seqs]
+    page_indices,  # i32[max_num_seqs, pages_per_seq]
+    cu_q_lens,  # i32[max_num_seqs + 1]
+    num_seqs,  # i32[1]
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    num_kv_pages_per_block: int | None = None,
+    num_queries_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+) -> None:
+    """All of `static_validate_inputs`, then the checks that need the values of the arrays.
+
+    Call it on concrete arrays, outside `jax.jit`. Only the first `num_seqs` sequences are
+    checked; padding slots may hold anything.
+
+    >>> import jax.numpy as jnp
+    >>> dynamic_validate_inputs(jnp.zeros((8, 4, 64)), jnp.zeros((4, 16, 4, 64)),
+    ...     jnp.array([3, 0], jnp.int32), jnp.zeros((2, 4), jnp.int32),
+    ...     jnp.array([0, 5, 5], jnp.int32), jnp.array([1], jnp.int32))
+    Traceback (most recent call last):
+    ...
+    minilib.validation.RPAInputError: q_len=5 must be less or equal to kv_len=3 at sequence 0.
+    Hint: ...
+    """
+    static_validate_inputs(
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        mask_value=mask_value,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        num_kv_pages_per_block=num_kv_pages_per_block,
+        num_queries_per_block=num_queries_per_block,
+        vmem_limit_bytes=vmem_limit_bytes,
+    )
+    kv_lens, page_indices, cu_q_lens, num_seqs = _concrete(
+        kv_lens, page_indices, cu_q_lens, num_seqs
+    )
+    max_num_batched_tokens = q.shape[0]
+    total_num_pages, page_size = kv_pages.shape[:2]
+    max_num_seqs, pages_per_seq = page_indices.shape
+    n = int(num_seqs[0])
+    if n < 0:
+        raise RPAInputError(
+            f"num_seqs[0]={n} must be non-negative.",
+            "num_seqs counts the live sequences in this batch; 0 is a valid empty batch.",
+        )
+    if n > max_num_seqs:
+        raise RPAInputError(
+            f"num_seqs[0]={n} must be less or equal to max_num_seqs={max_num_seqs}",
+            "max_num_seqs is page_indices.shape[0]; build the batch with more sequence slots "
+            "or split it in two.",
+        )
+    live_kv_lens = kv_lens[:n]
+    if (live_kv_lens < 0).any():
+        i = int(np.argmax(live_kv_lens < 0))
+        raise RPAInputError(
+            f"kv_lens[{i}]={int(live_kv_lens[i])} must be non-negative.",
+            "kv_lens[i] is how many tokens sequence i has in the KV cache, "
+            "the new ones included.",
+        )
+    live_cu = cu_q_lens[: n + 1]
+    if int(live_cu[0]) != 0:
+        raise RPAInputError(
+            f"cu_q_lens[0]={int(live_cu[0])} must be 0.",
+            "cu_q_lens is the cumulative sum of q lengths starting at 0: "
+            "[0, q_len_0, q_len_0 + q_len_1, ...].",
+        )
+    steps = np.diff(live_cu)
+    if (steps < 0).any():
+        i = int(np.argmax(steps < 0))
+        raise RPAInputError(
+            f"cu_q_lens must not decrease: cu_q_lens[{i + 1}]={int(live_cu[i + 1])} < "
+            f"cu_q_lens[{i}]={int(live_cu[i])}.",
+            "q tokens are packed sequence after sequence, so cu_q_lens[i+1] - cu_q_lens[i] "
+            "is q_len of sequence i and can't be negative. Build it with "
+            "np.concatenate([[0], np.cumsum(q_lens)]).",
+        )
+    max_kv_len = int(live_kv_lens.max()) if n else 0
+    min_pages_per_seq = -(-max_kv_len // page_size)
+    if pages_per_seq < min_pages_per_seq:
+        raise RPAInputError(
+            f"{pages_per_seq=} must be greater or equal to"
+            f" {min_pages_per_seq=} given {max_kv_len=} and {page_size=}.",
+            f"page_indices needs one column per page of the longest sequence: "
+            f"ceil({max_kv_len} / {page_size}) = {min_pages_per_seq}. Pad page_indices "
+            f"to more columns, or use bigger pages.",
+        )
+    if int(live_cu[-1]) > max_num_batched_tokens:
+        raise RPAInputError(
+            f"Total q tokens {int(live_cu[-1])} must be less or equal to"
+            f" {max_num_batched_tokens=}.",
+            "q.shape[0] is max_num_batched_tokens: make q bigger, or schedule fewer tokens "
+            "in this step.",
+        )
+    for i in range(n):
+        q_len = int(live_cu[i + 1] - live_cu[i])
+        kv_len = int(live_kv_lens[i])
+        if q_len > kv_len:
+            raise RPAInputError(
+                f"{q_len=} must be less or equal to {kv_len=} at sequence {i}.",
+                "kv_len counts every token in the cache *including* this step's new ones, so "
+                "write the new K/V into the cache before attention; q_len <= kv_len always.",
+            )
+    for i in range(n):
+        used = page_indices[i, : -(-int(live_kv_lens[i]) // page_size)]
+        bad = (used < 0) | (used >= total_num_pages)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise RPAInputError(
+                f"page_indices[{i}, {j}]={int(used[j])} is outside [0, {total_num_pages}), "
+                f"the pages of kv_pages, for sequence {i} with kv_len={int(live_kv_lens[i])}.",
+                "every page a live sequence uses must be a real page: "
+                "0 <= page < kv_pages.shape[0]. Out-of-range indices read another sequence's "
+                "memory or garbage instead of failing.",
+            )
+
+
+def _check_ranks(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> None:
+    arrays = {
+        "q": (q, 3),
+        "kv_pages": (kv_pages, 4),
+        "kv_lens": (kv_lens, 1),
+        "page_indices": (page_indices, 2),
+        "cu_q_lens": (cu_q_lens, 1),
+        "num_seqs": (num_seqs, 1),
+    }
+    for name, (array, rank) in arrays.items():
+        shape = getattr(array, "shape", None)
+        if shape is None:
+            raise RPAInputError(
+                f"{name} must be an array, got {type(array).__name__}.",
+                f"convert it with jnp.asarray(...). Expected {SHAPES}.",
+            )
+        if len(shape) != rank:
+            raise RPAInputError(
+                f"{name}.shape={tuple(shape)} must have {rank} dimensions.",
+                f"expected {SHAPES}.",
+            )
+
+
+def _concrete(*arrays):
+    try:
+        return [np.asarray(a) for a in arrays]
+    except Exception as err:  # a tracer: the values do not exist yet
+        raise RPAInputError(
+            "dynamic_validate_inputs needs concrete kv_lens, page_indices, cu_q_lens and "
+            f"num_seqs, but got traced values ({type(err).__name__}).",
+            "call it outside jax.jit, on the arrays you are about to pass in; inside jit use "
+            "static_validate_inputs, which needs only shapes.",
+        ) from None

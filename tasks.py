@@ -1,0 +1,79 @@
+"""Set up and run the course, or its tests, on a machine that has only python3.
+
+    python3 tasks.py course   # make .venv, install, open JupyterLab on notebooks/
+    python3 tasks.py test     # make the venvs, install, lint, run every test
+
+`test` runs in two environments:
+  * .venv         the newest supported jax (constraints/newest.txt): lint, then every test
+                  (notebooks included; the slow sweeps stay opt-in, see README);
+  * .venv-oldest  the oldest supported jax, 0.7.2, as on Colab's TPU runtime
+                  (constraints/oldest.txt): the fast tests.
+
+Extra arguments after `test` go to pytest in the first environment, e.g.
+`python3 tasks.py test -m slow`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+NEWEST = (ROOT / ".venv", ROOT / "constraints" / "newest.txt")
+OLDEST = (ROOT / ".venv-oldest", ROOT / "constraints" / "oldest.txt")
+
+
+def run(*cmd: str | Path, env: dict | None = None) -> None:
+    print("+", " ".join(str(c) for c in cmd), flush=True)
+    subprocess.run([str(c) for c in cmd], cwd=ROOT, check=True, env=env)
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def make_venv(venv: Path, constraints: Path, extra: str) -> Path:
+    """Create `venv` if needed and install minilib[extra] into it, pinned by `constraints`."""
+    python = venv_python(venv)
+    if not python.exists():
+        run(sys.executable, "-m", "venv", venv)
+        run(python, "-m", "pip", "install", "--quiet", "--upgrade", "pip")
+    run(python, "-m", "pip", "install", "--quiet", "-c", constraints, "-e", f".[{extra}]")
+    return python
+
+
+def pytest(python: Path, *args: str) -> None:
+    # pytest exits 5 when it collected no tests: that is a failure here, as any non-zero code.
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    run(python, "-m", "pytest", *args, env=env)
+
+
+def test(args: list[str]) -> None:
+    python = make_venv(*NEWEST, extra="dev")
+    run(python, "-m", "ruff", "check", ".")
+    run(python, "-m", "ruff", "format", "--check", ".")
+    pytest(python, *args)
+
+    oldest = make_venv(*OLDEST, extra="dev")
+    pytest(oldest, "-m", "not slow and not notebooks", "-p", "no:cacheprovider")
+
+
+def course(args: list[str]) -> None:
+    python = make_venv(*NEWEST, extra="course")
+    run(python, "-m", "jupyter", "lab", "notebooks/", *args)
+
+
+def main() -> None:
+    commands = {"test": test, "course": course}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        sys.exit(__doc__)
+    try:
+        commands[sys.argv[1]](sys.argv[2:])
+    except subprocess.CalledProcessError as err:
+        sys.exit(err.returncode or 1)
+
+
+if __name__ == "__main__":
+    main()
