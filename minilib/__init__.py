@@ -15,6 +15,14 @@ from minilib.heads import (
     split_kv_pages,
     valid_num_kv_heads,
 )
+from minilib.kv_cache import (
+    KVCacheError,
+    PageAllocator,
+    PagedKVCache,
+    bucket_size,
+    pages_needed,
+    write_tokens,
+)
 from minilib.reference import DEFAULT_MASK_VALUE, ref_ragged_paged_attention
 from minilib.validation import (
     RPAInputError,
@@ -26,6 +34,12 @@ from minilib.vectorized import ragged_paged_attention_jnp
 
 __all__ = [
     "DEFAULT_MASK_VALUE",
+    "KVCacheError",
+    "PageAllocator",
+    "PagedKVCache",
+    "bucket_size",
+    "pages_needed",
+    "write_tokens",
     "RPAInputError",
     "RaggedBatch",
     "attention_kind",

@@ -32,6 +32,8 @@ def nearest_valid_num_kv_heads(num_q_heads: int, num_kv_heads: int) -> list[int]
     """The valid `num_kv_heads` closest to `num_kv_heads` (one or two values, smallest first).
 
     >>> nearest_valid_num_kv_heads(12, 8)
+    [6]
+    >>> nearest_valid_num_kv_heads(12, 9)
     [6, 12]
     """
     valid = valid_num_kv_heads(num_q_heads)

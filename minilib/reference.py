@@ -16,6 +16,8 @@ is why the later versions exist.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,32 +69,36 @@ def ref_ragged_paged_attention(
     )
     if mask_value is None:
         mask_value = DEFAULT_MASK_VALUE
-    out = jnp.zeros_like(q)
+    # The lengths steer a Python loop, so read their values once, on the host.
+    kv_lens, page_indices, cu_q_lens = (np.asarray(a) for a in (kv_lens, page_indices, cu_q_lens))
+    outputs = []
     for i in range(int(num_seqs[0])):
         # 1. This sequence's q rows.
         q_start, q_end = int(cu_q_lens[i]), int(cu_q_lens[i + 1])
-        kv_len = int(kv_lens[i])
         seq_q = q[q_start:q_end]  # [q_len, num_q_heads, head_dim]
         # 2-3. Its keys and values, in token order.
-        k, v = gather_kv(kv_pages, page_indices[i], kv_len)
+        k, v = gather_kv(kv_pages, page_indices[i], int(kv_lens[i]))
         k, v = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype)
         # 4-7.
-        seq_out = attend(
-            seq_q,
-            k,
-            v,
-            sm_scale=sm_scale,
-            sliding_window=sliding_window,
-            soft_cap=soft_cap,
-            mask_value=mask_value,
+        outputs.append(
+            attend(
+                seq_q,
+                k,
+                v,
+                sm_scale=sm_scale,
+                sliding_window=sliding_window,
+                soft_cap=soft_cap,
+                mask_value=mask_value,
+            )
         )
-        out = out.at[q_start:q_end].set(seq_out)
-    return out
+    # The padding rows past the last sequence are zeros.
+    padding = jnp.zeros((q.shape[0] - sum(o.shape[0] for o in outputs), *q.shape[1:]), q.dtype)
+    return jnp.concatenate([*outputs, padding])
 
 
 def gather_kv(
     kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
-    pages: jax.Array,  # i32[pages_per_seq], this sequence's row of page_indices
+    pages,  # i32[pages_per_seq], this sequence's row of page_indices
     kv_len: int,
 ) -> tuple[jax.Array, jax.Array]:  # k, v: [kv_len, num_kv_heads, head_dim]
     """Read one sequence's K and V out of the paged cache, token by token.
@@ -133,6 +139,10 @@ def causal_mask(q_len: int, kv_len: int, sliding_window: int | None = None) -> j
     return masked
 
 
+# jit compiles the whole step once per (q_len, kv_len) shape instead of op by op.
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "mask_value")
+)
 def attend(
     q: jax.Array,  # [q_len, num_q_heads, head_dim]
     k: jax.Array,  # [kv_len, num_kv_heads, head_dim]

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from minilib.heads import nearest_valid_num_kv_heads, valid_num_kv_heads
+
 
 class RPAInputError(ValueError):
     """A bad input to ragged paged attention. `str(err)` is the message, then the hint.
@@ -53,9 +55,8 @@ def check_head_counts(num_q_heads: int, num_kv_heads: int) -> None:
             "kv_pages needs at least one K and one V head: its head axis is 2*num_kv_heads.",
         )
     if num_q_heads % num_kv_heads != 0:
-        valid = [n for n in range(1, num_q_heads + 1) if num_q_heads % n == 0]
-        best = min(abs(n - num_kv_heads) for n in valid)
-        nearest = " or ".join(str(n) for n in valid if abs(n - num_kv_heads) == best)
+        valid = valid_num_kv_heads(num_q_heads)
+        nearest = " or ".join(map(str, nearest_valid_num_kv_heads(num_q_heads, num_kv_heads)))
         raise RPAInputError(
             f"{num_q_heads=} must be divisible by {num_kv_heads=}",
             f"each KV head must serve the same number of q heads. "
@@ -259,8 +260,7 @@ def dynamic_validate_inputs(
         i = int(np.argmax(live_kv_lens < 0))
         raise RPAInputError(
             f"kv_lens[{i}]={int(live_kv_lens[i])} must be non-negative.",
-            "kv_lens[i] is how many tokens sequence i has in the KV cache, "
-            "the new ones included.",
+            "kv_lens[i] is how many tokens sequence i has in the KV cache, the new ones included.",
         )
     live_cu = cu_q_lens[: n + 1]
     if int(live_cu[0]) != 0:

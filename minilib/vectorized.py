@@ -216,4 +216,3 @@ def attend_tile(
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("kgql,lkd->qkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(tile, num_q_heads, head_dim)
-

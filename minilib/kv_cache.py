@@ -1,0 +1,473 @@
+"""The paged KV cache: a pool of fixed-size pages, handed out to sequences as they grow.
+
+A server cannot give each sequence one contiguous K/V buffer of the longest possible length:
+most of it would sit empty. Instead all K/V lives in one array of small pages,
+
+    kv_pages: [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+
+(K of KV head h in combined slot 2*h, V in slot 2*h + 1, as in `minilib.merge_kv_pages`), and
+each sequence owns a *list* of pages, in token order. Token t of a sequence lives in its page
+`t // page_size`, slot `t % page_size`. The pages of one sequence need not be neighbours.
+
+Two classes, one idea each:
+
+* `PageAllocator` only counts: which pages are free, and who owns each used one.
+* `PagedKVCache` holds the data. `append` takes pages from the allocator as a sequence grows
+  and writes the new tokens with one jitted scatter; `batch_metadata` turns the page lists into
+  the `kv_lens`, `page_indices`, `cu_q_lens` and `num_seqs` that ragged paged attention reads.
+
+Every mistake (out of pages, a double free, an unknown sequence, a wrong shape) raises
+`KVCacheError`, an `RPAInputError` with the values and a hint, *before* anything changes: a
+failed call leaves the cache as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from minilib.reference import gather_kv
+from minilib.validation import RPAInputError
+
+
+class KVCacheError(RPAInputError):
+    """A bad use of `PageAllocator` or `PagedKVCache`. The state was left unchanged."""
+
+
+def pages_needed(seq_len: int, page_size: int) -> int:
+    """How many pages hold `seq_len` tokens: ceil(seq_len / page_size).
+
+    >>> pages_needed(17, page_size=16)
+    2
+    """
+    return -(-seq_len // page_size)
+
+
+def bucket_size(n: int) -> int:
+    """The padded length that `n` new tokens are written with: the next power of two.
+
+    The scatter is compiled once per bucket, not once per length: appends of 5, 6, 7 or 8
+    tokens all reuse the program compiled for 8.
+
+    >>> [bucket_size(n) for n in (1, 2, 3, 5, 8, 9)]
+    [1, 2, 4, 8, 8, 16]
+    """
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+class PageAllocator:
+    """The free-page pool of a paged KV cache. It hands out page numbers; it holds no data.
+
+    Free pages are handed out in first-in first-out order: pages returned by `free` go to the
+    back of the queue. After a few sequences come and go, a sequence's pages are scattered
+    over the pool, as in a real server.
+
+    >>> alloc = PageAllocator(8)
+    >>> alloc.allocate(3, owner="a")
+    [0, 1, 2]
+    >>> alloc.free([1])
+    >>> alloc.num_free, alloc.num_used, alloc.owner(1)
+    (6, 2, None)
+    """
+
+    def __init__(self, total_num_pages: int):
+        _check_positive_int("total_num_pages", total_num_pages)
+        self.total_num_pages = total_num_pages
+        self._free: list[int] = list(range(total_num_pages))  # next to hand out first
+        self._owner: dict[int, Hashable] = {}  # used page -> its owner
+
+    @property
+    def num_free(self) -> int:
+        """Pages ready to allocate."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Pages allocated and not yet freed. Always `num_free + num_used == total_num_pages`."""
+        return len(self._owner)
+
+    @property
+    def free_pages(self) -> tuple[int, ...]:
+        """The free pages, in the order `allocate` will hand them out."""
+        return tuple(self._free)
+
+    @property
+    def owners(self) -> tuple[Hashable | None, ...]:
+        """The owner of every page, indexed by page number; None for a free page."""
+        return tuple(self._owner.get(page) for page in range(self.total_num_pages))
+
+    def owner(self, page: int) -> Hashable | None:
+        """The `owner` that `page` was allocated with; None if it is free (or had no owner)."""
+        self._check_page(page)
+        return self._owner.get(page)
+
+    def allocate(self, n: int, owner: Hashable = None) -> list[int]:
+        """Take `n` free pages, all of them or none. Returns their numbers.
+
+        `owner` (for example a sequence id) is recorded for each page, for bookkeeping and
+        display.
+        """
+        if not isinstance(n, int | np.integer) or n < 0:
+            raise KVCacheError(
+                f"allocate(n={n!r}): n must be a non-negative int.",
+                "n is the number of pages to take; 0 is allowed and takes none.",
+            )
+        if n > self.num_free:
+            raise KVCacheError(
+                f"Out of pages: allocate(n={n}) needs {n} free pages, but only "
+                f"num_free={self.num_free} of total_num_pages={self.total_num_pages} are free.",
+                "free finished sequences first (PagedKVCache.free(seq_id)), or build the cache "
+                f"with more pages (total_num_pages >= {self.num_used + n}).",
+            )
+        pages, self._free = self._free[:n], self._free[n:]
+        for page in pages:
+            self._owner[page] = owner
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Give `pages` back to the pool. Every page must be allocated, and listed once."""
+        pages = list(pages)
+        seen = set()
+        for page in pages:  # check them all before changing anything
+            self._check_page(page)
+            if page in seen:
+                raise KVCacheError(
+                    f"free(pages={pages}) lists page {page} twice.",
+                    "free each page once; a page freed twice would be handed out twice, "
+                    "and two sequences would overwrite each other's K/V.",
+                )
+            if page not in self._owner:
+                raise KVCacheError(
+                    f"free(pages={pages}): page {page} is not allocated (it is already free: "
+                    "a double free, or a page this allocator never handed out).",
+                    "free only pages that allocate() returned, once each. PagedKVCache.free "
+                    "does this for you from the sequence's page list.",
+                )
+            seen.add(page)
+        for page in pages:
+            del self._owner[page]
+        self._free.extend(pages)
+
+    def _check_page(self, page: int) -> None:
+        if not isinstance(page, int | np.integer) or not 0 <= page < self.total_num_pages:
+            raise KVCacheError(
+                f"page={page!r} is not a page number in [0, {self.total_num_pages}).",
+                f"pages are numbered 0 .. total_num_pages - 1 = {self.total_num_pages - 1}.",
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"PageAllocator(total_num_pages={self.total_num_pages}, "
+            f"num_used={self.num_used}, num_free={self.num_free})"
+        )
+
+
+@jax.jit
+def write_tokens(
+    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+    page_ids: jax.Array,  # i32[n], the page each new token goes to
+    slot_ids: jax.Array,  # i32[n], its slot in that page
+    k: jax.Array,  # [n, num_kv_heads, head_dim]
+    v: jax.Array,  # [n, num_kv_heads, head_dim]
+) -> jax.Array:  # the new kv_pages
+    """Scatter n tokens' K and V into the cache: token i goes to page_ids[i], slot_ids[i].
+
+    Rows whose page id is out of range (`total_num_pages`) are dropped: that is how padding
+    rows are thrown away. The whole write is one compiled scatter, traced once per shape.
+
+    >>> pages = write_tokens(jnp.zeros((2, 4, 2, 1)), jnp.array([1]), jnp.array([3]),
+    ...                      jnp.ones((1, 1, 1)), 2 * jnp.ones((1, 1, 1)))
+    >>> pages[1, 3, :, 0].tolist()   # [K, V] of KV head 0
+    [1.0, 2.0]
+    """
+    n, num_kv_heads, head_dim = k.shape
+    # Interleave K and V heads into the combined layout K0 V0 K1 V1 ... (as merge_kv_pages).
+    kv = jnp.stack([k, v], axis=2).reshape(n, 2 * num_kv_heads, head_dim)
+    return kv_pages.at[page_ids, slot_ids].set(kv.astype(kv_pages.dtype), mode="drop")
+
+
+class PagedKVCache:
+    """A paged KV cache: `kv_pages` plus, for each live sequence, its pages and its length.
+
+    Sizes use JAX's names: `total_num_pages` pages of `page_size` tokens, each token holding
+    K and V of `num_kv_heads` heads of size `head_dim`; at most `max_num_seqs` live sequences
+    of at most `pages_per_seq` pages each.
+
+    >>> cache = PagedKVCache(total_num_pages=8, page_size=4, num_kv_heads=1, head_dim=2,
+    ...                      max_num_seqs=2, pages_per_seq=3)
+    >>> cache.add_sequence("a")
+    >>> cache.append("a", jnp.ones((5, 1, 2)), jnp.zeros((5, 1, 2)))   # 5 tokens: 2 pages
+    >>> cache.seq_len("a"), cache.pages("a"), cache.allocator.num_free
+    (5, (0, 1), 6)
+    >>> kv_lens, page_indices, cu_q_lens, num_seqs = cache.batch_metadata([("a", 5)])
+    >>> kv_lens.tolist(), page_indices.tolist(), cu_q_lens.tolist(), num_seqs.tolist()
+    ([5, 0], [[0, 1, 0], [0, 0, 0]], [0, 5, 0], [1])
+    """
+
+    def __init__(
+        self,
+        *,
+        total_num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_num_seqs: int,
+        pages_per_seq: int,
+        dtype=jnp.float32,
+    ):
+        for name, value in (
+            ("total_num_pages", total_num_pages),
+            ("page_size", page_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("max_num_seqs", max_num_seqs),
+            ("pages_per_seq", pages_per_seq),
+        ):
+            _check_positive_int(name, value)
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.max_num_seqs = max_num_seqs
+        self.pages_per_seq = pages_per_seq
+        self.dtype = jnp.dtype(dtype)
+        # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+        self.kv_pages = jnp.zeros(
+            (total_num_pages, page_size, 2 * num_kv_heads, head_dim), self.dtype
+        )
+        self._allocator = PageAllocator(total_num_pages)
+        self._pages: dict[Hashable, list[int]] = {}  # seq_id -> its pages, in token order
+        self._lens: dict[Hashable, int] = {}  # seq_id -> tokens stored
+
+    # --- what is in the cache -------------------------------------------------------------
+
+    @property
+    def total_num_pages(self) -> int:
+        """Pages in the pool, `kv_pages.shape[0]`."""
+        return self._allocator.total_num_pages
+
+    @property
+    def allocator(self) -> PageAllocator:
+        """The page pool. Read it; let the cache do the allocating and freeing."""
+        return self._allocator
+
+    @property
+    def seq_ids(self) -> tuple[Hashable, ...]:
+        """The live sequences, oldest first."""
+        return tuple(self._pages)
+
+    def seq_len(self, seq_id: Hashable) -> int:
+        """How many tokens of `seq_id` are stored."""
+        self._check_known(seq_id)
+        return self._lens[seq_id]
+
+    def pages(self, seq_id: Hashable) -> tuple[int, ...]:
+        """The pages of `seq_id`, in token order: its row of `page_indices`."""
+        self._check_known(seq_id)
+        return tuple(self._pages[seq_id])
+
+    def gather_kv(self, seq_id: Hashable) -> tuple[jax.Array, jax.Array]:
+        """Read back the K and V of `seq_id`, each [seq_len, num_kv_heads, head_dim].
+
+        >>> cache = PagedKVCache(total_num_pages=4, page_size=2, num_kv_heads=1, head_dim=1,
+        ...                      max_num_seqs=1, pages_per_seq=2)
+        >>> cache.add_sequence(0)
+        >>> cache.append(0, jnp.arange(3.0).reshape(3, 1, 1), jnp.zeros((3, 1, 1)))
+        >>> cache.gather_kv(0)[0].ravel().tolist()
+        [0.0, 1.0, 2.0]
+        """
+        self._check_known(seq_id)
+        pages = jnp.asarray(self._pages[seq_id], jnp.int32)
+        return gather_kv(self.kv_pages, pages, self._lens[seq_id])
+
+    # --- changing it ----------------------------------------------------------------------
+
+    def add_sequence(self, seq_id: Hashable) -> None:
+        """Start a new, empty sequence. It gets pages when tokens are appended."""
+        if seq_id in self._pages:
+            raise KVCacheError(
+                f"seq_id={seq_id!r} is already in the cache "
+                f"(seq_len={self._lens[seq_id]}, pages={self._pages[seq_id]}).",
+                "use a new id for a new sequence, or free(seq_id) the old one first.",
+            )
+        if len(self._pages) >= self.max_num_seqs:
+            raise KVCacheError(
+                f"Cannot add seq_id={seq_id!r}: all max_num_seqs={self.max_num_seqs} sequence "
+                f"slots are live ({list(self._pages)}).",
+                "free a finished sequence first, or build the cache with a larger max_num_seqs.",
+            )
+        self._pages[seq_id] = []
+        self._lens[seq_id] = 0
+
+    def append(self, seq_id: Hashable, k: jax.Array, v: jax.Array) -> None:
+        """Append new tokens' K and V, each [n_new, num_kv_heads, head_dim], to `seq_id`.
+
+        Takes as many new pages as the longer sequence needs, then writes all n_new tokens with
+        one jitted scatter (`write_tokens`). The tokens are padded to `bucket_size(n_new)` on
+        the host, so appends of different lengths reuse a few compiled programs rather than
+        compiling one per length.
+
+        `kv_pages` is replaced by a new array, not updated in place (no buffer donation), so an
+        old `cache.kv_pages` you kept stays readable; a server would donate it to save the copy.
+        """
+        self._check_known(seq_id)
+        k, v = self._check_new_kv(k, v)
+        n_new = k.shape[0]
+        old_len = self._lens[seq_id]
+        new_len = old_len + n_new
+        num_new_pages = pages_needed(new_len, self.page_size) - len(self._pages[seq_id])
+        # Every check comes before any change, so a failed append changes nothing.
+        if pages_needed(new_len, self.page_size) > self.pages_per_seq:
+            raise KVCacheError(
+                f"Appending n_new={n_new} tokens to seq_id={seq_id!r} (seq_len={old_len}) "
+                f"needs {pages_needed(new_len, self.page_size)} pages, more than "
+                f"pages_per_seq={self.pages_per_seq} (at most "
+                f"{self.pages_per_seq * self.page_size} tokens of page_size={self.page_size}).",
+                "stop or truncate this sequence, or build the cache with a larger pages_per_seq.",
+            )
+        if num_new_pages > self._allocator.num_free:
+            raise KVCacheError(
+                f"Out of pages: appending n_new={n_new} tokens to seq_id={seq_id!r} "
+                f"(seq_len={old_len}) needs {num_new_pages} new pages, but only "
+                f"num_free={self._allocator.num_free} of "
+                f"total_num_pages={self.total_num_pages} are free.",
+                "free finished sequences first (free(seq_id)), or build the cache with more "
+                "total_num_pages.",
+            )
+        if n_new == 0:
+            return
+        new_pages = self._allocator.allocate(num_new_pages, owner=seq_id)
+        pages = self._pages[seq_id] + new_pages
+        page_ids, slot_ids, k_padded, v_padded = self._scatter_plan(pages, old_len, k, v)
+        self.kv_pages = write_tokens(self.kv_pages, page_ids, slot_ids, k_padded, v_padded)
+        self._pages[seq_id] = pages
+        self._lens[seq_id] = new_len
+
+    def free(self, seq_id: Hashable) -> None:
+        """End `seq_id`: its pages go back to the pool. Their old K/V stays in `kv_pages`
+        until overwritten, which is why attention must only read the first kv_len slots."""
+        self._check_known(seq_id)
+        self._allocator.free(self._pages[seq_id])
+        del self._pages[seq_id], self._lens[seq_id]
+
+    # --- the inputs of ragged paged attention ---------------------------------------------
+
+    def batch_metadata(
+        self, steps: Sequence[tuple[Hashable, int]]
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """The four index arrays of ragged paged attention for one step.
+
+        `steps` lists `(seq_id, q_len)` in the order of the packed q rows: each sequence's
+        q_len newest tokens (already appended) are this step's queries. A prefill chunk has
+        q_len > 1, a decode q_len == 1.
+
+        Returns, padded with 0 to `max_num_seqs` slots and `pages_per_seq` columns:
+          kv_lens:      i32[max_num_seqs]          seq_len of each sequence, new tokens included
+          page_indices: i32[max_num_seqs, pages_per_seq]  its pages, in token order
+          cu_q_lens:    i32[max_num_seqs + 1]      [0, q_len_0, q_len_0 + q_len_1, ...]
+          num_seqs:     i32[1]                     len(steps)
+        """
+        steps = [(seq_id, q_len) for seq_id, q_len in steps]
+        if len(steps) > self.max_num_seqs:
+            raise KVCacheError(
+                f"len(steps)={len(steps)} sequences in one step, more than "
+                f"max_num_seqs={self.max_num_seqs}.",
+                "split the step into batches of at most max_num_seqs sequences.",
+            )
+        seen = set()
+        for seq_id, q_len in steps:
+            self._check_known(seq_id)
+            if seq_id in seen:
+                raise KVCacheError(
+                    f"seq_id={seq_id!r} appears twice in steps={steps}.",
+                    "list each sequence once per step, with all its new tokens in one q_len.",
+                )
+            seen.add(seq_id)
+            seq_len = self._lens[seq_id]
+            if not isinstance(q_len, int | np.integer) or not 0 <= q_len <= seq_len:
+                raise KVCacheError(
+                    f"q_len={q_len!r} for seq_id={seq_id!r} must be in [0, seq_len={seq_len}].",
+                    "append the step's new K/V first: q_len counts new tokens that are already "
+                    "in the cache, so q_len <= seq_len.",
+                )
+        kv_lens = np.zeros(self.max_num_seqs, np.int32)
+        page_indices = np.zeros((self.max_num_seqs, self.pages_per_seq), np.int32)
+        cu_q_lens = np.zeros(self.max_num_seqs + 1, np.int32)
+        for i, (seq_id, q_len) in enumerate(steps):
+            pages = self._pages[seq_id]
+            kv_lens[i] = self._lens[seq_id]
+            page_indices[i, : len(pages)] = pages
+            cu_q_lens[i + 1] = cu_q_lens[i] + q_len
+        num_seqs = np.array([len(steps)], np.int32)
+        return tuple(jnp.asarray(a) for a in (kv_lens, page_indices, cu_q_lens, num_seqs))
+
+    def __repr__(self) -> str:
+        lines = [
+            f"PagedKVCache: {len(self._pages)} of max_num_seqs={self.max_num_seqs} sequences, "
+            f"{self._allocator.num_used} of total_num_pages={self.total_num_pages} pages used "
+            f"(page_size={self.page_size}, pages_per_seq={self.pages_per_seq}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype})"
+        ]
+        for seq_id in self._pages:
+            lines.append(
+                f"  seq {seq_id!r}: seq_len={self._lens[seq_id]} pages={self._pages[seq_id]}"
+            )
+        return "\n".join(lines)
+
+    # --- helpers --------------------------------------------------------------------------
+
+    def _check_known(self, seq_id: Hashable) -> None:
+        if seq_id not in self._pages:
+            raise KVCacheError(
+                f"Unknown seq_id={seq_id!r}; live sequences: {list(self._pages)}.",
+                "add_sequence(seq_id) first; a freed sequence is gone and cannot be used again "
+                "until it is added anew.",
+            )
+
+    def _check_new_kv(self, k, v) -> tuple[np.ndarray, np.ndarray]:
+        try:  # to the cache's dtype, on the host, before anything changes
+            k, v = np.asarray(k).astype(self.dtype), np.asarray(v).astype(self.dtype)
+        except (TypeError, ValueError) as err:
+            raise KVCacheError(
+                f"k and v must be numeric arrays convertible to dtype={self.dtype}: {err}",
+                "pass jax or NumPy arrays of floats, shaped [n_new, num_kv_heads, head_dim].",
+            ) from None
+        want = ("n_new", self.num_kv_heads, self.head_dim)
+        for name, x in (("k", k), ("v", v)):
+            if x.ndim != 3 or x.shape[1:] != want[1:]:
+                raise KVCacheError(
+                    f"{name}.shape={x.shape} must be [n_new, num_kv_heads={self.num_kv_heads}, "
+                    f"head_dim={self.head_dim}].",
+                    "pass the new tokens' K and V one row per token; for a single decode token "
+                    "use shape (1, num_kv_heads, head_dim).",
+                )
+        if k.shape != v.shape:
+            raise KVCacheError(
+                f"k.shape={k.shape} and v.shape={v.shape} must be equal.",
+                "every new token needs both its K and its V.",
+            )
+        return k, v
+
+    def _scatter_plan(self, pages: list[int], old_len: int, k: np.ndarray, v: np.ndarray):
+        """Where each new token goes, padded to its bucket with rows that will be dropped."""
+        n_new = k.shape[0]
+        size = bucket_size(n_new)
+        positions = np.arange(old_len, old_len + n_new)
+        page_ids = np.full(size, self.total_num_pages, np.int32)  # out of range: dropped
+        slot_ids = np.zeros(size, np.int32)
+        page_ids[:n_new] = np.asarray(pages, np.int32)[positions // self.page_size]
+        slot_ids[:n_new] = positions % self.page_size
+        k_padded = np.zeros((size, self.num_kv_heads, self.head_dim), self.dtype)
+        v_padded = np.zeros((size, self.num_kv_heads, self.head_dim), self.dtype)
+        k_padded[:n_new], v_padded[:n_new] = k, v
+        return page_ids, slot_ids, k_padded, v_padded
+
+
+def _check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int | np.integer) or value < 1:
+        raise KVCacheError(
+            f"{name}={value!r} must be a positive int.",
+            "sizes of the cache are counts: at least 1.",
+        )

@@ -1,0 +1,44 @@
+"""Shared test helpers: compare any attention function with JAX's own reference."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+    ref_ragged_paged_attention as jax_reference,
+)
+
+from minilib.batch import RaggedBatch
+
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+# Absolute tolerance by the dtype of q (the compute dtype).
+TOLERANCE = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 3e-2}
+
+
+def assert_matches_jax(fn, batch: RaggedBatch, **options) -> float:
+    """Run `fn` and JAX's reference on `batch`; check the live rows agree and the padding rows
+    are finite. Returns the max abs error."""
+    out = fn(*batch.args(), **options)
+    if batch.seq_lens:
+        expected = jax_reference(*batch.args(), **options)
+    else:  # JAX's reference cannot concatenate zero sequences
+        expected = jnp.zeros((0, *batch.q.shape[1:]), batch.q.dtype)
+    n = batch.num_tokens
+    assert out.shape == batch.q.shape
+    assert out.dtype == batch.q.dtype
+    got = np.asarray(out[:n], np.float32)
+    want = np.asarray(expected, np.float32)
+    assert np.isfinite(want).all(), "the reference itself produced NaN: bad test batch"
+    assert np.isfinite(np.asarray(out, np.float32)).all(), "NaN/inf leaked into the output"
+    err = float(np.max(np.abs(got - want))) if n else 0.0
+    assert err <= TOLERANCE[jnp.dtype(batch.q.dtype)], f"max abs error {err}"
+    return err
+
+
+@pytest.fixture
+def jax_ref():
+    return jax_reference

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from minilib.doctor import kernel_mode
+
+
+def test_doctor_command_reports_and_passes():
+    result = subprocess.run(
+        [sys.executable, "-m", "minilib", "doctor"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    for line in ("backend:", "jax:", "jaxlib:", "libtpu:", "Pallas kernel:", "parity check: PASS"):
+        assert line in out
+
+
+def test_kernel_mode():
+    assert kernel_mode("tpu").startswith("compiled")
+    assert kernel_mode("cpu").startswith("interpreted")
+
+
+def test_unknown_command_fails():
+    result = subprocess.run(
+        [sys.executable, "-m", "minilib", "frobnicate"], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "unknown command" in result.stderr
