@@ -13,12 +13,12 @@ The plan, one function per step:
   2. `q_tiles`: cut the packed q rows into tiles of `TILE` rows that never cross a sequence
      boundary, so each tile attends over exactly one sequence's K/V.
   3. `attend_tile`: masked softmax attention of one tile over its sequence, mapped over all
-     tiles with `jax.lax.map`.
+     tiles with `jax.lax.map`; tiles past the last live row are skipped with `lax.cond`.
   4. scatter the tiles' rows back to their places; padding rows stay zero.
 
 The price of static shapes is padding: every tile attends over pages_per_seq * page_size keys,
-however short its sequence, and the tile count is fixed by the maxima, so empty tiles are
-computed too. The blockwise version and the Pallas kernel skip that work.
+however short its sequence, and a decode's tile computes TILE rows for its one live row. The
+blockwise version and the Pallas kernel skip that work.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from minilib.reference import DEFAULT_MASK_VALUE, dequantize
 from minilib.validation import static_validate_inputs
 
-TILE = 8  # q rows per tile: bigger tiles waste more rows on decodes, smaller ones re-read K/V
+TILE = 16  # q rows per tile: bigger tiles waste more rows on decodes, smaller ones re-read K/V
 
 
 def ragged_paged_attention_jnp(
@@ -112,17 +112,20 @@ def _rpa_jnp(
 
     def one_tile(tile):
         seq, rows = tile
-        q_pos = kv_lens[seq] - q_lens[seq] + (rows - q_starts[seq])  # position in the sequence
-        return attend_tile(
-            q[jnp.clip(rows, 0, max_num_batched_tokens - 1)],
-            k[seq],
-            v[seq],
-            q_pos,
-            kv_lens[seq],
-            sm_scale=sm_scale,
-            sliding_window=sliding_window,
-            soft_cap=soft_cap,
-            mask_value=mask_value,
+        return jax.lax.cond(
+            rows[0] < max_num_batched_tokens,  # a dead tile (past the last live row) ...
+            lambda: attend_tile(
+                q[jnp.clip(rows, 0, max_num_batched_tokens - 1)],
+                k[seq],
+                v[seq],
+                kv_lens[seq] - q_lens[seq] + (rows - q_starts[seq]),  # positions in the sequence
+                kv_lens[seq],
+                sm_scale=sm_scale,
+                sliding_window=sliding_window,
+                soft_cap=soft_cap,
+                mask_value=mask_value,
+            ),
+            lambda: jnp.zeros((TILE, *q.shape[1:]), jnp.float32),  # ... costs nothing
         )
 
     out_tiles = jax.lax.map(one_tile, (tile_seq, tile_rows))  # [num_tiles, TILE, heads, dim]
