@@ -15,6 +15,7 @@ from minilib.heads import (
     split_kv_pages,
     valid_num_kv_heads,
 )
+from minilib.kernel import default_block_sizes, ragged_paged_attention
 from minilib.kv_cache import (
     KVCacheError,
     PageAllocator,
@@ -24,6 +25,7 @@ from minilib.kv_cache import (
     write_tokens,
 )
 from minilib.reference import DEFAULT_MASK_VALUE, ref_ragged_paged_attention
+from minilib.schedule import Schedule, plan_schedule, record_schedule
 from minilib.validation import (
     RPAInputError,
     check_head_counts,
@@ -51,7 +53,12 @@ __all__ = [
     "make_batch",
     "merge_kv_pages",
     "nearest_valid_num_kv_heads",
+    "Schedule",
+    "default_block_sizes",
+    "plan_schedule",
+    "ragged_paged_attention",
     "random_seq_lens",
+    "record_schedule",
     "ragged_paged_attention_jnp",
     "ref_ragged_paged_attention",
     "repeat_kv",

@@ -1,0 +1,342 @@
+"""The kernel's schedule: what each grid step computes, and which copy is in flight meanwhile.
+
+`minilib.kernel` walks, in each grid step (heads block, q block), over the sequences that own
+rows of the q block and over the KV blocks those rows can see. Each such KV block is one piece
+of *work*. Double buffering means: while the kernel computes work i out of slot i % 2, the copy
+of work i + 1 into the other slot is already running.
+
+Two ways to get the schedule, with the same result (the tests check that they agree):
+
+    plan_schedule(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                  sliding_window=None, num_kv_pages_per_block=None,
+                  num_queries_per_block=None) -> Schedule
+        Plain Python, instant: lists the work in the kernel's order, then lays the copies over
+        it. Use it for interactive widgets.
+
+    record_schedule(...same arguments...) -> Schedule
+        Runs the kernel in TPU interpret mode with its trace on: every DMA start, DMA wait and
+        compute writes one row into an extra SMEM output. Takes seconds. Use it to show that
+        the plan is what the kernel really does.
+
+Only shapes and dtypes of q and kv_pages matter (a `jax.ShapeDtypeStruct` will do for
+`plan_schedule`); kv_lens, page_indices, cu_q_lens and num_seqs must be concrete, and are checked
+with `dynamic_validate_inputs`. `sliding_window` matters because KV blocks that no row can see
+are skipped.
+
+A `Schedule` has:
+    grid                    (num_heads_blocks, num_q_blocks)
+    num_queries_per_block, num_kv_pages_per_block, page_size, kv_tokens_per_block,
+    num_q_heads_per_block, num_kv_heads_per_block
+    events                  list[Event], in the order they happened
+    computes()              the "compute" events only: the work list
+    steps()                 {(heads_blk, q_blk): [Event, ...]} for every grid step, in grid order
+    in_flight()             [(compute Event, start Event or None)]: the copy running while each
+                            compute runs (None for the last one)
+    describe()              a readable listing
+
+An `Event` (frozen dataclass) has:
+    kind        "start" (a DMA starts), "wait" (the kernel waits for it), "compute"
+    step        (heads_blk, q_blk): the grid step during which it happened
+    heads_blk, seq, kv_blk   the KV block concerned (a start may be for the next grid step)
+    slot        0 or 1, the VMEM buffer
+    pages       the physical pages of that KV block (what the DMA copies)
+    kv_tokens   (start, end): the block's token positions in its sequence, clipped to kv_len
+    q_rows      (start, end): rows of q computed (compute and wait events; None for start)
+
+>>> from minilib.batch import make_batch
+>>> batch = make_batch([(5, 5), (1, 20)], page_size=8)
+>>> s = plan_schedule(*batch.args(), num_kv_pages_per_block=1, num_queries_per_block=8)
+>>> [(e.seq, e.kv_blk, e.slot) for e in s.computes()]
+[(0, 0, 0), (1, 0, 1), (1, 1, 0), (1, 2, 1)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from minilib import kernel
+from minilib.validation import dynamic_validate_inputs
+
+KINDS = {kernel.TRACE_START: "start", kernel.TRACE_WAIT: "wait", kernel.TRACE_COMPUTE: "compute"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One thing the kernel did: start a copy, wait for it, or compute with it."""
+
+    kind: str  # "start" | "wait" | "compute"
+    step: tuple[int, int]  # (heads_blk, q_blk) of the grid step it happened in
+    heads_blk: int
+    seq: int
+    kv_blk: int
+    slot: int
+    pages: tuple[int, ...]
+    kv_tokens: tuple[int, int]
+    q_rows: tuple[int, int] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The kernel's schedule for one batch; see the module docstring."""
+
+    grid: tuple[int, int]
+    num_queries_per_block: int
+    num_kv_pages_per_block: int
+    page_size: int
+    num_q_heads_per_block: int
+    num_kv_heads_per_block: int
+    events: tuple[Event, ...]
+
+    @property
+    def kv_tokens_per_block(self) -> int:
+        return self.num_kv_pages_per_block * self.page_size
+
+    def computes(self) -> list[Event]:
+        return [e for e in self.events if e.kind == "compute"]
+
+    def steps(self) -> dict[tuple[int, int], list[Event]]:
+        steps = {(h, q): [] for h in range(self.grid[0]) for q in range(self.grid[1])}
+        for e in self.events:
+            steps[e.step].append(e)
+        return steps
+
+    def in_flight(self) -> list[tuple[Event, Event | None]]:
+        """For each compute, the copy that was started just before it and runs meanwhile."""
+        pairs, last_start = [], None
+        for e in self.events:
+            if e.kind == "start":
+                last_start = e
+            elif e.kind == "compute":
+                running = last_start if last_start and last_start.slot != e.slot else None
+                pairs.append((e, running))
+                last_start = None
+        return pairs
+
+    def describe(self) -> str:
+        lines = [
+            f"Schedule: {len(self.computes())} KV blocks computed on a grid of "
+            f"{self.grid[0]} heads block(s) x {self.grid[1]} q block(s)",
+            f"  num_queries_per_block={self.num_queries_per_block} "
+            f"num_kv_pages_per_block={self.num_kv_pages_per_block} page_size={self.page_size} "
+            f"({self.kv_tokens_per_block} tokens per KV block); "
+            f"{self.num_q_heads_per_block} q heads / {self.num_kv_heads_per_block} KV heads "
+            f"per heads block",
+        ]
+        for (h, q_blk), events in self.steps().items():
+            first_row = q_blk * self.num_queries_per_block
+            rows = f"q rows [{first_row}, {first_row + self.num_queries_per_block})"
+            empty = "" if events else ": no live rows, output zeros"
+            lines.append(f"grid step (heads block {h}, q block {q_blk}): {rows}{empty}")
+            lines += ["  " + describe_event(e) for e in events]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.describe()
+
+
+def describe_event(e: Event) -> str:
+    block = f"heads {e.heads_blk} seq {e.seq} kv block {e.kv_blk}"
+    if e.kind == "start":
+        return f"DMA start  slot {e.slot} <- {block}: pages {list(e.pages)}"
+    if e.kind == "wait":
+        return f"DMA wait   slot {e.slot}    {block}"
+    return (f"compute    slot {e.slot}    seq {e.seq}: q rows [{e.q_rows[0]}, {e.q_rows[1]}) "
+            f"x keys [{e.kv_tokens[0]}, {e.kv_tokens[1]})")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan, in plain Python.
+# ---------------------------------------------------------------------------------------------
+
+
+def plan_schedule(
+    q,  # [max_num_batched_tokens, num_q_heads, head_dim]; shape and dtype
+    kv_pages,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]; shape and dtype
+    kv_lens,  # i32[max_num_seqs]
+    page_indices,  # i32[max_num_seqs, pages_per_seq]
+    cu_q_lens,  # i32[max_num_seqs + 1]
+    num_seqs,  # i32[1]
+    *,
+    sliding_window: int | None = None,
+    num_kv_pages_per_block: int | None = None,
+    num_queries_per_block: int | None = None,
+) -> Schedule:
+    """The kernel's schedule, worked out in Python: the work list, then the copies around it.
+
+    >>> from minilib.batch import make_batch
+    >>> s = plan_schedule(*make_batch([(3, 3)]).args())
+    >>> [e.kind for e in s.events]
+    ['start', 'wait', 'compute']
+    """
+    args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    config = _config(*args, sliding_window, num_kv_pages_per_block, num_queries_per_block)
+    table = _Table(kv_lens, page_indices, cu_q_lens, num_seqs)
+    work = work_list(table, config, num_q_blocks=-(-q.shape[0] // config.num_queries_per_block))
+    events = []
+    for i, (step, heads_blk, seq, kv_blk) in enumerate(work):
+        if i == 0:  # the first grid step starts the very first copy
+            events.append(("start", (0, 0), heads_blk, seq, kv_blk, 0))
+        if i + 1 < len(work):  # prefetch the next work into the other slot
+            _, *next_block = work[i + 1]
+            events.append(("start", step, *next_block, (i + 1) % 2))
+        events.append(("wait", step, heads_blk, seq, kv_blk, i % 2))
+        events.append(("compute", step, heads_blk, seq, kv_blk, i % 2))
+    return _schedule(q, config, table, events)
+
+
+def work_list(table: _Table, config: kernel.KernelConfig, num_q_blocks: int):
+    """[(step, heads_blk, seq, kv_blk)] in the kernel's order: grid steps in row-major order;
+    in each, the sequences with rows in the q block, in order; for each, the KV blocks its rows
+    can see."""
+    work = []
+    bq = config.num_queries_per_block
+    for heads_blk in range(config.num_heads_blocks):
+        for q_blk in range(num_q_blocks):
+            rows = (q_blk * bq, (q_blk + 1) * bq)
+            for seq in range(table.num_seqs):
+                if not table.has_rows_in(seq, rows):
+                    continue
+                first, end = table.kv_block_range(seq, rows, config)
+                work += [((heads_blk, q_blk), heads_blk, seq, b) for b in range(first, end)]
+    return work
+
+
+class _Table:
+    """The batch description as Python ints, with the questions the schedule asks of it."""
+
+    def __init__(self, kv_lens, page_indices, cu_q_lens, num_seqs):
+        self.kv_lens = np.asarray(kv_lens)
+        self.page_indices = np.asarray(page_indices)
+        self.cu_q_lens = np.asarray(cu_q_lens)
+        self.num_seqs = int(np.asarray(num_seqs)[0])
+
+    def q_rows(self, seq) -> tuple[int, int]:
+        return int(self.cu_q_lens[seq]), int(self.cu_q_lens[seq + 1])
+
+    def has_rows_in(self, seq, rows) -> bool:
+        start, end = self.q_rows(seq)
+        return start < end and start < rows[1] and end > rows[0]
+
+    def kv_block_range(self, seq, rows, config) -> tuple[int, int]:
+        """KV blocks [first, end) holding a key that some row of `seq` within `rows` can see."""
+        q_start, q_end = self.q_rows(seq)
+        kv_len = int(self.kv_lens[seq])
+        first_row, last_row = max(q_start, rows[0]), min(q_end, rows[1]) - 1
+        first_key = kv_len - q_end + first_row  # the position of the first row ...
+        if config.sliding_window is None:
+            first_key = 0  # ... sees every key before it
+        else:
+            first_key = max(first_key - config.sliding_window + 1, 0)  # ... or its window
+        last_key = kv_len - q_end + last_row  # the last row sees up to its own position
+        tokens = config.kv_tokens_per_block
+        return first_key // tokens, last_key // tokens + 1
+
+    def pages(self, seq, kv_blk, config) -> tuple[int, ...]:
+        num_pages = -(-int(self.kv_lens[seq]) // config.page_size)
+        first = kv_blk * config.num_kv_pages_per_block
+        end = min(first + config.num_kv_pages_per_block, num_pages)
+        return tuple(int(p) for p in self.page_indices[seq, first:end])
+
+
+# ---------------------------------------------------------------------------------------------
+# The record, from the kernel's own trace.
+# ---------------------------------------------------------------------------------------------
+
+
+def record_schedule(
+    q,  # [max_num_batched_tokens, num_q_heads, head_dim]
+    kv_pages,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+    kv_lens,  # i32[max_num_seqs]
+    page_indices,  # i32[max_num_seqs, pages_per_seq]
+    cu_q_lens,  # i32[max_num_seqs + 1]
+    num_seqs,  # i32[1]
+    *,
+    sliding_window: int | None = None,
+    num_kv_pages_per_block: int | None = None,
+    num_queries_per_block: int | None = None,
+    interpret=None,
+) -> Schedule:
+    """Run the kernel (TPU interpret mode unless `interpret` says otherwise) and return the
+    schedule it recorded. q and kv_pages must be real arrays here."""
+    args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    config = _config(*args, sliding_window, num_kv_pages_per_block, num_queries_per_block)
+    table = _Table(kv_lens, page_indices, cu_q_lens, num_seqs)
+    _, rows = kernel.record_trace(
+        *args, config=config, capacity=_trace_capacity(q, table, config), interpret=interpret
+    )
+    events = [(KINDS[r[0]], (int(r[1]), int(r[2])), *(int(x) for x in r[3:])) for r in rows]
+    return _schedule(q, config, table, events)
+
+
+def _trace_capacity(q, table: _Table, config: kernel.KernelConfig) -> int:
+    """An upper bound on the events: 3 per piece of work, plus the first start. Each (seq, q
+    block) pair is at most num_q_blocks + num_seqs, each with at most all of its KV blocks."""
+    num_q_blocks = -(-q.shape[0] // config.num_queries_per_block)
+    kv_blocks = -(-config.pages_per_seq // config.num_kv_pages_per_block)
+    pairs = num_q_blocks + max(table.num_seqs, 1)
+    return 3 * config.num_heads_blocks * pairs * kv_blocks + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared by both.
+# ---------------------------------------------------------------------------------------------
+
+
+def _config(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window,
+            num_kv_pages_per_block, num_queries_per_block) -> kernel.KernelConfig:  # fmt: skip
+    dynamic_validate_inputs(
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sliding_window=sliding_window,
+        num_kv_pages_per_block=num_kv_pages_per_block,
+        num_queries_per_block=num_queries_per_block,
+    )
+    return kernel.kernel_config(
+        q,
+        kv_pages,
+        page_indices,
+        sliding_window=sliding_window,
+        num_kv_pages_per_block=num_kv_pages_per_block,
+        num_queries_per_block=num_queries_per_block,
+    )
+
+
+def _schedule(q, config: kernel.KernelConfig, table: _Table, raw_events) -> Schedule:
+    """Turn (kind, step, heads_blk, seq, kv_blk, slot) tuples into Events with pages and rows."""
+    bq = config.num_queries_per_block
+    events = []
+    for kind, step, heads_blk, seq, kv_blk, slot in raw_events:
+        tokens = config.kv_tokens_per_block
+        kv_len = int(table.kv_lens[seq])
+        q_rows = None
+        if kind != "start":
+            q_start, q_end = table.q_rows(seq)
+            q_rows = (max(q_start, step[1] * bq), min(q_end, (step[1] + 1) * bq))
+        events.append(
+            Event(
+                kind=kind,
+                step=step,
+                heads_blk=heads_blk,
+                seq=seq,
+                kv_blk=kv_blk,
+                slot=slot,
+                pages=table.pages(seq, kv_blk, config),
+                kv_tokens=(kv_blk * tokens, min((kv_blk + 1) * tokens, kv_len)),
+                q_rows=q_rows,
+            )
+        )
+    return Schedule(
+        grid=(config.num_heads_blocks, -(-q.shape[0] // bq)),
+        num_queries_per_block=bq,
+        num_kv_pages_per_block=config.num_kv_pages_per_block,
+        page_size=config.page_size,
+        num_q_heads_per_block=config.num_q_heads_per_block,
+        num_kv_heads_per_block=config.num_kv_heads_per_block,
+        events=tuple(events),
+    )

@@ -1,0 +1,918 @@
+"""Explorers: small ipywidgets tools to try one idea of the course with your own numbers.
+
+    head_grouping_explorer()     which q heads share each KV head; the kv_pages head layout
+    page_table_explorer()        a real PagedKVCache: pool, page table, wasted slots
+    ragged_batch_explorer()      a mixed prefill/decode batch: cu_q_lens, kv_lens, masks
+    validation_playground()      common mistakes, run through the real validators
+    kernel_schedule_explorer()   the Pallas kernel's grid, KV blocks and DMAs
+
+Each returns an `Explorer`, a `VBox` to display as the last line of a cell. Everything it
+shows lives in widget state (text in `HTML` widgets, figures as PNG bytes in an `Image`), so
+it works in Jupyter and Colab with ipywidgets 7 or 8 and no front-end extension, and can be
+checked without a browser:
+
+    >>> ex = head_grouping_explorer()
+    >>> ex.controls["num_kv_heads"].value = 8
+    >>> "num_q_heads=12 must be divisible by num_kv_heads=8" in ex.text
+    True
+
+Errors are shown inside the explorer, never raised: the validators' own messages (an
+`RPAInputError` with its hint), or a note on the typed input that could not be read.
+"""
+
+from __future__ import annotations
+
+import html
+import inspect
+import re
+import textwrap
+from collections.abc import Callable
+
+import ipywidgets as widgets
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from minilib import viz
+from minilib.batch import RaggedBatch, make_batch, seq_kind
+from minilib.heads import (
+    attention_kind,
+    combined_head_slots,
+    head_groups,
+    split_kv_pages,
+    valid_num_kv_heads,
+)
+from minilib.kv_cache import PagedKVCache, pages_needed
+from minilib.validation import RPAInputError, check_head_counts, dynamic_validate_inputs
+
+# Colours of the message box (Okabe-Ito): problems in vermillion, all-clear in bluish green.
+_PROBLEM, _OK = viz.OKABE_ITO["vermillion"], viz.OKABE_ITO["bluish green"]
+
+
+class InputProblem(ValueError):
+    """Typed input the explorer cannot use (not a number, too big to draw, ...)."""
+
+
+class Explorer(widgets.VBox):
+    """An explorer: a row of controls, then what they show.
+
+    Attributes:
+      controls: name -> input widget. Set `.value` and the explorer redraws.
+      views: what is shown, all in widget state:
+        "message": HTML, the status line, or the error with its hint;
+        "figure":  Image, the figure as PNG bytes (hidden, with empty bytes, on an error);
+        "details": HTML, tables and the arrays.
+    """
+
+    def __init__(self, title: str, controls: dict, render: Callable, note: str = ""):
+        self.controls = controls
+        self._render = render
+        self._refreshing = False
+        self.views = {
+            "message": widgets.HTML(),
+            "figure": widgets.Image(
+                format="png", layout=widgets.Layout(max_width="100%", height="auto")
+            ),
+            "details": widgets.HTML(),
+        }
+        header = widgets.HTML(
+            f"<div style='font-size:1.15em;font-weight:bold;margin:4px 0'>{html.escape(title)}"
+            f"</div><div style='color:#555'>{note}</div>"
+        )
+        row = widgets.HBox(list(controls.values()), layout=widgets.Layout(flex_flow="row wrap"))
+        super().__init__([header, row, *self.views.values()])
+        for control in controls.values():
+            control.observe(self._on_change, names="value")
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Redraw from the current control values. Never raises: problems are shown."""
+        if self._refreshing:  # a render that updates a control (e.g. its options) lands here
+            return
+        message, figure, details = self.views.values()
+        self._refreshing = True
+        try:
+            status, fig, table = self._render({k: c.value for k, c in self.controls.items()})
+        except Exception as err:  # shown, so the explorer keeps working
+            message.value = _error_html(err)
+            figure.value, figure.layout.display = b"", "none"
+            details.value = ""
+            return
+        finally:
+            self._refreshing = False
+        message.value = _box(status, _OK)
+        if fig is None:
+            figure.value, figure.layout.display = b"", "none"
+        else:
+            figure.value, figure.layout.display = viz.figure_png(fig), None
+        details.value = table
+
+    @property
+    def text(self) -> str:
+        """The text of every HTML view, without markup: what a reader sees."""
+        parts = [self.views["message"].value, self.views["details"].value]
+        text = re.sub(r"</t[dh]>", "\t", "\n".join(parts))  # table cells apart, rows on lines
+        text = re.sub(r"<br>|</tr>|</div>|<pre[^>]*>|</pre>", "\n", text)
+        return html.unescape(re.sub(r"<[^>]+>", "", text))
+
+    def _on_change(self, change) -> None:
+        self.refresh()
+
+
+# --- head grouping -------------------------------------------------------------------------
+
+MAX_HEADS = 256  # drawn; more would be a smear of thin boxes
+
+
+def head_grouping_explorer(num_q_heads: int = 12, num_kv_heads: int = 4) -> Explorer:
+    """Pick `num_q_heads` and `num_kv_heads`; see which q heads share each KV head (one colour
+    per group) and where each K and V head lives on the combined `kv_pages` head axis.
+
+    An invalid pair shows `check_head_counts`'s own message and hint.
+    """
+    controls = {
+        "num_q_heads": _int_text("num_q_heads", num_q_heads),
+        "num_kv_heads": _int_text("num_kv_heads", num_kv_heads),
+    }
+    return Explorer(
+        "Head grouping: MHA, GQA, MQA",
+        controls,
+        _render_head_grouping,
+        "Try 32/8 (Llama 3 8B), 8/1 (MQA), 8/8 (MHA), and 12/8, which is not allowed.",
+    )
+
+
+def _render_head_grouping(values: dict):
+    num_q_heads, num_kv_heads = values["num_q_heads"], values["num_kv_heads"]
+    if max(num_q_heads, num_kv_heads) > MAX_HEADS:
+        raise InputProblem(
+            f"num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads}: this explorer draws at "
+            f"most {MAX_HEADS} heads."
+        )
+    valid = valid_num_kv_heads(num_q_heads)  # raises for num_q_heads < 1
+    check_head_counts(num_q_heads, num_kv_heads)  # the validator: its message, its hint
+    groups = head_groups(num_q_heads, num_kv_heads)
+    group = num_q_heads // num_kv_heads
+    status = (
+        f"<b>{attention_kind(num_q_heads, num_kv_heads)}</b>: each of the {num_kv_heads} KV "
+        f"heads serves {group} q head{'s' if group > 1 else ''}; q head i uses KV head "
+        f"i // {group}. Valid num_kv_heads for num_q_heads={num_q_heads}: {valid}."
+    )
+    slots = combined_head_slots(num_kv_heads)
+    rows = [
+        (
+            f"KV head {h}",
+            _span(q_heads),
+            f"{slots.index(('K', h))}",
+            f"{slots.index(('V', h))}",
+        )
+        for h, q_heads in enumerate(groups)
+    ]
+    table = _table(("KV head", "q heads", "K slot in kv_pages", "V slot in kv_pages"), rows)
+    shapes = (
+        f"q: [max_num_batched_tokens, num_q_heads={num_q_heads}, head_dim]<br>"
+        f"kv_pages: [total_num_pages, page_size, 2*num_kv_heads={2 * num_kv_heads}, head_dim]"
+    )
+    return status, viz.head_grouping_figure(num_q_heads, num_kv_heads), shapes + table
+
+
+# --- the paged KV cache ---------------------------------------------------------------------
+
+ORDERS = ("in order", "shuffled", "after some frees")
+MAX_PAGES, MAX_PAGE_SIZE, MAX_SEQS, MAX_SEQ_LEN = 1024, 4096, 16, 1_000_000
+
+
+def fill_cache(
+    seq_lens, *, page_size: int, total_num_pages: int, order: str = "in order", seed: int = 0
+) -> tuple[PagedKVCache, list[int]]:
+    """A real `PagedKVCache` holding sequences 0, 1, ... of `seq_lens` tokens.
+
+    `order` is how the pool was used before and while they were written:
+      "in order":         each sequence written whole, one after another: neighbouring pages;
+      "shuffled":         the sequences grow together, a page at a time in random turns (as
+                          in a server decoding them all): their pages interleave;
+      "after some frees": the pool was full of one-page sequences and every other one has
+                          finished: ours get the scattered holes, among pages still in use.
+
+    Returns the cache and our sequence ids. Raises `KVCacheError` (for instance, out of pages)
+    as the cache does. (K and V are zeros of head_dim=1: only where they go matters here.)
+
+    >>> cache, ids = fill_cache([37, 5], page_size=16, total_num_pages=8)
+    >>> [cache.pages(s) for s in ids]
+    [(0, 1, 2), (3,)]
+    """
+    if order not in ORDERS:
+        raise ValueError(f"order={order!r} must be one of {ORDERS}.")
+    seq_lens = [int(n) for n in seq_lens]
+    earlier = total_num_pages if order == "after some frees" else 0
+    longest = max([pages_needed(n, page_size) for n in seq_lens] + [1]) if page_size > 0 else 1
+    cache = PagedKVCache(  # checks the sizes itself: a bad page_size gets the cache's message
+        total_num_pages=total_num_pages,
+        page_size=page_size,
+        num_kv_heads=1,
+        head_dim=1,
+        max_num_seqs=max(len(seq_lens) + max(earlier, 0), 1),
+        pages_per_seq=longest,
+    )
+
+    def write(seq_id, n: int) -> None:
+        cache.append(seq_id, np.zeros((n, 1, 1), np.float32), np.zeros((n, 1, 1), np.float32))
+
+    if order == "after some frees":
+        for k in range(earlier):  # fill the pool with one-page sequences ...
+            cache.add_sequence(f"earlier {k}")
+            write(f"earlier {k}", 1)
+        need = sum(pages_needed(n, page_size) for n in seq_lens)
+        for k in [*range(0, earlier, 2), *range(1, earlier, 2)]:  # ... and free every other
+            if cache.allocator.num_free >= need:
+                break
+            cache.free(f"earlier {k}")
+    ids = list(range(len(seq_lens)))
+    for s in ids:
+        cache.add_sequence(s)
+    if order == "shuffled":
+        rng = np.random.default_rng(seed)
+        left = list(seq_lens)
+        while any(left):  # a round: each unfinished sequence, in random order, fills a page
+            for s in rng.permutation([i for i in ids if left[i]]).tolist():
+                n = min(page_size, left[s])
+                write(s, n)
+                left[s] -= n
+    else:
+        for s, n in zip(ids, seq_lens, strict=True):
+            if n:
+                write(s, n)
+    return cache, ids
+
+
+def page_table_explorer(
+    seq_lens: str = "37, 5, 120",
+    page_size: int = 16,
+    total_num_pages: int = 24,
+    order: str = "in order",
+) -> Explorer:
+    """Sequences of your lengths in a real `PagedKVCache`: the page pool (owner of each page),
+    the page table, the slots wasted against a contiguous cache sized to the longest
+    sequence, and the `kv_lens` and `page_indices` arrays that attention reads."""
+    controls = {
+        "seq_lens": _text("seq_lens", seq_lens, "e.g. 37, 5, 120"),
+        "page_size": _int_text("page_size", page_size),
+        "total_num_pages": _int_text("total_num_pages", total_num_pages),
+        "order": widgets.Dropdown(
+            options=list(ORDERS), value=order, description="order", style=_STYLE
+        ),
+    }
+    return Explorer(
+        "The paged KV cache",
+        controls,
+        _render_page_table,
+        "Sequence lengths in tokens, separated by commas. Try page_size 1, 16 and 64; "
+        "try a pool too small for them.",
+    )
+
+
+def _render_page_table(values: dict):
+    lens = parse_ints(values["seq_lens"], "seq_lens")
+    page_size, total = values["page_size"], values["total_num_pages"]
+    for i, n in enumerate(lens):
+        if n < 0:
+            raise InputProblem(f"seq_lens[{i}]={n} is negative: a sequence holds 0 or more tokens.")
+        if n > MAX_SEQ_LEN:
+            raise InputProblem(
+                f"seq_lens[{i}]={n} is longer than this explorer handles ({MAX_SEQ_LEN})."
+            )
+    if len(lens) > MAX_SEQS:
+        raise InputProblem(f"{len(lens)} sequences: this explorer draws at most {MAX_SEQS}.")
+    if total > MAX_PAGES or page_size > MAX_PAGE_SIZE:
+        raise InputProblem(
+            f"total_num_pages={total}, page_size={page_size}: this explorer draws at most "
+            f"{MAX_PAGES} pages of at most {MAX_PAGE_SIZE} slots."
+        )
+    cache, ids = fill_cache(lens, page_size=page_size, total_num_pages=total, order=values["order"])
+    kv_lens, page_indices, _, num_seqs = cache.batch_metadata([(s, 0) for s in ids])
+    n = int(num_seqs[0])
+    usage = viz.slot_usage(lens, page_size)
+    ours = sum(len(cache.pages(s)) for s in ids)
+    status = (
+        f"{len(ids)} sequences hold {usage.tokens} tokens in {ours} pages of {page_size} slots; "
+        f"the pool has {total} pages: {ours} ours, {cache.allocator.num_used - ours} of other "
+        f"sequences, {cache.allocator.num_free} free. Paged: {usage.paged_wasted} of "
+        f"{usage.paged_slots} slots wasted; contiguous (each sequence sized to the longest): "
+        f"{usage.contiguous_wasted} of {usage.contiguous_slots}."
+    )
+    rows = []
+    for s, length in zip(ids, lens, strict=True):
+        pages = cache.pages(s)
+        rows.append(
+            (
+                f"seq {s}",
+                length,
+                len(pages),
+                str(list(pages)),
+                len(pages) * page_size,
+                len(pages) * page_size - length,
+            )
+        )
+    table = _table(
+        (
+            "sequence",
+            "kv_len",
+            "pages of the pool",
+            "which, in token order",
+            "slots reserved",
+            "empty slots of its last page",
+        ),
+        rows,
+    )
+    kv_lens, page_indices = np.asarray(kv_lens), np.asarray(page_indices)
+    max_num_seqs, pages_per_seq = page_indices.shape
+    arrays = (
+        f"kv_lens[:num_seqs]      = {kv_lens[:n].tolist()}\n"
+        f"page_indices[:num_seqs] = {_rows(page_indices[:n])}\n"
+        f"num_seqs                = {np.asarray(num_seqs).tolist()}\n\n"
+        f"(from cache.batch_metadata: kv_lens is i32[max_num_seqs={max_num_seqs}] and "
+        f"page_indices i32[max_num_seqs, pages_per_seq={pages_per_seq}];\n"
+        f" columns past a sequence's pages, and rows past num_seqs, are padding (0), "
+        f"never read.)"
+    )
+    return status, viz.page_table_figure(cache, ids), table + _pre(arrays)
+
+
+# --- the ragged batch -----------------------------------------------------------------------
+
+MAX_TOKENS, MAX_KV_LEN = 4096, 8192
+
+
+def ragged_batch_explorer(
+    q_lens: str = "6, 1, 4, 1", kv_lens: str = "6, 20, 12, 9", sliding_window: str = ""
+) -> Explorer:
+    """A mixed prefill/decode batch of your (q_len, kv_len) pairs, built with `make_batch`
+    and checked with `dynamic_validate_inputs`: its `cu_q_lens` and `kv_lens`, the packed q
+    rows of each sequence, and each sequence's causal mask (offset by kv_len - q_len), with
+    an optional `sliding_window` (empty for None)."""
+    controls = {
+        "q_lens": _text("q_lens", q_lens, "e.g. 6, 1, 4"),
+        "kv_lens": _text("kv_lens", kv_lens, "e.g. 6, 20, 12"),
+        "sliding_window": _text("sliding_window", sliding_window, "empty: None"),
+    }
+    return Explorer(
+        "A ragged batch: prefill, chunks and decodes together",
+        controls,
+        _render_ragged_batch,
+        "One q_len and one kv_len per sequence (kv_len counts the new tokens too). "
+        "Leave sliding_window empty for None.",
+    )
+
+
+def _render_ragged_batch(values: dict):
+    q_lens = parse_ints(values["q_lens"], "q_lens")
+    kv_lens = parse_ints(values["kv_lens"], "kv_lens")
+    window = parse_optional_int(values["sliding_window"], "sliding_window")
+    if len(q_lens) != len(kv_lens):
+        raise InputProblem(
+            f"q_lens has {len(q_lens)} entries but kv_lens has {len(kv_lens)}: give one q_len "
+            "and one kv_len per sequence."
+        )
+    if len(q_lens) > MAX_SEQS or sum(q_lens) > MAX_TOKENS or max(kv_lens, default=0) > MAX_KV_LEN:
+        raise InputProblem(
+            f"this explorer draws at most {MAX_SEQS} sequences, {MAX_TOKENS} q rows in all, "
+            f"and kv_len up to {MAX_KV_LEN}."
+        )
+    batch = make_batch(
+        list(zip(q_lens, kv_lens, strict=True)), num_q_heads=2, num_kv_heads=1, head_dim=8
+    )
+    dynamic_validate_inputs(*batch.args(), sliding_window=window)
+    kinds = [seq_kind(q, kv) for q, kv in batch.seq_lens]
+    status = (
+        f"Valid: {len(kinds)} sequences ("
+        + ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
+        + f"), {batch.num_tokens} q rows; "
+        + ("no sliding window." if window is None else f"sliding_window={window}.")
+    )
+    return status, viz.ragged_batch_figure(batch, window), _ragged_details(batch, window)
+
+
+def _ragged_details(batch: RaggedBatch, window: int | None) -> str:
+    cu = np.asarray(batch.cu_q_lens)
+    rows = []
+    for i, (q_len, kv_len) in enumerate(batch.seq_lens):
+        offset = kv_len - q_len
+        sees = [_keys_seen(position, window) for position in (offset, kv_len - 1)]
+        if q_len == 0:
+            sees = ["(no q rows)", "(no q rows)"]
+        rows.append(
+            (
+                f"seq {i}",
+                seq_kind(q_len, kv_len),
+                q_len,
+                kv_len,
+                f"[{cu[i]}, {cu[i + 1]})",
+                offset,
+                *sees,
+            )
+        )
+    table = _table(
+        ("sequence", "kind", "q_len", "kv_len", "packed q rows", "kv_len - q_len")
+        + ("first q row sees", "last q row sees"),
+        rows,
+    )
+    arrays = (
+        f"cu_q_lens = {cu.tolist()}\nkv_lens   = {np.asarray(batch.kv_lens).tolist()}\n"
+        f"num_seqs  = {np.asarray(batch.num_seqs).tolist()}\n\n{batch.describe()}"
+    )
+    return table + _pre(arrays)
+
+
+def _keys_seen(position: int, window: int | None) -> str:
+    first = 0 if window is None else max(0, position - window + 1)
+    return f"keys {first}..{position}"
+
+
+# --- the validation playground --------------------------------------------------------------
+# Each mistake is a function: it gets a correct batch (SEQ_LENS, 4 q heads, 2 KV heads,
+# page_size 8) and returns the positional arguments and options it breaks them into. The
+# playground shows the function's source, then what `dynamic_validate_inputs` says.
+
+SEQ_LENS = [(5, 5), (1, 20), (3, 12)]  # a prefill, a decode, a prefill chunk
+
+
+def correct(b):
+    """Nothing wrong: the batch make_batch built."""
+    return b.args(), {}
+
+
+def twelve_q_heads_eight_kv_heads(b):
+    """A model config with 12 q heads and 8 KV heads: 8 does not divide 12."""
+    b = make_batch(SEQ_LENS, num_q_heads=12, num_kv_heads=8, head_dim=8, page_size=8)
+    return b.args(), {}
+
+
+def q_transposed(b):
+    """q as [num_q_heads, tokens, head_dim], the layout of many attention codes."""
+    q = jnp.swapaxes(b.q, 0, 1)
+    return (q, *b.args()[1:]), {}
+
+
+def int64_lengths(b):
+    """kv_lens built with NumPy, whose integers are int64 by default."""
+    kv_lens = np.array([5, 20, 12])
+    return (b.q, b.kv_pages, kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs), {}
+
+
+def float_lengths(b):
+    """kv_lens computed with a division, so it came out as floats."""
+    kv_lens = b.kv_lens.astype(jnp.float32)
+    return (b.q, b.kv_pages, kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs), {}
+
+
+def pages_per_seq_too_small(b):
+    """A page table with one column, too few for the 20-token sequence (3 pages of 8)."""
+    page_indices = b.page_indices[:, :1]
+    return (b.q, b.kv_pages, b.kv_lens, page_indices, b.cu_q_lens, b.num_seqs), {}
+
+
+def q_len_greater_than_kv_len(b):
+    """kv_lens taken before this step's 3 new tokens were written to the cache."""
+    kv_lens = b.kv_lens.at[2].set(2)
+    return (b.q, b.kv_pages, kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs), {}
+
+
+def soft_cap_zero(b):
+    """soft_cap=0.0, meant as 'no soft capping'."""
+    return b.args(), {"soft_cap": 0.0}
+
+
+def sliding_window_zero(b):
+    """sliding_window=0, meant as 'no window'."""
+    return b.args(), {"sliding_window": 0}
+
+
+def page_index_out_of_range(b):
+    """A page number past the end of kv_pages, e.g. from another cache."""
+    total_num_pages = b.kv_pages.shape[0]
+    page_indices = b.page_indices.at[1, 0].set(total_num_pages)
+    return (b.q, b.kv_pages, b.kv_lens, page_indices, b.cu_q_lens, b.num_seqs), {}
+
+
+def cu_q_lens_decreasing(b):
+    """cu_q_lens of two sequences swapped by hand: [0, 5, 4, 9]."""
+    cu_q_lens = b.cu_q_lens.at[2].set(4)
+    return (b.q, b.kv_pages, b.kv_lens, b.page_indices, cu_q_lens, b.num_seqs), {}
+
+
+def cu_q_lens_without_leading_zero(b):
+    """cu_q_lens as np.cumsum(q_lens), without the leading 0."""
+    cu_q_lens = jnp.array([5, 6, 9, 9], jnp.int32)
+    return (b.q, b.kv_pages, b.kv_lens, b.page_indices, cu_q_lens, b.num_seqs), {}
+
+
+def negative_kv_len(b):
+    """-1 as 'no sequence here', in a slot that num_seqs still counts."""
+    kv_lens = b.kv_lens.at[1].set(-1)
+    return (b.q, b.kv_pages, kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs), {}
+
+
+def num_seqs_too_big(b):
+    """num_seqs counting one more sequence than there are slots."""
+    num_seqs = jnp.array([4], jnp.int32)
+    return (*b.args()[:5], num_seqs), {}
+
+
+def num_seqs_scalar(b):
+    """num_seqs as a plain scalar instead of a one-element array."""
+    num_seqs = jnp.int32(3)
+    return (*b.args()[:5], num_seqs), {}
+
+
+def k_pages_instead_of_kv_pages(b):
+    """Only the K pages, not K and V merged into kv_pages (an MQA model: one KV head)."""
+    b = make_batch(SEQ_LENS, num_q_heads=4, num_kv_heads=1, head_dim=8, page_size=8)
+    k_pages, v_pages = split_kv_pages(b.kv_pages)
+    return (b.q, k_pages, *b.args()[2:]), {}
+
+
+def q_too_short(b):
+    """q cut to 8 rows while cu_q_lens packs 9 tokens."""
+    return (b.q[:8], *b.args()[1:]), {}
+
+
+def k_scale_as_array(b):
+    """k_scale passed as a JAX scalar instead of a Python float."""
+    return b.args(), {"k_scale": jnp.float32(0.5), "v_scale": 0.5}
+
+
+def kv_block_too_big(b):
+    """num_kv_pages_per_block=4 when each sequence has only pages_per_seq=3 columns."""
+    return b.args(), {"num_kv_pages_per_block": 4}
+
+
+MISTAKES: dict[str, Callable] = {
+    "correct: a valid mixed batch": correct,
+    "12 q heads with 8 KV heads": twelve_q_heads_eight_kv_heads,
+    "q transposed to [num_q_heads, tokens, head_dim]": q_transposed,
+    "kv_lens as int64 (NumPy's default)": int64_lengths,
+    "kv_lens as floats": float_lengths,
+    "pages_per_seq too small": pages_per_seq_too_small,
+    "q_len > kv_len": q_len_greater_than_kv_len,
+    "soft_cap=0.0 to turn it off": soft_cap_zero,
+    "sliding_window=0 to turn it off": sliding_window_zero,
+    "a page index out of range": page_index_out_of_range,
+    "cu_q_lens decreasing": cu_q_lens_decreasing,
+    "cu_q_lens without its leading 0": cu_q_lens_without_leading_zero,
+    "a negative kv_len": negative_kv_len,
+    "num_seqs > max_num_seqs": num_seqs_too_big,
+    "num_seqs as a scalar": num_seqs_scalar,
+    "K pages only, not kv_pages": k_pages_instead_of_kv_pages,
+    "q shorter than the packed tokens": q_too_short,
+    "k_scale as an array": k_scale_as_array,
+    "num_kv_pages_per_block > pages_per_seq": kv_block_too_big,
+}
+
+
+def run_mistake(name: str) -> RPAInputError | None:
+    """Build the batch of mistake `name` and run `dynamic_validate_inputs` on it. Returns the
+    error it raised, or None if the inputs are valid.
+
+    >>> print(run_mistake("12 q heads with 8 KV heads").message)
+    num_q_heads=12 must be divisible by num_kv_heads=8
+    """
+    args, options = MISTAKES[name](_base_batch())
+    try:
+        dynamic_validate_inputs(*args, **options)
+    except RPAInputError as err:
+        return err
+    return None
+
+
+def validation_playground(mistake: str = "12 q heads with 8 KV heads") -> Explorer:
+    """Pick a common mistake: the playground builds a real batch with `make_batch`, breaks it
+    as the mistake does, runs the real `dynamic_validate_inputs`, and shows the exact error
+    with its hint, or that the inputs are valid."""
+    controls = {
+        "mistake": widgets.Dropdown(
+            options=list(MISTAKES),
+            value=mistake,
+            description="mistake",
+            style=_STYLE,
+            layout=widgets.Layout(width="520px"),
+        )
+    }
+    return Explorer(
+        "Validation playground: what the validators say",
+        controls,
+        _render_mistake,
+        "Each choice runs the code shown through dynamic_validate_inputs.",
+    )
+
+
+def _render_mistake(values: dict):
+    fn = MISTAKES[values["mistake"]]
+    args, options = fn(_base_batch())
+    code = textwrap.dedent(inspect.getsource(fn))
+    shapes = "\n".join(
+        f"{name:13s}: {_describe_array(a)}"
+        for name, a in zip(
+            ("q", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"), args, strict=True
+        )
+    )
+    if options:
+        shapes += "\noptions      : " + ", ".join(f"{k}={v!r}" for k, v in options.items())
+    details = (
+        "<b>The mistake</b> (b is a correct batch: make_batch(SEQ_LENS, num_q_heads=4, "
+        f"num_kv_heads=2, head_dim=8, page_size=8), SEQ_LENS = {SEQ_LENS}):"
+        + _pre(code)
+        + "<b>What reaches dynamic_validate_inputs(*args, **options)</b>:"
+        + _pre(shapes)
+    )
+    try:
+        dynamic_validate_inputs(*args, **options)
+    except RPAInputError as err:
+        details = _error_html(err) + details
+        return "dynamic_validate_inputs raised RPAInputError (below, with its hint).", None, details
+    return "Valid: dynamic_validate_inputs accepts these inputs.", None, details
+
+
+def _base_batch() -> RaggedBatch:
+    return make_batch(SEQ_LENS, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=8)
+
+
+def _describe_array(a) -> str:
+    shape = getattr(a, "shape", None)
+    if shape is None:
+        return repr(a)
+    value = f" = {np.asarray(a).tolist()}" if a.ndim <= 2 and a.size <= 16 else ""
+    return f"{a.dtype}{list(shape)}{value}"
+
+
+# --- the kernel schedule --------------------------------------------------------------------
+
+MAX_COMPUTES = 400  # KV blocks drawn
+
+
+def kernel_schedule_explorer(
+    q_lens: str = "12, 1, 6, 1",
+    kv_lens: str = "12, 40, 30, 9",
+    num_q_heads: int = 16,
+    num_kv_heads: int = 8,
+    page_size: int = 8,
+    num_kv_pages_per_block: str = "2",
+    num_queries_per_block: str = "8",
+    sliding_window: str = "",
+) -> Explorer:
+    """The Pallas kernel's schedule for your batch and block sizes, from
+    `minilib.schedule.plan_schedule`: the grid (heads blocks x q blocks), the sequences and KV
+    blocks each grid step computes, and the double-buffered DMAs that feed them. Pick a grid
+    step to zoom in. Empty block sizes mean the kernel's defaults."""
+    controls = {
+        "q_lens": _text("q_lens", q_lens, "e.g. 12, 1, 6"),
+        "kv_lens": _text("kv_lens", kv_lens, "e.g. 12, 40, 30"),
+        "num_q_heads": _int_text("num_q_heads", num_q_heads),
+        "num_kv_heads": _int_text("num_kv_heads", num_kv_heads),
+        "page_size": _int_text("page_size", page_size),
+        "num_kv_pages_per_block": _text(
+            "num_kv_pages_per_block", num_kv_pages_per_block, "default"
+        ),
+        "num_queries_per_block": _text("num_queries_per_block", num_queries_per_block, "default"),
+        "sliding_window": _text("sliding_window", sliding_window, "empty: None"),
+        "grid_step": widgets.Dropdown(
+            options=[ALL_STEPS], value=ALL_STEPS, description="grid_step", style=_STYLE
+        ),
+    }
+
+    def render(values: dict):
+        schedule = _plan(values)
+        # The grid steps to choose from change with the grid; keep the choice if it still exists.
+        steps = [ALL_STEPS] + [f"{step}" for step in schedule.steps()]
+        chosen = values["grid_step"] if values["grid_step"] in steps else ALL_STEPS
+        controls["grid_step"].options = steps
+        controls["grid_step"].value = chosen
+        step = None if chosen == ALL_STEPS else tuple(int(x) for x in chosen.strip("()").split(","))
+        return (
+            _schedule_status(schedule),
+            viz.kernel_schedule_figure(schedule, step),
+            (_schedule_details(schedule, step)),
+        )
+
+    return Explorer(
+        "The kernel's schedule: grid, KV blocks, double buffering",
+        controls,
+        render,
+        "Change the block sizes and watch the grid and the copies change. head_dim=128, "
+        "float32; empty block sizes use the kernel's defaults.",
+    )
+
+
+ALL_STEPS = "all grid steps"
+HEAD_DIM = 128
+
+
+def _plan(values: dict):
+    from minilib.schedule import plan_schedule  # imports the Pallas kernel: only when needed
+
+    q_lens = parse_ints(values["q_lens"], "q_lens")
+    kv_lens = parse_ints(values["kv_lens"], "kv_lens")
+    if len(q_lens) != len(kv_lens):
+        raise InputProblem(
+            f"q_lens has {len(q_lens)} entries but kv_lens has {len(kv_lens)}: give one q_len "
+            "and one kv_len per sequence."
+        )
+    if len(q_lens) > MAX_SEQS or sum(q_lens) > MAX_TOKENS or values["num_q_heads"] > MAX_HEADS:
+        raise InputProblem(
+            f"this explorer draws at most {MAX_SEQS} sequences, {MAX_TOKENS} q rows in all and "
+            f"{MAX_HEADS} q heads."
+        )
+    valid_num_kv_heads(values["num_q_heads"])  # raises for num_q_heads < 1
+    if values["page_size"] < 1:
+        raise InputProblem(
+            f"page_size={values['page_size']} must be positive: a page holds at least one token."
+        )
+    if values["page_size"] > MAX_PAGE_SIZE or max(kv_lens, default=0) > MAX_KV_LEN:
+        raise InputProblem(
+            f"this explorer draws page_size up to {MAX_PAGE_SIZE} and kv_len up to {MAX_KV_LEN}."
+        )
+    # Only the shapes and dtypes of q and kv_pages matter to the schedule: the index arrays
+    # come from a real batch, q and kv_pages are shapes, so big head counts cost no memory.
+    batch = make_batch(
+        list(zip(q_lens, kv_lens, strict=True)),
+        num_q_heads=1,
+        num_kv_heads=1,
+        head_dim=1,
+        page_size=values["page_size"],
+    )
+    num_tokens, total_num_pages = batch.q.shape[0], batch.kv_pages.shape[0]
+    q = jax.ShapeDtypeStruct((num_tokens, values["num_q_heads"], HEAD_DIM), jnp.float32)
+    kv_pages = jax.ShapeDtypeStruct(
+        (total_num_pages, values["page_size"], 2 * values["num_kv_heads"], HEAD_DIM), jnp.float32
+    )
+    schedule = plan_schedule(  # validates with dynamic_validate_inputs
+        q,
+        kv_pages,
+        *batch.args()[2:],
+        sliding_window=parse_optional_int(values["sliding_window"], "sliding_window"),
+        num_kv_pages_per_block=parse_optional_int(
+            values["num_kv_pages_per_block"], "num_kv_pages_per_block"
+        ),
+        num_queries_per_block=parse_optional_int(
+            values["num_queries_per_block"], "num_queries_per_block"
+        ),
+    )
+    if len(schedule.computes()) > MAX_COMPUTES:
+        raise InputProblem(
+            f"{len(schedule.computes())} KV blocks to compute: this explorer draws at most "
+            f"{MAX_COMPUTES}. Use bigger blocks or fewer heads."
+        )
+    return schedule
+
+
+def _schedule_status(schedule) -> str:
+    computes = schedule.computes()
+    starts = [e for e in schedule.events if e.kind == "start"]
+    fetched = [(e.heads_blk, e.seq, e.kv_blk) for e in starts]
+    again = len(fetched) - len(set(fetched))
+    heads, q_blocks = schedule.grid
+    return (
+        f"grid = ({_plural(heads, 'heads block')}, {_plural(q_blocks, 'q block')}) = "
+        f"{_plural(heads * q_blocks, 'grid step')}; "
+        f"{len(computes)} KV blocks computed, {len(starts)} DMAs. {again} DMAs copy a KV block "
+        f"already copied for another q block of the same sequence. "
+        f"num_queries_per_block={schedule.num_queries_per_block}, "
+        f"num_kv_pages_per_block={schedule.num_kv_pages_per_block} "
+        f"({schedule.kv_tokens_per_block} tokens per KV block)."
+    )
+
+
+def _schedule_details(schedule, step) -> str:
+    from minilib.schedule import describe_event
+
+    bq = schedule.num_queries_per_block
+    rows = []
+    for (h, q_blk), events in schedule.steps().items():
+        computes = [e for e in events if e.kind == "compute"]
+        seqs = dict.fromkeys(e.seq for e in computes)
+        pages = sum(len(e.pages) for e in events if e.kind == "start")
+        rows.append(
+            (
+                f"({h}, {q_blk})",
+                f"[{q_blk * bq}, {(q_blk + 1) * bq})",
+                ", ".join(f"seq {s}" for s in seqs) or "no rows",
+                len(computes),
+                pages,
+            )
+        )
+    table = _table(
+        ("grid step", "q rows", "sequences", "KV blocks computed", "pages copied (DMAs started)"),
+        rows,
+    )
+    if step is None:
+        listing = schedule.describe()
+    else:
+        listing = f"grid step {step}:\n" + "\n".join(
+            "  " + describe_event(e) for e in schedule.steps()[step]
+        )
+    return table + _pre(listing)
+
+
+# --- reading typed input --------------------------------------------------------------------
+
+
+def parse_ints(text: str, name: str) -> list[int]:
+    """Whole numbers separated by commas or spaces. Raises `InputProblem` naming the bad one.
+
+    >>> parse_ints("37, 5 120", "seq_lens")
+    [37, 5, 120]
+    """
+    items = [t for t in re.split(r"[,\s]+", text.strip().strip("[]()")) if t]
+    numbers = []
+    for i, item in enumerate(items):
+        try:
+            numbers.append(int(item))
+        except ValueError:
+            raise InputProblem(
+                f"{name}: {item!r} (entry {i}) is not a whole number. Type whole numbers "
+                f"separated by commas, e.g. 37, 5, 120."
+            ) from None
+    return numbers
+
+
+def parse_optional_int(text: str, name: str) -> int | None:
+    """A whole number, or None for an empty field (or "None")."""
+    text = text.strip()
+    if text in ("", "None", "none"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise InputProblem(
+            f"{name}: {text!r} is not a whole number. Type a number, or leave it empty for None."
+        ) from None
+
+
+# --- small helpers --------------------------------------------------------------------------
+
+_STYLE = {"description_width": "initial"}
+
+
+def _int_text(description: str, value: int) -> widgets.IntText:
+    return widgets.IntText(
+        value=value,
+        description=description,
+        style=_STYLE,
+        continuous_update=False,
+        layout=widgets.Layout(width="210px"),
+    )
+
+
+def _text(description: str, value: str, placeholder: str) -> widgets.Text:
+    return widgets.Text(
+        value=value,
+        description=description,
+        placeholder=placeholder,
+        style=_STYLE,
+        continuous_update=False,
+        layout=widgets.Layout(width="260px"),
+    )
+
+
+def _box(inner_html: str, colour: str) -> str:
+    return (
+        f"<div style='border-left:4px solid {colour};padding:4px 10px;margin:6px 0'>"
+        f"{inner_html}</div>"
+    )
+
+
+def _error_html(err: Exception) -> str:
+    if isinstance(err, RPAInputError):
+        title = type(err).__name__
+    elif isinstance(err, InputProblem):
+        title = "Cannot read this input"
+    elif isinstance(err, ValueError):
+        title = type(err).__name__
+    else:
+        title = f"Unexpected {type(err).__name__} (a bug in the explorer? please report it)"
+    return _box(f"<b>{html.escape(title)}</b>{_pre(str(err))}", _PROBLEM)
+
+
+def _pre(text: str) -> str:
+    return f"<pre style='white-space:pre-wrap;margin:4px 0'>{html.escape(text)}</pre>"
+
+
+def _table(header, rows) -> str:
+    cell = "style='padding:2px 10px;text-align:left;border-bottom:1px solid #ddd'"
+    head = "".join(f"<th {cell}>{html.escape(str(h))}</th>" for h in header)
+    body = "".join(
+        "<tr>" + "".join(f"<td {cell}>{html.escape(str(v))}</td>" for v in row) + "</tr>"
+        for row in rows
+    )
+    return f"<table style='border-collapse:collapse;margin:6px 0'><tr>{head}</tr>{body}</table>"
+
+
+def _rows(array: np.ndarray) -> str:
+    return "[" + ",\n                           ".join(str(r) for r in array.tolist()) + "]"
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _span(items) -> str:
+    return str(items[0]) if len(items) == 1 else f"{items[0]}..{items[-1]}"

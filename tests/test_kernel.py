@@ -1,0 +1,252 @@
+"""The Pallas TPU kernel, run in TPU interpret mode on CPU, against JAX's reference.
+
+Every batch comes from `make_batch`, so unused page slots, unused pages and padding q rows are
+NaN and padding sequence slots hold garbage: a kernel that reads them fails here.
+The fast suite runs a dozen small cases; `pytest -m slow` adds a random sweep.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+    ref_ragged_paged_attention as jax_reference,
+)
+
+from minilib.batch import make_batch, random_seq_lens
+from minilib.kernel import (
+    default_block_sizes,
+    num_kv_heads_per_block,
+    ragged_paged_attention,
+    resolve_interpret,
+)
+from minilib.validation import RPAInputError
+
+# Fresh VMEM and SMEM scratch is NaN, so a kernel that reads memory it never wrote fails.
+INTERPRET = pltpu.InterpretParams(uninitialized_memory="nan")
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def check_against_reference(batch, *, interpret=INTERPRET, **options):
+    """Run the kernel and JAX's reference; compare the live rows, check the rest are zeros.
+    Returns the largest absolute error."""
+    out = ragged_paged_attention(*batch.args(), interpret=interpret, **options)
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    kernel_options = ("num_kv_pages_per_block", "num_queries_per_block")
+    ref_options = {k: v for k, v in options.items() if k not in kernel_options}
+    n = batch.num_tokens
+    out = np.asarray(out.astype(jnp.float32))
+    padding = out[n:]
+    assert np.isfinite(padding).all(), "rows past cu_q_lens[num_seqs] must be finite"
+    np.testing.assert_array_equal(padding, 0.0)
+    if n == 0:
+        return 0.0
+    expected = np.asarray(jax_reference_jit(batch, **ref_options).astype(jnp.float32))
+    error = float(np.abs(out[:n] - expected).max())
+    tolerance = TOLERANCE[batch.q.dtype.type]
+    np.testing.assert_allclose(out[:n], expected, atol=tolerance, rtol=tolerance)
+    return error
+
+
+def jax_reference_jit(batch, **options):
+    """JAX's reference, compiled once for this batch. Called eagerly it compiles every small op
+    of its Python loop for every new sequence length, which takes far longer than the kernel.
+    The index arrays are closed over as NumPy constants, so the loop unrolls at trace time."""
+    kv_lens, page_indices, cu_q_lens, num_seqs = (np.asarray(a) for a in batch.args()[2:])
+
+    def reference(q, kv_pages):
+        return jax_reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
+
+    return jax.jit(reference)(batch.q, batch.kv_pages)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parity: the fast suite.
+# ---------------------------------------------------------------------------------------------
+
+MIXED = [(5, 5), (1, 20), (0, 7), (12, 40)]  # prefill, decode, idle, chunk
+
+CASES = {
+    # name: (seq_lens, make_batch options, kernel options)
+    "decode": (
+        [(1, 20), (1, 5), (1, 33), (1, 1)],
+        dict(page_size=8, max_num_batched_tokens=8, max_num_seqs=6),
+        dict(num_kv_pages_per_block=2, num_queries_per_block=8),
+    ),
+    "prefill, blocks not dividing pages_per_seq": (
+        [(17, 17), (9, 9)],
+        dict(page_size=8, pages_per_seq=4),
+        dict(num_kv_pages_per_block=3, num_queries_per_block=8),
+    ),
+    "MQA, default block sizes": (MIXED, dict(num_q_heads=4, num_kv_heads=1, page_size=8), {}),
+    "MHA, one page per block": (
+        MIXED,
+        dict(num_q_heads=2, num_kv_heads=2, page_size=16),
+        dict(num_kv_pages_per_block=1, num_queries_per_block=4),
+    ),
+    "two heads blocks (16 q heads, 8 KV heads)": (
+        [(6, 6), (1, 12), (3, 19)],
+        dict(num_q_heads=16, num_kv_heads=8, head_dim=32, page_size=8),
+        dict(num_kv_pages_per_block=2, num_queries_per_block=8),
+    ),
+    "sliding window and soft cap": (
+        MIXED,
+        dict(page_size=8),
+        dict(sliding_window=6, soft_cap=20.0, num_kv_pages_per_block=1, num_queries_per_block=8),
+    ),
+    "bfloat16": (
+        MIXED,
+        dict(page_size=16, dtype=jnp.bfloat16),
+        dict(num_kv_pages_per_block=2, num_queries_per_block=16),
+    ),
+    "fp8 KV with scales": (
+        MIXED,
+        dict(page_size=16, kv_dtype=jnp.float8_e4m3fn),
+        dict(k_scale=0.5, v_scale=0.25, num_kv_pages_per_block=2, num_queries_per_block=16),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_jax_reference(name):
+    seq_lens, batch_options, options = CASES[name]
+    batch = make_batch(seq_lens, **batch_options)
+    check_against_reference(batch, sm_scale=0.125, **options)
+
+
+def test_empty_batch_gives_zeros():
+    batch = make_batch([], max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=2)
+    check_against_reference(batch, num_kv_pages_per_block=1, num_queries_per_block=8)
+
+
+def races_found() -> bool:
+    """The race detector's verdict; its module moved between JAX versions."""
+    for name in (
+        "jax._src.pallas.mosaic.interpret.interpret_pallas_call",  # jax 0.8 and later
+        "jax._src.pallas.mosaic.interpret",  # jax 0.7
+    ):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "races"):
+            return module.races is not None and module.races.races_found
+    raise AssertionError("cannot find the Pallas interpret race detector in this JAX")
+
+
+def test_mixed_batch_without_races():
+    """Prefill, decode, idle and chunk with padding slots, KV blocks not dividing pages_per_seq;
+    with the race detector on: a copy into one slot must never touch the slot in use."""
+    batch = make_batch(
+        MIXED, page_size=8, max_num_batched_tokens=24, max_num_seqs=6, pages_per_seq=7
+    )
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    check_against_reference(
+        batch, interpret=params, sm_scale=0.125, num_kv_pages_per_block=3, num_queries_per_block=8
+    )
+    assert not races_found()
+
+
+# ---------------------------------------------------------------------------------------------
+# Options, block sizes and errors (no kernel run).
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(num_kv_pages_per_block=0), "num_kv_pages_per_block=0 must be in range (0, 3]"),
+        (dict(num_kv_pages_per_block=4), "num_kv_pages_per_block=4 must be in range (0, 3]"),
+        (dict(num_queries_per_block=0), "num_queries_per_block=0 must be positive"),
+        (dict(vmem_limit_bytes=-1), "vmem_limit_bytes=-1 must be positive"),
+    ],
+)
+def test_bad_block_arguments_raise(options, message):
+    batch = make_batch([(5, 5), (1, 20)], page_size=8)
+    with pytest.raises(RPAInputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ragged_paged_attention(*batch.args(), interpret=INTERPRET, **options)
+
+
+def test_bad_head_counts_raise():
+    batch = make_batch([(3, 3)], num_q_heads=6, num_kv_heads=3)
+    q = jnp.zeros((3, 6, 64))
+    kv_pages = jnp.zeros(batch.kv_pages.shape[:2] + (8, 64))  # 4 KV heads for 6 q heads
+    with pytest.raises(RPAInputError, match="num_q_heads=6 must be divisible by num_kv_heads=4"):
+        ragged_paged_attention(q, kv_pages, *batch.args()[2:], interpret=INTERPRET)
+
+
+def test_interpret_default_follows_the_backend():
+    assert jax.default_backend() != "tpu"
+    assert isinstance(resolve_interpret(None), pltpu.InterpretParams)
+    assert isinstance(resolve_interpret(True), pltpu.InterpretParams)
+    assert resolve_interpret(False) is False
+    params = pltpu.InterpretParams(detect_races=True)
+    assert resolve_interpret(params) is params
+
+
+def test_default_block_sizes():
+    kw = dict(max_num_batched_tokens=512, bytes_per_page=16 * 16 * 128 * 2)
+    assert default_block_sizes(page_size=16, pages_per_seq=64, **kw) == (16, 32)
+    assert default_block_sizes(page_size=128, pages_per_seq=64, **kw) == (4, 32)
+    assert default_block_sizes(page_size=16, pages_per_seq=3, **kw) == (3, 32)
+    # Few q rows: one q block holds them all.
+    kw["max_num_batched_tokens"] = 8
+    assert default_block_sizes(page_size=16, pages_per_seq=64, **kw) == (16, 8)
+    # Huge pages: halve until both KV slots fit the VMEM budget.
+    kw["bytes_per_page"] = 1024 * 1024
+    assert default_block_sizes(page_size=16, pages_per_seq=64, **kw) == (2, 8)
+
+
+def test_heads_blocks_are_tile_aligned():
+    assert num_kv_heads_per_block(32, 8, jnp.bfloat16, jnp.bfloat16) == 8  # 16 K/V slots
+    assert num_kv_heads_per_block(32, 16, jnp.bfloat16, jnp.bfloat16) == 8
+    assert num_kv_heads_per_block(16, 8, jnp.float32, jnp.float32) == 4
+    assert num_kv_heads_per_block(8, 8, jnp.float32, jnp.float32) == 8  # 4 q heads: too few
+    assert num_kv_heads_per_block(32, 16, jnp.bfloat16, jnp.float8_e4m3fn) == 16
+
+
+# ---------------------------------------------------------------------------------------------
+# The slow sweep: random batches, random block sizes.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(12))
+def test_random_batches(seed):
+    rng = np.random.default_rng(seed)
+    page_size = int(rng.choice([8, 16]))
+    num_kv_heads = int(rng.choice([1, 2, 4]))
+    group = int(rng.choice([1, 2, 4]))
+    seq_lens = random_seq_lens(int(rng.integers(1, 6)), max_kv_len=70, max_q_len=20, seed=seed)
+    dtype, kv_dtype, scales = [
+        (jnp.float32, None, {}),
+        (jnp.bfloat16, None, {}),
+        (jnp.bfloat16, jnp.float8_e4m3fn, dict(k_scale=0.5, v_scale=2.0)),
+    ][seed % 3]
+    batch = make_batch(
+        seq_lens,
+        num_q_heads=num_kv_heads * group,
+        num_kv_heads=num_kv_heads,
+        head_dim=32,
+        page_size=page_size,
+        max_num_seqs=len(seq_lens) + 2,
+        max_num_batched_tokens=sum(q for q, _ in seq_lens) + 5,
+        pages_per_seq=-(-70 // page_size),
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        seed=seed,
+    )
+    pages_per_seq = batch.page_indices.shape[1]
+    options = dict(
+        num_kv_pages_per_block=int(rng.integers(1, pages_per_seq + 1)),
+        num_queries_per_block=int(rng.choice([1, 3, 8, 16])),
+        sliding_window=[None, int(rng.integers(1, 30))][seed % 2],
+        soft_cap=[None, 30.0][seed % 4 // 2],
+        **scales,
+    )
+    check_against_reference(batch, sm_scale=float(rng.uniform(0.05, 0.3)), **options)

@@ -1,0 +1,350 @@
+"""The explorers of minilib.widgets, driven without a browser.
+
+Each test sets control values, as a learner would, and reads what the explorer shows: text in
+its HTML views, the figure as PNG bytes in its Image view. Errors must show the validators' own
+messages (compared with what the validator raises when called directly), and the explorer must
+keep working after bad input. These tests run with ipywidgets 7 (Colab) and 8.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+widgets = pytest.importorskip("ipywidgets")
+pytest.importorskip("matplotlib")
+
+from ipywidgets.embed import embed_data  # noqa: E402
+
+from minilib import widgets as w  # noqa: E402
+from minilib.batch import make_batch  # noqa: E402
+from minilib.kv_cache import KVCacheError  # noqa: E402
+from minilib.validation import (  # noqa: E402
+    RPAInputError,
+    check_head_counts,
+    dynamic_validate_inputs,
+)
+
+# ipywidgets 7 (Colab's) makes its comms with a class that ipykernel has deprecated.
+pytestmark = pytest.mark.filterwarnings("ignore:The `ipykernel.comm.Comm`:DeprecationWarning")
+
+PNG = b"\x89PNG"
+
+
+def shows_figure(ex: w.Explorer) -> bool:
+    figure = ex.views["figure"]
+    return bytes(figure.value).startswith(PNG) and figure.layout.display != "none"
+
+
+def shows_error(ex: w.Explorer, err: Exception) -> bool:
+    """The explorer shows exactly `str(err)`, and no figure."""
+    return str(err) in ex.text and not shows_figure(ex)
+
+
+def raised(fn, *args, **kwargs) -> Exception:
+    with pytest.raises(Exception) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+# --- what every explorer does ------------------------------------------------------------------
+
+EXPLORERS = [
+    w.head_grouping_explorer,
+    w.page_table_explorer,
+    w.ragged_batch_explorer,
+    w.validation_playground,
+    w.kernel_schedule_explorer,
+]
+
+
+@pytest.mark.parametrize("make", EXPLORERS, ids=lambda f: f.__name__)
+def test_explorer_is_a_box_of_plain_widgets_with_named_controls(make):
+    ex = make()
+    assert isinstance(ex, widgets.VBox)
+    assert ex.controls, "controls are exposed"
+    for name, control in ex.controls.items():
+        assert control.description == name, "each control is described by its name"
+        assert control in ex.children[1].children, "and displayed"
+    # All it shows lives in widget state: HTML text and PNG bytes, no Output widgets.
+    assert isinstance(ex.views["message"], widgets.HTML)
+    assert isinstance(ex.views["details"], widgets.HTML)
+    assert isinstance(ex.views["figure"], widgets.Image)
+    assert not any(isinstance(c, widgets.Output) for c in ex.children)
+    assert ex.text.strip()
+    # What a notebook front end receives (and what Colab saves): text and PNG, all in state.
+    data = embed_data(views=[ex])
+    states = [m["state"] for m in data["manager_state"]["state"].values()]
+    assert ex.views["message"].value in [s.get("value") for s in states]
+    images = [m for m in data["manager_state"]["state"].values() if m["model_name"] == "ImageModel"]
+    if shows_figure(ex):
+        assert images[0]["buffers"][0]["path"] == ["value"]
+
+
+# --- head grouping -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def heads():
+    return w.head_grouping_explorer()
+
+
+def test_head_grouping_shows_the_groups(heads):
+    heads.controls["num_q_heads"].value, heads.controls["num_kv_heads"].value = 12, 4
+    assert shows_figure(heads)
+    assert "GQA" in heads.text
+    assert "each of the 4 KV heads serves 3 q heads" in heads.text
+    cells = [c.split(">")[-1] for c in heads.views["details"].value.split("</td>")]
+    assert cells[4:8] == ["KV head 1", "3..5", "2", "3"]  # its q heads, its K and V slots
+
+
+def test_head_grouping_12_over_8_shows_the_validators_message(heads):
+    heads.controls["num_q_heads"].value, heads.controls["num_kv_heads"].value = 12, 8
+    err = raised(check_head_counts, 12, 8)
+    assert err.message == "num_q_heads=12 must be divisible by num_kv_heads=8"
+    assert shows_error(heads, err)
+    # the fixes are in the hint: nearest valid counts, repeating KV heads, transposed q/k/v
+    assert "(nearest to 8: 6)" in heads.text
+    assert "jnp.repeat(k" in heads.text and "transposed" in heads.text
+    heads.controls["num_kv_heads"].value = 6  # and it recovers
+    assert shows_figure(heads) and "each of the 6 KV heads serves 2 q heads" in heads.text
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(0, 1), (8, 0), (8, -2), (4, 8)])
+def test_head_grouping_bad_counts_show_a_message(heads, num_q_heads, num_kv_heads):
+    heads.controls["num_q_heads"].value = num_q_heads
+    heads.controls["num_kv_heads"].value = num_kv_heads
+    assert not shows_figure(heads)
+    assert "must be" in heads.text
+    heads.controls["num_q_heads"].value, heads.controls["num_kv_heads"].value = 8, 1
+    assert shows_figure(heads) and "MQA" in heads.text
+
+
+def test_head_grouping_too_many_heads_to_draw(heads):
+    heads.controls["num_q_heads"].value, heads.controls["num_kv_heads"].value = 512, 8
+    assert "this explorer draws at most 256 heads" in heads.text and not shows_figure(heads)
+    heads.controls["num_q_heads"].value = 10**9  # no hang, no huge list of divisors
+    assert "this explorer draws at most 256 heads" in heads.text
+
+
+# --- the paged KV cache ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pages():
+    return w.page_table_explorer(seq_lens="37, 5, 120", page_size=16, total_num_pages=24)
+
+
+def test_page_table_shows_the_real_cache(pages):
+    assert shows_figure(pages)
+    text = pages.text
+    assert "kv_lens[:num_seqs]      = [37, 5, 120]" in text
+    assert "[0, 1, 2, 0, 0, 0, 0, 0]" in text and "[4, 5, 6, 7, 8, 9, 10, 11]" in text
+    assert "Paged: 30 of 192 slots wasted" in text
+    assert "contiguous (each sequence sized to the longest): 198 of 360" in text
+
+
+@pytest.mark.parametrize("order", w.ORDERS)
+def test_page_table_orders_match_the_cache(pages, order):
+    pages.controls["order"].value = order
+    cache, ids = w.fill_cache([37, 5, 120], page_size=16, total_num_pages=24, order=order)
+    for s in ids:
+        assert str(list(cache.pages(s))) in pages.text
+    assert shows_figure(pages)
+    pages.controls["order"].value = "in order"
+
+
+def test_page_table_orders_differ():
+    lists = []
+    for order in w.ORDERS:
+        cache, ids = w.fill_cache([37, 5, 120], page_size=16, total_num_pages=24, order=order)
+        lists.append([cache.pages(s) for s in ids])
+    assert lists[0] == [(0, 1, 2), (3,), tuple(range(4, 12))]
+    assert lists[1] != lists[0] and lists[2] != lists[0]
+    assert all(p % 2 == 0 for seq in lists[2] for p in seq)  # the holes of the freed ones
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("37, abc, 5", "'abc' (entry 1) is not a whole number"),
+        ("37, 5.5", "'5.5' (entry 1) is not a whole number"),
+        ("37, -5", "seq_lens[1]=-5 is negative"),
+        (",".join(["1"] * 17), "at most 16"),
+    ],
+)
+def test_page_table_bad_lengths(pages, text, expected):
+    pages.controls["seq_lens"].value = text
+    assert expected in pages.text and not shows_figure(pages)
+    pages.controls["seq_lens"].value = "37, 5, 120"
+    assert shows_figure(pages)
+
+
+def test_page_table_more_pages_than_the_pool_shows_the_caches_message(pages):
+    pages.controls["seq_lens"].value = "370, 300, 5"
+    err = raised(w.fill_cache, [370, 300, 5], page_size=16, total_num_pages=24)
+    assert isinstance(err, KVCacheError) and err.message.startswith("Out of pages")
+    assert shows_error(pages, err)
+    pages.controls["total_num_pages"].value = 50  # a bigger pool fixes it
+    assert shows_figure(pages) and "the pool has 50 pages" in pages.text
+    pages.controls["seq_lens"].value, pages.controls["total_num_pages"].value = "37, 5, 120", 24
+
+
+@pytest.mark.parametrize("page_size, total", [(0, 24), (-4, 24), (16, 0), (16, 5000)])
+def test_page_table_bad_sizes(pages, page_size, total):
+    pages.controls["page_size"].value = page_size
+    pages.controls["total_num_pages"].value = total
+    assert not shows_figure(pages)
+    if total <= w.MAX_PAGES:
+        err = raised(w.fill_cache, [37, 5, 120], page_size=page_size, total_num_pages=total)
+        assert shows_error(pages, err) and "must be a positive int" in err.message
+    else:
+        assert "draws at most 1024 pages" in pages.text
+    pages.controls["page_size"].value, pages.controls["total_num_pages"].value = 16, 24
+    assert shows_figure(pages)
+
+
+# --- the ragged batch --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ragged():
+    return w.ragged_batch_explorer(q_lens="6, 1, 4, 1", kv_lens="6, 20, 12, 9")
+
+
+def test_ragged_batch_shows_its_arrays(ragged):
+    assert shows_figure(ragged)
+    text = ragged.text
+    assert "cu_q_lens = [0, 6, 7, 11, 12]" in text and "kv_lens   = [6, 20, 12, 9]" in text
+    assert "1 prefill, 2 decode, 1 chunk" in text
+    assert "[7, 11)" in text  # the packed q rows of the chunk
+
+
+def test_ragged_batch_sliding_window(ragged):
+    ragged.controls["sliding_window"].value = "4"
+    assert shows_figure(ragged) and "sliding_window=4" in ragged.text
+    assert "keys 16..19" in ragged.text  # the decode at position 19 sees its last 4 keys
+    ragged.controls["sliding_window"].value = "0"
+    batch = make_batch([(6, 6), (1, 20), (4, 12), (1, 9)])
+    err = raised(dynamic_validate_inputs, *batch.args(), sliding_window=0)
+    assert err.message == "sliding_window=0 must be positive."
+    assert shows_error(ragged, err)
+    ragged.controls["sliding_window"].value = "four"
+    assert "'four' is not a whole number" in ragged.text
+    ragged.controls["sliding_window"].value = ""
+    assert shows_figure(ragged) and "no sliding window" in ragged.text
+
+
+def test_ragged_batch_bad_lengths(ragged):
+    ragged.controls["q_lens"].value = "6, 21, 4, 1"  # q_len > kv_len: make_batch says so
+    err = raised(make_batch, [(6, 6), (21, 20), (4, 12), (1, 9)])
+    assert isinstance(err, RPAInputError) and shows_error(ragged, err)
+    ragged.controls["q_lens"].value = "6, 1, 4"
+    assert "q_lens has 3 entries but kv_lens has 4" in ragged.text
+    ragged.controls["q_lens"].value = "6, x, 4, 1"
+    assert "'x' (entry 1) is not a whole number" in ragged.text
+    ragged.controls["q_lens"].value = "6, 1, 4, 1"
+    assert shows_figure(ragged)
+
+
+# --- the validation playground -----------------------------------------------------------------
+
+REQUIRED_MISTAKES = {
+    "correct: a valid mixed batch": None,
+    "12 q heads with 8 KV heads": "num_q_heads=12 must be divisible by num_kv_heads=8",
+    "q transposed to [num_q_heads, tokens, head_dim]": "must be divisible",
+    "kv_lens as int64 (NumPy's default)": "kv_lens.dtype=dtype('int64')",
+    "kv_lens as floats": "kv_lens.dtype=dtype('float32')",
+    "pages_per_seq too small": "pages_per_seq=1 must be greater or equal to min_pages_per_seq=3",
+    "q_len > kv_len": "q_len=3 must be less or equal to kv_len=2 at sequence 2.",
+    "soft_cap=0.0 to turn it off": "soft_cap=0.0 must not be 0.0.",
+    "sliding_window=0 to turn it off": "sliding_window=0 must be positive.",
+    "a page index out of range": "page_indices[1, 0]=9 is outside [0, 9)",
+    "cu_q_lens decreasing": "cu_q_lens must not decrease",
+}
+
+
+def test_playground_offers_the_common_mistakes():
+    assert len(w.MISTAKES) >= 12
+    assert set(REQUIRED_MISTAKES) <= set(w.MISTAKES)
+    for name, expected in REQUIRED_MISTAKES.items():
+        err = w.run_mistake(name)
+        if expected is None:
+            assert err is None, f"{name} should be valid"
+        else:
+            assert expected in err.message, name
+    assert all(w.run_mistake(n) for n in w.MISTAKES if not n.startswith("correct")), (
+        "every mistake but the correct batch is caught"
+    )
+
+
+def test_playground_shows_each_validators_message_and_the_code():
+    ex = w.validation_playground()
+    for name in w.MISTAKES:
+        ex.controls["mistake"].value = name
+        err = w.run_mistake(name)
+        if err is None:
+            assert "Valid: dynamic_validate_inputs accepts these inputs." in ex.text
+        else:
+            assert str(err) in ex.text, name  # the message and its hint, word for word
+            assert "Hint: " in ex.text
+        assert f"def {w.MISTAKES[name].__name__}(b):" in ex.text  # the code that ran
+
+
+# --- the kernel schedule -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def schedule():
+    return w.kernel_schedule_explorer()
+
+
+def _plan(**overrides):
+    from minilib.schedule import plan_schedule
+
+    batch = make_batch(
+        [(12, 12), (1, 40), (6, 30), (1, 9)],
+        num_q_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=8,
+    )
+    options = dict(num_kv_pages_per_block=2, num_queries_per_block=8) | overrides
+    return batch, plan_schedule(*batch.args(), **options)
+
+
+def test_schedule_shows_the_grid_and_steps(schedule):
+    _, plan = _plan()
+    assert shows_figure(schedule)
+    assert "grid = (2 heads blocks, 3 q blocks) = 6 grid steps" in schedule.text
+    assert f"{len(plan.computes())} KV blocks computed" in schedule.text
+    steps = schedule.controls["grid_step"].options
+    assert list(steps) == [w.ALL_STEPS] + [str(s) for s in plan.steps()]
+    schedule.controls["grid_step"].value = "(0, 1)"
+    assert shows_figure(schedule) and "grid step (0, 1):" in schedule.text
+    n = sum(e.kind == "compute" for e in plan.steps()[(0, 1)])
+    assert schedule.text.count("compute    slot") == n
+
+
+def test_schedule_block_sizes(schedule):
+    schedule.controls["grid_step"].value = "(0, 2)"
+    schedule.controls["num_queries_per_block"].value = "16"  # 2 q blocks: step (0, 2) is gone
+    assert "= 4 grid steps" in schedule.text
+    assert schedule.controls["grid_step"].value == w.ALL_STEPS
+    schedule.controls["num_kv_pages_per_block"].value = "9"  # more than pages_per_seq=5
+    batch, _ = _plan()
+    err = raised(dynamic_validate_inputs, *batch.args(), num_kv_pages_per_block=9)
+    assert shows_error(schedule, err)
+    schedule.controls["num_kv_pages_per_block"].value = "lots"
+    assert "'lots' is not a whole number" in schedule.text
+    schedule.controls["num_kv_pages_per_block"].value = ""  # the kernel's default
+    assert shows_figure(schedule)
+    schedule.controls["num_kv_pages_per_block"].value = "2"
+    schedule.controls["num_queries_per_block"].value = "8"
+    assert shows_figure(schedule) and "= 6 grid steps" in schedule.text
+
+
+def test_schedule_bad_heads(schedule):
+    schedule.controls["num_kv_heads"].value = 6
+    assert shows_error(schedule, raised(check_head_counts, 16, 6))
+    schedule.controls["num_kv_heads"].value = 8
+    assert shows_figure(schedule)
