@@ -4,6 +4,7 @@ Each notebook builds one idea; from then on the course imports the tested versio
 """
 
 from minilib.batch import RaggedBatch, make_batch, random_seq_lens, seq_kind
+from minilib.blockwise import ragged_paged_attention_blockwise
 from minilib.heads import (
     attention_kind,
     combined_head_slots,
@@ -24,6 +25,7 @@ from minilib.kv_cache import (
     pages_needed,
     write_tokens,
 )
+from minilib.pallas_basics import add_vectors, ragged_paged_attention_pallas_basic
 from minilib.reference import DEFAULT_MASK_VALUE, ref_ragged_paged_attention
 from minilib.schedule import Schedule, plan_schedule, record_schedule
 from minilib.validation import (
@@ -44,6 +46,7 @@ __all__ = [
     "write_tokens",
     "RPAInputError",
     "RaggedBatch",
+    "add_vectors",
     "attention_kind",
     "check_head_counts",
     "combined_head_slots",
@@ -57,6 +60,8 @@ __all__ = [
     "default_block_sizes",
     "plan_schedule",
     "ragged_paged_attention",
+    "ragged_paged_attention_blockwise",
+    "ragged_paged_attention_pallas_basic",
     "random_seq_lens",
     "record_schedule",
     "ragged_paged_attention_jnp",

@@ -75,9 +75,9 @@ def test_explorer_is_a_box_of_plain_widgets_with_named_controls(make):
     data = embed_data(views=[ex])
     states = [m["state"] for m in data["manager_state"]["state"].values()]
     assert ex.views["message"].value in [s.get("value") for s in states]
-    images = [m for m in data["manager_state"]["state"].values() if m["model_name"] == "ImageModel"]
-    if shows_figure(ex):
-        assert images[0]["buffers"][0]["path"] == ["value"]
+    if shows_figure(ex):  # the PNG travels as a binary buffer of the Image's `value`
+        image = data["manager_state"]["state"][ex.views["figure"].model_id]
+        assert image["buffers"][0]["path"] == ["value"]
 
 
 # --- head grouping -----------------------------------------------------------------------------

@@ -1,0 +1,446 @@
+"""Blockwise ("flash") ragged paged attention in plain jax.numpy: the kernel's algorithm.
+
+The vectorized version gathers every page of every sequence slot at once, so its working
+memory grows with max_num_seqs * pages_per_seq, and it computes every tile over every key,
+live or not. This version does what the TPU kernel does, in jnp that runs anywhere:
+
+  for each live sequence                           (a loop up to num_seqs, which may be traced)
+    for each block of q rows of that sequence
+      state = (m, l, acc) = (-inf, 0, 0)
+      for each KV block of num_kv_pages_per_block pages that the rows can see
+        k, v  = gather_kv_block(...)                only these pages, via the page table
+        s     = block_scores(...)                   q . k * sm_scale, soft cap, masks
+        state = online_softmax_update(state, s, v)  rescale the old sums, add the new block
+      out[rows] = state.acc / state.l
+
+Three ideas make it fast and small:
+
+* Only one KV block is in memory at a time, [num_kv_pages_per_block * page_size, ...], so the
+  working memory follows the block sizes, not max_num_seqs * pages_per_seq.
+* The loops are `lax.fori_loop`s whose bounds are *values* (num_seqs, q_len, kv_len), so the
+  work follows the real tokens, and one compile serves every batch of the same shapes.
+* The online softmax (Milakov & Gimelshein 2018; FlashAttention) keeps, for each q row, the
+  running max `m`, the running sum of exponentials `l` and the running weighted sum of values
+  `acc`. When a new block raises the max, the old sums are rescaled by exp(m_old - m_new), so
+  after the last block acc / l is exactly softmax(scores) @ v.
+
+As in the kernel, each KV head meets the `group` q heads that share it as one matrix: the q
+block's rows and those heads are folded into [num_queries_per_block * group] rows.
+
+Two differences from the TPU kernel. Here a q block never crosses a sequence boundary (as in
+the vectorized version); the kernel's q blocks are fixed windows of q rows that may hold
+several sequences. And the q block size follows the sequence: a decode has 1 q row, a prefill
+hundreds, and on a CPU one size serves both badly (big blocks are mostly dead rows for a
+decode; small ones re-read every KV block for every few rows of a prefill). So sequences with
+at most SHORT_Q_BLOCK q rows take blocks of that size, and longer ones num_queries_per_block.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from minilib.reference import DEFAULT_MASK_VALUE, dequantize
+from minilib.validation import static_validate_inputs
+
+# Default block sizes, chosen by timing minilib.bench's 32-sequence cases (GQA 32/8/128, pages
+# of 16, 1024 q rows; mixed, decode-heavy, prefill-heavy) on a 2-core CPU, among 32, 64, 128
+# q rows and 8, 16, 32 pages: 128 and 16 were fastest on all three, 5-15% ahead of 64 and 16.
+# Per KV block step the matmuls are then [128 * group, head_dim] x [head_dim, 256] for each KV
+# head: big enough that the loop's own cost is small.
+DEFAULT_NUM_QUERIES_PER_BLOCK = 128
+DEFAULT_NUM_KV_PAGES_PER_BLOCK = 16
+# The q block size of short sequences (decodes, small chunks): see the module docstring.
+SHORT_Q_BLOCK = 8
+
+
+class FlashState(NamedTuple):
+    """The online softmax state of one q block: per KV head, and per row of the folded block
+    (q row, q head of the group).
+
+    `l` is the FlashAttention paper's name (ruff's E741 finds it too much like `1`).
+    """
+
+    m: jax.Array  # f32[num_kv_heads, rows], running max of the scores
+    l: jax.Array  # noqa: E741  f32[num_kv_heads, rows], running sum of exp(scores - m)
+    acc: jax.Array  # f32[num_kv_heads, rows, head_dim], running sum of exp(scores - m) @ v
+
+
+def ragged_paged_attention_blockwise(
+    q: jax.Array,  # [max_num_batched_tokens, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # i32[max_num_seqs]
+    page_indices: jax.Array,  # i32[max_num_seqs, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = DEFAULT_MASK_VALUE,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    num_kv_pages_per_block: int | None = None,
+    num_queries_per_block: int | None = None,
+) -> jax.Array:  # [max_num_batched_tokens, num_q_heads, head_dim]
+    """Ragged paged attention, one q block and one KV block at a time, with online softmax.
+
+    Same signature and result as `ref_ragged_paged_attention` (padding rows come out zero),
+    plus the kernel's two block sizes:
+      num_kv_pages_per_block: pages per KV block (default 16, at most pages_per_seq);
+      num_queries_per_block: q rows per q block (default 128, at most max_num_batched_tokens);
+        sequences with at most SHORT_Q_BLOCK (8) q rows use blocks of that size instead.
+
+    Compiled once per shape and options; new lengths reuse the compile, and `num_seqs` may be
+    a traced value.
+
+    >>> from minilib.batch import make_batch
+    >>> batch = make_batch([(3, 3), (1, 40)], page_size=8)
+    >>> out = ragged_paged_attention_blockwise(*batch.args(), num_kv_pages_per_block=2)
+    >>> out.shape
+    (4, 4, 64)
+    """
+    static_validate_inputs(
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        mask_value=mask_value,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        num_kv_pages_per_block=num_kv_pages_per_block,
+        num_queries_per_block=num_queries_per_block,
+    )
+    max_num_batched_tokens = q.shape[0]
+    pages_per_seq = page_indices.shape[1]
+    if num_kv_pages_per_block is None:
+        num_kv_pages_per_block = min(DEFAULT_NUM_KV_PAGES_PER_BLOCK, pages_per_seq)
+    if num_queries_per_block is None:
+        num_queries_per_block = DEFAULT_NUM_QUERIES_PER_BLOCK
+    # A q block is a window of q's rows, so it can't be longer than q.
+    num_queries_per_block = min(num_queries_per_block, max_num_batched_tokens)
+    return _rpa_blockwise(
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        num_kv_pages_per_block=num_kv_pages_per_block,
+        num_queries_per_block=num_queries_per_block,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "mask_value",
+        "k_scale",
+        "v_scale",
+        "num_kv_pages_per_block",
+        "num_queries_per_block",
+    ),
+)
+def _rpa_blockwise(
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, num_queries_per_block,
+    **options
+):  # fmt: skip
+    """The outer loop, over the live sequences; each writes its own q rows of `out`.
+
+    The loop bound num_seqs[0] is a traced value, so this is a `while` loop in the compiled
+    program, and a batch of few sequences runs few iterations.
+    """
+    short_block = min(SHORT_Q_BLOCK, num_queries_per_block)
+
+    def one_sequence(seq, out):
+        q_start, q_end = cu_q_lens[seq], cu_q_lens[seq + 1]
+        seq_args = (q, kv_pages, page_indices[seq], kv_lens[seq], q_start, q_end)
+
+        def in_blocks_of(rows):
+            return lambda out: attend_sequence(
+                out, *seq_args, num_queries_per_block=rows, **options
+            )
+
+        if short_block == num_queries_per_block:
+            return in_blocks_of(num_queries_per_block)(out)
+        # Short sequences (decodes) take short q blocks: see the module docstring.
+        is_short = q_end - q_start <= short_block
+        return jax.lax.cond(
+            is_short, in_blocks_of(short_block), in_blocks_of(num_queries_per_block), out
+        )
+
+    # Rows no live sequence writes, the padding past cu_q_lens[num_seqs], stay zero.
+    return jax.lax.fori_loop(0, num_seqs[0], one_sequence, jnp.zeros_like(q))
+
+
+def attend_sequence(
+    out: jax.Array,  # [max_num_batched_tokens, num_q_heads, head_dim]
+    q: jax.Array,  # [max_num_batched_tokens, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+    page_row: jax.Array,  # i32[pages_per_seq], this sequence's row of page_indices
+    kv_len: jax.Array,  # i32[]
+    q_start: jax.Array,  # i32[], cu_q_lens[seq]
+    q_end: jax.Array,  # i32[], cu_q_lens[seq + 1]
+    *,
+    num_queries_per_block: int,
+    **options,
+) -> jax.Array:  # out, with this sequence's rows written
+    """Cut one sequence's q rows into blocks of num_queries_per_block rows; attend each."""
+    num_q_blocks = -(-(q_end - q_start) // num_queries_per_block)  # 0 for an idle sequence
+
+    def one_q_block(i, out):
+        block_start = q_start + i * num_queries_per_block
+        return attend_q_block(
+            out, q, kv_pages, page_row, kv_len, q_end, block_start,
+            num_queries_per_block=num_queries_per_block, **options,
+        )  # fmt: skip
+
+    return jax.lax.fori_loop(0, num_q_blocks, one_q_block, out)
+
+
+def attend_q_block(
+    out: jax.Array,  # [max_num_batched_tokens, num_q_heads, head_dim]
+    q: jax.Array,  # [max_num_batched_tokens, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+    page_row: jax.Array,  # i32[pages_per_seq]
+    kv_len: jax.Array,  # i32[]
+    q_end: jax.Array,  # i32[], one past the sequence's last q row
+    block_start: jax.Array,  # i32[], the block's first q row
+    *,
+    num_queries_per_block: int,
+    num_kv_pages_per_block: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    mask_value: float,
+    k_scale: float | None,
+    v_scale: float | None,
+) -> jax.Array:  # out, with this block's live rows written
+    """Attend one q block over the KV blocks it can see, then write its live rows to `out`."""
+    num_kv_heads = kv_pages.shape[2] // 2
+    rows, live = q_block_window(block_start, q_end, num_queries_per_block, q.shape[0])
+    q_block = jax.lax.dynamic_slice_in_dim(q, rows[0], num_queries_per_block)
+    q_folded = fold_heads_into_rows(q_block.astype(jnp.float32), num_kv_heads)
+    # The sequence's last q row, q_end - 1, is its last token, kv_len - 1: so batch row r is
+    # token r + (kv_len - q_end) of the sequence.
+    q_pos = rows + (kv_len - q_end)  # i32[num_queries_per_block]
+
+    block_len = num_kv_pages_per_block * kv_pages.shape[1]  # keys per KV block
+    last_row = jnp.minimum(block_start + num_queries_per_block, q_end) - 1
+    first_block, end_block = kv_blocks_to_visit(
+        block_start + (kv_len - q_end),  # position of the block's first live row
+        last_row + (kv_len - q_end),  # ... and of its last one
+        kv_len,
+        block_len,
+        sliding_window,
+    )
+
+    def one_kv_block(j, state):
+        k, v = gather_kv_block(kv_pages, page_row, kv_len, j, num_kv_pages_per_block)
+        # Dequantize to q's dtype, as the reference does, then compute in float32 (exact for
+        # bf16 values, and far faster than bf16 matmuls on CPU).
+        k = dequantize(k, k_scale, q.dtype).astype(jnp.float32)
+        v = dequantize(v, v_scale, q.dtype).astype(jnp.float32)
+        k_pos = j * block_len + jnp.arange(block_len)  # each key's position in the sequence
+        scores = block_scores(
+            q_folded, k, q_pos, k_pos, kv_len, sm_scale=sm_scale,
+            sliding_window=sliding_window, soft_cap=soft_cap, mask_value=mask_value,
+        )  # fmt: skip
+        return online_softmax_update(state, scores, v)
+
+    state = init_flash_state(q_folded)
+    state = jax.lax.fori_loop(first_block, end_block, one_kv_block, state)
+    block_out = unfold_rows_into_heads(finish_flash_state(state), num_queries_per_block)
+
+    # Write only the live rows; the others belong to another block or sequence.
+    old = jax.lax.dynamic_slice_in_dim(out, rows[0], num_queries_per_block)
+    new = jnp.where(live[:, None, None], block_out.astype(out.dtype), old)
+    return jax.lax.dynamic_update_slice_in_dim(out, new, rows[0], axis=0)
+
+
+def q_block_window(
+    block_start: jax.Array,  # i32[]
+    q_end: jax.Array,  # i32[]
+    num_queries_per_block: int,
+    max_num_batched_tokens: int,
+) -> tuple[jax.Array, jax.Array]:  # rows: i32[num_queries_per_block], live: bool[same]
+    """The q rows a block reads, and which of them are its own.
+
+    A block is num_queries_per_block rows from block_start, but near the end of q that would
+    run past the array, and `lax.dynamic_slice` would silently shift the window back. So we
+    shift it ourselves, to end at the last row of q, and mark as live only the rows in
+    [block_start, q_end): the rows before block_start (an earlier block's) and those past
+    q_end (the next sequence's) are read, but not written.
+
+    >>> rows, live = q_block_window(jnp.int32(10), jnp.int32(12), 4, 12)
+    >>> rows.tolist(), live.tolist()
+    ([8, 9, 10, 11], [False, False, True, True])
+    """
+    window_start = jnp.minimum(block_start, max_num_batched_tokens - num_queries_per_block)
+    rows = window_start + jnp.arange(num_queries_per_block)
+    return rows, (rows >= block_start) & (rows < q_end)
+
+
+def fold_heads_into_rows(
+    q_block: jax.Array,  # [num_queries_per_block, num_q_heads, head_dim]
+    num_kv_heads: int,
+) -> jax.Array:  # [num_kv_heads, num_queries_per_block * group, head_dim]
+    """GQA without repeating K: KV head h serves q heads h*group .. h*group + group - 1, so
+    those q heads of every q row become the rows of one matrix for KV head h.
+
+    Row q * group + g of KV head h is q row q, q head h * group + g, as in the TPU kernel.
+
+    >>> fold_heads_into_rows(jnp.arange(8).reshape(2, 4, 1), 2)[:, :, 0].tolist()
+    [[0, 1, 4, 5], [2, 3, 6, 7]]
+    """
+    rows, num_q_heads, head_dim = q_block.shape
+    group = num_q_heads // num_kv_heads
+    q_block = q_block.reshape(rows, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    return q_block.reshape(num_kv_heads, rows * group, head_dim)
+
+
+def unfold_rows_into_heads(
+    x: jax.Array,  # [num_kv_heads, num_queries_per_block * group, head_dim]
+    num_queries_per_block: int,
+) -> jax.Array:  # [num_queries_per_block, num_q_heads, head_dim]
+    """The inverse of `fold_heads_into_rows`: back to q's layout."""
+    num_kv_heads, folded, head_dim = x.shape
+    group = folded // num_queries_per_block
+    x = x.reshape(num_kv_heads, num_queries_per_block, group, head_dim).transpose(1, 0, 2, 3)
+    return x.reshape(num_queries_per_block, num_kv_heads * group, head_dim)
+
+
+def kv_blocks_to_visit(
+    first_q_pos: jax.Array,  # i32[], position in the sequence of the block's first live row
+    last_q_pos: jax.Array,  # i32[], ... of its last live row
+    kv_len: jax.Array,  # i32[]
+    block_len: int,  # keys per KV block: num_kv_pages_per_block * page_size
+    sliding_window: int | None,
+) -> tuple[jax.Array, jax.Array]:  # first_block, end_block: i32[]
+    """The KV blocks [first_block, end_block) that hold a key some row of the q block can see.
+
+    Causal: no row sees past last_q_pos (< kv_len), so blocks after it are skipped. With a
+    sliding window, no row sees before first_q_pos - sliding_window + 1, so blocks before that
+    are skipped too. Every other block is masked row by row in `block_scores`.
+
+    >>> [int(b) for b in kv_blocks_to_visit(jnp.int32(40), jnp.int32(40), jnp.int32(41), 16, 8)]
+    [2, 3]
+    """
+    end_block = -(-(jnp.minimum(last_q_pos + 1, kv_len)) // block_len)
+    if sliding_window is None:
+        return jnp.int32(0), end_block
+    first_key = jnp.maximum(first_q_pos - sliding_window + 1, 0)
+    return first_key // block_len, end_block
+
+
+def gather_kv_block(
+    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+    page_row: jax.Array,  # i32[pages_per_seq]
+    kv_len: jax.Array,  # i32[]
+    block: jax.Array,  # i32[], which KV block of the sequence
+    num_kv_pages_per_block: int,
+) -> tuple[jax.Array, jax.Array]:  # k, v: [num_kv_pages_per_block * page_size, num_kv_heads,
+    #                                       head_dim], in kv_pages' dtype, zero past kv_len
+    """Read one KV block, num_kv_pages_per_block pages, from the paged cache.
+
+    Page column c of the sequence is page `page_row[c]`. The last block may reach past
+    pages_per_seq (when the block size does not divide it), and unused columns may hold any
+    page number, so both are clipped into range; every key they give is past kv_len, and is
+    zeroed. Zeroing, not just masking the scores, matters: unused slots may hold NaN, and
+    0 * NaN = NaN in p @ v.
+    """
+    total_num_pages, page_size, combined, head_dim = kv_pages.shape
+    pages_per_seq = page_row.shape[0]
+    columns = block * num_kv_pages_per_block + jnp.arange(num_kv_pages_per_block)
+    pages = jnp.clip(page_row[jnp.minimum(columns, pages_per_seq - 1)], 0, total_num_pages - 1)
+    block_len = num_kv_pages_per_block * page_size
+    kv = kv_pages[pages].reshape(block_len, combined, head_dim)
+    k_pos = block * block_len + jnp.arange(block_len)
+    kv = jnp.where((k_pos < kv_len)[:, None, None], kv, jnp.zeros((), kv.dtype))
+    return kv[:, 0::2], kv[:, 1::2]  # K in even head slots, V in odd ones
+
+
+def block_scores(
+    q_folded: jax.Array,  # f32[num_kv_heads, rows, head_dim], rows = num_queries_per_block * group
+    k: jax.Array,  # f32[block_len, num_kv_heads, head_dim]
+    q_pos: jax.Array,  # i32[num_queries_per_block], each q row's position in the sequence
+    k_pos: jax.Array,  # i32[block_len], each key's position in the sequence
+    kv_len: jax.Array,  # i32[]
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    mask_value: float,
+) -> jax.Array:  # f32[num_kv_heads, rows, block_len]
+    """Scaled, soft-capped and masked scores of a (folded) q block against one KV block.
+
+    A score is masked when its key is in the future of its q row, past kv_len, or (with a
+    sliding window) sliding_window or more keys back. Masked scores become mask_value with
+    `jnp.where`, which also drops any NaN computed from a padding slot.
+    """
+    group = q_folded.shape[1] // q_pos.shape[0]
+    scores = jnp.einsum("hrd,khd->hrk", q_folded, k, preferred_element_type=jnp.float32)
+    scores = scores * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    row_pos = jnp.repeat(q_pos, group)[:, None]  # [rows, 1]: folded row q * group + g is row q
+    masked = (k_pos[None, :] > row_pos) | (k_pos[None, :] >= kv_len)
+    if sliding_window is not None:
+        masked |= k_pos[None, :] <= row_pos - sliding_window
+    return jnp.where(masked, mask_value, scores)
+
+
+def init_flash_state(
+    q_folded: jax.Array,  # [num_kv_heads, rows, head_dim]
+) -> FlashState:
+    """Before any KV block: max -inf, sum 0, accumulator 0."""
+    num_kv_heads, rows, head_dim = q_folded.shape
+    return FlashState(
+        m=jnp.full((num_kv_heads, rows), -jnp.inf, jnp.float32),
+        l=jnp.zeros((num_kv_heads, rows), jnp.float32),
+        acc=jnp.zeros((num_kv_heads, rows, head_dim), jnp.float32),
+    )
+
+
+def online_softmax_update(
+    state: FlashState,
+    scores: jax.Array,  # f32[num_kv_heads, rows, block_len]
+    v: jax.Array,  # f32[block_len, num_kv_heads, head_dim]
+) -> FlashState:
+    """Fold one KV block into the running softmax.
+
+    With m_new = max(m, max(scores)), the old sums were computed relative to m, so they are
+    rescaled by alpha = exp(m - m_new) (which is 0 on the first block, where m = -inf), and
+    the new block adds p = exp(scores - m_new). A masked score is mask_value, very negative
+    but finite, so p is 0 for it once any real key has been seen.
+    """
+    m_new = jnp.maximum(state.m, scores.max(axis=-1))
+    alpha = jnp.exp(state.m - m_new)
+    p = jnp.exp(scores - m_new[..., None])
+    l_new = alpha * state.l + p.sum(axis=-1)
+    pv = jnp.einsum("hrk,khd->hrd", p, v, preferred_element_type=jnp.float32)
+    return FlashState(m=m_new, l=l_new, acc=alpha[..., None] * state.acc + pv)
+
+
+def finish_flash_state(
+    state: FlashState,
+) -> jax.Array:  # f32[num_kv_heads, rows, head_dim]
+    """After the last KV block, acc / l is softmax(scores) @ v."""
+    return state.acc / state.l[..., None]

@@ -1,0 +1,140 @@
+"""Notebook 03's exercises: the causal mask with its offset, and which sequence owns a row."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from minilib.batch import seq_kind
+from minilib.exercises.checking import (
+    Case,
+    CheckResult,
+    Mismatch,
+    as_int,
+    compare_arrays,
+    diagnose,
+    expected_vs_got,
+    run_check,
+)
+from minilib.reference import causal_mask
+
+
+def describe_seq(q_len: int, kv_len: int) -> str:
+    """'q_len=3, kv_len=7: a prefill chunk of 3 new tokens after 4 cached ones', etc."""
+    kind = seq_kind(q_len, kv_len)
+    what = {
+        "prefill": "a prefill, every token new",
+        "decode": f"a decode, 1 new token after {kv_len - 1} cached ones",
+        "chunk": f"a prefill chunk, {q_len} new tokens after {kv_len - q_len} cached ones",
+        "idle": "idle, no new tokens",
+    }[kind]
+    return f"q_len={q_len}, kv_len={kv_len}: {what}"
+
+
+def _mask_without_offset(q_len, kv_len):  # rows taken as the first q_len tokens
+    return jnp.arange(kv_len)[None, :] > jnp.arange(q_len)[:, None]
+
+
+def _mask_without_diagonal(q_len, kv_len):  # a row may not see itself
+    q_pos = kv_len - q_len + jnp.arange(q_len)[:, None]
+    return jnp.arange(kv_len)[None, :] >= q_pos
+
+
+def check_causal_mask(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
+    """Check `fn(q_len, kv_len) -> bool[q_len, kv_len]`, True where q row i may NOT see key j.
+
+    The q rows are the sequence's newest q_len tokens, so row i sits at position
+    kv_len - q_len + i.
+
+    >>> from minilib.reference import causal_mask
+    >>> check_causal_mask(causal_mask)
+    Passed: causal_mask matches the reference on all 9 cases.
+    CheckResult('causal_mask', status='passed')
+    """
+    rng = np.random.default_rng(400 + seed)
+    pairs = [(3, 7), (1, 6), (4, 4)]
+    for _ in range(3):
+        kv_len = int(rng.integers(2, 10))
+        pairs.append((int(rng.integers(1, kv_len + 1)), kv_len))
+    pairs += [(1, 1), (2, 9), (5, 6)]
+    cases = [Case(describe_seq(q, kv), (q, kv)) for q, kv in pairs]
+    mistakes = {
+        "True must mean *masked* (may not see); your mask is the opposite.": (
+            lambda q_len, kv_len: ~causal_mask(q_len, kv_len)
+        ),
+        "the q rows are the *last* q_len tokens of the sequence, not the first: row i sits at "
+        "position kv_len - q_len + i, and sees every key up to it.": _mask_without_offset,
+        "off by one: a row sees its own token (the diagonal), so mask only keys with "
+        "position > the row's position.": _mask_without_diagonal,
+    }
+    compare = diagnose(lambda want, got, case: compare_arrays(want, got, "mask"), mistakes)
+    return run_check("causal_mask", fn, causal_mask, cases, compare, verbose=verbose)
+
+
+def _seq_for_row(cu_q_lens, num_seqs, row: int) -> int:
+    n = int(np.asarray(num_seqs)[0])
+    return int(np.searchsorted(np.asarray(cu_q_lens)[1 : n + 1], row, side="right"))
+
+
+def check_seq_for_row(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
+    """Check `fn(cu_q_lens, num_seqs, row) -> int`: the sequence i whose q rows
+    [cu_q_lens[i], cu_q_lens[i+1]) hold `row`. Every live row of each batch is tried.
+
+    Idle sequences (q_len 0) own no row; entries past num_seqs are padding garbage.
+
+    >>> check_seq_for_row(_seq_for_row)
+    Passed: seq_for_row matches the reference on all 6 cases.
+    CheckResult('seq_for_row', status='passed')
+    """
+    rng = np.random.default_rng(410 + seed)
+    batches = [[3, 1, 1, 4], [2, 0, 3], [0, 1, 2, 0, 2], [5], [1, 1, 1]]
+    batches += [[int(x) for x in rng.integers(0, 4, size=4)]]
+    cases = []
+    for q_lens in batches:
+        n = len(q_lens)
+        cu = np.full(n + 3, 99, np.int32)  # two padding slots of garbage
+        cu[: n + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+        cu_q_lens, num_seqs = jnp.asarray(cu), jnp.asarray([n], jnp.int32)
+        cases.append(
+            Case(
+                f"q_lens={q_lens}: cu_q_lens={cu.tolist()}, num_seqs=[{n}], every live row",
+                (cu_q_lens, num_seqs),
+            )
+        )
+
+    def every_row(f):
+        def rows(cu_q_lens, num_seqs):
+            total = int(cu_q_lens[int(num_seqs[0])])
+            return [as_int(f(cu_q_lens, num_seqs, r)) for r in range(total)]
+
+        return rows
+
+    def compare(want, got, case):
+        for r, (w, g) in enumerate(zip(want, got, strict=True)):
+            if w != g:
+                raise Mismatch(
+                    f"row {r}: expected sequence {w}, got {g}\n"
+                    + expected_vs_got(f"sequence of rows 0..{len(want) - 1}", want, got)
+                )
+
+    mistakes = {
+        "a row equal to cu_q_lens[i+1] already belongs to the next sequence: the rows of "
+        "sequence i are [cu_q_lens[i], cu_q_lens[i+1]), end excluded. (With searchsorted: "
+        "side='right' on cu_q_lens[1:].)": every_row(
+            lambda cu, n, r: int(np.searchsorted(np.asarray(cu)[1 : int(n[0]) + 1], r))
+        ),
+        "an idle sequence (q_len 0) owns no row: skip it. Rows [cu_q_lens[i], cu_q_lens[i+1]) "
+        "is empty when the two are equal.": every_row(
+            lambda cu, n, r: int(np.searchsorted(np.asarray(cu)[: int(n[0])], r, "right")) - 1
+        ),
+    }
+    return run_check(
+        "seq_for_row",
+        every_row(fn),
+        every_row(_seq_for_row),
+        cases,
+        diagnose(compare, mistakes),
+        verbose=verbose,
+    )

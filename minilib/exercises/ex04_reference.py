@@ -1,0 +1,121 @@
+"""Notebook 04's exercises: two options of the reference, soft capping and a sliding window."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from minilib.exercises.checking import Case, CheckResult, compare_arrays, diagnose, run_check
+from minilib.exercises.ex03_ragged import describe_seq
+from minilib.reference import DEFAULT_MASK_VALUE, attend, causal_mask
+
+
+def _attend_soft_cap(q, k, v, *, sm_scale, soft_cap):
+    return attend(
+        q, k, v, sm_scale=sm_scale, sliding_window=None, soft_cap=soft_cap,
+        mask_value=DEFAULT_MASK_VALUE,
+    )  # fmt: skip
+
+
+def _cap_after_mask(q, k, v, *, sm_scale, soft_cap):
+    """The classic mistake: the mask value goes through tanh too, and becomes -soft_cap."""
+    q_len, num_q_heads, _ = q.shape
+    group = num_q_heads // k.shape[1]
+    k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+    scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * sm_scale
+    scores = jnp.where(causal_mask(q_len, k.shape[0]), DEFAULT_MASK_VALUE, scores)
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def check_attend_soft_cap(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
+    """Check `fn(q, k, v, *, sm_scale, soft_cap) -> out`, causal attention of one sequence
+    with Gemma-2-style soft capping of the scores: soft_cap * tanh(scores / soft_cap).
+
+      q:   [q_len, num_q_heads, head_dim]   the sequence's new rows
+      k,v: [kv_len, num_kv_heads, head_dim]  all its keys and values
+      out: [q_len, num_q_heads, head_dim]
+    soft_cap=None means no capping.
+
+    >>> check_attend_soft_cap(_attend_soft_cap)
+    Passed: attend_soft_cap matches the reference on all 6 cases.
+    CheckResult('attend_soft_cap', status='passed')
+    """
+    rng = np.random.default_rng(500 + seed)
+    cases = []
+    # (q_len, kv_len, num_q_heads, num_kv_heads, soft_cap): small caps make mistakes visible.
+    for q_len, kv_len, nq, nkv, cap in [
+        (3, 7, 4, 2, 2.0),
+        (1, 9, 4, 1, 5.0),
+        (5, 5, 2, 2, 1.0),
+        (4, 6, 6, 3, None),
+        (2, 8, 8, 2, 30.0),
+        (6, 6, 4, 2, 3.0),
+    ]:
+        head_dim = 8
+        q, k, v = (
+            jnp.asarray(rng.standard_normal((n, h, head_dim)), jnp.float32)
+            for n, h in ((q_len, nq), (kv_len, nkv), (kv_len, nkv))
+        )
+        sm_scale = float(rng.choice([0.5, 1.0, 2.0]))
+        cases.append(
+            Case(
+                f"{describe_seq(q_len, kv_len)}; num_q_heads={nq}, num_kv_heads={nkv}, "
+                f"head_dim={head_dim}, sm_scale={sm_scale}, soft_cap={cap}",
+                (q, k, v),
+                {"sm_scale": sm_scale, "soft_cap": cap},
+            )
+        )
+    mistakes = {
+        "soft capping after masking turns the mask value into -soft_cap, so masked keys get "
+        "some weight. Cap the scores first, then mask (as JAX's reference does).": _cap_after_mask,
+        "the scores are not capped at all: apply soft_cap * tanh(scores / soft_cap) after "
+        "scaling by sm_scale, when soft_cap is not None.": (
+            lambda q, k, v, *, sm_scale, soft_cap: _attend_soft_cap(
+                q, k, v, sm_scale=sm_scale, soft_cap=None
+            )
+        ),
+    }
+    compare = diagnose(
+        lambda want, got, case: compare_arrays(want, got, "out", atol=1e-4, rtol=1e-4), mistakes
+    )
+    return run_check("attend_soft_cap", fn, _attend_soft_cap, cases, compare, verbose=verbose)
+
+
+def check_sliding_window_mask(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
+    """Check `fn(q_len, kv_len, sliding_window) -> bool[q_len, kv_len]`: the causal mask of
+    notebook 03, where in addition each row sees only its last `sliding_window` keys, its own
+    included. True = masked.
+
+    >>> from minilib.reference import causal_mask
+    >>> check_sliding_window_mask(causal_mask)
+    Passed: sliding_window_mask matches the reference on all 7 cases.
+    CheckResult('sliding_window_mask', status='passed')
+    """
+    rng = np.random.default_rng(510 + seed)
+    triples = [(3, 9, 4), (1, 8, 3), (6, 6, 2), (4, 7, 1), (2, 5, 10)]
+    for _ in range(2):
+        kv_len = int(rng.integers(3, 11))
+        triples.append((int(rng.integers(1, kv_len + 1)), kv_len, int(rng.integers(1, 6))))
+    cases = [Case(f"{describe_seq(q, kv)}; sliding_window={w}", (q, kv, w)) for q, kv, w in triples]
+
+    def window_off_by_one(q_len, kv_len, w):  # sees w + 1 keys
+        q_pos = kv_len - q_len + jnp.arange(q_len)[:, None]
+        k_pos = jnp.arange(kv_len)[None, :]
+        return (k_pos > q_pos) | (k_pos < q_pos - w)
+
+    def window_only(q_len, kv_len, w):  # forgot the causal part
+        q_pos = kv_len - q_len + jnp.arange(q_len)[:, None]
+        return jnp.arange(kv_len)[None, :] <= q_pos - w
+
+    mistakes = {
+        "off by one: the window holds sliding_window keys *including* the row's own, so key j "
+        "is masked when j <= q_pos - sliding_window.": window_off_by_one,
+        "the window adds to the causal mask; keys after the row stay masked too.": window_only,
+    }
+    compare = diagnose(lambda want, got, case: compare_arrays(want, got, "mask"), mistakes)
+    return run_check("sliding_window_mask", fn, causal_mask, cases, compare, verbose=verbose)

@@ -1,0 +1,139 @@
+"""Notebook 06's exercise: one step of the online softmax."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from minilib.blockwise import FlashState, online_softmax_update
+from minilib.exercises.checking import (
+    Case,
+    CheckResult,
+    Mismatch,
+    compare_arrays,
+    diagnose,
+    run_check,
+)
+from minilib.reference import DEFAULT_MASK_VALUE
+
+
+def _update(m, l, acc, scores, v):
+    """minilib's update, for one KV head and one q head: [rows] state, [rows, block] scores."""
+    state = FlashState(m=m[None], l=l[None], acc=acc[None])  # one KV head
+    new = online_softmax_update(state, scores[None], v[:, None, :])
+    return new.m[0], new.l[0], new.acc[0]
+
+
+def _run_blocks(update: Callable) -> Callable:
+    """Feed the blocks one by one from the empty state; the state after each block."""
+
+    def run(blocks_of_scores, blocks_of_v):
+        rows, head_dim = blocks_of_scores[0].shape[0], blocks_of_v[0].shape[1]
+        m = jnp.full((rows,), -jnp.inf, jnp.float32)
+        l = jnp.zeros((rows,), jnp.float32)
+        acc = jnp.zeros((rows, head_dim), jnp.float32)
+        states = []
+        for scores, v in zip(blocks_of_scores, blocks_of_v, strict=True):
+            out = update(m, l, acc, scores, v)
+            if not isinstance(out, tuple | list) or len(out) != 3:
+                return [("not a triple", type(out).__name__)]
+            m, l, acc = out
+            states.append((m, l, acc))
+        return states
+
+    return run
+
+
+def check_online_softmax_update(
+    fn: Callable, *, seed: int = 0, verbose: bool = True
+) -> CheckResult:
+    """Check `fn(m, l, acc, scores, v) -> (m, l, acc)`, one block of the online softmax.
+
+      m, l:   f32[rows]            running max of the scores, running sum of exp(score - m)
+      acc:    f32[rows, head_dim]  running sum of exp(score - m) * v
+      scores: f32[rows, block_len] this block's scores (masked keys hold a very negative value)
+      v:      [block_len, head_dim]
+
+    The state starts at m = -inf, l = 0, acc = 0; the blocks are fed one by one, and the state
+    after each is compared with minilib's `online_softmax_update`.
+
+    >>> check_online_softmax_update(_update)
+    Passed: online_softmax_update matches the reference on all 6 cases.
+    CheckResult('online_softmax_update', status='passed')
+    """
+    rng = np.random.default_rng(700 + seed)
+    cases = []
+    # (rows, number of blocks, block_len, score scale, mask the first block of row 0)
+    for rows, num_blocks, block_len, scale, mask_first in [
+        (2, 3, 4, 1.0, False),
+        (3, 4, 2, 30.0, False),
+        (1, 1, 5, 1.0, False),
+        (4, 3, 3, 300.0, False),
+        (2, 3, 4, 1.0, True),
+        (3, 2, 6, 5.0, True),
+    ]:
+        head_dim = 4
+        scores = scale * rng.standard_normal((num_blocks, rows, block_len))
+        if scale > 100:  # rising maxima: each block forces a rescale of the old sums
+            scores += 50.0 * np.arange(num_blocks)[:, None, None]
+        if mask_first:
+            scores[0, 0, :] = DEFAULT_MASK_VALUE  # row 0 sees nothing in the first block
+            scores[-1, -1, -1] = DEFAULT_MASK_VALUE
+        v = rng.standard_normal((num_blocks, block_len, head_dim))
+        what = f"{rows} rows, {num_blocks} blocks of {block_len} keys, head_dim={head_dim}"
+        if scale > 20:
+            what += f", scores up to {np.abs(scores).max():.0f} (exp overflows without the max)"
+        if mask_first:
+            what += ", row 0's first block fully masked"
+        cases.append(
+            Case(
+                what,
+                (
+                    [jnp.asarray(s, jnp.float32) for s in scores],
+                    [jnp.asarray(b, jnp.float32) for b in v],
+                ),
+            )
+        )
+
+    def compare(want, got, case):
+        if got and got[0][0] == "not a triple":
+            raise Mismatch(f"expected a tuple (m, l, acc), got {got[0][1]}")
+        for b, (w, g) in enumerate(zip(want, got, strict=True)):
+            for name, w_x, g_x in zip(("m", "l", "acc"), w, g, strict=True):
+                try:
+                    compare_arrays(w_x, g_x, name, atol=1e-4, rtol=1e-4)
+                except Mismatch as diff:
+                    raise Mismatch(f"after block {b + 1} of {len(want)}:\n{diff}") from None
+
+    def no_rescale_acc(m, l, acc, scores, v):
+        m_new = jnp.maximum(m, scores.max(-1))
+        alpha, p = jnp.exp(m - m_new), jnp.exp(scores - m_new[:, None])
+        return m_new, alpha * l + p.sum(-1), acc + p @ v
+
+    def no_rescale(m, l, acc, scores, v):
+        m_new = jnp.maximum(m, scores.max(-1))
+        p = jnp.exp(scores - m_new[:, None])
+        return m_new, l + p.sum(-1), acc + p @ v
+
+    def no_max(m, l, acc, scores, v):
+        p = jnp.exp(scores)
+        return jnp.maximum(m, scores.max(-1)), l + p.sum(-1), acc + p @ v
+
+    mistakes = {
+        "acc is not rescaled: when the max rises, the old acc was computed relative to the old "
+        "max, so multiply it by alpha = exp(m - m_new) too, as l.": _run_blocks(no_rescale_acc),
+        "the old sums are not rescaled: l and acc were computed relative to the old max; "
+        "multiply both by alpha = exp(m - m_new) before adding the block.": _run_blocks(no_rescale),
+        "exp(scores) without subtracting the max: l and acc must hold exp(score - m), which "
+        "never overflows; exp(score) does above about 88.": _run_blocks(no_max),
+    }
+    return run_check(
+        "online_softmax_update",
+        _run_blocks(fn),
+        _run_blocks(_update),
+        cases,
+        diagnose(compare, mistakes),
+        verbose=verbose,
+    )

@@ -1,0 +1,102 @@
+"""Notebook 08's exercise: which KV blocks a block of q rows must visit (and so copy)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from minilib.blockwise import kv_blocks_to_visit
+from minilib.exercises.checking import Case, CheckResult, compare_values, diagnose, run_check
+
+
+def _reference(first_q_pos, last_q_pos, kv_len, block_len, sliding_window):
+    first, end = kv_blocks_to_visit(first_q_pos, last_q_pos, kv_len, block_len, sliding_window)
+    return int(first), int(end)
+
+
+def _as_ints(fn: Callable) -> Callable:
+    def run(*args):
+        out = fn(*args)
+        try:
+            first, end = out
+            return int(first), int(end)
+        except (TypeError, ValueError):
+            return out
+
+    return run
+
+
+def check_kv_blocks_to_visit(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
+    """Check `fn(first_q_pos, last_q_pos, kv_len, block_len, sliding_window) -> (first, end)`:
+    the KV blocks [first, end) of a sequence that hold a key some row of a q block can see.
+
+    The q block's rows sit at positions first_q_pos..last_q_pos (inclusive) of the sequence;
+    KV block b holds keys [b * block_len, (b + 1) * block_len); row at position p sees keys
+    0..p, and with a sliding window w only keys p - w + 1..p. sliding_window may be None.
+
+    >>> check_kv_blocks_to_visit(_reference)
+    Passed: kv_blocks_to_visit matches the reference on all 13 cases.
+    CheckResult('kv_blocks_to_visit', status='passed')
+    """
+    rng = np.random.default_rng(900 + seed)
+    # (q_len, kv_len, rows of the q block within the sequence [r0, r1), block_len, window)
+    specs = [
+        (1, 41, (0, 1), 16, None),  # a decode: the last key is in block 2
+        (1, 48, (0, 1), 16, None),  # ... exactly at the end of a block
+        (1, 33, (0, 1), 16, None),  # ... alone at the start of a block
+        (8, 8, (0, 8), 4, None),  # a prefill, all its rows in one q block
+        (32, 40, (8, 16), 8, None),  # a middle q block of a chunk
+        (3, 20, (0, 3), 16, None),
+        (1, 41, (0, 1), 16, 8),  # decode with a window: early blocks are skipped
+        (16, 64, (0, 8), 8, 5),
+        (6, 6, (2, 6), 2, 3),
+    ]
+    for _ in range(4):
+        kv_len = int(rng.integers(2, 80))
+        q_len = int(rng.integers(1, kv_len + 1))
+        r0 = int(rng.integers(0, q_len))
+        r1 = int(rng.integers(r0 + 1, q_len + 1))
+        window = None if rng.random() < 0.5 else int(rng.integers(1, 20))
+        specs.append((q_len, kv_len, (r0, r1), int(rng.choice([4, 8, 16])), window))
+    cases = []
+    for q_len, kv_len, (r0, r1), block_len, window in specs:
+        first_q_pos, last_q_pos = kv_len - q_len + r0, kv_len - q_len + r1 - 1
+        cases.append(
+            Case(
+                f"rows at positions {first_q_pos}..{last_q_pos} of a sequence with "
+                f"kv_len={kv_len}; KV blocks of block_len={block_len}; "
+                f"sliding_window={window}",
+                (first_q_pos, last_q_pos, kv_len, block_len, window),
+            )
+        )
+
+    def every_block(first_q_pos, last_q_pos, kv_len, block_len, sliding_window):
+        return 0, -(-kv_len // block_len)
+
+    def window_off_by_one(first_q_pos, last_q_pos, kv_len, block_len, sliding_window):
+        end = last_q_pos // block_len + 1
+        if sliding_window is None:
+            return 0, end
+        return max(first_q_pos - sliding_window, 0) // block_len, end
+
+    def end_exclusive_wrong(first_q_pos, last_q_pos, kv_len, block_len, sliding_window):
+        first, _ = _reference(first_q_pos, last_q_pos, kv_len, block_len, sliding_window)
+        return first, -(-last_q_pos // block_len)
+
+    mistakes = {
+        "causality: no row of the block sees past last_q_pos, so the blocks after the one "
+        "holding key last_q_pos are never needed (copying them would waste bandwidth). "
+        "end = last_q_pos // block_len + 1.": _as_ints(every_block),
+        "the window's first key: a row at position p sees keys p - sliding_window + 1 .. p, "
+        "so the first block is max(first_q_pos - sliding_window + 1, 0) // block_len.": (
+            _as_ints(window_off_by_one)
+        ),
+        "end is exclusive: the block holding key last_q_pos is last_q_pos // block_len, so "
+        "end = last_q_pos // block_len + 1 (rounding last_q_pos up misses it when it starts a "
+        "block).": _as_ints(end_exclusive_wrong),
+    }
+    compare = diagnose(lambda want, got, case: compare_values(want, got, "(first, end)"), mistakes)
+    return run_check(
+        "kv_blocks_to_visit", _as_ints(fn), _reference, cases, compare, verbose=verbose
+    )

@@ -1,0 +1,272 @@
+"""The blockwise (flash) version: parity with JAX's reference, one compile per shape, and
+working memory that follows the block sizes, not the cache.
+
+Every batch comes from `make_batch`, so unused page slots, unused pages and q padding rows
+hold NaN, and padding sequence slots hold garbage: any leak shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_matches_jax
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minilib.batch import make_batch
+from minilib.blockwise import (
+    _rpa_blockwise,
+    fold_heads_into_rows,
+    kv_blocks_to_visit,
+    q_block_window,
+    ragged_paged_attention_blockwise,
+    unfold_rows_into_heads,
+)
+from minilib.vectorized import ragged_paged_attention_jnp
+
+# The same lengths as tests/test_attention.py.
+DECODE = [(1, 17), (1, 5), (1, 40), (1, 1)]
+PREFILL = [(9, 9), (23, 23), (1, 1)]
+MIXED = [(1, 30), (12, 12), (0, 7), (5, 33), (1, 64)]
+
+# Each case costs a compile of JAX's reference and of ours, so the fast cases share one batch
+# shape (MIXED, GQA 4, head_dim 64) where they can and vary the options; the slow suite adds
+# more head configs and a sweep.
+# (name, seq_lens, num_q_heads, num_kv_heads, head_dim, page_size, options). Block sizes that
+# do not divide pages_per_seq (8 here), and small q blocks, are in the options.
+CASES = [
+    ("gqa4", MIXED, 8, 2, 64, 8, {}),
+    ("gqa4-blocks", MIXED, 8, 2, 64, 8, {"num_kv_pages_per_block": 3, "num_queries_per_block": 5}),
+    ("sliding", MIXED, 8, 2, 64, 8, {"sliding_window": 6, "num_kv_pages_per_block": 1}),
+    ("softcap", MIXED, 8, 2, 64, 8, {"soft_cap": 2.0, "sm_scale": 0.5, "num_queries_per_block": 2}),
+    ("mqa-decode-hd128", DECODE, 4, 1, 128, 32, {"sliding_window": 9, "soft_cap": 5.0}),
+    ("mha-prefill", PREFILL, 4, 4, 64, 16, {"num_kv_pages_per_block": 1}),
+    ("gqa2", MIXED, 8, 4, 64, 8, {"num_kv_pages_per_block": 3}),
+    ("gqa8-hd128", MIXED, 8, 1, 128, 4, {"num_queries_per_block": 4}),
+    ("gqa8-16", PREFILL, 16, 2, 64, 2, {"num_kv_pages_per_block": 5}, pytest.mark.slow),
+    ("all", MIXED, 8, 4, 128, 16, {"sliding_window": 9, "soft_cap": 5.0, "sm_scale": 0.1},
+     pytest.mark.slow),
+]  # fmt: skip
+
+BLOCK_OPTIONS = ("num_kv_pages_per_block", "num_queries_per_block")
+
+
+def assert_blockwise_matches_jax(batch, **options) -> float:
+    """JAX's reference takes no block sizes: pass them to the blockwise version only."""
+    blocks = {k: options.pop(k) for k in BLOCK_OPTIONS if k in options}
+    fn = lambda *args, **kw: ragged_paged_attention_blockwise(*args, **kw, **blocks)
+    err = assert_matches_jax(fn, batch, **options)
+    out = np.asarray(fn(*batch.args(), **options), np.float32)
+    np.testing.assert_array_equal(out[batch.num_tokens :], 0.0)  # padding rows are zero
+    return err
+
+
+def case_batch(seq_lens, num_q_heads, num_kv_heads, head_dim, page_size, **kwargs):
+    return make_batch(
+        seq_lens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        max_num_batched_tokens=sum(q for q, _ in seq_lens) + 5,
+        max_num_seqs=len(seq_lens) + 2,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("case", [pytest.param(c[:7], id=c[0], marks=c[7:]) for c in CASES])
+def test_matches_jax_reference(case):
+    _, seq_lens, num_q_heads, num_kv_heads, head_dim, page_size, options = case
+    batch = case_batch(seq_lens, num_q_heads, num_kv_heads, head_dim, page_size)
+    assert_blockwise_matches_jax(batch, **options)
+
+
+def test_bf16():
+    batch = case_batch(MIXED, 8, 2, 64, 8, dtype=jnp.bfloat16)
+    assert_blockwise_matches_jax(batch, sm_scale=0.125, num_kv_pages_per_block=3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
+def test_fp8_kv_with_scales(dtype):
+    batch = case_batch(MIXED, 8, 2, 64, 8, dtype=dtype, kv_dtype=jnp.float8_e4m3fn)
+    assert batch.kv_pages.dtype == jnp.float8_e4m3fn
+    assert_blockwise_matches_jax(batch, sm_scale=0.125, k_scale=0.5, v_scale=2.0)
+
+
+def test_empty_batch_gives_zeros():
+    batch = make_batch([], max_num_seqs=3, max_num_batched_tokens=4)
+    out = ragged_paged_attention_blockwise(*batch.args())
+    np.testing.assert_array_equal(np.asarray(out), 0.0)
+
+
+def test_q_block_window_stays_inside_q():
+    # A block that would run past the end of q is shifted back; the rows it shifts over are
+    # read but not live.
+    rows, live = q_block_window(jnp.int32(10), jnp.int32(12), 4, 12)
+    assert rows.tolist() == [8, 9, 10, 11]
+    assert live.tolist() == [False, False, True, True]
+    rows, live = q_block_window(jnp.int32(2), jnp.int32(5), 4, 12)
+    assert rows.tolist() == [2, 3, 4, 5]
+    assert live.tolist() == [True, True, True, False]  # row 5 is the next sequence's
+
+
+def test_fold_heads_into_rows_groups_q_heads_by_kv_head():
+    q_block = jnp.arange(3 * 8 * 2).reshape(3, 8, 2)  # 3 rows, 8 q heads, head_dim 2
+    folded = fold_heads_into_rows(q_block, 2)  # 2 KV heads, 4 q heads each
+    assert folded.shape == (2, 3 * 4, 2)
+    # KV head 1, folded row 2 * 4 + 3: q row 2, q head 1 * 4 + 3.
+    np.testing.assert_array_equal(folded[1, 2 * 4 + 3], q_block[2, 7])
+    np.testing.assert_array_equal(unfold_rows_into_heads(folded, 3), q_block)
+
+
+@pytest.mark.parametrize(
+    "first_q_pos, last_q_pos, kv_len, sliding_window, expected",
+    [
+        (99, 99, 100, None, (0, 7)),  # a decode sees every key: blocks 0..6 of 16
+        (0, 15, 100, None, (0, 1)),  # the start of a prefill: only block 0
+        (16, 16, 100, None, (0, 2)),  # position 16 is the first key of block 1
+        (99, 99, 100, 8, (5, 7)),  # the window starts at key 92, in block 5
+        (40, 47, 100, 40, (0, 3)),  # keys 1..47
+        (0, 0, 1, None, (0, 1)),
+    ],
+)
+def test_kv_blocks_to_visit_skips_blocks_nobody_sees(
+    first_q_pos, last_q_pos, kv_len, sliding_window, expected
+):
+    got = kv_blocks_to_visit(
+        jnp.int32(first_q_pos), jnp.int32(last_q_pos), jnp.int32(kv_len), 16, sliding_window
+    )
+    assert tuple(int(b) for b in got) == expected
+
+
+def test_compiles_once_for_new_lengths_and_num_seqs():
+    shapes = dict(max_num_batched_tokens=48, max_num_seqs=6, pages_per_seq=6, total_num_pages=40)
+    first = make_batch([(1, 30), (12, 12)], seed=1, **shapes)
+    second = make_batch([(5, 9), (1, 3), (20, 41), (0, 4)], seed=2, **shapes)
+    ragged_paged_attention_blockwise(*first.args())
+    compiled = _rpa_blockwise._cache_size()
+    out = ragged_paged_attention_blockwise(*second.args())
+    assert _rpa_blockwise._cache_size() == compiled
+    expected = ragged_paged_attention_jnp(*second.args())
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-5)
+
+
+def test_accepts_traced_num_seqs():
+    batch = make_batch(MIXED, max_num_seqs=7, max_num_batched_tokens=60)
+    jitted = jax.jit(lambda *args: ragged_paged_attention_blockwise(*args, sm_scale=0.3))
+    eager = ragged_paged_attention_blockwise(*batch.args(), sm_scale=0.3)
+    np.testing.assert_allclose(np.asarray(jitted(*batch.args())), np.asarray(eager), atol=1e-6)
+    # Fewer live sequences, same compile: the rows of the dropped ones come out zero.
+    fewer = jitted(*batch.args()[:-1], jnp.array([2], jnp.int32))
+    rows = MIXED[0][0] + MIXED[1][0]
+    np.testing.assert_allclose(np.asarray(fewer[:rows]), np.asarray(eager[:rows]), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(fewer[rows:]), 0.0)
+
+
+def compiled_temp_bytes(fn, pages_per_seq: int) -> int:
+    """XLA's scratch memory for `fn` compiled (not run) on shapes with this pages_per_seq."""
+    max_num_seqs, page_size = 8, 16
+    shapes = (
+        jax.ShapeDtypeStruct((32, 4, 64), jnp.float32),  # q
+        jax.ShapeDtypeStruct((max_num_seqs * pages_per_seq, page_size, 4, 64), jnp.float32),
+        jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32),  # kv_lens
+        jax.ShapeDtypeStruct((max_num_seqs, pages_per_seq), jnp.int32),  # page_indices
+        jax.ShapeDtypeStruct((max_num_seqs + 1,), jnp.int32),  # cu_q_lens
+        jax.ShapeDtypeStruct((1,), jnp.int32),  # num_seqs
+    )
+    analysis = jax.jit(fn).lower(*shapes).compile().memory_analysis()
+    if analysis is None:
+        pytest.skip("this backend reports no memory analysis")
+    return analysis.temp_size_in_bytes
+
+
+def test_working_memory_does_not_grow_with_pages_per_seq():
+    blockwise = lambda *args: ragged_paged_attention_blockwise(*args, num_kv_pages_per_block=4)
+    small, large = 8, 64  # pages_per_seq: 8x more cache per sequence
+    gather_all = [compiled_temp_bytes(ragged_paged_attention_jnp, p) for p in (small, large)]
+    flash = [compiled_temp_bytes(blockwise, p) for p in (small, large)]
+    # The gather-all version holds K and V of every page of every sequence slot ...
+    assert gather_all[1] > 4 * gather_all[0]
+    # ... the blockwise one a single KV block, whatever the cache size.
+    assert flash[1] <= flash[0] * 1.1 + 4096
+    assert flash[1] < gather_all[1] / 8
+
+
+@st.composite
+def random_batches(draw):
+    """Random lengths and live counts on FIXED shapes, so each option set compiles once."""
+    max_num_seqs, pages_per_seq, page_size = 5, 6, 4
+    n = draw(st.integers(0, max_num_seqs))
+    seq_lens = []
+    for _ in range(n):
+        kv_len = draw(st.integers(0, pages_per_seq * page_size))
+        seq_lens.append((draw(st.integers(0, min(kv_len, 8))), kv_len))
+    batch = make_batch(
+        seq_lens,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        page_size=page_size,
+        max_num_batched_tokens=40,
+        max_num_seqs=max_num_seqs,
+        pages_per_seq=pages_per_seq,
+        total_num_pages=max_num_seqs * pages_per_seq + 3,
+        seed=draw(st.integers(0, 2**16)),
+    )
+    options = {"sliding_window": draw(st.sampled_from([None, 5]))}
+    return batch, options
+
+
+def check_blockwise_matches_jnp(batch_and_options):
+    """The gather-all jnp version (itself checked against JAX's reference in
+    test_attention.py) compiles once for all these shapes; JAX's reference, once per
+    example."""
+    batch, options = batch_and_options
+    ours = ragged_paged_attention_blockwise(
+        *batch.args(), sm_scale=0.3, num_kv_pages_per_block=4, num_queries_per_block=3, **options
+    )
+    expected = ragged_paged_attention_jnp(*batch.args(), sm_scale=0.3, **options)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(expected), atol=2e-5)
+
+
+def check_blockwise_matches_jax_reference(batch_and_options):
+    batch, options = batch_and_options
+    assert_blockwise_matches_jax(
+        batch, sm_scale=0.3, num_kv_pages_per_block=4, num_queries_per_block=3, **options
+    )
+
+
+def property_test(check, max_examples):
+    relaxed = settings(
+        max_examples=max_examples, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+    return relaxed(given(random_batches())(check))
+
+
+# JAX's reference compiles once per example, the jnp version once for all: many examples
+# against jnp, a few against JAX's reference; the slow suite runs many of both.
+test_property_matches_jnp = property_test(check_blockwise_matches_jnp, 15)
+test_property_matches_jax_reference = property_test(check_blockwise_matches_jax_reference, 4)
+test_property_matches_jax_reference_sweep = pytest.mark.slow(
+    property_test(check_blockwise_matches_jax_reference, 60)
+)
+test_property_matches_jnp_sweep = pytest.mark.slow(property_test(check_blockwise_matches_jnp, 300))
+
+
+# The slow sweep: every GQA ratio and head_dim, against JAX's reference, with block sizes.
+@pytest.mark.slow
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (8, 4), (8, 2), (8, 1), (16, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("blocks", [(1, 1), (3, 5), (None, None)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sweep_matches_jax_reference(num_q_heads, num_kv_heads, head_dim, blocks, dtype):
+    batch = case_batch(MIXED, num_q_heads, num_kv_heads, head_dim, 8, dtype=dtype)
+    assert_blockwise_matches_jax(
+        batch,
+        sm_scale=head_dim**-0.5,
+        sliding_window=20,
+        num_kv_pages_per_block=blocks[0],
+        num_queries_per_block=blocks[1],
+    )

@@ -1,0 +1,128 @@
+"""The course notebooks: committed without outputs, shaped alike, and runnable top to bottom.
+
+The execution tests (marker `notebooks`) run each notebook in a fresh kernel of *this*
+interpreter, so CI's venv is the one tested, whatever kernels the machine has installed:
+
+    pytest -m notebooks tests/test_notebooks.py
+
+A failing cell fails the test with the cell's traceback. Each run's time is printed (see it
+with `-s` or in the junit report).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK_DIR = ROOT / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
+# A notebook must run in under a minute on CI; fail only well past that, since shared CI
+# machines are noisy.
+SECONDS_LIMIT = 180
+KERNEL_NAME = "minilib-tests"
+
+
+def _ids(paths):
+    return [p.stem for p in paths]
+
+
+def _cells(path: Path) -> list[dict]:
+    return json.loads(path.read_text(encoding="utf-8"))["cells"]
+
+
+def _source(cell: dict) -> str:
+    src = cell["source"]
+    return "".join(src) if isinstance(src, list) else src
+
+
+def test_there_are_ten_numbered_notebooks():
+    numbers = [p.name[:2] for p in NOTEBOOKS]
+    assert len(NOTEBOOKS) >= 10, [p.name for p in NOTEBOOKS]
+    assert numbers == [f"{i:02d}" for i in range(len(NOTEBOOKS))], "numbers must run 00, 01, ..."
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_outputs_are_stripped(path):
+    """Committed notebooks carry no outputs, execution counts or widget state."""
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    for i, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        assert cell.get("outputs") == [], f"{path.name} cell {i} has stored outputs"
+        assert cell.get("execution_count") is None, f"{path.name} cell {i} has an execution count"
+    assert "widgets" not in nb.get("metadata", {}), f"{path.name} stores widget state"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_notebook_shape(path):
+    """Opens with what you will learn, then the shared setup cell; ends with a summary and an
+    exercise that a checker from minilib.exercises checks."""
+    cells = _cells(path)
+    first_code = next(c for c in cells if c["cell_type"] == "code")
+    text = "\n".join(_source(c) for c in cells)
+    assert cells[0]["cell_type"] == "markdown"
+    assert _source(cells[0]).startswith(f"# {path.name[:2]} ")
+    assert "What you will learn" in _source(cells[0])
+    assert "MINILIB_SOURCE" in _source(first_code), "the first code cell must be the setup cell"
+    assert _source(first_code) == _source(_first_code_cell(NOTEBOOKS[0])), (
+        f"{path.name}: the setup cell differs from 00's; keep them identical"
+    )
+    assert "## Summary" in text
+    assert 'NotImplementedError("FILL ME IN")' in text
+    assert "from minilib.exercises import check_" in text
+
+
+def _first_code_cell(path: Path) -> dict:
+    return next(c for c in _cells(path) if c["cell_type"] == "code")
+
+
+@pytest.fixture(scope="session")
+def kernel_manager_factory(tmp_path_factory):
+    """Kernels of the current interpreter, from a kernelspec in a temporary directory."""
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import KernelManager
+
+    spec_dir = tmp_path_factory.mktemp("kernels") / KERNEL_NAME
+    spec_dir.mkdir()
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": f"minilib tests ({sys.executable})",
+        "language": "python",
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    specs = KernelSpecManager(kernel_dirs=[str(spec_dir.parent)])
+
+    def make():
+        return KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs)
+
+    return make
+
+
+@pytest.mark.notebooks
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_notebook_runs(path, kernel_manager_factory, record_property):
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        nb,
+        km=kernel_manager_factory(),
+        timeout=600,  # per cell
+        resources={"metadata": {"path": str(NOTEBOOK_DIR)}},  # run from notebooks/, as Jupyter
+    )
+    # The kernel gets this environment, minus the test suite's headless matplotlib backend:
+    # figures render as a learner sees them.
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
+    start = time.perf_counter()
+    client.execute(env=env)
+    seconds = time.perf_counter() - start
+    record_property("seconds", round(seconds, 1))
+    print(f"{path.name}: {seconds:.1f} s")
+    assert seconds < SECONDS_LIMIT, f"{path.name} took {seconds:.0f} s; the budget is 60 s"
