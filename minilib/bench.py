@@ -738,6 +738,58 @@ def check_targets(case: BenchCase = TARGET_CASE, *, reps: int = 5, log=print):
                 f"{chip.peak_flops_per_s / 1e9:.1f} GFLOP/s measured matmul)",
             )
         )
+    return results + check_tpu_targets(case, reps=reps, log=log)
+
+
+# The TPU targets: the mixed case of the speed targets, and a decode-heavy step of the same
+# shapes, in bfloat16 (the dtype served on TPUs).
+TPU_MIXED_CASE = dataclasses.replace(TARGET_CASE, dtype="bfloat16")
+TPU_DECODE_CASE = dataclasses.replace(TPU_MIXED_CASE, workload="decode-heavy")
+
+
+def check_tpu_targets(case: BenchCase = TARGET_CASE, *, reps: int = 5, log=print, backend=None):
+    """On a TPU: our kernel within 10% of JAX's kernel throughput on the mixed case, and at
+    least 70% of the HBM roofline on the decode-heavy case, both from this run. Elsewhere the
+    targets are listed as not measured (the kernel runs in interpret mode off a TPU)."""
+    backend = jax.default_backend() if backend is None else backend
+    names = (
+        "kernel throughput >= 90% of JAX's kernel (mixed, bfloat16)",
+        "kernel >= 70% of the HBM roofline (decode-heavy, bfloat16)",
+    )
+    if backend != "tpu":
+        return [
+            TargetResult(name, None, f"not measured: needs a TPU (backend here: {backend})")
+            for name in names
+        ]
+    chip = device_chip("bfloat16")
+    rows = run_bench([TPU_MIXED_CASE], ["kernel", "jax-kernel"], reps=reps, chip=chip, log=log)
+    rows += run_bench([TPU_DECODE_CASE], ["kernel"], reps=reps, chip=chip, log=log)
+    log(format_table(rows))
+    ours, theirs, decode = rows
+    results = []
+    if ours.ok and theirs.ok:
+        ratio = ours.tokens_per_s / theirs.tokens_per_s
+        results.append(
+            TargetResult(
+                names[0],
+                ratio >= 0.9,
+                f"{ratio:.1%} ({ours.tokens_per_s:,.0f} against {theirs.tokens_per_s:,.0f} tok/s)",
+            )
+        )
+    else:
+        results.append(TargetResult(names[0], False, f"{ours.note or theirs.note}"))
+    if decode.ok:
+        fraction = decode.roofline_fraction
+        results.append(
+            TargetResult(
+                names[1],
+                fraction >= 0.7,
+                f"{fraction:.1%} of the roofline ({decode.achieved_bytes_per_s / 1e9:.0f} GB/s "
+                f"of {chip.hbm_bytes_per_s / 1e9:.0f} GB/s on {chip.name})",
+            )
+        )
+    else:
+        results.append(TargetResult(names[1], False, decode.note))
     return results
 
 

@@ -188,5 +188,12 @@ def test_main_rejects_unknown_names(capsys):
 @pytest.mark.slow
 def test_check_targets_reports_every_target():
     results = bench.check_targets(TINY, reps=1, log=quiet)
-    assert len(results) == 6
+    assert len(results) == 8  # 5 judged here, the blockwise FLOP bound, 2 TPU targets
     assert all(r.line().split()[0] in ("PASS", "FAIL", "INFO") for r in results)
+
+
+def test_tpu_targets_are_not_judged_off_a_tpu():
+    results = bench.check_tpu_targets(TINY, reps=1, log=quiet, backend="cpu")
+    assert [r.passed for r in results] == [None, None]
+    assert all("not measured: needs a TPU (backend here: cpu)" in r.detail for r in results)
+    assert "90% of JAX's kernel" in results[0].name and "70% of the HBM" in results[1].name
