@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
     ref_ragged_paged_attention as jax_reference,
@@ -135,7 +136,8 @@ def races_found() -> bool:
         except ImportError:
             continue
         if hasattr(module, "races"):
-            return module.races is not None and module.races.races_found
+            assert module.races is not None, "the race detector did not run"
+            return module.races.races_found
     raise AssertionError("cannot find the Pallas interpret race detector in this JAX")
 
 
@@ -150,6 +152,26 @@ def test_mixed_batch_without_races():
         batch, interpret=params, sm_scale=0.125, num_kv_pages_per_block=3, num_queries_per_block=8
     )
     assert not races_found()
+
+
+def test_the_race_detector_catches_a_deliberate_race():
+    """The check above can fail: reading a buffer while a DMA still writes it is a race."""
+
+    def racy_kernel(x_hbm_ref, o_ref, buf, sem):
+        copy = pltpu.make_async_copy(x_hbm_ref, buf, sem)
+        copy.start()
+        o_ref[...] = buf[...]  # too early: the copy has not been waited for
+        copy.wait()
+
+    x = jnp.ones((8, 128), jnp.float32)
+    pl.pallas_call(
+        racy_kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA],
+        interpret=pltpu.InterpretParams(detect_races=True),
+    )(x).block_until_ready()
+    assert races_found()
 
 
 # ---------------------------------------------------------------------------------------------
