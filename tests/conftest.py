@@ -7,6 +7,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from hypothesis import HealthCheck, given, settings
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
     ref_ragged_paged_attention as jax_reference,
 )
@@ -48,3 +49,12 @@ def jax_reference_jitted(batch: RaggedBatch, **options):
     lengths = [np.asarray(a) for a in batch.args()[2:]]
     fn = jax.jit(lambda q, kv_pages: jax_reference(q, kv_pages, *lengths, **options))
     return fn(batch.q, batch.kv_pages)
+
+
+def property_test(check, strategy, max_examples: int):
+    """`check` as a hypothesis test over examples drawn from `strategy`, with this many
+    examples and no deadline (each new shape compiles)."""
+    relaxed = settings(
+        max_examples=max_examples, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+    return relaxed(given(strategy)(check))

@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_matches_jax
-from hypothesis import HealthCheck, given, settings
+from conftest import assert_matches_jax, property_test
 from hypothesis import strategies as st
 
 import minilib
@@ -178,21 +177,17 @@ def check_reference_matches_jnp(batch_and_options):
     np.testing.assert_allclose(np.asarray(ours), np.asarray(fast), atol=2e-5)
 
 
-def property_test(check, max_examples):
-    """`check` as a hypothesis test over `random_batches()` with this many examples."""
-    relaxed = settings(
-        max_examples=max_examples, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-    )
-    return relaxed(given(random_batches())(check))
-
-
 # Each example compiles a JAX reference for new shapes, so the fast suite keeps a few examples
 # and the slow suite (pytest -m slow) runs many.
-test_property_jnp_matches_jax_reference = property_test(check_jnp_matches_jax_reference, 12)
-test_property_reference_matches_jnp = property_test(check_reference_matches_jnp, 5)
+test_property_jnp_matches_jax_reference = property_test(
+    check_jnp_matches_jax_reference, random_batches(), 12
+)
+test_property_reference_matches_jnp = property_test(
+    check_reference_matches_jnp, random_batches(), 5
+)
 test_property_jnp_matches_jax_reference_sweep = pytest.mark.slow(
-    property_test(check_jnp_matches_jax_reference, 200)
+    property_test(check_jnp_matches_jax_reference, random_batches(), 200)
 )
 test_property_reference_matches_jnp_sweep = pytest.mark.slow(
-    property_test(check_reference_matches_jnp, 100)
+    property_test(check_reference_matches_jnp, random_batches(), 100)
 )

@@ -11,8 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_matches_jax
-from hypothesis import HealthCheck, given, settings
+from conftest import assert_matches_jax, property_test
 from hypothesis import strategies as st
 
 from minilib.batch import make_batch
@@ -238,21 +237,18 @@ def check_blockwise_matches_jax_reference(batch_and_options):
     )
 
 
-def property_test(check, max_examples):
-    relaxed = settings(
-        max_examples=max_examples, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-    )
-    return relaxed(given(random_batches())(check))
-
-
 # JAX's reference compiles once per example, the jnp version once for all: many examples
 # against jnp, a few against JAX's reference; the slow suite runs many of both.
-test_property_matches_jnp = property_test(check_blockwise_matches_jnp, 15)
-test_property_matches_jax_reference = property_test(check_blockwise_matches_jax_reference, 4)
-test_property_matches_jax_reference_sweep = pytest.mark.slow(
-    property_test(check_blockwise_matches_jax_reference, 60)
+test_property_matches_jnp = property_test(check_blockwise_matches_jnp, random_batches(), 15)
+test_property_matches_jax_reference = property_test(
+    check_blockwise_matches_jax_reference, random_batches(), 4
 )
-test_property_matches_jnp_sweep = pytest.mark.slow(property_test(check_blockwise_matches_jnp, 300))
+test_property_matches_jax_reference_sweep = pytest.mark.slow(
+    property_test(check_blockwise_matches_jax_reference, random_batches(), 60)
+)
+test_property_matches_jnp_sweep = pytest.mark.slow(
+    property_test(check_blockwise_matches_jnp, random_batches(), 300)
+)
 
 
 # The slow sweep: every GQA ratio and head_dim, against JAX's reference, with block sizes.
