@@ -62,7 +62,9 @@ def test(args: list[str]) -> None:
 
 def course(args: list[str]) -> None:
     python = make_venv(*NEWEST, extra="course")
-    run(python, "-m", "jupyter", "lab", "notebooks/", *args)
+    # Jupyter refuses to start as root (containers, some cloud VMs) unless told it may.
+    as_root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+    run(python, "-m", "jupyter", "lab", "notebooks/", *as_root, *args)
 
 
 def main() -> None:
