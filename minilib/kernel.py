@@ -60,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from minilib.reference import DEFAULT_MASK_VALUE
+from minilib.reference import DEFAULT_MASK_VALUE, dequantize
 from minilib.validation import static_validate_inputs
 
 # The m and l scratch rows are 128 lanes wide, one vector register row: TPU vector memory is
@@ -725,13 +725,6 @@ def prepare_kv(
     k = zero_missing_keys(dequantize(k, config.k_scale, dtype), kv_blk, kv_len, config)
     v = zero_missing_keys(dequantize(v, config.v_scale, dtype), kv_blk, kv_len, config)
     return k, v
-
-
-def dequantize(x, scale: float | None, dtype):
-    """fp8 -> compute dtype: through float32, since not every pair of dtypes converts directly."""
-    if scale is None:
-        return x.astype(dtype)
-    return (x.astype(jnp.float32) * scale).astype(dtype)
 
 
 def zero_missing_keys(x, kv_blk, kv_len, config: KernelConfig):  # x: [kv_tokens, head_dim]
