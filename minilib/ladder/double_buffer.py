@@ -38,8 +38,12 @@ def paged_decode_attention_double_buffered(
     *,
     sm_scale: float,
     interpret=False,
+    kernel=None,
 ) -> jax.Array:  # [num_seqs, num_q_heads, head_dim]
     """Paged decode attention, one grid step per sequence, pages double-buffered.
+
+    `kernel` (default `double_buffer_kernel`) may be replaced by a kernel body with the same
+    arguments.
 
     >>> from minilib.batch import make_batch
     >>> b = make_batch([(1, 5), (1, 9)], page_size=8, head_dim=128)
@@ -52,7 +56,7 @@ def paged_decode_attention_double_buffered(
     num_kv_heads = num_combined_heads // 2
     q_spec = pl.BlockSpec((None, num_q_heads, head_dim), lambda seq, *prefetch: (seq, 0, 0))
     return pl.pallas_call(
-        functools.partial(double_buffer_kernel, sm_scale=sm_scale),
+        functools.partial(kernel or double_buffer_kernel, sm_scale=sm_scale),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,

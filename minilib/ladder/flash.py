@@ -59,11 +59,13 @@ def flash_attention(
     block_q: int = 8,
     block_kv: int = 8,
     interpret=False,
+    kernel=None,
 ) -> jax.Array:  # [num_heads, q_len, head_dim]
     """Causal flash attention: one grid step per (head, q block, KV block).
 
     `block_q` must divide q_len, and `block_kv` max_kv_len. `interpret` goes to
-    `pl.pallas_call` (a `pltpu.InterpretParams()` runs it on a CPU).
+    `pl.pallas_call` (a `pltpu.InterpretParams()` runs it on a CPU). `kernel` (default
+    `flash_kernel`) is the kernel body, with `flash_kernel`'s arguments.
 
     >>> q = jnp.ones((1, 8, 128)); kv = jnp.ones((1, 16, 128))
     >>> out = flash_attention(q, kv, kv, kv_len=16, sm_scale=0.1, interpret=True)
@@ -74,7 +76,9 @@ def flash_attention(
     num_kv_blocks = pl.cdiv(kv_len, block_kv)  # blocks past kv_len hold no key at all
     q_spec = pl.BlockSpec((None, block_q, head_dim), lambda h, i, j: (h, i, 0))
     kv_spec = pl.BlockSpec((None, block_kv, head_dim), lambda h, i, j: (h, j, 0))
-    kernel = functools.partial(flash_kernel, kv_len=kv_len, q_len=q_len, sm_scale=sm_scale)
+    kernel = functools.partial(
+        kernel or flash_kernel, kv_len=kv_len, q_len=q_len, sm_scale=sm_scale
+    )
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),

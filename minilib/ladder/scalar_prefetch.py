@@ -65,8 +65,13 @@ def paged_decode_attention(
     *,
     sm_scale: float,
     interpret=False,
+    kernel=None,
+    index_map=None,
 ) -> jax.Array:  # [num_seqs, num_q_heads, head_dim]
     """Paged decode attention: grid step (seq, i) attends to page i of sequence seq.
+
+    `kernel` (default `scalar_prefetch_kernel`) and `index_map` (default `page_index_map`)
+    may be replaced by versions with the same arguments.
 
     >>> from minilib.batch import make_batch
     >>> b = make_batch([(1, 5), (1, 9)], page_size=8, head_dim=128)
@@ -84,12 +89,9 @@ def paged_decode_attention(
     def q_index_map(seq, i, kv_lens_ref, page_indices_ref):
         return (seq, 0, 0)
 
-    def kv_index_map(seq, i, kv_lens_ref, page_indices_ref):
-        last_page = jnp.maximum(pl.cdiv(kv_lens_ref[seq], page_size) - 1, 0)
-        return (page_indices_ref[seq, jnp.minimum(i, last_page)], 0, 0, 0)
-
+    kv_index_map = functools.partial(index_map or page_index_map, page_size=page_size)
     return pl.pallas_call(
-        functools.partial(scalar_prefetch_kernel, sm_scale=sm_scale),
+        functools.partial(kernel or scalar_prefetch_kernel, sm_scale=sm_scale),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,  # kv_lens, page_indices: in SMEM, passed to index maps
@@ -104,6 +106,15 @@ def paged_decode_attention(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
     )(kv_lens, page_indices, q, kv_pages)
+
+
+def page_index_map(seq, i, kv_lens_ref, page_indices_ref, *, page_size: int):
+    """The block of `kv_pages` that grid step (seq, i) sees: page i of the sequence, looked up in
+    the page table (in SMEM). Steps past the last page see the last page again, which Pallas
+    does not copy twice. Returns a block index: (page, 0, 0, 0).
+    """
+    last_page = jnp.maximum(pl.cdiv(kv_lens_ref[seq], page_size) - 1, 0)
+    return (page_indices_ref[seq, jnp.minimum(i, last_page)], 0, 0, 0)
 
 
 def softmax_scratch(num_kv_heads: int, group: int, head_dim: int) -> list:
