@@ -1,0 +1,181 @@
+"""Checking a Pallas kernel the learner wrote: interpret mode, the race detector, and Mosaic.
+
+`check_kernel` runs the learner's kernel and a plain-jnp reference on the same cases, like every
+checker (`checking.run_check`), with three more things:
+
+* the kernel runs in the strictest TPU interpret mode this JAX has
+  (`minilib.ladder.interpret.strict_interpret_params`): scratch starts as NaN, DMAs land
+  eagerly, and the race detector is on; a race fails the check even when the numbers agree;
+* when the output is wrong, the report says what the output looks like (NaN, a known mistake)
+  and what usually causes that;
+* when every case passes and libtpu is installed, the kernel is compiled for a real chip (v5e)
+  with Mosaic (`minilib.tpu_compile.compile_for_tpu`): "will it compile on a TPU?" on a laptop.
+  A kernel Mosaic rejects fails the check, with Mosaic's message.
+
+The learner's function has the kernels' signature: `fn(*arrays, **options, interpret=...)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from minilib.exercises.checking import (
+    FAILED,
+    Case,
+    CheckResult,
+    Mismatch,
+    compare_arrays,
+    run_check,
+)
+from minilib.ladder.interpret import MISSING_OPTIONS, races_found, strict_interpret_params
+
+COMPILE_CHIP = "v5e"
+MOSAIC_MESSAGE_LINES = 25
+
+NAN_CAUSES = (
+    "NaN in the output. In this interpret mode scratch memory starts as NaN, and unused page "
+    "slots and the keys past kv_len hold NaN. Usual causes: m, l or acc not initialised before "
+    "the first KV block (`pl.when(... == 0)`); V rows past kv_len not zeroed (a masked score "
+    "gives p = 0, but 0 * NaN = NaN in p @ v); a page past the sequence's last one read or "
+    "computed; or the output written before the last KV block."
+)
+RACE_CAUSE = (
+    "the race detector of TPU interpret mode found a DMA race: a copy wrote a VMEM buffer that "
+    "the kernel was reading, or was read before it was waited for. Start the copy of the next "
+    "block only into the *other* slot, wait on the semaphore of the slot the copy went to, and "
+    "wait before reading."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelRun:
+    """What one run of the learner's kernel produced, and whether it raced."""
+
+    out: object
+    raced: bool
+
+
+def run_in_strict_interpret_mode(fn: Callable) -> Callable:
+    """`fn` run with `interpret=strict_interpret_params()`; returns a KernelRun."""
+
+    def run(*args, **kwargs):
+        out = fn(*args, interpret=strict_interpret_params(), **kwargs)
+        jax.block_until_ready(out)
+        return KernelRun(out, races_found())
+
+    return run
+
+
+def compare_kernel_output(mistakes: dict[str, Callable], atol: float, rtol: float):
+    """Compare a KernelRun with the reference; on a difference, name the likely cause.
+
+    `mistakes` maps an explanation to a jnp function that makes that mistake (the kernel's
+    arguments, no `interpret`)."""
+
+    def compare(expected, got: KernelRun, case: Case) -> None:
+        if got.raced:
+            raise Mismatch(f"a DMA race.\nLikely cause: {RACE_CAUSE}")
+        try:
+            compare_arrays(expected, got.out, "output", atol=atol, rtol=rtol)
+        except Mismatch as diff:
+            cause = likely_cause(got.out, case, mistakes)
+            raise Mismatch(f"{diff}\nLikely cause: {cause}") from None
+
+    return compare
+
+
+def likely_cause(out, case: Case, mistakes: dict[str, Callable]) -> str:
+    for explanation, mistaken in mistakes.items():
+        try:
+            compare_arrays(mistaken(*case.args, **case.kwargs), out, "output", atol=1e-3)
+        except Exception:
+            continue
+        return explanation
+    try:
+        if not np.isfinite(np.asarray(out, np.float64)).all():
+            return NAN_CAUSES
+    except Exception:
+        pass
+    return (
+        "none of the usual mistakes. Run the reference and your kernel on this case, and compare "
+        "them row by row (which rows, heads or positions differ?)."
+    )
+
+
+def check_kernel(
+    name: str,
+    fn: Callable,
+    reference: Callable,
+    cases: list[Case],
+    *,
+    compile_case: Case,
+    mistakes: dict[str, Callable],
+    atol: float = 2e-5,
+    rtol: float = 1e-4,
+    verbose: bool = True,
+) -> CheckResult:
+    """Run `fn` against `reference` on `cases` in strict TPU interpret mode, then compile it for
+    v5e on `compile_case` (shapes and dtypes only) when libtpu is installed.
+
+    Prints (unless `verbose=False`) and returns a CheckResult; never raises for the learner's
+    mistakes.
+    """
+    compare = compare_kernel_output(mistakes, atol, rtol)
+    result = run_check(
+        name, run_in_strict_interpret_mode(fn), reference, cases, compare, verbose=False
+    )
+    notes = []
+    if MISSING_OPTIONS:
+        notes.append(
+            f"(This JAX's interpret mode has no {', '.join(MISSING_OPTIONS)}: not checked.)"
+        )
+    status, report = result.status, result.report
+    if result.passed:
+        status, compile_note = compile_on_tpu(name, fn, compile_case)
+        notes.append(compile_note)
+        if status == FAILED:
+            report = f"FAILED: {name} is right in interpret mode, but Mosaic cannot compile it."
+    report = "\n".join([report, *notes])
+    if verbose:
+        print(report)
+    return CheckResult(name=name, status=status, report=report, cases_run=result.cases_run)
+
+
+def compile_on_tpu(name: str, fn: Callable, case: Case) -> tuple[str, str]:
+    """(status, note): compile `fn` for v5e with Mosaic if libtpu is installed."""
+    from minilib.exercises.checking import PASSED
+
+    try:
+        from minilib.tpu_compile import compile_for_tpu, tpu_compile_available
+    except ImportError:  # pragma: no cover - the module ships with minilib
+        return PASSED, "Not compiled for a TPU: minilib.tpu_compile is missing."
+    ok, reason = tpu_compile_available()
+    if not ok:
+        return PASSED, f"Not compiled for a TPU ({reason})"
+    compiled_fn = functools.partial(fn, interpret=False, **case.kwargs)
+    try:
+        report = compile_for_tpu(compiled_fn, *case.args, chip=COMPILE_CHIP)
+    except Exception as err:  # the learner's function failed before Mosaic saw it
+        report_error = f"{type(err).__name__}: {err}"
+        return (
+            FAILED,
+            f"Compiling for {COMPILE_CHIP} ({case.description}) raised:\n  {report_error}",
+        )
+    if report.compiled:
+        return PASSED, f"Mosaic compiles it for {COMPILE_CHIP} ({case.description})."
+    lines = report.error.strip().splitlines()
+    shown = "\n".join("  " + line for line in lines[:MOSAIC_MESSAGE_LINES])
+    more = (
+        f"\n  ... ({len(lines) - MOSAIC_MESSAGE_LINES} more lines)"
+        if len(lines) > MOSAIC_MESSAGE_LINES
+        else ""
+    )
+    return (
+        FAILED,
+        f"Mosaic's message, compiling for {COMPILE_CHIP} ({case.description}):\n{shown}{more}",
+    )
