@@ -30,8 +30,16 @@ from minilib.exercises.ex03_ragged import check_causal_mask, check_seq_for_row
 from minilib.exercises.ex04_reference import check_attend_soft_cap, check_sliding_window_mask
 from minilib.exercises.ex05_validation import check_validate_q_lens
 from minilib.exercises.ex06_online_softmax import check_online_softmax_update
+from minilib.exercises.ex07_flash import check_flash_attention
 from minilib.exercises.ex07_pallas import check_softmax_kernel
 from minilib.exercises.ex08_kernel import check_kv_blocks_to_visit
+from minilib.exercises.ex08_ladder import (
+    check_double_buffered_decode,
+    check_next_work,
+    check_paged_decode_async_copy,
+    check_paged_decode_attention,
+    check_prefetching_decode,
+)
 from minilib.exercises.ex09_performance import check_decode_kv_bytes
 
 __all__ = [
@@ -39,11 +47,17 @@ __all__ = [
     "check_attend_soft_cap",
     "check_causal_mask",
     "check_decode_kv_bytes",
+    "check_double_buffered_decode",
+    "check_flash_attention",
     "check_gather_kv",
     "check_kv_blocks_to_visit",
     "check_kv_head_for_q_head",
+    "check_next_work",
     "check_online_softmax_update",
     "check_pages_needed",
+    "check_paged_decode_async_copy",
+    "check_paged_decode_attention",
+    "check_prefetching_decode",
     "check_repeat_kv",
     "check_seq_for_row",
     "check_sliding_window_mask",

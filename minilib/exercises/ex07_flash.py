@@ -18,7 +18,6 @@ def _cases(seed: int) -> list[Case]:
     cases = []
     # (num_heads, q_len, max_kv_len, kv_len, head_dim, block_q, block_kv)
     specs = [
-        (1, 8, 16, 16, 128, 8, 8),  # kv_len fills the array: no padding
         (2, 16, 32, 21, 128, 8, 8),  # NaN past key 21; two q blocks, three KV blocks
         (1, 8, 32, int(rng.integers(9, 32)), 64, 8, 16),
     ]
@@ -64,7 +63,7 @@ def check_flash_attention(fn: Callable, *, seed: int = 0, verbose: bool = True) 
 
     >>> from minilib.ladder.flash import flash_attention
     >>> check_flash_attention(flash_attention).status
-    Passed: flash_attention matches the reference on all 3 cases...
+    Passed: flash_attention matches the reference on all 2 cases...
     'passed'
     """
     num_heads, q_len, max_kv_len, head_dim = 2, 128, 256, 128

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable
 
 import jax
@@ -36,6 +37,7 @@ from minilib.ladder.interpret import MISSING_OPTIONS, races_found, strict_interp
 
 COMPILE_CHIP = "v5e"
 MOSAIC_MESSAGE_LINES = 25
+KERNEL_TIMEOUT_SECONDS = 60.0
 
 NAN_CAUSES = (
     "NaN in the output. In this interpret mode scratch memory starts as NaN, and unused page "
@@ -46,9 +48,14 @@ NAN_CAUSES = (
 )
 RACE_CAUSE = (
     "the race detector of TPU interpret mode found a DMA race: a copy wrote a VMEM buffer that "
-    "the kernel was reading, or was read before it was waited for. Start the copy of the next "
-    "block only into the *other* slot, wait on the semaphore of the slot the copy went to, and "
-    "wait before reading."
+    "the kernel was reading, or was read before it was waited for (the detector's lines above "
+    "name both). Every `start()` needs its `wait()` before the buffer is read; start the copy "
+    "of the next block only into the *other* slot, and wait on that slot's semaphore."
+)
+
+DEADLOCK_CAUSE = (
+    "a deadlock: a `.wait()` on a semaphore that no started copy signals (a wait on the wrong "
+    "slot's semaphore, or for a copy that was never started). It would hang on the chip too."
 )
 
 
@@ -58,15 +65,36 @@ class KernelRun:
 
     out: object
     raced: bool
+    hung: bool = False
 
 
-def run_in_strict_interpret_mode(fn: Callable) -> Callable:
-    """`fn` run with `interpret=strict_interpret_params()`; returns a KernelRun."""
+def run_in_strict_interpret_mode(fn: Callable, timeout: float = KERNEL_TIMEOUT_SECONDS):
+    """`fn` run with `interpret=strict_interpret_params()`; returns a KernelRun.
+
+    A kernel that waits on a semaphore nobody signals hangs, in interpret mode as on the chip.
+    The run happens in a daemon thread; after `timeout` seconds the check gives up on it and
+    reports a likely deadlock (the thread stays blocked, idle, until Python exits).
+    """
 
     def run(*args, **kwargs):
-        out = fn(*args, interpret=strict_interpret_params(), **kwargs)
-        jax.block_until_ready(out)
-        return KernelRun(out, races_found())
+        outcome = {}
+
+        def target():
+            try:
+                out = fn(*args, interpret=strict_interpret_params(), **kwargs)
+                jax.block_until_ready(out)
+                outcome["run"] = KernelRun(out, races_found())
+            except BaseException as err:  # handed to the caller's thread below
+                outcome["error"] = err
+
+        worker = threading.Thread(target=target, daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            return KernelRun(out=None, raced=False, hung=True)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["run"]
 
     return run
 
@@ -78,8 +106,16 @@ def compare_kernel_output(mistakes: dict[str, Callable], atol: float, rtol: floa
     arguments, no `interpret`)."""
 
     def compare(expected, got: KernelRun, case: Case) -> None:
+        if got.hung:
+            raise Mismatch(
+                f"expected the kernel to finish; it ran for {KERNEL_TIMEOUT_SECONDS:.0f} s.\n"
+                f"Likely cause: {DEADLOCK_CAUSE}"
+            )
         if got.raced:
-            raise Mismatch(f"a DMA race.\nLikely cause: {RACE_CAUSE}")
+            raise Mismatch(
+                "race detector: expected no DMA race, got one (its report is printed above)."
+                f"\nLikely cause: {RACE_CAUSE}"
+            )
         try:
             compare_arrays(expected, got.out, "output", atol=atol, rtol=rtol)
         except Mismatch as diff:
