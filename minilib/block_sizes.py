@@ -17,8 +17,8 @@ Bigger blocks amortise the fixed cost of a block (loop control, DMA issue, resca
 softmax state) over more tokens, but the last block of a sequence is computed whole however
 few of its tokens exist, and both KV buffers must fit in VMEM next to q, the output and the
 softmax state. `modelled_seconds` evaluates the model; `tests/test_tpu_compile.py` compiles
-the candidates for each chip and checks that the default is the model's best, or within 10 %
-of it, and that the compiled kernel leaves VMEM headroom.
+8, 16 and 32 pages of 16 tokens for each chip, and checks that the default is the model's
+best, or within 10 % of it, and that the compiled kernel leaves VMEM headroom.
 
 Defaults never call `jax.devices()`: lowering for a TPU on a TPU-less machine must work. The
 chip comes from the `chip` argument, else from the abstract mesh that `minilib.tpu_compile`
@@ -43,14 +43,18 @@ MAX_PAGES_PER_BLOCK = 16
 KV_BUFFERS_VMEM_BUDGET = 4 * 1024 * 1024
 DEFAULT_NUM_QUERIES_PER_BLOCK = 32
 
-# Per chip: (KV tokens per block, q rows per block, KV buffers' VMEM budget). Chosen with the
-# cost model above on the course's GQA case (32 q heads, 8 KV heads, head_dim 128, bf16), and
-# checked by the compile tests; see the module docstring.
-CHIP_DEFAULTS: dict[str, tuple[int, int, int]] = {
-    "v4": (256, 32, 4 * 1024 * 1024),
-    "v5e": (512, 32, 4 * 1024 * 1024),
-    "v5p": (512, 32, 4 * 1024 * 1024),
-    "v6e": (512, 32, 8 * 1024 * 1024),
+# Per chip: (KV tokens per block, most pages per block, q rows per block, KV buffers' VMEM
+# budget). Chosen with the cost model above on the course's GQA case (32 q heads, 8 KV heads,
+# head_dim 128, bf16, page_size 16, kv_len 1024): on all four chips the model ranks 32 pages
+# (512 tokens) first, then 16, 8 and 4, because a KV block's fixed cost is large against its
+# per-token cost. Both KV buffers at 32 such pages take 4 MiB; the compiled kernel then needs
+# about 10 MiB of VMEM, within v5e's 16 MiB default limit. `tests/test_tpu_compile.py`
+# re-checks the ranking and the headroom against the current kernel.
+CHIP_DEFAULTS: dict[str, tuple[int, int, int, int]] = {
+    "v4": (512, 32, 32, 4 * 1024 * 1024),
+    "v5e": (512, 32, 32, 4 * 1024 * 1024),
+    "v5p": (512, 32, 32, 4 * 1024 * 1024),
+    "v6e": (512, 32, 32, 8 * 1024 * 1024),
 }
 
 # Core clock, for the model's compute term: peak bf16 FLOP/s = 2 * MXUs * MXU size^2 * clock
@@ -130,24 +134,30 @@ def default_block_sizes(
     """Default block sizes for `chip` ("v4", "v5e", "v5p", "v6e"; None: `current_chip()`,
     and chip-independent sizes when that is unknown).
 
-    A KV block of the chip's target tokens (at most 16 pages and the sequence's pages), halved
-    until both KV buffers fit the chip's VMEM budget; q blocks of 32 rows (fewer if the batch
-    has fewer). Pass both block sizes to the kernel to tune by hand.
+    A KV block of the chip's target tokens (at most the chip's most pages, 16 when the chip
+    is unknown, and the sequence's pages), halved until both KV buffers fit the VMEM budget;
+    q blocks of 32 rows (fewer if the batch has fewer). Pass both block sizes to tune by hand.
 
     >>> default_block_sizes(page_size=16, pages_per_seq=64, max_num_batched_tokens=512,
-    ...                     bytes_per_page=16 * 16 * 128 * 2, chip="v5e")
+    ...                     bytes_per_page=16 * 16 * 128 * 2)   # chip unknown
     (16, 32)
     >>> default_block_sizes(page_size=16, pages_per_seq=64, max_num_batched_tokens=512,
-    ...                     bytes_per_page=16 * 16 * 128 * 2, chip="v4")
-    (8, 32)
+    ...                     bytes_per_page=16 * 16 * 128 * 2, chip="v5e")
+    (32, 32)
     """
     chip = current_chip() if chip is None else chip
     if chip is not None and chip not in CHIP_DEFAULTS:
         raise ValueError(f"{chip=} has no default block sizes; use one of {list(CHIP_DEFAULTS)}.")
-    target_tokens, queries, budget = CHIP_DEFAULTS.get(
-        chip, (TARGET_KV_TOKENS_PER_BLOCK, DEFAULT_NUM_QUERIES_PER_BLOCK, KV_BUFFERS_VMEM_BUDGET)
+    target_tokens, max_pages, queries, budget = CHIP_DEFAULTS.get(
+        chip,
+        (
+            TARGET_KV_TOKENS_PER_BLOCK,
+            MAX_PAGES_PER_BLOCK,
+            DEFAULT_NUM_QUERIES_PER_BLOCK,
+            KV_BUFFERS_VMEM_BUDGET,
+        ),
     )
-    pages = max(1, min(target_tokens // page_size, MAX_PAGES_PER_BLOCK))
+    pages = max(1, min(target_tokens // page_size, max_pages))
     pages = min(pages, pages_per_seq)
     while pages > 1 and 2 * pages * bytes_per_page > budget:
         pages //= 2
