@@ -250,3 +250,42 @@ def test_static_targets_are_judged_from_real_compiles():
     for name, passed, detail in results:
         assert passed in (True, False), f"{name}: {detail}"
         assert detail.startswith("ours "), detail
+
+
+FALLBACK_SCRIPT = """
+import functools, jax, jax.numpy as jnp
+from jax.experimental import topologies
+topologies.get_topology_desc(topology_name="v5e:1x1", platform="tpu",
+                             chips_per_host_bounds=(1, 1, 1))  # libtpu starts without dumps
+from minilib import tpu_compile
+from minilib.pallas_basics import add_vectors
+assert tpu_compile.libtpu_started() and not tpu_compile.dump_here()
+x = jax.ShapeDtypeStruct((4096,), jnp.float32)
+add = functools.partial(add_vectors, block_size=1024, interpret=False)
+report = tpu_compile.compile_for_tpu(add, x, x, chip="v5e")
+assert report.compiled and report.total_bundles > 0, report
+try:
+    tpu_compile.compile_for_tpu(lambda a: a + 1, x)
+except ValueError as err:
+    assert "cannot be sent there" in str(err), err
+else:
+    raise AssertionError("a lambda cannot go to a fresh process: expected a ValueError")
+print("fallback ok")
+"""
+
+
+def test_compiles_in_a_fresh_process_when_libtpu_started_without_dump_flags():
+    """As on a TPU host, where JAX's TPU backend starts libtpu before minilib can set its
+    flags: the compile runs in a fresh process and its dump is still read."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    done = subprocess.run(
+        [sys.executable, "-c", FALLBACK_SCRIPT], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0 and "fallback ok" in done.stdout, done.stderr[-3000:]
