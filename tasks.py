@@ -7,7 +7,10 @@
   * .venv         the newest supported jax (constraints/newest.txt): lint, then every test
                   (notebooks included; the slow sweeps stay opt-in, see README);
   * .venv-oldest  the oldest supported jax, 0.7.2, as on Colab's TPU runtime
-                  (constraints/oldest.txt): the fast tests.
+                  (constraints/oldest.txt): the fast tests;
+  * .venv-tpu     the newest jax with its libtpu, pinned (constraints/tpu.txt): the
+                  `tpu_compile` tests, which compile every kernel for four TPU chips here,
+                  without a TPU, and print our kernel's bundle ratios against JAX's.
 
 Extra arguments after `test` go to pytest in the first environment, e.g.
 `python3 tasks.py test -m slow`.
@@ -23,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 NEWEST = (ROOT / ".venv", ROOT / "constraints" / "newest.txt")
 OLDEST = (ROOT / ".venv-oldest", ROOT / "constraints" / "oldest.txt")
+TPU = (ROOT / ".venv-tpu", ROOT / "constraints" / "tpu.txt")
 
 
 def run(*cmd: str | Path, env: dict | None = None) -> None:
@@ -58,6 +62,9 @@ def test(args: list[str]) -> None:
 
     oldest = make_venv(*OLDEST, extra="dev")
     pytest(oldest, "-m", "not slow and not notebooks", "-p", "no:cacheprovider")
+
+    tpu = make_venv(*TPU, extra="tpu-test")
+    pytest(tpu, "-m", "tpu_compile", "-p", "no:cacheprovider", "tests/test_tpu_compile.py")
 
 
 def course(args: list[str]) -> None:

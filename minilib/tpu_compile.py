@@ -28,7 +28,8 @@ What libtpu wrote down. `LIBTPU_INIT_ARGS` (see `DUMP_FLAGS`) asks libtpu to dum
   bundle inside loops carries one `>` per nesting level. The deepest loop that holds a
   `vmatmul` (an MXU matmul) is the KV-block loop of an attention kernel; `bundles_per_kv_block`
   is its length. With source annotations on, each op carries the `loc("file":line)` it came
-  from, which gives `top_source_lines`.
+  from, which gives `top_source_lines` (with jax 0.7.2 the locations are coarser, often the
+  enclosing `pl.when`).
 * `*-post-delay-converter.txt`: the kernel's memory allocations. Peak VMEM is the highest end
   offset of a VMEM allocation; spill bytes are the sizes of the `_spill` ones (vector
   registers that did not fit and went to VMEM).
@@ -48,12 +49,13 @@ process, and never again. Two cases:
   them. This costs nothing beyond the compile itself (1 to 4 s).
 * libtpu already started without these flags (on a TPU host, where JAX's TPU backend starts it
   at the first JAX call). Then each compile runs in a fresh Python process (`python -m
-  minilib.tpu_compile`), which costs about 3 s more per compile for starting Python, importing
-  JAX and starting libtpu (measured on a 2-core host). `fn` must then be picklable: a
+  minilib.tpu_compile`), which costs several seconds more per compile for starting Python,
+  importing JAX and starting libtpu: on a busy 2-core host, 11.6 s for a compile that took
+  3.3 s in-process. `fn` must then be picklable: a
   module-level function, or a `functools.partial` of one.
 
-A subprocess for every compile would have been simpler, but would make the 200 compiles of
-the test matrix 2 to 3 times slower, and would not work for the lambdas a learner writes.
+A subprocess for every compile would have been simpler, but would make the hundred compiles
+of the test matrix several times slower, and would not work for the lambdas a learner writes.
 
 libtpu also logs a few lines about host discovery; `TPU_ACCELERATOR_TYPE` and
 `TPU_WORKER_HOSTNAMES` (set only when unset) quiet them. `ALLOW_MULTIPLE_LIBTPU_LOAD=1` lets
