@@ -27,6 +27,7 @@ import numpy as np
 
 from minilib.exercises.checking import (
     FAILED,
+    PASSED,
     Case,
     CheckResult,
     Mismatch,
@@ -184,34 +185,46 @@ def check_kernel(
 
 def compile_on_tpu(name: str, fn: Callable, case: Case) -> tuple[str, str]:
     """(status, note): compile `fn` for v5e with Mosaic if libtpu is installed."""
-    from minilib.exercises.checking import PASSED
-
     try:
-        from minilib.tpu_compile import compile_for_tpu, tpu_compile_available
+        from minilib.tpu_compile import compile_for_tpu, dump_here, tpu_compile_available
     except ImportError:  # pragma: no cover - the module ships with minilib
         return PASSED, "Not compiled for a TPU: minilib.tpu_compile is missing."
     ok, reason = tpu_compile_available()
     if not ok:
         return PASSED, f"Not compiled for a TPU ({reason})"
     compiled_fn = functools.partial(fn, interpret=False, **case.kwargs)
-    try:
+    if dump_here():
         report = compile_for_tpu(compiled_fn, *case.args, chip=COMPILE_CHIP)
-    except Exception as err:  # the learner's function failed before Mosaic saw it
-        report_error = f"{type(err).__name__}: {err}"
-        return (
-            FAILED,
-            f"Compiling for {COMPILE_CHIP} ({case.description}) raised:\n  {report_error}",
-        )
-    if report.compiled:
+        compiled, error = report.compiled, report.error
+    else:
+        # libtpu already started in this process (any JAX call starts it where it is
+        # installed), so compile_for_tpu would compile in a fresh process, for its bundle
+        # statistics, and needs a picklable fn; a kernel defined in a notebook is not. Whether
+        # Mosaic accepts the kernel needs no statistics: compile it here.
+        compiled, error = compile_in_this_process(compiled_fn, case.args, COMPILE_CHIP)
+    if compiled:
         return PASSED, f"Mosaic compiles it for {COMPILE_CHIP} ({case.description})."
-    lines = report.error.strip().splitlines()
+    lines = error.strip().splitlines()
     shown = "\n".join("  " + line for line in lines[:MOSAIC_MESSAGE_LINES])
-    more = (
-        f"\n  ... ({len(lines) - MOSAIC_MESSAGE_LINES} more lines)"
-        if len(lines) > MOSAIC_MESSAGE_LINES
-        else ""
-    )
-    return (
-        FAILED,
-        f"Mosaic's message, compiling for {COMPILE_CHIP} ({case.description}):\n{shown}{more}",
-    )
+    hidden = len(lines) - MOSAIC_MESSAGE_LINES
+    more = f"\n  ... ({hidden} more lines)" if hidden > 0 else ""
+    where = f"compiling for {COMPILE_CHIP} ({case.description})"
+    return FAILED, f"Mosaic's message, {where}:\n{shown}{more}"
+
+
+def compile_in_this_process(fn: Callable, args: tuple, chip: str) -> tuple[bool, str | None]:
+    """(compiled, error): `jax.jit(fn)` lowered and compiled for a compile-only `chip` device
+    in this process (libtpu must be installed). Only whether it compiles, no statistics."""
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+
+    try:
+        topology = topologies.get_topology_desc(
+            topology_name=f"{chip}:1x1", platform="tpu", chips_per_host_bounds=(1, 1, 1)
+        )
+        sharding = SingleDeviceSharding(topology.devices[0])
+        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
+        jax.jit(fn).lower(*structs).compile()
+    except Exception as err:  # Mosaic's (or XLA's) refusal is the result
+        return False, f"{type(err).__name__}: {err}"
+    return True, None
