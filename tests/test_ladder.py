@@ -250,3 +250,60 @@ def flash_with_unaligned_q_block():
         )(q_t, k, v)
 
     return fn
+
+
+@pytest.mark.tpu_compile
+def test_a_kernel_compiles_in_this_process_too():
+    """The checkers' path once libtpu has started without dump flags (a notebook)."""
+    if not AVAILABLE:
+        pytest.skip(f"no TPU compile here: {REASON}")
+    from minilib.exercises.kernel_checking import compile_in_this_process
+
+    fn = functools.partial(ladder_solutions()["prefetch"], sm_scale=0.1, interpret=False)
+    assert compile_in_this_process(fn, decode_specs(jnp.bfloat16), "v5e") == (True, None)
+    compiled, error = compile_in_this_process(
+        functools.partial(
+            flash_with_unaligned_q_block(),
+            kv_len=200,
+            sm_scale=0.1,
+            block_q=32,
+            block_kv=128,
+            interpret=False,
+        ),  # fmt: skip
+        [jax.ShapeDtypeStruct((2, n, 128), jnp.float32) for n in (128, 256, 256)],
+        "v5e",
+    )
+    assert not compiled and "divisible by 8 and 128" in error
+
+
+@pytest.mark.slow
+def test_a_deadlocked_kernel_is_reported_not_waited_for(tmp_path):
+    """A kernel waiting on a semaphore nobody signals hangs; the checker gives up after its
+    timeout and names the likely cause. (In a subprocess: the stuck thread stays blocked until
+    the interpreter exits.)"""
+    import subprocess
+    import sys
+
+    script = tmp_path / "deadlock.py"
+    script.write_text(
+        "import functools\n"
+        "from jax.experimental import pallas as pl\n"
+        "from jax.experimental.pallas import tpu as pltpu\n"
+        "import minilib.exercises as ex\n"
+        "import minilib.exercises.kernel_checking as kc\n"
+        "from minilib.ladder import async_copy\n"
+        "kc.KERNEL_TIMEOUT_SECONDS = 20.0\n"
+        "def kernel(kv_lens_ref, page_indices_ref, q_ref, kv_hbm_ref, o_ref, buf, sem, *rest,\n"
+        "           sm_scale):\n"
+        "    pltpu.make_async_copy(kv_hbm_ref.at[0], buf, sem).wait()  # nothing started\n"
+        "fn = functools.partial(async_copy.paged_decode_attention_async_copy, kernel=kernel)\n"
+        "result = ex.check_paged_decode_async_copy(fn, verbose=False)\n"
+        "print(result.status)\n"
+        "print(result.report, flush=True)\n"
+        "import os; os._exit(0)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert run.stdout.startswith("failed"), run.stdout + run.stderr
+    assert "deadlock" in run.stdout

@@ -69,13 +69,15 @@ class KernelRun:
     hung: bool = False
 
 
-def run_in_strict_interpret_mode(fn: Callable, timeout: float = KERNEL_TIMEOUT_SECONDS):
+def run_in_strict_interpret_mode(fn: Callable, timeout: float | None = None):
     """`fn` run with `interpret=strict_interpret_params()`; returns a KernelRun.
 
     A kernel that waits on a semaphore nobody signals hangs, in interpret mode as on the chip.
     The run happens in a daemon thread; after `timeout` seconds the check gives up on it and
     reports a likely deadlock (the thread stays blocked, idle, until Python exits).
+    `timeout` defaults to KERNEL_TIMEOUT_SECONDS.
     """
+    timeout = KERNEL_TIMEOUT_SECONDS if timeout is None else timeout
 
     def run(*args, **kwargs):
         outcome = {}
