@@ -307,3 +307,14 @@ def test_a_deadlocked_kernel_is_reported_not_waited_for(tmp_path):
     )
     assert run.stdout.startswith("failed"), run.stdout + run.stderr
     assert "deadlock" in run.stdout
+
+
+def test_the_checker_refuses_blocks_a_tpu_cannot_tile():
+    """Right in interpret mode, refused for a TPU: by JAX's TPU lowering everywhere, and by
+    Mosaic too where libtpu is installed."""
+    import minilib.exercises as ex
+
+    result = ex.check_flash_attention(flash_with_unaligned_q_block(), verbose=False)
+    assert result.status == "failed", result.report
+    assert "right in interpret mode" in result.report
+    assert "divisible by 8 and 128" in result.report, result.report
