@@ -59,9 +59,10 @@ def _under_jit(fn: Callable) -> Callable:
             first_line = str(err).strip().splitlines()[0]
             raise NotVectorizedError(
                 "under jax.jit, kv_lens and page_indices have no values while your function is "
-                "traced, so Python int(), if, or range() on them fail. Keep the lengths as "
-                "arrays: build a mask such as jnp.arange(max_kv_len)[None, :] < kv_lens[:, None] "
-                f"and use jnp.where.\n  (JAX said: {first_line})"
+                "traced, so Python int(), if, range() or NumPy functions on them fail. Use "
+                "jax.numpy, and keep the lengths as arrays: build a mask such as "
+                "jnp.arange(max_kv_len)[None, :] < kv_lens[:, None] and use jnp.where.\n"
+                f"  (JAX said: {first_line})"
             ).with_traceback(err.__traceback__) from None
 
     return run

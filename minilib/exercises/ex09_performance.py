@@ -10,6 +10,7 @@ import numpy as np
 from minilib.exercises.checking import (
     Case,
     CheckResult,
+    Mismatch,
     as_int,
     compare_arrays,
     compare_values,
@@ -108,11 +109,21 @@ def check_arithmetic_intensity(fn: Callable, *, seed: int = 0, verbose: bool = T
         "q must be read and the output written too: 2 * num_q_heads * head_dim * itemsize "
         "bytes per row.": _intensity_with(q_and_out=False),
     }
-    compare = diagnose(
-        lambda want, got, case: compare_arrays(want, got, "FLOP/byte", atol=1e-6, rtol=1e-6),
-        mistakes,
+
+    def compare(want, got, case):
+        if got is None:
+            raise Mismatch("FLOP/byte: got None. Did you forget to `return` it?")
+        try:
+            value = float(got)
+        except (TypeError, ValueError):
+            raise Mismatch(
+                f"FLOP/byte: expected one number, got {type(got).__name__} {str(got)[:60]}"
+            ) from None
+        compare_arrays(want, value, "FLOP/byte", atol=1e-6, rtol=1e-6)
+
+    return run_check(
+        "arithmetic_intensity", fn, _intensity, cases, diagnose(compare, mistakes), verbose=verbose
     )
-    return run_check("arithmetic_intensity", fn, _intensity, cases, compare, verbose=verbose)
 
 
 # --- 9.2: the largest KV block that fits a VMEM budget ----------------------------------------
