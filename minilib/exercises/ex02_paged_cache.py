@@ -68,8 +68,8 @@ def check_write_new_tokens(fn: Callable, *, seed: int = 0, verbose: bool = True)
         cases.append(
             Case(
                 f"kv_pages.shape={batch.kv_pages.shape} (num_kv_heads={num_kv_heads}), "
-                f"pages={pages.tolist()}, kv_len={kv_len}, {n} new token(s): tokens "
-                f"{kv_len - n}..{kv_len - 1}",
+                f"pages={pages.tolist()}, kv_len={kv_len}, {n} new token(s): "
+                + (f"token {kv_len - 1}" if n == 1 else f"tokens {kv_len - n}..{kv_len - 1}"),
                 (batch.kv_pages, pages, kv_len, new_k, new_v),
             )
         )

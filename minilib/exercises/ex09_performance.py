@@ -12,7 +12,6 @@ from minilib.exercises.checking import (
     CheckResult,
     Mismatch,
     as_int,
-    compare_arrays,
     compare_values,
     diagnose,
     run_check,
@@ -119,7 +118,8 @@ def check_arithmetic_intensity(fn: Callable, *, seed: int = 0, verbose: bool = T
             raise Mismatch(
                 f"FLOP/byte: expected one number, got {type(got).__name__} {str(got)[:60]}"
             ) from None
-        compare_arrays(want, value, "FLOP/byte", atol=1e-6, rtol=1e-6)
+        if not np.isclose(value, want, rtol=1e-6, atol=1e-6):
+            raise Mismatch(f"FLOP/byte: expected {want:.6g}, got {value:.6g}")
 
     return run_check(
         "arithmetic_intensity", fn, _intensity, cases, diagnose(compare, mistakes), verbose=verbose
