@@ -21,8 +21,8 @@ from minilib.heads import attention_kind, merge_kv_pages, repeat_kv, split_kv_pa
 from minilib.reference import DEFAULT_MASK_VALUE, attend
 
 # (num_tokens, num_q_heads, num_kv_heads, head_dim): GQA first, since MHA and MQA forgive
-# the grouping mistakes.
-ATTENTION_CONFIGS = [(5, 8, 2, 8), (4, 12, 4, 4), (7, 6, 3, 8), (3, 4, 4, 8), (6, 8, 1, 4)]
+# the grouping mistakes. Few shapes: every new shape costs a learner's eager code compiles.
+ATTENTION_CONFIGS = [(5, 8, 2, 8), (5, 6, 3, 8), (5, 4, 4, 8), (5, 8, 1, 8)]
 
 
 def _gqa_attention(q, k, v, *, sm_scale):
@@ -54,7 +54,7 @@ def check_grouped_query_attention(
     checker compares only the numbers, but the reshape is what the kernel does.
 
     >>> check_grouped_query_attention(_gqa_attention)
-    Passed: grouped_query_attention matches the reference on all 5 cases.
+    Passed: grouped_query_attention matches the reference on all 4 cases.
     CheckResult('grouped_query_attention', status='passed')
     """
     rng = np.random.default_rng(200 + seed)
