@@ -65,7 +65,7 @@ def _verdict(**mistake) -> Callable:
 
     def verdict(kv_pages, kv_lens, page_indices, num_seqs):
         bad = _first_bad_page(kv_pages, kv_lens, page_indices, num_seqs, **mistake)
-        return (RETURNED, None) if bad is None else ("raised", bad)
+        return (RETURNED, None) if bad is None else ("raised", _entry(*bad))
 
     return verdict
 
@@ -100,7 +100,7 @@ def check_validate_page_indices(
             table[i, j] = page
         args = (batch.kv_pages, batch.kv_lens, jnp.asarray(table), batch.num_seqs)
         bad = _first_bad_page(*args)
-        verdict = "valid" if bad is None else f"page_indices[{bad[0]}, {bad[1]}]={bad[2]}"
+        verdict = "valid" if bad is None else _entry(*bad)
         lens = f"kv_lens={batch.kv_lens.tolist()}, num_seqs={batch.num_seqs.tolist()}"
         cases.append(
             Case(
@@ -152,15 +152,13 @@ def check_validate_page_indices(
                 "(unused columns of page_indices and slots past num_seqs may hold anything)"
             )
         if want_kind != RETURNED and got_kind == RETURNED:
-            i, j, page = bad
             raise Mismatch(
-                f"sequence {i} uses page_indices[{i}, {j}]={page}, outside the pool, but your "
+                f"{bad} is outside the pool and sequence {_sequence(bad)} uses it, but your "
                 "function returned without raising ValueError."
             )
-        if want_kind != RETURNED and str(bad[2]) not in message:
-            i, j, page = bad
+        if want_kind != RETURNED and _page(bad) not in message:
             raise Mismatch(
-                f"your error does not name the bad page {page} (page_indices[{i}, {j}]): "
+                f"your error does not name the bad page {_page(bad)} ({bad}): "
                 f'{message}\nSay which value is wrong, e.g. with f"{{page=}}".'
             )
 
@@ -188,3 +186,16 @@ def check_validate_page_indices(
         diagnose(compare, mistakes),
         verbose=verbose,
     )
+
+
+def _entry(i: int, j: int, page: int) -> str:
+    """'page_indices[1, 2]=57': the bad entry, as the verdicts carry it."""
+    return f"page_indices[{i}, {j}]={page}"
+
+
+def _sequence(entry: str) -> str:
+    return entry.split("[", 1)[1].split(",", 1)[0]
+
+
+def _page(entry: str) -> str:
+    return entry.rsplit("=", 1)[1]
