@@ -30,6 +30,7 @@ from minilib.kv_cache import bucket_size
 from minilib.validation import RPAInputError, check_head_counts
 
 DTYPES = ("float32", "bfloat16")
+MIN_DENSE_LEN = 64  # dense_generate's shortest cache: short requests share compiled programs
 
 
 class EngineError(RPAInputError):
@@ -182,8 +183,10 @@ def attention_output_and_mlp(layer: dict, x: jax.Array, attn: jax.Array) -> jax.
 
 @jax.jit
 def final_logits(params: dict, x: jax.Array) -> jax.Array:  # f32[n, vocab_size]
-    """RMSNorm, then the unembedding: one row of logits per token row."""
-    return (rms_norm(x, params["final_norm"]) @ params["unembed"]).astype(jnp.float32)
+    """RMSNorm, then the unembedding: one row of logits per token row, accumulated and kept
+    in float32 (bf16 logits would tie too often for a greedy argmax)."""
+    h = rms_norm(x, params["final_norm"])
+    return jnp.dot(h, params["unembed"], preferred_element_type=jnp.float32)
 
 
 # --- the yardstick: one sequence, a contiguous cache, plain attention ------------------------
@@ -228,9 +231,10 @@ def dense_generate(params: dict, config: ModelConfig, prompt, max_new_tokens: in
     """Greedy generation of one sequence: the prompt in one pass, then one token at a time.
 
     The cache is one contiguous buffer per layer, `bucket_size(len(prompt) + max_new_tokens)`
-    long, so that sequences of similar length share compiled programs. The prompt is padded
-    to a power of two the same way: the causal mask hides the padding from the real rows,
-    and its K/V is overwritten by the generated tokens before any row could see it.
+    long (at least `MIN_DENSE_LEN`), so that sequences of similar length share the two
+    compiled programs, prefill and decode. The prompt is padded to the cache's length: the
+    causal mask hides the padding from the real rows, and its K/V is overwritten by the
+    generated tokens before any row could see it.
 
     >>> config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
     ...                      head_dim=32)
@@ -238,24 +242,42 @@ def dense_generate(params: dict, config: ModelConfig, prompt, max_new_tokens: in
     >>> len(tokens), all(0 <= t < 64 for t in tokens)
     (4, True)
     """
+    return dense_generate_with_margins(params, config, prompt, max_new_tokens)[0]
+
+
+def dense_generate_with_margins(params, config: ModelConfig, prompt, max_new_tokens: int):
+    """`dense_generate`, and for each token the gap between the top two logits it was chosen
+    by: where the gap is tiny, a rounding difference may legitimately pick the other token.
+
+    >>> config = ModelConfig(vocab_size=64, num_layers=1, num_q_heads=2, num_kv_heads=1,
+    ...                      head_dim=8)
+    >>> tokens, margins = dense_generate_with_margins(init_params(config), config, [1], 3)
+    >>> len(margins), all(m >= 0 for m in margins)
+    (3, True)
+    """
     check_request(prompt, max_new_tokens, config)
     prompt = [int(t) for t in prompt]
     if max_new_tokens == 0:
-        return []
-    max_len = bucket_size(len(prompt) + max_new_tokens)
+        return [], []
+    max_len = max(MIN_DENSE_LEN, bucket_size(len(prompt) + max_new_tokens))
     shape = (config.num_layers, max_len, config.num_kv_heads, config.head_dim)
     k_cache, v_cache = jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype)
-    padded = np.zeros(bucket_size(len(prompt)), np.int32)
+    padded = np.zeros(max_len, np.int32)  # the prompt, padded to the cache's length
     padded[: len(prompt)] = prompt
     logits, k_cache, v_cache = dense_forward(params, config, padded, 0, k_cache, v_cache)
-    tokens = [int(jnp.argmax(logits[len(prompt) - 1]))]
-    while len(tokens) < max_new_tokens:
+    tokens, margins = [], []
+    last = np.asarray(logits[len(prompt) - 1])
+    while True:
+        top2 = np.sort(last)[-2:]
+        tokens.append(int(np.argmax(last)))
+        margins.append(float(top2[1] - top2[0]))
+        if len(tokens) == max_new_tokens:
+            return tokens, margins
         position = len(prompt) + len(tokens) - 1  # the newest token, not yet in the cache
         logits, k_cache, v_cache = dense_forward(
             params, config, np.array(tokens[-1:], np.int32), position, k_cache, v_cache
         )
-        tokens.append(int(jnp.argmax(logits[0])))
-    return tokens
+        last = np.asarray(logits[0])
 
 
 def check_request(prompt, max_new_tokens, config: ModelConfig) -> None:
