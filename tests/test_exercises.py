@@ -122,6 +122,19 @@ def decode_kv_bytes_tokens_not_pages(kv_lens, page_size, num_kv_heads, head_dim,
     return sum(kv_lens) * 2 * num_kv_heads * head_dim * itemsize
 
 
+def can_admit_whole_prompt(num_prompt_tokens, *, token_budget_left, num_free_pages, page_size,
+                           num_running, max_num_seqs):  # fmt: skip
+    # Asks for the pages of the whole prompt, not just of this step's first chunk.
+    return (num_running < max_num_seqs and token_budget_left > 0
+            and -(-num_prompt_tokens // page_size) <= num_free_pages)  # fmt: skip
+
+
+def preempt_keeps_num_computed(request, allocator):
+    # Frees the pages but still believes their K/V is cached.
+    allocator.free(request.pages)
+    request.pages = []
+
+
 # (checker, solutions module, function name, wrong answer)
 EXERCISES = [
     (ex.check_pages_needed, "ex00_tour", "pages_needed", pages_round_up_wrong),
@@ -158,6 +171,8 @@ EXERCISES = [
         "decode_kv_bytes",
         decode_kv_bytes_tokens_not_pages,
     ),
+    (ex.check_can_admit, "ex10_engine", "can_admit", can_admit_whole_prompt),
+    (ex.check_preempt, "ex10_engine", "preempt", preempt_keeps_num_computed),
 ]
 IDS = [checker.__name__.removeprefix("check_") for checker, *_ in EXERCISES]
 

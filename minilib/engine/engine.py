@@ -140,9 +140,10 @@ class Engine:
       mesh: None, or a `jax.sharding.Mesh` with one axis "kv_heads": attention and the KV
         cache are split by KV head over its devices (see `minilib.engine.sharding`).
 
+    >>> from minilib import ragged_paged_attention_jnp
+    >>> from minilib.engine import init_params
     >>> config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
     ...                      head_dim=32)
-    >>> from minilib import ragged_paged_attention_jnp
     >>> engine = Engine(init_params(config), config, num_pages=8, page_size=4,
     ...                 max_num_batched_tokens=8, max_num_seqs=2,
     ...                 attention=ragged_paged_attention_jnp)

@@ -127,7 +127,6 @@ def preempt(request: Request, allocator: PageAllocator) -> None:
     allocator.free(request.pages)
     request.pages = []
     request.num_computed = 0
-    request.num_preemptions += 1
 
 
 class Scheduler:
@@ -217,6 +216,7 @@ class Scheduler:
         ):
             victim = self.running.pop()  # the newest
             self.preempt_request(victim, self.allocator)
+            victim.num_preemptions += 1
             self.waiting.appendleft(victim)
             preempted.append(victim.request_id)
             if victim is request:

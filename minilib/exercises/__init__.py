@@ -33,10 +33,12 @@ from minilib.exercises.ex06_online_softmax import check_online_softmax_update
 from minilib.exercises.ex07_pallas import check_softmax_kernel
 from minilib.exercises.ex08_kernel import check_kv_blocks_to_visit
 from minilib.exercises.ex09_performance import check_decode_kv_bytes
+from minilib.exercises.ex10_engine import check_can_admit, check_preempt
 
 __all__ = [
     "CheckResult",
     "check_attend_soft_cap",
+    "check_can_admit",
     "check_causal_mask",
     "check_decode_kv_bytes",
     "check_gather_kv",
@@ -44,6 +46,7 @@ __all__ = [
     "check_kv_head_for_q_head",
     "check_online_softmax_update",
     "check_pages_needed",
+    "check_preempt",
     "check_repeat_kv",
     "check_seq_for_row",
     "check_sliding_window_mask",
