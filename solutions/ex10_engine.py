@@ -1,8 +1,9 @@
 """Solutions to notebook 10 (the serving engine)."""
 
 
-def can_admit(num_prompt_tokens, *, token_budget_left, num_free_pages, page_size, num_running,
-              max_num_seqs):  # fmt: skip
+def can_admit(
+    num_prompt_tokens, *, token_budget_left, num_free_pages, page_size, num_running, max_num_seqs
+):
     # Only the first chunk runs this step, so only its pages are needed now.
     first_chunk = min(num_prompt_tokens, token_budget_left)
     pages_for_first_chunk = -(-first_chunk // page_size)

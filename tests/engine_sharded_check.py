@@ -32,8 +32,12 @@ ATTENTION = {
 }
 # (attention, mesh sizes, how many prompts, max_new_tokens): the interpreted kernel and the
 # host-looping reference are slow, so they get a small run.
-PLAN = [("jnp", (1, 2, 4), 4, 6), ("blockwise", (2, 4), 4, 6), ("kernel", (2, 4), 2, 3),
-        ("ref", (2, 4), 1, 2)]  # fmt: skip
+PLAN = [
+    ("jnp", (1, 2, 4), 4, 6),
+    ("blockwise", (2, 4), 4, 6),
+    ("kernel", (2, 4), 2, 3),
+    ("ref", (2, 4), 1, 2),
+]
 
 
 def mesh_of(size: int, axis: str = "kv_heads") -> Mesh:
@@ -59,21 +63,40 @@ def main() -> None:
             eng = Engine(PARAMS, CONFIG, attention=ATTENTION[name], mesh=mesh_of(size), **SIZES)
             tokens = eng.generate(prompts, max_new)
             free = eng.scheduler.allocator.num_free == SIZES["num_pages"]
-            runs.append({"attention": name, "mesh_size": size, "tokens": tokens,
-                         "unsharded": unsharded, "dense": dense, "pages_free": free})  # fmt: skip
+            runs.append(
+                {
+                    "attention": name,
+                    "mesh_size": size,
+                    "tokens": tokens,
+                    "unsharded": unsharded,
+                    "dense": dense,
+                    "pages_free": free,
+                }
+            )
     eng = Engine(PARAMS, CONFIG, attention=ATTENTION["jnp"], mesh=mesh_of(4), **SIZES)
     shard_shapes = [list(s.data.shape) for s in eng.kv_pages[0].addressable_shards]
-    two_kv_heads = ModelConfig(vocab_size=64, num_layers=1, num_q_heads=4, num_kv_heads=2,
-                               head_dim=32)  # fmt: skip
+    two_kv_heads = ModelConfig(
+        vocab_size=64, num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=32
+    )
     errors = {
-        "kv heads not divisible": error_text(lambda: Engine(
-            init_params(two_kv_heads), two_kv_heads, mesh=mesh_of(4), **SIZES)),
-        "unknown axis": error_text(lambda: Engine(PARAMS, CONFIG, mesh=mesh_of(2, "model"),
-                                                  **SIZES)),
+        "kv heads not divisible": error_text(
+            lambda: Engine(init_params(two_kv_heads), two_kv_heads, mesh=mesh_of(4), **SIZES)
+        ),
+        "unknown axis": error_text(
+            lambda: Engine(PARAMS, CONFIG, mesh=mesh_of(2, "model"), **SIZES)
+        ),
         "not a mesh": error_text(lambda: Engine(PARAMS, CONFIG, mesh=jax.devices(), **SIZES)),
-    }  # fmt: skip
-    print(json.dumps({"num_devices": jax.device_count(), "runs": runs,
-                      "shard_shapes": {"4": shard_shapes}, "errors": errors}))  # fmt: skip
+    }
+    print(
+        json.dumps(
+            {
+                "num_devices": jax.device_count(),
+                "runs": runs,
+                "shard_shapes": {"4": shard_shapes},
+                "errors": errors,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -89,8 +89,7 @@ def test_small_pool_waits_and_preempts_without_changing_outputs(name, dense_toke
 
 def test_reference_attention_matches_dense(dense_tokens):
     # The default attention; it compiles per (q_len, kv_len), so three short requests.
-    eng = Engine(PARAMS, CONFIG, num_pages=6, page_size=4, max_num_batched_tokens=8,
-                 max_num_seqs=2)  # fmt: skip
+    eng = Engine(PARAMS, CONFIG, num_pages=6, page_size=4, max_num_batched_tokens=8, max_num_seqs=2)
     assert eng.attention is minilib.ref_ragged_paged_attention
     picked = [0, 2, 4]
     assert eng.generate([PROMPTS[i] for i in picked], 4) == [dense_tokens[i][:4] for i in picked]
@@ -98,16 +97,18 @@ def test_reference_attention_matches_dense(dense_tokens):
 
 
 def test_pallas_kernel_in_interpret_mode_matches_dense(dense_tokens):
-    eng = engine(minilib.ragged_paged_attention, num_pages=6, max_num_batched_tokens=8,
-                 max_num_seqs=2)  # fmt: skip
+    eng = engine(
+        minilib.ragged_paged_attention, num_pages=6, max_num_batched_tokens=8, max_num_seqs=2
+    )
     picked = [0, 2]
     assert eng.generate([PROMPTS[i] for i in picked], 3) == [dense_tokens[i][:3] for i in picked]
     assert_all_pages_free(eng)
 
 
 def test_bfloat16_matches_dense_up_to_near_ties():
-    config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
-                         head_dim=32, dtype="bfloat16")  # fmt: skip
+    config = ModelConfig(
+        vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype="bfloat16"
+    )
     params = init_params(config, seed=0)
     dense = [dense_generate_with_margins(params, config, p, MAX_NEW) for p in PROMPTS]
     eng = engine(params=params, config=config, num_pages=10)
@@ -128,8 +129,9 @@ def test_a_wrong_attention_is_caught(dense_tokens):
 
     def forgets_the_cache(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
         q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-        return minilib.ragged_paged_attention_jnp(q, kv_pages, q_lens, page_indices, cu_q_lens,
-                                                  num_seqs, **options)  # fmt: skip
+        return minilib.ragged_paged_attention_jnp(
+            q, kv_pages, q_lens, page_indices, cu_q_lens, num_seqs, **options
+        )
 
     assert engine(forgets_the_cache).generate(PROMPTS, MAX_NEW) != dense_tokens
 
@@ -159,8 +161,9 @@ def test_steps_and_statistics(dense_tokens):
 def test_max_new_tokens_zero_and_one():
     eng = engine()
     assert eng.generate([[1, 2], [3]], 0) == [[], []]
-    assert eng.generate([[1, 2], [3]], 1) == [dense_generate(PARAMS, CONFIG, p, 1) for p in
-                                              ([1, 2], [3])]  # fmt: skip
+    assert eng.generate([[1, 2], [3]], 1) == [
+        dense_generate(PARAMS, CONFIG, p, 1) for p in ([1, 2], [3])
+    ]
     assert_all_pages_free(eng)
 
 
@@ -239,8 +242,7 @@ def test_bad_engine_settings(kwargs, words):
     ],
 )
 def test_bad_model_configs(kwargs, words):
-    base = {"vocab_size": 64, "num_layers": 1, "num_q_heads": 4, "num_kv_heads": 2,
-            "head_dim": 8}  # fmt: skip
+    base = {"vocab_size": 64, "num_layers": 1, "num_q_heads": 4, "num_kv_heads": 2, "head_dim": 8}
     with pytest.raises(ValueError, match=words):
         ModelConfig(**(base | kwargs))
 
@@ -259,8 +261,9 @@ def run_sharded_check(num_devices: int = 4) -> dict:
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices}"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     script = ROOT / "tests" / "engine_sharded_check.py"
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                          text=True, timeout=900)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -1,12 +1,12 @@
 """A tiny continuous-batching serving engine on the paged KV cache: the course's capstone.
 
-    model.py      ModelConfig, init_params, dense_generate: a toy transformer and its yardstick
-    scheduler.py  admission, pages, chunked prefill, preemption: who runs in the next step
-    engine.py     Engine: pack one ragged batch, write K/V into pages, attend, sample, free
-    sharding.py   attention and the KV cache split by KV head over a device mesh (shard_map)
-    view.py       EngineView: a live ipywidgets view of the page pool and each step's batch
+model.py      ModelConfig, init_params, dense_generate: a toy transformer and its yardstick
+scheduler.py  admission, pages, chunked prefill, preemption: who runs in the next step
+engine.py     Engine: pack one ragged batch, write K/V into pages, attend, sample, free
+sharding.py   attention and the KV cache split by KV head over a device mesh (shard_map)
+view.py       EngineView: a live ipywidgets view of the page pool and each step's batch
 
-    >>> from minilib.engine import Engine, ModelConfig, dense_generate, init_params
+>>> from minilib.engine import Engine, ModelConfig, dense_generate, init_params
 """
 
 from minilib.engine.engine import Engine, StepStats

@@ -83,8 +83,14 @@ class PackedBatch:
     sample_rows: np.ndarray  # i32[max_num_seqs], the last row of each sequence (0 if unused)
 
 
-def pack_batch(plan: StepPlan, *, max_num_batched_tokens: int, max_num_seqs: int,
-               num_pages: int, page_size: int) -> PackedBatch:  # fmt: skip
+def pack_batch(
+    plan: StepPlan,
+    *,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    num_pages: int,
+    page_size: int,
+) -> PackedBatch:
     """Lay the step's sequences out one after another: prefill chunks and decode tokens of
     many requests in one ragged batch.
 
@@ -118,8 +124,17 @@ def pack_batch(plan: StepPlan, *, max_num_batched_tokens: int, max_num_seqs: int
         sample_rows[i] = end - 1
     cu_q_lens[len(plan.seqs) + 1 :] = cu_q_lens[len(plan.seqs)]
     num_seqs = np.array([len(plan.seqs)], np.int32)
-    return PackedBatch(tokens, positions, page_ids, slot_ids, kv_lens, page_indices, cu_q_lens,
-                       num_seqs, sample_rows)  # fmt: skip
+    return PackedBatch(
+        tokens,
+        positions,
+        page_ids,
+        slot_ids,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sample_rows,
+    )
 
 
 @jax.jit
@@ -152,34 +167,56 @@ class Engine:
     ([3, 3], 8)
     """
 
-    def __init__(self, params: dict, config: ModelConfig, *, num_pages: int, page_size: int,
-                 max_num_batched_tokens: int, max_num_seqs: int,
-                 attention=ref_ragged_paged_attention, mesh=None):  # fmt: skip
-        for name, value in (("num_pages", num_pages), ("page_size", page_size),
-                            ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_num_seqs", max_num_seqs)):  # fmt: skip
+    def __init__(
+        self,
+        params: dict,
+        config: ModelConfig,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        attention=ref_ragged_paged_attention,
+        mesh=None,
+    ):
+        for name, value in (
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_num_seqs", max_num_seqs),
+        ):
             if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-                raise EngineError(f"Engine: {name}={value!r} must be a positive int.",
-                                  "sizes of the engine are counts: at least 1.")  # fmt: skip
+                raise EngineError(
+                    f"Engine: {name}={value!r} must be a positive int.",
+                    "sizes of the engine are counts: at least 1.",
+                )
         if not isinstance(config, ModelConfig):
-            raise EngineError(f"config={config!r} must be a ModelConfig.",
-                              "pass the config that init_params was given.")  # fmt: skip
+            raise EngineError(
+                f"config={config!r} must be a ModelConfig.",
+                "pass the config that init_params was given.",
+            )
         if not callable(attention):
-            raise EngineError(f"attention={attention!r} is not callable.",
-                              "pass a function such as minilib.ragged_paged_attention_jnp.")  # fmt: skip
+            raise EngineError(
+                f"attention={attention!r} is not callable.",
+                "pass a function such as minilib.ragged_paged_attention_jnp.",
+            )
         self.params, self.config, self.mesh = params, config, mesh
         self.page_size, self.num_pages = page_size, num_pages
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.attention = attention if mesh is None else shard_attention(attention, mesh, config)
-        self.scheduler = Scheduler(num_pages=num_pages, page_size=page_size,
-                                   max_num_batched_tokens=max_num_batched_tokens,
-                                   max_num_seqs=max_num_seqs)  # fmt: skip
+        self.scheduler = Scheduler(
+            num_pages=num_pages,
+            page_size=page_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+        )
         # One pool per layer, NaN until written: a read of a slot no token owns shows at once.
         shape = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
         self.kv_pages = [jnp.full(shape, jnp.nan, config.dtype) for _ in range(config.num_layers)]
         if mesh is not None:
             self.kv_pages = [shard_kv_pages(pages, mesh) for pages in self.kv_pages]
         self.requests: dict[int, Request] = {}
+        self.last_batch: PackedBatch | None = None
         self.stats: list[StepStats] = []
 
     # --- requests ---------------------------------------------------------------------------
@@ -255,9 +292,14 @@ class Engine:
     def run_model(self, plan: StepPlan) -> dict[int, int]:
         """The model on one packed batch. Returns {request_id: next token} for every sequence
         that reached its last token."""
-        batch = pack_batch(plan, max_num_batched_tokens=self.max_num_batched_tokens,
-                           max_num_seqs=self.max_num_seqs, num_pages=self.num_pages,
-                           page_size=self.page_size)  # fmt: skip
+        batch = pack_batch(
+            plan,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            num_pages=self.num_pages,
+            page_size=self.page_size,
+        )
+        self.last_batch = batch  # kept for reading: what the model saw in the last step
         metadata = (batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs)
         x = embed_tokens(self.params, batch.tokens)
         kv_pages = list(self.kv_pages)
@@ -269,9 +311,7 @@ class Engine:
         tokens = np.asarray(greedy_tokens(self.params, x, batch.sample_rows))
         self.kv_pages = kv_pages  # only now: a step that raised leaves the cache as it was
         return {
-            seq.request.request_id: int(tokens[i])
-            for i, seq in enumerate(plan.seqs)
-            if seq.samples
+            seq.request.request_id: int(tokens[i]) for i, seq in enumerate(plan.seqs) if seq.samples
         }
 
     def _stats(self, plan: StepPlan, finished: list[Request]) -> StepStats:
@@ -291,4 +331,3 @@ class Engine:
             batch=tuple((s.request.request_id, s.kind, s.num_tokens) for s in plan.seqs),
             page_owners=allocator.owners,
         )
-

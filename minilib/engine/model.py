@@ -60,12 +60,21 @@ embed_dim=64, mlp_dim=128, rope_theta=10000.0, dtype='float32')
     dtype: str = "float32"
 
     def __post_init__(self):
-        for name in ("vocab_size", "num_layers", "num_q_heads", "num_kv_heads", "head_dim",
-                     "embed_dim", "mlp_dim"):  # fmt: skip
+        for name in (
+            "vocab_size",
+            "num_layers",
+            "num_q_heads",
+            "num_kv_heads",
+            "head_dim",
+            "embed_dim",
+            "mlp_dim",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
-                raise EngineError(f"ModelConfig: {name}={value!r} must be a positive int.",
-                                  "sizes of the model are counts: at least 1.")  # fmt: skip
+                raise EngineError(
+                    f"ModelConfig: {name}={value!r} must be a positive int.",
+                    "sizes of the model are counts: at least 1.",
+                )
         check_head_counts(self.num_q_heads, self.num_kv_heads)
         if self.head_dim % 2:
             raise EngineError(
@@ -99,8 +108,10 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict:
     ((64, 4, 32), (64, 2, 32))
     """
     if not isinstance(config, ModelConfig):
-        raise EngineError(f"config={config!r} must be a ModelConfig.",
-                          "build one with ModelConfig(vocab_size=..., num_layers=..., ...).")  # fmt: skip
+        raise EngineError(
+            f"config={config!r} must be a ModelConfig.",
+            "build one with ModelConfig(vocab_size=..., num_layers=..., ...).",
+        )
     d, h, nq, nkv = config.embed_dim, config.head_dim, config.num_q_heads, config.num_kv_heads
     keys = iter(jax.random.split(jax.random.PRNGKey(seed), 4 + 6 * config.num_layers))
 
@@ -283,10 +294,15 @@ def dense_generate_with_margins(params, config: ModelConfig, prompt, max_new_tok
 def check_request(prompt, max_new_tokens, config: ModelConfig) -> None:
     """Raise `EngineError` unless `prompt` is a non-empty list of token ids in the vocabulary
     and `max_new_tokens` a non-negative int."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) \
-            or max_new_tokens < 0:  # fmt: skip
-        raise EngineError(f"max_new_tokens={max_new_tokens!r} must be a non-negative int.",
-                          "it counts the tokens to generate after the prompt.")  # fmt: skip
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int | np.integer)
+        or max_new_tokens < 0
+    ):
+        raise EngineError(
+            f"max_new_tokens={max_new_tokens!r} must be a non-negative int.",
+            "it counts the tokens to generate after the prompt.",
+        )
     try:
         ids = np.asarray(prompt)
     except Exception:

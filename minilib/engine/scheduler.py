@@ -78,8 +78,13 @@ def schedule_tokens(request: Request, num_tokens: int) -> ScheduledSeq:
     """`request`'s next `num_tokens` uncomputed tokens, as one sequence of the step."""
     start, total = request.num_computed, len(request.prompt) + len(request.output)
     is_decode = bool(request.output) and num_tokens == 1 and start == total - 1
-    return ScheduledSeq(request, start, num_tokens, "decode" if is_decode else "prefill",
-                        start + num_tokens == total)  # fmt: skip
+    return ScheduledSeq(
+        request,
+        start,
+        num_tokens,
+        "decode" if is_decode else "prefill",
+        start + num_tokens == total,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +146,9 @@ class Scheduler:
     2
     """
 
-    def __init__(self, *, num_pages: int, page_size: int, max_num_batched_tokens: int,
-                 max_num_seqs: int):  # fmt: skip
+    def __init__(
+        self, *, num_pages: int, page_size: int, max_num_batched_tokens: int, max_num_seqs: int
+    ):
         self.allocator = PageAllocator(num_pages)
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens

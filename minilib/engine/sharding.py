@@ -56,8 +56,10 @@ def check_mesh(mesh, config: ModelConfig) -> int:
     1
     """
     if not isinstance(mesh, Mesh):
-        raise EngineError(f"mesh={mesh!r} is not a jax.sharding.Mesh.",
-                          f"build one with Mesh(np.array(jax.devices()), ({AXIS!r},)).")  # fmt: skip
+        raise EngineError(
+            f"mesh={mesh!r} is not a jax.sharding.Mesh.",
+            f"build one with Mesh(np.array(jax.devices()), ({AXIS!r},)).",
+        )
     if tuple(mesh.axis_names) != (AXIS,):
         raise EngineError(
             f"mesh.axis_names={tuple(mesh.axis_names)} are not the engine's: it knows one "

@@ -45,8 +45,9 @@ class EngineView(widgets.VBox):
     def __init__(self, engine: Engine, title: str = "Engine"):
         self.engine = engine
         self.counters, self.pages, self.batch = widgets.HTML(), widgets.HTML(), widgets.HTML()
-        self.slider = widgets.IntSlider(value=0, min=0, max=0, description="step",
-                                        continuous_update=True, disabled=True)  # fmt: skip
+        self.slider = widgets.IntSlider(
+            value=0, min=0, max=0, description="step", continuous_update=True, disabled=True
+        )
         self.slider.observe(self._on_slide, names="value")
         header = widgets.HTML(f"<b style='font-size:1.1em'>{html.escape(title)}</b>")
         super().__init__([header, self.counters, self.pages, self.batch, self.slider])
@@ -112,8 +113,10 @@ def _pages_html(owners) -> str:
     for page, owner in enumerate(owners):
         fill = LIGHT_GREY if owner is None else colour(owner)
         label = "·" if owner is None else f"r{owner}"
-        cells.append(f"<div title='page {page}' style='{CELL}width:30px;height:22px;"
-                     f"line-height:22px;margin:1px;background:{fill}'>{label}</div>")  # fmt: skip
+        cells.append(
+            f"<div title='page {page}' style='{CELL}width:30px;height:22px;"
+            f"line-height:22px;margin:1px;background:{fill}'>{label}</div>"
+        )
     return f"<div>page pool (· free)</div><div style='max-width:720px'>{''.join(cells)}</div>"
 
 
@@ -124,11 +127,15 @@ def _batch_html(stats: StepStats, budget: int) -> str:
         if kind == "prefill":  # stripes: a chunk of a prompt (or a recompute)
             fill = f"repeating-linear-gradient(45deg,{fill} 0 6px,#ffffff 6px 9px)"
         width = 100 * num_tokens / budget
-        segments.append(f"<div title='r{request_id} {kind} {num_tokens}' style='{CELL}"
-                        f"width:{width:.2f}%;height:22px;line-height:22px;background:{fill};"
-                        f"border-right:1px solid #333'>r{request_id} {kind[0]}{num_tokens}"
-                        "</div>")  # fmt: skip
+        segments.append(
+            f"<div title='r{request_id} {kind} {num_tokens}' style='{CELL}"
+            f"width:{width:.2f}%;height:22px;line-height:22px;background:{fill};"
+            f"border-right:1px solid #333'>r{request_id} {kind[0]}{num_tokens}"
+            "</div>"
+        )
     legend = "batch: r&lt;id&gt; p&lt;n&gt; = prefill chunk of n (striped), d1 = decode"
-    bar = (f"<div style='width:720px;border:1px solid #333;background:#fff;"
-           f"white-space:nowrap;overflow:hidden'>{''.join(segments)}</div>")  # fmt: skip
+    bar = (
+        f"<div style='width:720px;border:1px solid #333;background:#fff;"
+        f"white-space:nowrap;overflow:hidden'>{''.join(segments)}</div>"
+    )
     return f"<div>{legend}</div>{bar}"

@@ -31,8 +31,15 @@ from minilib.kv_cache import PageAllocator
 def _tiny_model():
     from minilib.engine import ModelConfig, init_params
 
-    config = ModelConfig(vocab_size=32, num_layers=1, num_q_heads=2, num_kv_heads=1,
-                         head_dim=8, embed_dim=16, mlp_dim=32)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=32,
+        num_layers=1,
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        embed_dim=16,
+        mlp_dim=32,
+    )
     return config, init_params(config, seed=7)
 
 
@@ -43,8 +50,15 @@ def run_engine(rule=can_admit, preempt_fn=preempt, *, seed: int = 0) -> dict:
     from minilib.vectorized import ragged_paged_attention_jnp
 
     config, params = _tiny_model()
-    engine = Engine(params, config, num_pages=7, page_size=4, max_num_batched_tokens=8,
-                    max_num_seqs=3, attention=ragged_paged_attention_jnp)  # fmt: skip
+    engine = Engine(
+        params,
+        config,
+        num_pages=7,
+        page_size=4,
+        max_num_batched_tokens=8,
+        max_num_seqs=3,
+        attention=ragged_paged_attention_jnp,
+    )
     engine.scheduler.admission_rule = rule
     engine.scheduler.preempt_request = preempt_fn
     rng = np.random.default_rng(1000 + seed)
@@ -65,8 +79,10 @@ def run_engine(rule=can_admit, preempt_fn=preempt, *, seed: int = 0) -> dict:
 def _compare_runs(want: dict, got: dict) -> None:
     for key in want:
         if want[key] != got[key]:
-            raise Mismatch(f"with your function in the engine, {key}:\n  expected {want[key]}\n"
-                           f"  got      {got[key]}")  # fmt: skip
+            raise Mismatch(
+                f"with your function in the engine, {key}:\n  expected {want[key]}\n"
+                f"  got      {got[key]}"
+            )
 
 
 # --- Exercise 10.1: the admission rule ------------------------------------------------------
@@ -84,8 +100,13 @@ def check_can_admit(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Che
     cases = []
     situations = itertools.product((1, 7, 20), (0, 3, 8), (0, 1, 2, 5), (2, 3))
     for prompt, budget, free, running in situations:
-        kwargs = dict(token_budget_left=budget, num_free_pages=free, page_size=4,
-                      num_running=running, max_num_seqs=3)  # fmt: skip
+        kwargs = dict(
+            token_budget_left=budget,
+            num_free_pages=free,
+            page_size=4,
+            num_running=running,
+            max_num_seqs=3,
+        )
         text = ", ".join(f"{k}={v}" for k, v in kwargs.items())
         cases.append(Case(f"num_prompt_tokens={prompt}, {text}", ("rule", prompt), kwargs))
     cases.append(Case("a small engine serving 5 requests with your rule", ("engine", seed)))
@@ -113,12 +134,17 @@ def check_can_admit(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Che
             lambda n, **k: can_admit(n, **k) and -(-n // k["page_size"]) <= k["num_free_pages"]
         ),
         "with no token budget left (token_budget_left == 0) nothing more fits in this step.": (
-            call(lambda n, **k: k["num_running"] < k["max_num_seqs"]
-                 and -(-min(n, k["token_budget_left"]) // k["page_size"]) <= k["num_free_pages"])
-        ),  # fmt: skip
+            call(
+                lambda n, **k: (
+                    k["num_running"] < k["max_num_seqs"]
+                    and -(-min(n, k["token_budget_left"]) // k["page_size"]) <= k["num_free_pages"]
+                )
+            )
+        ),
     }
-    return run_check("can_admit", call(fn), call(can_admit), cases,
-                     diagnose(compare, mistakes), verbose=verbose)  # fmt: skip
+    return run_check(
+        "can_admit", call(fn), call(can_admit), cases, diagnose(compare, mistakes), verbose=verbose
+    )
 
 
 # --- Exercise 10.2: preemption --------------------------------------------------------------
@@ -161,12 +187,16 @@ def check_preempt(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Check
     cases = []
     for _ in range(6):
         request, allocator = _situation(rng, num_pages=int(rng.integers(6, 10)))
-        cases.append(Case(
-            f"request with pages={request.pages}, num_computed={request.num_computed}, "
-            f"{len(request.output)} tokens generated; free pages {list(allocator.free_pages)}",
-            ("state", (request, allocator))))  # fmt: skip
-    cases.append(Case("a small engine whose pool is too small for all 5 requests",
-                      ("engine", seed)))  # fmt: skip
+        cases.append(
+            Case(
+                f"request with pages={request.pages}, num_computed={request.num_computed}, "
+                f"{len(request.output)} tokens generated; free pages {list(allocator.free_pages)}",
+                ("state", (request, allocator)),
+            )
+        )
+    cases.append(
+        Case("a small engine whose pool is too small for all 5 requests", ("engine", seed))
+    )
 
     def call(f):
         def run(kind, value):
@@ -203,11 +233,10 @@ def check_preempt(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Check
         "the request must recompute them all.": call(keeps_num_computed),
         "keep request.output: the tokens generated so far are recomputed together with the "
         "prompt (one prefill), not generated again one by one.": call(forgets_output),
-        "the pages never went back to the pool: allocator.free(request.pages).": call(
-            leaks_pages
-        ),
+        "the pages never went back to the pool: allocator.free(request.pages).": call(leaks_pages),
         "after freeing, clear request.pages: the request no longer owns those pages (another "
         "request may get them next).": call(keeps_page_list),
     }
-    return run_check("preempt", call(fn), call(preempt), cases, diagnose(compare, mistakes),
-                     verbose=verbose)  # fmt: skip
+    return run_check(
+        "preempt", call(fn), call(preempt), cases, diagnose(compare, mistakes), verbose=verbose
+    )
