@@ -33,9 +33,9 @@ ATTENTION = {
 # (attention, mesh sizes, how many prompts, max_new_tokens): the interpreted kernel and the
 # host-looping reference are slow, so they get a small run.
 PLAN = [
-    ("jnp", (1, 2, 4), 4, 6),
-    ("blockwise", (2, 4), 4, 6),
-    ("kernel", (2, 4), 2, 3),
+    ("jnp", (1, 2, 4), 3, 5),
+    ("blockwise", (2, 4), 3, 5),
+    ("kernel", (2, 4), 2, 2),
     ("ref", (2, 4), 1, 2),
 ]
 

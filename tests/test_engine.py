@@ -293,3 +293,37 @@ def test_bad_meshes_get_clear_errors(sharded):
     assert "'model'" in sharded["errors"]["unknown axis"]
     assert "Hint:" in sharded["errors"]["unknown axis"]
     assert "not a jax.sharding.Mesh" in sharded["errors"]["not a mesh"]
+
+
+# --- the live view ---------------------------------------------------------------------------
+
+
+def test_live_view_is_real_widgets_and_replays_every_step():
+    import ipywidgets as widgets
+
+    from minilib.engine.view import EngineView
+
+    eng = engine(num_pages=10)
+    view = EngineView(eng, "test")
+    assert isinstance(view, widgets.VBox)
+    assert all(isinstance(c, widgets.HTML | widgets.IntSlider) for c in view.children)
+    for prompt in PROMPTS:
+        eng.add_request(prompt, MAX_NEW)
+    view.run(max_steps=1)
+    assert len(eng.stats) == 1 and "step 0 of 1" in view.text
+    view.run()
+    n = len(eng.stats)
+    assert not eng.has_unfinished
+    assert (view.slider.max, view.slider.value) == (n - 1, n - 1)
+    assert (
+        f"step {n - 1} of {n}" in view.text and f"pages in use: 0 of {eng.num_pages}" in view.text
+    )
+    first = next(s for s in eng.stats if s.preempted)
+    view.slider.value = first.step  # replay: the panels show that step again
+    assert f"step {first.step} of {n}" in view.text
+    assert f"preempted: r{first.preempted[0]}" in view.text
+    assert view.pages.value.count("title='page ") == eng.num_pages
+    for owner in {o for o in first.page_owners if o is not None}:
+        assert f">r{owner}</div>" in view.pages.value
+    for request_id, kind, num_tokens in first.batch:
+        assert f"r{request_id} {kind[0]}{num_tokens}" in view.text
