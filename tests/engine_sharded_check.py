@@ -75,6 +75,7 @@ def main() -> None:
             )
     eng = Engine(PARAMS, CONFIG, attention=ATTENTION["jnp"], mesh=mesh_of(4), **SIZES)
     shard_shapes = [list(s.data.shape) for s in eng.kv_pages[0].addressable_shards]
+    weight_specs = {name: str(w.sharding.spec) for name, w in eng.params["layers"][0].items()}
     two_kv_heads = ModelConfig(
         vocab_size=64, num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=32
     )
@@ -93,6 +94,7 @@ def main() -> None:
                 "num_devices": jax.device_count(),
                 "runs": runs,
                 "shard_shapes": {"4": shard_shapes},
+                "weight_specs": weight_specs,
                 "errors": errors,
             }
         )

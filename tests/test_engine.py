@@ -288,6 +288,13 @@ def test_sharded_kv_pages_are_split_by_kv_head(sharded):
     assert sharded["shard_shapes"]["4"] == [[16, 4, 2, 32]] * 4
 
 
+def test_sharded_projections_are_split_by_head(sharded):
+    specs = sharded["weight_specs"]
+    for name in ("wq", "wk", "wv", "wo"):
+        assert "kv_heads" in specs[name], specs
+    assert "kv_heads" not in specs["w_in"] + specs["w_out"], specs
+
+
 def test_bad_meshes_get_clear_errors(sharded):
     assert "num_kv_heads=2 is not divisible" in sharded["errors"]["kv heads not divisible"]
     assert "'model'" in sharded["errors"]["unknown axis"]

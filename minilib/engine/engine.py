@@ -33,7 +33,7 @@ from minilib.engine.model import (
     final_logits,
 )
 from minilib.engine.scheduler import Request, Scheduler, StepPlan
-from minilib.engine.sharding import shard_attention, shard_kv_pages
+from minilib.engine.sharding import shard_attention, shard_kv_pages, shard_params
 from minilib.kv_cache import pages_needed, write_tokens
 from minilib.reference import ref_ragged_paged_attention
 
@@ -151,7 +151,8 @@ class Engine:
       num_pages, page_size: the page pool, shared by all requests and all layers' caches.
       max_num_batched_tokens: the token budget of one step (prefill chunks + decode tokens).
       max_num_seqs: at most this many requests run at once.
-      attention: any function with the signature of JAX's ragged paged attention.
+      attention: any function with the signature of JAX's ragged paged attention that
+        returns an array shaped like q (as all of minilib's do).
       mesh: None, or a `jax.sharding.Mesh` with one axis "kv_heads": attention and the KV
         cache are split by KV head over its devices (see `minilib.engine.sharding`).
 
@@ -215,6 +216,7 @@ class Engine:
         self.kv_pages = [jnp.full(shape, jnp.nan, config.dtype) for _ in range(config.num_layers)]
         if mesh is not None:
             self.kv_pages = [shard_kv_pages(pages, mesh) for pages in self.kv_pages]
+            self.params = shard_params(params, mesh)
         self.requests: dict[int, Request] = {}
         self.last_batch: PackedBatch | None = None
         self.stats: list[StepStats] = []

@@ -14,6 +14,10 @@ heads, with no communication; the index arrays (`kv_lens`, `page_indices`, `cu_q
 `num_seqs`) are the same on every device. The pages are a pool shared by all heads, so the
 scheduler and page table do not change at all.
 
+The projections around attention are split the same way (`shard_params`): each device makes
+q, k and v for its own heads only, and the output projection ends with one sum over devices.
+The MLP, norms and embeddings stay replicated.
+
 On a CPU, `XLA_FLAGS=--xla_force_host_platform_device_count=4` (set before JAX starts) makes
 four simulated devices. On a TPU slice the devices are chips, and the same code runs.
 """
@@ -37,6 +41,7 @@ AXIS = "kv_heads"
 Q_SPEC = PartitionSpec(None, AXIS, None)  # q and the output: q heads split
 KV_SPEC = PartitionSpec(None, None, AXIS, None)  # kv_pages: combined K/V heads split
 SAME = PartitionSpec()  # the index arrays: a full copy on every device
+KV_HEAD_AXIS_1 = PartitionSpec(None, AXIS, None)  # wq, wk, wv [embed_dim, heads, head_dim]
 
 # Errors that mean "this implementation reads the lengths on the host" (both references loop
 # over sequences in Python): it cannot run with traced lengths.
@@ -80,6 +85,32 @@ def check_mesh(mesh, config: ModelConfig) -> int:
 def shard_kv_pages(kv_pages: jax.Array, mesh: Mesh) -> jax.Array:
     """Place `kv_pages` on the mesh, each device holding its KV heads' K and V."""
     return jax.device_put(kv_pages, NamedSharding(mesh, KV_SPEC))
+
+
+def shard_params(params: dict, mesh: Mesh) -> dict:
+    """Place the head-parallel weights by head, like the KV cache: wq, wk and wv split on
+    their head axis, wo on its head axis; everything else replicated.
+
+    Then the jitted layers run split too (XLA partitions them from the weights' placement):
+    each device computes q, k and v of its own heads only, which are exactly the heads its
+    attention reads, and the output projection ends with one sum over devices.
+    """
+    by_head = {
+        "wq": KV_HEAD_AXIS_1,
+        "wk": KV_HEAD_AXIS_1,
+        "wv": KV_HEAD_AXIS_1,
+        "wo": PartitionSpec(AXIS, None, None),  # [num_q_heads, head_dim, embed_dim]
+    }
+
+    def place(layer):
+        return {
+            name: jax.device_put(w, NamedSharding(mesh, by_head.get(name, SAME)))
+            for name, w in layer.items()
+        }
+
+    replicated = {k: jax.device_put(v, NamedSharding(mesh, SAME)) for k, v in params.items()
+                  if k != "layers"}  # fmt: skip
+    return replicated | {"layers": [place(layer) for layer in params["layers"]]}
 
 
 def shard_attention(attention, mesh: Mesh, config: ModelConfig):
