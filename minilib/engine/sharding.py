@@ -108,8 +108,8 @@ def shard_params(params: dict, mesh: Mesh) -> dict:
             for name, w in layer.items()
         }
 
-    replicated = {k: jax.device_put(v, NamedSharding(mesh, SAME)) for k, v in params.items()
-                  if k != "layers"}  # fmt: skip
+    everywhere = NamedSharding(mesh, SAME)
+    replicated = {k: jax.device_put(v, everywhere) for k, v in params.items() if k != "layers"}
     return replicated | {"layers": [place(layer) for layer in params["layers"]]}
 
 
