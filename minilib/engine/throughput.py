@@ -44,6 +44,7 @@ class EngineBench:
     dense_seconds: float
     engine_steps: int
     same_tokens: bool
+    config: ModelConfig = BENCH_CONFIG
 
     @property
     def engine_tokens_per_s(self) -> float:
@@ -59,7 +60,7 @@ class EngineBench:
         return self.dense_seconds / self.engine_seconds
 
     def describe(self) -> str:
-        config = BENCH_CONFIG
+        config = self.config
         dense = "dense_generate, one request at a time"
         engine = f"engine, {self.engine_steps} steps"
         return (
@@ -80,18 +81,21 @@ def engine_bench(
     seed: int = 0,
     attention=None,
     reps: int = 3,
+    config: ModelConfig = BENCH_CONFIG,
 ) -> EngineBench:
     """Time the engine and the one-at-a-time dense loop on the same random requests
     (prompts of 4 to 47 tokens).
 
-    >>> result = engine_bench(num_requests=2, max_new_tokens=2, reps=1)
+    >>> tiny = ModelConfig(vocab_size=32, num_layers=1, num_q_heads=2, num_kv_heads=1,
+    ...                    head_dim=8)
+    >>> result = engine_bench(num_requests=2, max_new_tokens=2, reps=1, config=tiny)
     >>> result.generated_tokens, result.same_tokens
     (4, True)
     """
-    params = init_params(BENCH_CONFIG, seed)
+    params = init_params(config, seed)
     rng = np.random.default_rng(seed)
     prompts = [
-        rng.integers(0, BENCH_CONFIG.vocab_size, int(n)).tolist()
+        rng.integers(0, config.vocab_size, int(n)).tolist()
         for n in rng.integers(4, 48, num_requests)
     ]
     # Blockwise: it skips KV blocks past each kv_len (the jnp version reads all
@@ -101,7 +105,7 @@ def engine_bench(
     def run_engine():
         engine = Engine(
             params,
-            BENCH_CONFIG,
+            config,
             num_pages=64,
             page_size=16,
             max_num_batched_tokens=32,
@@ -111,7 +115,7 @@ def engine_bench(
         return engine.generate(prompts, max_new_tokens), len(engine.stats)
 
     def run_dense():
-        return [dense_generate(params, BENCH_CONFIG, p, max_new_tokens) for p in prompts]
+        return [dense_generate(params, config, p, max_new_tokens) for p in prompts]
 
     engine_tokens, steps = run_engine()  # the first runs compile everything both need
     dense_tokens = run_dense()
@@ -125,6 +129,7 @@ def engine_bench(
         dense_seconds=dense_seconds,
         engine_steps=steps,
         same_tokens=engine_tokens == dense_tokens,
+        config=config,
     )
 
 
