@@ -68,10 +68,12 @@ def assert_all_pages_free(eng: Engine):
 def test_mixed_lengths_and_chunked_prefill_match_dense(name, dense_tokens):
     eng = engine(IMPLEMENTATIONS[name])
     assert eng.generate(PROMPTS, MAX_NEW) == dense_tokens
-    assert any(max(len(p) for p in PROMPTS) > eng.max_num_batched_tokens for _ in [0])
-    chunks = [s for s in eng.stats if any(k == "prefill" and n > 1 for _, k, n in s.batch)]
+    longest = max(range(len(PROMPTS)), key=lambda i: len(PROMPTS[i]))
+    assert len(PROMPTS[longest]) > eng.max_num_batched_tokens
+    chunks = [n for s in eng.stats for i, kind, n in s.batch if i == longest and kind == "prefill"]
+    assert len(chunks) >= 2 and sum(chunks) == len(PROMPTS[longest]), "no chunked prefill"
     mixed = [s for s in eng.stats if s.num_prefill_tokens and s.num_decode_tokens]
-    assert chunks and mixed, "the run should mix prefill chunks and decodes in one step"
+    assert mixed, "the run should mix prefill chunks and decodes in one step"
     assert all(s.num_tokens <= eng.max_num_batched_tokens for s in eng.stats)
     assert all(len(s.batch) <= eng.max_num_seqs for s in eng.stats)
     assert_all_pages_free(eng)
