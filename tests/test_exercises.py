@@ -94,6 +94,19 @@ def kv_blocks_ignoring_causality(first_q_pos, last_q_pos, kv_len, block_len, sli
     return first, -(-kv_len // block_len)
 
 
+def can_admit_whole_prompt(num_prompt_tokens, *, token_budget_left, num_free_pages, page_size,
+                           num_running, max_num_seqs):  # fmt: skip
+    # Asks for the pages of the whole prompt, not just of this step's first chunk.
+    return (num_running < max_num_seqs and token_budget_left > 0
+            and -(-num_prompt_tokens // page_size) <= num_free_pages)  # fmt: skip
+
+
+def preempt_keeps_num_computed(request, allocator):
+    # Frees the pages but still believes their K/V is cached.
+    allocator.free(request.pages)
+    request.pages = []
+
+
 # (checker, solutions module, function name, wrong answer)
 EXERCISES = [
     (ex.check_gather_kv, "ex02_paged_cache", "gather_kv", gather_kv_halves),
@@ -119,6 +132,8 @@ EXERCISES = [
         "kv_blocks_to_visit",
         kv_blocks_ignoring_causality,
     ),
+    (ex.check_can_admit, "ex10_engine", "can_admit", can_admit_whole_prompt),
+    (ex.check_preempt, "ex10_engine", "preempt", preempt_keeps_num_computed),
 ]
 IDS = [checker.__name__.removeprefix("check_") for checker, *_ in EXERCISES]
 

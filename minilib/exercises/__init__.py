@@ -37,11 +37,13 @@ from minilib.exercises.ex09_performance import (
     check_arithmetic_intensity,
     check_num_kv_pages_per_block,
 )
+from minilib.exercises.ex10_engine import check_can_admit, check_preempt
 
 __all__ = [
     "CheckResult",
     "check_arithmetic_intensity",
     "check_attend_soft_cap",
+    "check_can_admit",
     "check_causal_mask",
     "check_decode_attention",
     "check_gather_kv",
@@ -50,6 +52,7 @@ __all__ = [
     "check_live_seq_lens",
     "check_num_kv_pages_per_block",
     "check_online_softmax_update",
+    "check_preempt",
     "check_repeat_kv_pages",
     "check_seq_for_row",
     "check_sliding_window_mask",
