@@ -110,11 +110,12 @@ class TPUCompileUnavailable(RuntimeError):
 
 
 def install_hint() -> str:
-    libtpu = CHECKED_LIBTPU[NEWEST_CHECKED_JAX]
+    """How to get libtpu: for this jax when the reader was checked with its libtpu."""
+    version = jax.__version__ if jax.__version__ in CHECKED_LIBTPU else NEWEST_CHECKED_JAX
     return (
-        f'Install it with: pip install "jax[tpu]=={NEWEST_CHECKED_JAX}" (it brings libtpu '
-        f"{libtpu}, about 700 MB, and runs on any Linux host without a TPU), or use "
-        "`python3 tasks.py test`, which makes the .venv-tpu environment."
+        f'Install it with: pip install "jax[tpu]=={version}" (it brings libtpu '
+        f"{CHECKED_LIBTPU[version]}, about 700 MB; it runs on any Linux host without a TPU), "
+        "or in a checkout run `python3 tasks.py test`, which makes the .venv-tpu environment."
     )
 
 
