@@ -283,9 +283,10 @@ def compile_for_tpu(fn, *args, chip: str = "v5e") -> CompileReport:
     >>> from minilib.pallas_basics import add_vectors
     >>> add = functools.partial(add_vectors, block_size=1024, interpret=False)
     >>> x = jax.ShapeDtypeStruct((4096,), jnp.float32)
-    >>> report = compile_for_tpu(add, x, x, chip="v5e")  # doctest: +SKIP
-    >>> report.compiled, report.total_bundles > 0  # doctest: +SKIP
-    (True, True)
+    >>> ok, _ = tpu_compile_available()
+    >>> report = compile_for_tpu(add, x, x, chip="v5e") if ok else None  # needs libtpu
+    >>> report is None or (report.compiled and report.total_bundles > 0)
+    True
     """
     if chip not in CHIPS:
         raise ValueError(f"{chip=} is not a TPU chip this can compile for; use one of {CHIPS}.")
