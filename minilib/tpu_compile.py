@@ -382,13 +382,14 @@ def compile_here(fn, specs, chip: str) -> CompileReport:
     before = set(os.listdir(_DUMP_DIR))
     try:
         lowered.compile()
+        seconds = time.perf_counter() - start
+        new_files = sorted(set(os.listdir(_DUMP_DIR)) - before)
+        kernels, notes = read_dump(_DUMP_DIR, new_files, pallas_kernel_names(lowered.as_text()))
     except Exception as err:
         return report(compiled=False, error=error_text(err), seconds=time.perf_counter() - start)
-    seconds = time.perf_counter() - start
-    new_files = sorted(set(os.listdir(_DUMP_DIR)) - before)
-    kernels, notes = read_dump(_DUMP_DIR, new_files, pallas_kernel_names(lowered.as_text()))
-    for name in new_files:
-        (_DUMP_DIR / name).unlink(missing_ok=True)
+    finally:  # the dump of each compile is read once, then removed
+        for name in set(os.listdir(_DUMP_DIR)) - before:
+            (_DUMP_DIR / name).unlink(missing_ok=True)
     result = report(compiled=True, kernels=kernels, notes=notes, seconds=seconds)
     _REPORTS[key] = result
     return result
