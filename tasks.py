@@ -7,7 +7,12 @@
   * .venv         the newest supported jax (constraints/newest.txt): lint, then every test
                   (notebooks included; the slow sweeps stay opt-in, see README);
   * .venv-oldest  the oldest supported jax, 0.7.2, as on Colab's TPU runtime
-                  (constraints/oldest.txt): the fast tests.
+                  (constraints/oldest.txt): the fast tests;
+  * .venv-tpu     the newest jax with its libtpu, pinned (constraints/tpu.txt): the
+                  `tpu_compile` tests, which compile every kernel for four TPU chips here,
+                  without a TPU, and print our kernel's bundle ratios against JAX's;
+  * .venv-tpu-oldest  jax 0.7.2 with its libtpu, Colab's stack (constraints/tpu-oldest.txt):
+                  a few of those compiles (COLAB_TPU_TESTS).
 
 Extra arguments after `test` go to pytest in the first environment, e.g.
 `python3 tasks.py test -m slow`.
@@ -23,6 +28,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 NEWEST = (ROOT / ".venv", ROOT / "constraints" / "newest.txt")
 OLDEST = (ROOT / ".venv-oldest", ROOT / "constraints" / "oldest.txt")
+TPU = (ROOT / ".venv-tpu", ROOT / "constraints" / "tpu.txt")
+TPU_OLDEST = (ROOT / ".venv-tpu-oldest", ROOT / "constraints" / "tpu-oldest.txt")
+# On Colab's stack, one kernel configuration per chip, the comparison with JAX's kernel and
+# the harness's own failure tests: the whole matrix runs once, on the newest stack.
+COLAB_TPU_TESTS = "gqa-bf16 or against_jax or bad_kernel or vmem_overflow or by_design"
 
 
 def run(*cmd: str | Path, env: dict | None = None) -> None:
@@ -58,6 +68,13 @@ def test(args: list[str]) -> None:
 
     oldest = make_venv(*OLDEST, extra="dev")
     pytest(oldest, "-m", "not slow and not notebooks", "-p", "no:cacheprovider")
+
+    tpu = make_venv(*TPU, extra="tpu-test")
+    pytest(tpu, "-m", "tpu_compile", "-p", "no:cacheprovider", "tests/test_tpu_compile.py")
+
+    tpu_oldest = make_venv(*TPU_OLDEST, extra="tpu-test")
+    pytest(tpu_oldest, "-m", "tpu_compile", "-k", COLAB_TPU_TESTS, "-p", "no:cacheprovider",
+           "tests/test_tpu_compile.py")  # fmt: skip
 
 
 def course(args: list[str]) -> None:

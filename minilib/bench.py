@@ -739,7 +739,15 @@ def check_targets(case: BenchCase = TARGET_CASE, *, reps: int = 5, log=print):
                 f"{chip.peak_flops_per_s / 1e9:.1f} GFLOP/s measured matmul)",
             )
         )
-    return results + check_tpu_targets(case, reps=reps, log=log)
+    return results + check_tpu_targets(case, reps=reps, log=log) + check_static_targets()
+
+
+def check_static_targets() -> list[TargetResult]:
+    """The kernel's static TPU targets (compiled bundles and spills against JAX's kernel, on
+    any host with libtpu): see `minilib.kernel_costs.static_targets`."""
+    from minilib.kernel_costs import static_targets
+
+    return [TargetResult(name, passed, detail) for name, passed, detail in static_targets()]
 
 
 # The TPU targets: the mixed case of the speed targets, and a decode-heavy step of the same
