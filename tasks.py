@@ -10,7 +10,9 @@
                   (constraints/oldest.txt): the fast tests;
   * .venv-tpu     the newest jax with its libtpu, pinned (constraints/tpu.txt): the
                   `tpu_compile` tests, which compile every kernel for four TPU chips here,
-                  without a TPU, and print our kernel's bundle ratios against JAX's.
+                  without a TPU, and print our kernel's bundle ratios against JAX's;
+  * .venv-tpu-oldest  jax 0.7.2 with its libtpu, Colab's stack (constraints/tpu-oldest.txt):
+                  a few of those compiles (COLAB_TPU_TESTS).
 
 Extra arguments after `test` go to pytest in the first environment, e.g.
 `python3 tasks.py test -m slow`.
@@ -27,6 +29,10 @@ ROOT = Path(__file__).resolve().parent
 NEWEST = (ROOT / ".venv", ROOT / "constraints" / "newest.txt")
 OLDEST = (ROOT / ".venv-oldest", ROOT / "constraints" / "oldest.txt")
 TPU = (ROOT / ".venv-tpu", ROOT / "constraints" / "tpu.txt")
+TPU_OLDEST = (ROOT / ".venv-tpu-oldest", ROOT / "constraints" / "tpu-oldest.txt")
+# On Colab's stack, one kernel configuration per chip, the comparison with JAX's kernel and
+# the harness's own failure tests: the whole matrix runs once, on the newest stack.
+COLAB_TPU_TESTS = "gqa-bf16 or against_jax or bad_kernel or vmem_overflow or by_design"
 
 
 def run(*cmd: str | Path, env: dict | None = None) -> None:
@@ -65,6 +71,10 @@ def test(args: list[str]) -> None:
 
     tpu = make_venv(*TPU, extra="tpu-test")
     pytest(tpu, "-m", "tpu_compile", "-p", "no:cacheprovider", "tests/test_tpu_compile.py")
+
+    tpu_oldest = make_venv(*TPU_OLDEST, extra="tpu-test")
+    pytest(tpu_oldest, "-m", "tpu_compile", "-k", COLAB_TPU_TESTS, "-p", "no:cacheprovider",
+           "tests/test_tpu_compile.py")  # fmt: skip
 
 
 def course(args: list[str]) -> None:

@@ -41,22 +41,6 @@ def solution(module: str, name: str):
 # --- plausible wrong answers, one per exercise ------------------------------------------------
 
 
-def pages_round_up_wrong(kv_len, page_size):
-    return kv_len // page_size + 1  # one page too many when page_size divides kv_len
-
-
-def kv_head_interleaved(q_head, num_q_heads, num_kv_heads):
-    return q_head % num_kv_heads  # deals q heads out in turn instead of consecutive groups
-
-
-def repeat_kv_tiled(x, num_q_heads):
-    return jnp.tile(x, (1, num_q_heads // x.shape[1], 1))  # 0 1 0 1 instead of 0 0 1 1
-
-
-def token_location_no_page_table(t, pages, page_size):
-    return t // page_size, t % page_size  # the page column, not the page
-
-
 def gather_kv_halves(kv_pages, pages, kv_len):
     # K taken as the first half of the combined head axis, V as the second: not interleaved.
     _, page_size, combined, head_dim = kv_pages.shape
@@ -95,13 +79,6 @@ def sliding_window_off_by_one(q_len, kv_len, sliding_window):
     return (k_pos > q_pos) | (k_pos < q_pos - sliding_window)
 
 
-def validate_every_slot(kv_lens, cu_q_lens, num_seqs):
-    # Checks the padding slots too, which may hold anything.
-    for i in range(len(kv_lens)):
-        if cu_q_lens[i + 1] - cu_q_lens[i] > kv_lens[i]:
-            raise ValueError(f"sequence {i}: q_len > kv_len")
-
-
 def online_softmax_no_rescale(m, l, acc, scores, v):
     # Rescales l but forgets acc when the max rises.
     m_new = jnp.maximum(m, scores.max(-1))
@@ -121,9 +98,17 @@ def kv_blocks_ignoring_causality(first_q_pos, last_q_pos, kv_len, block_len, sli
     return first, -(-kv_len // block_len)
 
 
-def decode_kv_bytes_tokens_not_pages(kv_lens, page_size, num_kv_heads, head_dim, itemsize):
-    # Counts tokens, but the cache is read in whole pages.
-    return sum(kv_lens) * 2 * num_kv_heads * head_dim * itemsize
+def can_admit_whole_prompt(num_prompt_tokens, *, token_budget_left, num_free_pages, page_size,
+                           num_running, max_num_seqs):  # fmt: skip
+    # Asks for the pages of the whole prompt, not just of this step's first chunk.
+    return (num_running < max_num_seqs and token_budget_left > 0
+            and -(-num_prompt_tokens // page_size) <= num_free_pages)  # fmt: skip
+
+
+def preempt_keeps_num_computed(request, allocator):
+    # Frees the pages but still believes their K/V is cached.
+    allocator.free(request.pages)
+    request.pages = []
 
 
 def flash_attention_without_init():
@@ -264,10 +249,6 @@ def next_work_stopping_at_sequence_end(seq, page, kv_lens, num_seqs, page_size):
 
 # (checker, solutions module, function name, wrong answer)
 EXERCISES = [
-    (ex.check_pages_needed, "ex00_tour", "pages_needed", pages_round_up_wrong),
-    (ex.check_kv_head_for_q_head, "ex01_heads", "kv_head_for_q_head", kv_head_interleaved),
-    (ex.check_repeat_kv, "ex01_heads", "repeat_kv", repeat_kv_tiled),
-    (ex.check_token_location, "ex02_paged_cache", "token_location", token_location_no_page_table),
     (ex.check_gather_kv, "ex02_paged_cache", "gather_kv", gather_kv_halves),
     (ex.check_causal_mask, "ex03_ragged", "causal_mask", causal_mask_no_offset),
     (ex.check_seq_for_row, "ex03_ragged", "seq_for_row", seq_for_row_left),
@@ -278,7 +259,6 @@ EXERCISES = [
         "sliding_window_mask",
         sliding_window_off_by_one,
     ),
-    (ex.check_validate_q_lens, "ex05_validation", "validate_q_lens", validate_every_slot),
     (
         ex.check_online_softmax_update,
         "ex06_online_softmax",
@@ -323,12 +303,8 @@ EXERCISES = [
         "prefetching_decode",
         prefetch_never_flipping_the_slot(),
     ),
-    (
-        ex.check_decode_kv_bytes,
-        "ex09_performance",
-        "decode_kv_bytes",
-        decode_kv_bytes_tokens_not_pages,
-    ),
+    (ex.check_can_admit, "ex10_engine", "can_admit", can_admit_whole_prompt),
+    (ex.check_preempt, "ex10_engine", "preempt", preempt_keeps_num_computed),
 ]
 IDS = [checker.__name__.removeprefix("check_") for checker, *_ in EXERCISES]
 
@@ -372,14 +348,14 @@ def test_learner_errors_are_reported_not_raised(checker, module, name, wrong):
 
 @pytest.mark.parametrize("checker, module, name, wrong", EXERCISES, ids=IDS)
 def test_returning_none_is_reported(checker, module, name, wrong):
-    if checker is ex.check_validate_q_lens:  # returning None is how a validator says "valid"
+    if checker is ex.check_validate_page_indices:  # returning None: a validator's "valid"
         pytest.skip("validators return None")
     result = checker(lambda *args, **kwargs: None, verbose=False)
     assert result.status == "failed", result.report
 
 
 def test_checkers_print_their_report(capsys):
-    result = ex.check_pages_needed(solution("ex00_tour", "pages_needed"))
+    result = ex.check_live_seq_lens(solution("ex00_tour", "live_seq_lens"))
     assert capsys.readouterr().out.strip() == result.report
     assert result.report.startswith("Passed")
 
@@ -392,7 +368,7 @@ def test_other_seeds_pass_too():
 
 def test_every_checker_is_tested_and_used_in_a_notebook():
     checkers = {n for n in ex.__all__ if n.startswith("check_")}
-    assert checkers == {checker.__name__ for checker, *_ in EXERCISES}
+    assert checkers == {checker.__name__ for checker, *_ in EXERCISES + MORE_EXERCISES}
     notebook_code = ""
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
@@ -400,3 +376,171 @@ def test_every_checker_is_tested_and_used_in_a_notebook():
                 notebook_code += "".join(cell["source"])
     unused = [name for name in sorted(checkers) if f"{name}(" not in notebook_code]
     assert not unused, f"checkers no notebook calls: {unused}"
+
+
+# --- exercises that carry each notebook's idea further -----------------------------------------
+
+
+def live_seq_lens_every_slot(kv_lens, cu_q_lens, num_seqs):
+    # Reads the padding slots past num_seqs too.
+    return [(int(cu_q_lens[i + 1] - cu_q_lens[i]), int(kv_lens[i])) for i in range(len(kv_lens))]
+
+
+def grouped_query_attention_interleaved(q, k, v, *, sm_scale):
+    # Groups q heads as [tokens, group, num_kv_heads, head_dim]: head h reads KV head h % nkv.
+    num_tokens, num_q_heads, head_dim = q.shape
+    group = num_q_heads // k.shape[1]
+    q_grouped = q.reshape(num_tokens, group, k.shape[1], head_dim)
+    scores = jnp.einsum("qghd,khd->hgqk", q_grouped, k) * sm_scale
+    future = jnp.arange(num_tokens)[None, :] > jnp.arange(num_tokens)[:, None]
+    probs = jax.nn.softmax(jnp.where(future, -jnp.inf, scores), axis=-1)
+    return jnp.einsum("hgqk,khd->qghd", probs, v).reshape(num_tokens, num_q_heads, head_dim)
+
+
+def repeat_kv_pages_on_combined_axis(kv_pages, num_q_heads):
+    # Repeats each slot (K0 K0 V0 V0 ...), which breaks the K/V interleave.
+    return jnp.repeat(kv_pages, num_q_heads // (kv_pages.shape[2] // 2), axis=2)
+
+
+def write_new_tokens_after_kv_len(kv_pages, pages, kv_len, new_k, new_v):
+    # Takes kv_len as the length before the write: writes past the sequence's end.
+    positions = kv_len + jnp.arange(new_k.shape[0])
+    page_size = kv_pages.shape[1]
+    page, slot = jnp.asarray(pages)[positions // page_size], positions % page_size
+    return kv_pages.at[page, slot, 0::2].set(new_k).at[page, slot, 1::2].set(new_v)
+
+
+def validate_page_indices_whole_rows(kv_pages, kv_lens, page_indices, num_seqs):
+    # Checks every column of a live row, though the unused ones may hold anything.
+    table = np.asarray(page_indices)
+    for i in range(int(num_seqs[0])):
+        for j, page in enumerate(table[i].tolist()):
+            if not 0 <= page < kv_pages.shape[0]:
+                raise ValueError(f"page_indices[{i}, {j}]={page}")
+
+
+def decode_attention_masks_scores_only(q, kv_pages, kv_lens, page_indices, *, sm_scale):
+    # Masks the scores past kv_len but multiplies the weights 0 by V's NaN padding.
+    num_seqs, num_q_heads, head_dim = q.shape
+    combined = kv_pages.shape[2]
+    slots = kv_pages[page_indices].reshape(num_seqs, -1, combined, head_dim)
+    live = jnp.arange(slots.shape[1])[None, :] < kv_lens[:, None]
+    k, v = slots[:, :, 0::2], slots[:, :, 1::2]
+    q_grouped = q.reshape(num_seqs, combined // 2, -1, head_dim)
+    scores = jnp.einsum("shgd,skhd->shgk", q_grouped, k) * sm_scale
+    scores = jnp.where(live[:, None, None, :], scores, -1e30)
+    out = jnp.einsum("shgk,skhd->shgd", jax.nn.softmax(scores, axis=-1), v)
+    return out.reshape(num_seqs, num_q_heads, head_dim)
+
+
+def arithmetic_intensity_every_pair(
+    seq_lens, *, num_q_heads, num_kv_heads, head_dim, page_size, itemsize
+):
+    # Counts q_len * kv_len pairs, as if there were no causal mask.
+    live = [(q, kv) for q, kv in seq_lens if q > 0]
+    flops = 4 * head_dim * num_q_heads * sum(q * kv for q, kv in live)
+    rows = sum(q for q, _ in live)
+    slots = sum(-(-kv // page_size) * page_size for _, kv in live)
+    kv_bytes = slots * 2 * num_kv_heads * head_dim * itemsize
+    return flops / (2 * rows * num_q_heads * head_dim * itemsize + kv_bytes)
+
+
+def num_kv_pages_per_block_one_slot(vmem_budget_bytes, *, page_size, pages_per_seq,
+                                    num_kv_heads_per_block, group, head_dim, itemsize,
+                                    num_queries_per_block):  # fmt: skip
+    # Forgets that the KV block is double-buffered: one slot per page.
+    q_and_out = 4 * num_queries_per_block * num_kv_heads_per_block * group * head_dim * itemsize
+    state = num_kv_heads_per_block * num_queries_per_block * group * (256 + head_dim) * 4
+    per_page = page_size * 2 * num_kv_heads_per_block * head_dim * itemsize
+    room = vmem_budget_bytes - q_and_out - state
+    return max(0, min(room // per_page, pages_per_seq))
+
+
+# (checker, solutions module, function name, wrong answer, a word of the likely cause)
+MORE_EXERCISES = [
+    (ex.check_live_seq_lens, "ex00_tour", "live_seq_lens", live_seq_lens_every_slot, "live"),
+    (
+        ex.check_grouped_query_attention,
+        "ex01_heads",
+        "grouped_query_attention",
+        grouped_query_attention_interleaved,
+        "consecutive",
+    ),
+    (
+        ex.check_repeat_kv_pages,
+        "ex01_heads",
+        "repeat_kv_pages",
+        repeat_kv_pages_on_combined_axis,
+        "interleave",
+    ),
+    (
+        ex.check_write_new_tokens,
+        "ex02_paged_cache",
+        "write_new_tokens",
+        write_new_tokens_after_kv_len,
+        "kv_len - n",
+    ),
+    (
+        ex.check_validate_page_indices,
+        "ex05_validation",
+        "validate_page_indices",
+        validate_page_indices_whole_rows,
+        "columns",
+    ),
+    (
+        ex.check_decode_attention,
+        "ex06_vectorized",
+        "decode_attention",
+        decode_attention_masks_scores_only,
+        "0 * NaN",
+    ),
+    (
+        ex.check_arithmetic_intensity,
+        "ex09_performance",
+        "arithmetic_intensity",
+        arithmetic_intensity_every_pair,
+        "visible pairs",
+    ),
+    (
+        ex.check_num_kv_pages_per_block,
+        "ex09_performance",
+        "num_kv_pages_per_block",
+        num_kv_pages_per_block_one_slot,
+        "two slots",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "checker, module, name, wrong, cause",
+    MORE_EXERCISES,
+    ids=[checker.__name__.removeprefix("check_") for checker, *_ in MORE_EXERCISES],
+)
+def test_solution_passes_wrong_answer_fails_stub_not_attempted(checker, module, name, wrong, cause):
+    passed = checker(solution(module, name), verbose=False)
+    assert passed.passed and passed.cases_run > 1, passed.report
+
+    failed = checker(wrong, verbose=False)
+    assert failed.status == "failed", failed.report
+    assert "Likely cause:" in failed.report and cause in failed.report, failed.report
+
+    def stub(*args, **kwargs):
+        raise NotImplementedError("FILL ME IN")
+
+    assert checker(stub, verbose=False).status == "not attempted"
+
+
+def test_decode_attention_checker_reference_matches_jax():
+    """check_decode_attention compares with a small NumPy reference: it must agree with JAX's
+    own reference on a NaN-padded batch."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+        ref_ragged_paged_attention as jax_reference,
+    )
+
+    from minilib.batch import make_batch
+    from minilib.exercises.ex06_vectorized import _reference
+
+    batch = make_batch([(1, 5), (1, 16), (1, 1)], num_q_heads=6, num_kv_heads=2, page_size=4)
+    ours = _reference(batch.q, batch.kv_pages, batch.kv_lens, batch.page_indices, sm_scale=0.3)
+    theirs = jax_reference(*batch.args(), sm_scale=0.3)
+    np.testing.assert_allclose(ours, np.asarray(theirs), atol=1e-5)

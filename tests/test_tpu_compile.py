@@ -97,6 +97,13 @@ NOTEBOOK_BLOCKS = {
 }  # fmt: skip
 
 
+# Notebook 09's VMEM table goes up to 64 pages per KV block. The compiler needs more than the
+# table's hand count there (internal scratch and spilled registers come on top), and on v5e
+# that is more than the 16 MiB default scoped-VMEM limit: a VMEM overflow, by design of the
+# table, which shows where the sizes stop fitting. v6e's limit is 32 MiB.
+EXPECTED_VMEM_OVERFLOW = {("nb09-vmem-p64", "v5e")}
+
+
 def assert_compiled(report):
     assert report.compiled, f"Mosaic/XLA rejected the kernel on {report.chip}:\n{report.error}"
     assert report.total_bundles and report.total_bundles > 0, f"no bundles read: {report}"
@@ -121,6 +128,9 @@ def test_kernel_compiles_with_notebook_block_sizes(case, chip):
     report = compile_rpa(
         "ours", specs, chip=chip, num_kv_pages_per_block=pages, num_queries_per_block=queries
     )
+    if (case, chip) in EXPECTED_VMEM_OVERFLOW:
+        assert report.vmem_overflow, f"expected a VMEM overflow: {report}"
+        return
     assert_compiled(report)
 
 
