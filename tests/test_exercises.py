@@ -10,6 +10,7 @@ unless told not to, and every one of them is used by a notebook.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -18,8 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 import minilib.exercises as ex
+from minilib.ladder.flash import init_online_softmax
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,6 +111,142 @@ def preempt_keeps_num_computed(request, allocator):
     request.pages = []
 
 
+def flash_attention_without_init():
+    # Forgets to reset m, l and acc on the first KV block: scratch starts as NaN here.
+    from minilib.ladder import flash
+
+    def kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, kv_len, q_len, sm_scale):
+        i, j = pl.program_id(1), pl.program_id(2)
+        rows, cols = q_ref.shape[0], k_ref.shape[0]
+        q_pos = kv_len - q_len + i * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+        k_pos = j * cols + jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
+        v = flash.zero_rows_past(v_ref[...], j * cols, kv_len)
+        visible = (k_pos <= q_pos) & (k_pos < kv_len)
+        flash.online_softmax_update(
+            m_ref, l_ref, acc_ref, q_ref[...], k_ref[...], v, visible, sm_scale
+        )
+
+        @pl.when(j == pl.num_programs(2) - 1)
+        def _():
+            o_ref[...] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
+
+    return functools.partial(flash.flash_attention, kernel=kernel)
+
+
+def paged_decode_ignoring_page_table():
+    # The index map returns page i itself, not page_indices[seq, i].
+    from minilib.ladder import scalar_prefetch
+
+    def index_map(seq, i, kv_lens_ref, page_indices_ref, *, page_size):
+        return (i, 0, 0, 0)
+
+    return functools.partial(scalar_prefetch.paged_decode_attention, index_map=index_map)
+
+
+def async_copy_without_wait():
+    # Starts the copy and reads the buffer at once, never waiting: a race.
+    from minilib.ladder import async_copy
+    from minilib.ladder.scalar_prefetch import attend_kv_block, write_output
+
+    def kernel(kv_lens_ref, page_indices_ref, q_ref, kv_hbm_ref, o_ref, buf, sem, m_ref, l_ref,
+               acc_ref, *, sm_scale):  # fmt: skip
+        seq, i = pl.program_id(0), pl.program_id(1)
+        kv_len, page_size = kv_lens_ref[seq], buf.shape[0]
+
+        @pl.when(i == 0)
+        def _():
+            init_online_softmax(m_ref, l_ref, acc_ref)
+
+        @pl.when(i * page_size < kv_len)
+        def _():
+            pltpu.make_async_copy(kv_hbm_ref.at[page_indices_ref[seq, i]], buf, sem).start()
+            attend_kv_block(buf, q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len, sm_scale)
+
+        @pl.when(i == pl.num_programs(1) - 1)
+        def _():
+            write_output(o_ref, l_ref, acc_ref)
+
+    return functools.partial(async_copy.paged_decode_attention_async_copy, kernel=kernel)
+
+
+def double_buffer_computing_before_waiting():
+    # Computes with page i before waiting for its copy: a race. (Starting page i + 1 into the
+    # slot being read is a race too, but it deadlocks in interpret mode; the checker reports
+    # that after a timeout, which a test should not sit through.)
+    from minilib.ladder import double_buffer
+    from minilib.ladder.scalar_prefetch import attend_kv_block, write_output
+
+    def kernel(kv_lens_ref, page_indices_ref, q_ref, kv_hbm_ref, o_ref, bufs, sems, m_ref, l_ref,
+               acc_ref, *, sm_scale):  # fmt: skip
+        seq = pl.program_id(0)
+        kv_len, page_size = kv_lens_ref[seq], bufs.shape[1]
+
+        def page_copy(i, slot):
+            page = page_indices_ref[seq, i]
+            return pltpu.make_async_copy(kv_hbm_ref.at[page], bufs.at[slot], sems.at[slot])
+
+        def body(i, _):
+            slot = i % 2
+
+            @pl.when(i + 1 < pl.cdiv(kv_len, page_size))
+            def _():
+                page_copy(i + 1, 1 - slot).start()
+
+            attend_kv_block(bufs.at[slot], q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len,
+                            sm_scale)  # fmt: skip
+            page_copy(i, slot).wait()  # too late
+
+        init_online_softmax(m_ref, l_ref, acc_ref)
+        page_copy(0, 0).start()
+        jax.lax.fori_loop(0, pl.cdiv(kv_len, page_size), body, None)
+        write_output(o_ref, l_ref, acc_ref)
+
+    return functools.partial(double_buffer.paged_decode_attention_double_buffered, kernel=kernel)
+
+
+def prefetch_never_flipping_the_slot():
+    # Uses slot 0 for every page: the next page's copy overwrites the one being read.
+    from minilib.ladder import prefetch
+    from minilib.ladder.scalar_prefetch import attend_kv_block, write_output
+
+    def kernel(kv_lens_ref, page_indices_ref, q_ref, kv_hbm_ref, o_ref, bufs, sems, slot_ref,
+               m_ref, l_ref, acc_ref, *, sm_scale):  # fmt: skip
+        seq, num_seqs = pl.program_id(0), pl.num_programs(0)
+        kv_len, page_size = kv_lens_ref[seq], bufs.shape[1]
+
+        def page_copy(seq, i):
+            page = page_indices_ref[seq, i]
+            return pltpu.make_async_copy(kv_hbm_ref.at[page], bufs.at[0], sems.at[0])
+
+        @pl.when(seq == 0)
+        def _():
+            page_copy(0, 0).start()
+
+        def body(i, _):
+            has_next, next_seq, next_page = prefetch.next_work_in_kernel(
+                seq, i, kv_lens_ref, num_seqs, page_size
+            )
+
+            @pl.when(has_next)
+            def _():
+                page_copy(next_seq, next_page).start()
+
+            page_copy(seq, i).wait()
+            attend_kv_block(bufs.at[0], q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len,
+                            sm_scale)  # fmt: skip
+
+        init_online_softmax(m_ref, l_ref, acc_ref)
+        jax.lax.fori_loop(0, pl.cdiv(kv_len, page_size), body, None)
+        write_output(o_ref, l_ref, acc_ref)
+
+    return functools.partial(prefetch.paged_decode_attention_prefetch, kernel=kernel)
+
+
+def next_work_stopping_at_sequence_end(seq, page, kv_lens, num_seqs, page_size):
+    # Never crosses to the next sequence: no prefetch across grid steps.
+    return (seq, page + 1) if (page + 1) * page_size < kv_lens[seq] else None
+
+
 # (checker, solutions module, function name, wrong answer)
 EXERCISES = [
     (ex.check_gather_kv, "ex02_paged_cache", "gather_kv", gather_kv_halves),
@@ -131,6 +271,37 @@ EXERCISES = [
         "ex08_kernel",
         "kv_blocks_to_visit",
         kv_blocks_ignoring_causality,
+    ),
+    (
+        ex.check_flash_attention,
+        "ex07_flash",
+        "flash_attention",
+        flash_attention_without_init(),
+    ),
+    (
+        ex.check_paged_decode_attention,
+        "ex08_ladder",
+        "paged_decode_attention",
+        paged_decode_ignoring_page_table(),
+    ),
+    (
+        ex.check_paged_decode_async_copy,
+        "ex08_ladder",
+        "paged_decode_async_copy",
+        async_copy_without_wait(),
+    ),
+    (
+        ex.check_double_buffered_decode,
+        "ex08_ladder",
+        "double_buffered_decode",
+        double_buffer_computing_before_waiting(),
+    ),
+    (ex.check_next_work, "ex08_ladder", "next_work", next_work_stopping_at_sequence_end),
+    (
+        ex.check_prefetching_decode,
+        "ex08_ladder",
+        "prefetching_decode",
+        prefetch_never_flipping_the_slot(),
     ),
     (ex.check_can_admit, "ex10_engine", "can_admit", can_admit_whole_prompt),
     (ex.check_preempt, "ex10_engine", "preempt", preempt_keeps_num_computed),

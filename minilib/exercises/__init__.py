@@ -31,8 +31,16 @@ from minilib.exercises.ex04_reference import check_attend_soft_cap, check_slidin
 from minilib.exercises.ex05_validation import check_validate_page_indices
 from minilib.exercises.ex06_online_softmax import check_online_softmax_update
 from minilib.exercises.ex06_vectorized import check_decode_attention
+from minilib.exercises.ex07_flash import check_flash_attention
 from minilib.exercises.ex07_pallas import check_softmax_kernel
 from minilib.exercises.ex08_kernel import check_kv_blocks_to_visit
+from minilib.exercises.ex08_ladder import (
+    check_double_buffered_decode,
+    check_next_work,
+    check_paged_decode_async_copy,
+    check_paged_decode_attention,
+    check_prefetching_decode,
+)
 from minilib.exercises.ex09_performance import (
     check_arithmetic_intensity,
     check_num_kv_pages_per_block,
@@ -46,13 +54,19 @@ __all__ = [
     "check_can_admit",
     "check_causal_mask",
     "check_decode_attention",
+    "check_double_buffered_decode",
+    "check_flash_attention",
     "check_gather_kv",
     "check_grouped_query_attention",
     "check_kv_blocks_to_visit",
     "check_live_seq_lens",
+    "check_next_work",
     "check_num_kv_pages_per_block",
     "check_online_softmax_update",
+    "check_paged_decode_async_copy",
+    "check_paged_decode_attention",
     "check_preempt",
+    "check_prefetching_decode",
     "check_repeat_kv_pages",
     "check_seq_for_row",
     "check_sliding_window_mask",
