@@ -32,6 +32,9 @@ TPU = (ROOT / ".venv-tpu", ROOT / "constraints" / "tpu.txt")
 TPU_OLDEST = (ROOT / ".venv-tpu-oldest", ROOT / "constraints" / "tpu-oldest.txt")
 # On Colab's stack, one kernel configuration per chip, the comparison with JAX's kernel and
 # the harness's own failure tests: the whole matrix runs once, on the newest stack.
+# The test files holding `tpu_compile` tests (the TPU venvs lack the course's packages, so
+# only these are collected there).
+TPU_COMPILE_TESTS = ("tests/test_tpu_compile.py", "tests/test_ladder.py")
 COLAB_TPU_TESTS = "gqa-bf16 or against_jax or bad_kernel or vmem_overflow or by_design"
 
 
@@ -70,7 +73,7 @@ def test(args: list[str]) -> None:
     pytest(oldest, "-m", "not slow and not notebooks", "-p", "no:cacheprovider")
 
     tpu = make_venv(*TPU, extra="tpu-test")
-    pytest(tpu, "-m", "tpu_compile", "-p", "no:cacheprovider", "tests/test_tpu_compile.py")
+    pytest(tpu, "-m", "tpu_compile", "-p", "no:cacheprovider", *TPU_COMPILE_TESTS)
 
     tpu_oldest = make_venv(*TPU_OLDEST, extra="tpu-test")
     pytest(tpu_oldest, "-m", "tpu_compile", "-k", COLAB_TPU_TESTS, "-p", "no:cacheprovider",
