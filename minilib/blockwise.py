@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from minilib.reference import DEFAULT_MASK_VALUE, dequantize
-from minilib.validation import static_validate_inputs
+from minilib.validation import static_options, validate_inputs
 
 # Default block sizes, chosen by timing minilib.bench's 32-sequence cases (GQA 32/8/128, pages
 # of 16, 1024 q rows; mixed, decode-heavy, prefill-heavy) on a 2-core CPU, among 32, 64, 128
@@ -85,6 +85,7 @@ def ragged_paged_attention_blockwise(
     v_scale: float | None = None,
     num_kv_pages_per_block: int | None = None,
     num_queries_per_block: int | None = None,
+    validate: bool = True,
 ) -> jax.Array:  # [max_num_batched_tokens, num_q_heads, head_dim]
     """Ragged paged attention, one q block and one KV block at a time, with online softmax.
 
@@ -95,7 +96,10 @@ def ragged_paged_attention_blockwise(
         sequences with at most SHORT_Q_BLOCK (8) q rows use blocks of that size instead.
 
     Compiled once per shape and options; new lengths reuse the compile, and `num_seqs` may be
-    a traced value.
+    a traced value. Called eagerly, it first checks the values of the inputs
+    (`dynamic_validate_inputs`); `validate=False` skips that. Under `jax.jit` only the static
+    checks can run: validate outside jit, as JAX does. Bad values under jit still return
+    quickly, as every loop bound is clamped to the array shapes.
 
     >>> from minilib.batch import make_batch
     >>> batch = make_batch([(3, 3), (1, 40)], page_size=8)
@@ -103,13 +107,14 @@ def ragged_paged_attention_blockwise(
     >>> out.shape
     (4, 4, 64)
     """
-    static_validate_inputs(
+    validate_inputs(
         q,
         kv_pages,
         kv_lens,
         page_indices,
         cu_q_lens,
         num_seqs,
+        validate=validate,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -127,13 +132,7 @@ def ragged_paged_attention_blockwise(
         num_queries_per_block = DEFAULT_NUM_QUERIES_PER_BLOCK
     # A q block is a window of q's rows, so it can't be longer than q.
     num_queries_per_block = min(num_queries_per_block, max_num_batched_tokens)
-    return _rpa_blockwise(
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
+    options = static_options(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -143,6 +142,7 @@ def ragged_paged_attention_blockwise(
         num_kv_pages_per_block=num_kv_pages_per_block,
         num_queries_per_block=num_queries_per_block,
     )
+    return _rpa_blockwise(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
 
 
 @functools.partial(
