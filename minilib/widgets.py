@@ -541,6 +541,21 @@ def k_scale_as_array(b):
     return b.args(), {"k_scale": jnp.float32(0.5), "v_scale": 0.5}
 
 
+def mask_value_minus_inf(b):
+    """mask_value=-inf, the textbook mask: NaN wherever a row sees no key in a block."""
+    return b.args(), {"mask_value": float("-inf")}
+
+
+def sliding_window_from_a_division(b):
+    """A sliding window computed as a fraction of the context, so it came out a float."""
+    return b.args(), {"sliding_window": 20 / 8}
+
+
+def q_as_integers(b):
+    """q cast to integers, as the token ids it was computed from."""
+    return (b.q.astype(jnp.int32), *b.args()[1:]), {}
+
+
 def kv_block_too_big(b):
     """num_kv_pages_per_block=4 when each sequence has only pages_per_seq=3 columns."""
     return b.args(), {"num_kv_pages_per_block": 4}
@@ -566,6 +581,9 @@ MISTAKES: dict[str, Callable] = {
     "q shorter than the packed tokens": q_too_short,
     "k_scale as an array": k_scale_as_array,
     "num_kv_pages_per_block > pages_per_seq": kv_block_too_big,
+    "mask_value=-inf": mask_value_minus_inf,
+    "sliding_window as a float": sliding_window_from_a_division,
+    "q as integers": q_as_integers,
 }
 
 

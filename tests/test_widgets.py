@@ -260,6 +260,9 @@ REQUIRED_MISTAKES = {
     "sliding_window=0 to turn it off": "sliding_window=0 must be positive.",
     "a page index out of range": "page_indices[1, 0]=9 is outside [0, 9)",
     "cu_q_lens decreasing": "cu_q_lens must not decrease",
+    "mask_value=-inf": "mask_value=-inf must be a finite negative number.",
+    "sliding_window as a float": "sliding_window=2.5 must be a whole number (an int).",
+    "q as integers": "q.dtype=dtype('int32') must be a float dtype",
 }
 
 
