@@ -13,6 +13,10 @@ a `ValueError` that carries the hint as `.hint`.
 
 Only the live sequences, the first `num_seqs`, are checked: the padding slots past them may
 hold anything.
+
+Every attention function in minilib starts with `validate_inputs`: the dynamic checks when it
+is called eagerly on concrete arrays, only the static ones under `jax.jit` (validate outside
+jit, as JAX does), and `validate=False` to skip the value checks.
 """
 
 from __future__ import annotations
