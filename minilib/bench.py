@@ -63,6 +63,8 @@ WORKLOADS: dict[str, float] = {"decode-heavy": 0.9, "mixed": 0.5, "prefill-heavy
 HEAD_CONFIGS: dict[str, tuple[int, int, int]] = {"gqa": (32, 8, 128), "mqa": (32, 1, 128)}
 
 DEFAULT_NUM_SEQS = (8, 32, 128)
+# The largest KV cache (at 4 bytes a value) a run may build: bigger sizes are a typo.
+MAX_KV_CACHE_BYTES = 16 * 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -944,6 +946,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--num-seqs {max(args.num_seqs)} is more than --max-num-batched-tokens "
             f"{args.max_num_batched_tokens}: every sequence needs at least one q row"
+        )
+    kv_cache_bytes = max(
+        n * args.pages_per_seq * args.page_size * 2 * kv_heads * head_dim * 4
+        for n in args.num_seqs
+        for _, kv_heads, head_dim in (
+            HEAD_CONFIGS[h] if isinstance(h, str) else h for h in args.heads
+        )
+    )
+    if kv_cache_bytes > MAX_KV_CACHE_BYTES and not args.quick:
+        parser.error(
+            f"--num-seqs {max(args.num_seqs)} x --pages-per-seq {args.pages_per_seq} x "
+            f"--page-size {args.page_size} makes a KV cache of {kv_cache_bytes / 2**30:.1f} GiB, "
+            f"more than this harness allows ({MAX_KV_CACHE_BYTES / 2**30:.0f} GiB)"
         )
     if args.impls is not None:
         unknown = set(args.impls) - {i.name for i in IMPLEMENTATIONS}

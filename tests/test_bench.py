@@ -240,6 +240,14 @@ def test_more_sequences_than_tokens_is_a_flag_error(capsys):
     assert "--num-seqs 64 is more than --max-num-batched-tokens 16" in capsys.readouterr().err
 
 
+def test_a_huge_kv_cache_is_a_flag_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--pages-per-seq", "1000000000", "--num-seqs", "8"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--pages-per-seq 1000000000" in err
+
+
 def test_a_failed_row_makes_the_run_fail(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bench, "device_chip", lambda dtype: TOY_CHIP)
 
