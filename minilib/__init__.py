@@ -33,6 +33,7 @@ from minilib.validation import (
     check_head_counts,
     dynamic_validate_inputs,
     static_validate_inputs,
+    validate_inputs,
 )
 from minilib.vectorized import ragged_paged_attention_jnp
 
@@ -71,4 +72,5 @@ __all__ = [
     "split_kv_pages",
     "static_validate_inputs",
     "valid_num_kv_heads",
+    "validate_inputs",
 ]

@@ -24,6 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     if command == "doctor":
         from minilib.doctor import doctor
 
+        if rest:
+            print(f"python -m minilib doctor: error: it takes no arguments, got {rest}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+
         return 0 if doctor() else 1
     if command == "bench":
         from minilib.bench import main as bench_main
@@ -33,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         from minilib.kernel_costs import main as compile_main
 
         return compile_main(rest)
-    print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    print(f"python -m minilib: error: unknown command {command!r} (see --help)", file=sys.stderr)
     return 2
 
 

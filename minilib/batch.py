@@ -132,13 +132,17 @@ def make_batch(
     >>> b.q.shape, b.kv_pages.shape, b.page_indices.shape
     ((6, 4, 64), (7, 8, 4, 64), (2, 3))
     """
-    seq_lens = tuple((int(q), int(kv)) for q, kv in seq_lens)
-    for i, (q_len, kv_len) in enumerate(seq_lens):
-        if not 0 <= q_len <= kv_len:
-            raise RPAInputError(
-                f"sequence {i}: (q_len={q_len}, kv_len={kv_len}) needs 0 <= q_len <= kv_len.",
-                "kv_len counts every token in the cache, the q_len new ones included.",
-            )
+    seq_lens = check_seq_lens(seq_lens)
+    for name, value in (
+        ("num_q_heads", num_q_heads),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+        ("page_size", page_size),
+    ):
+        _count(name, value, minimum=1)
+    _count("seed", seed, minimum=0)
+    for name, value in (("dtype", dtype), ("kv_dtype", kv_dtype)):
+        _check_float_dtype(name, value)
     pages_needed = [-(-kv // page_size) for _, kv in seq_lens]
     num_tokens = sum(q for q, _ in seq_lens)
     max_num_batched_tokens = _size(
@@ -214,9 +218,77 @@ def random_seq_lens(
     return pairs
 
 
+def check_seq_lens(seq_lens) -> tuple[tuple[int, int], ...]:
+    """`seq_lens` as a tuple of `(q_len, kv_len)` pairs of ints, or raise `RPAInputError`:
+    a pair is two whole numbers with 0 <= q_len <= kv_len.
+
+    >>> check_seq_lens([(3, 5), [1, 9]])
+    ((3, 5), (1, 9))
+    >>> check_seq_lens([(2.7, 5.9)])
+    Traceback (most recent call last):
+    ...
+    minilib.validation.RPAInputError: seq_lens[0] = (2.7, 5.9): q_len=2.7 must be a whole number.
+    Hint: ...
+    """
+    hint = "pass a list of (q_len, kv_len) pairs of ints, e.g. [(5, 5), (1, 20)]."
+    try:
+        seq_lens = list(seq_lens)
+    except TypeError:
+        raise RPAInputError(f"seq_lens={seq_lens!r} must be a list of pairs.", hint) from None
+    pairs = []
+    for i, pair in enumerate(seq_lens):
+        if isinstance(pair, str | bytes) or np.ndim(pair) != 1 or len(pair) != 2:
+            raise RPAInputError(f"seq_lens[{i}] = {pair!r} must be a (q_len, kv_len) pair.", hint)
+        q_len, kv_len = pair
+        for name, value in (("q_len", q_len), ("kv_len", kv_len)):
+            if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+                raise RPAInputError(
+                    f"seq_lens[{i}] = {tuple(pair)!r}: {name}={value!r} must be a whole number.",
+                    f"lengths count tokens: pass ints ({name}={value!r} is not rounded for you).",
+                )
+        q_len, kv_len = int(q_len), int(kv_len)
+        if not 0 <= q_len <= kv_len:
+            raise RPAInputError(
+                f"sequence {i}: (q_len={q_len}, kv_len={kv_len}) needs 0 <= q_len <= kv_len.",
+                "kv_len counts every token in the cache, the q_len new ones included.",
+            )
+        pairs.append((q_len, kv_len))
+    return tuple(pairs)
+
+
+def _count(name: str, value, *, minimum: int) -> int:
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        raise RPAInputError(
+            f"{name}={value!r} must be a whole number (an int).",
+            f"pass an int, e.g. {name}={max(minimum, 1)}.",
+        )
+    if value < minimum:
+        raise RPAInputError(
+            f"{name}={value} must be at least {minimum}.",
+            f"{name} is a count or a seed: pass {minimum} or more.",
+        )
+    return int(value)
+
+
+def _check_float_dtype(name: str, dtype) -> None:
+    if dtype is None and name == "kv_dtype":  # None: the same as dtype
+        return
+    try:
+        ok = jnp.issubdtype(jnp.dtype(dtype), jnp.floating) and dtype is not None
+    except TypeError:
+        ok = False
+    if not ok:
+        raise RPAInputError(
+            f"{name}={dtype!r} must be a float dtype (jnp.float32, jnp.bfloat16, ...).",
+            "q, K and V are random normal values: an integer dtype would round them to "
+            "integers. kv_dtype may also be an fp8 type such as jnp.float8_e4m3fn.",
+        )
+
+
 def _size(name: str, given: int | None, needed: int) -> int:
     if given is None:
         return needed
+    _count(name, given, minimum=1)
     if given < needed:
         raise RPAInputError(
             f"{name}={given} is too small for these sequences: they need {needed}.",

@@ -64,6 +64,8 @@ WORKLOADS: dict[str, float] = {"decode-heavy": 0.9, "mixed": 0.5, "prefill-heavy
 HEAD_CONFIGS: dict[str, tuple[int, int, int]] = {"gqa": (32, 8, 128), "mqa": (32, 1, 128)}
 
 DEFAULT_NUM_SEQS = (8, 32, 128)
+# The largest KV cache (at 4 bytes a value) a run may build: bigger sizes are a typo.
+MAX_KV_CACHE_BYTES = 16 * 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +227,10 @@ def load_implementation(impl: Implementation, backend: str):
         fn = getattr(importlib.import_module(impl.module), impl.attr)
     except (ImportError, AttributeError) as err:
         return None, f"unavailable: {type(err).__name__}: {err}"
+    if "validate" in inspect.signature(fn).parameters:
+        # The bench's batches are valid by construction: time the attention, not the checks
+        # of the values (minilib's functions run them on every eager call by default).
+        fn = functools.partial(fn, validate=False)
     if impl.mode == "pallas" and backend != "tpu":
         if "interpret" in inspect.signature(fn).parameters:
             fn = functools.partial(fn, interpret=True)
@@ -814,47 +820,104 @@ def parse_heads(text: str) -> tuple[int, int, int]:
         num_q_heads, num_kv_heads, head_dim = (int(x) for x in text.split("/"))
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--heads {text!r}: give one of {sorted(HEAD_CONFIGS)} or Q/KV/DIM such as 32/8/128"
+            f"{text!r}: give one of {sorted(HEAD_CONFIGS)} or Q/KV/DIM such as 32/8/128"
         ) from None
+    if min(num_q_heads, num_kv_heads, head_dim) < 1 or num_q_heads % num_kv_heads:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the three numbers must be positive, and num_kv_heads={num_kv_heads} "
+            f"must divide num_q_heads={num_q_heads}"
+        )
     return num_q_heads, num_kv_heads, head_dim
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def float_dtype(text: str) -> str:
+    """An argparse type: the name of a float dtype for q and the KV cache."""
+    try:
+        ok = jnp.issubdtype(jnp.dtype(text), jnp.floating) and jnp.dtype(text).itemsize >= 2
+    except TypeError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose float32, bfloat16 or float16")
+    return str(jnp.dtype(text))
+
+
+def choice_of(names):
+    """An argparse type: one of `names`."""
+
+    def parse(text: str) -> str:
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(names)}")
+        return text
+
+    return parse
+
+
 def comma_list(kind):
-    return lambda text: [kind(x) for x in text.split(",") if x]
+    """An argparse type: a comma-separated, non-empty list of `kind`."""
+
+    def parse(text: str) -> list:
+        items = [kind(x.strip()) for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: give at least one value")
+        return items
+
+    return parse
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (the usage is long): which flag, what is wrong."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m minilib bench",
         description="Time the ragged paged attention implementations; see minilib/bench.py.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help="one small mixed case, 8 sequences")
     p.add_argument("--targets", action="store_true", help="run the speed targets (PASS/FAIL)")
-    p.add_argument("--workload", type=comma_list(str), default=list(WORKLOADS), help="comma list")
-    p.add_argument("--num-seqs", type=comma_list(int), default=list(DEFAULT_NUM_SEQS))
+    p.add_argument(
+        "--workload", type=comma_list(choice_of(list(WORKLOADS))), default=list(WORKLOADS),
+        help="comma list",
+    )  # fmt: skip
+    p.add_argument("--num-seqs", type=comma_list(positive_int), default=list(DEFAULT_NUM_SEQS))
     p.add_argument(
         "--heads", type=comma_list(parse_heads), default=["gqa", "mqa"],
         help="comma list of gqa (32/8/128), mqa (32/1/128) or Q/KV/DIM",
     )  # fmt: skip
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--pages-per-seq", type=int, default=64, help="max kv_len / page_size")
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--pages-per-seq", type=positive_int, default=64, help="max kv_len / page_size")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=1024)
     p.add_argument(
-        "--dtype", default=None, help="q and KV dtype (default: bfloat16 on TPU, else float32)"
-    )
+        "--dtype", type=float_dtype, default=None,
+        help="q and KV dtype (default: bfloat16 on TPU, else float32)",
+    )  # fmt: skip
     p.add_argument(
         "--impls", type=comma_list(str), default=None,
         help="comma list of " + ",".join(i.name for i in IMPLEMENTATIONS)
         + " (default: all but minilib-ref)",
     )  # fmt: skip
-    p.add_argument("--reps", type=int, default=5, help="warm calls per implementation")
+    p.add_argument("--reps", type=positive_int, default=5, help="warm calls per implementation")
     p.add_argument(
         "--interpret", action="store_true", help="off TPU, also time the interpreted kernel"
     )
     p.add_argument("--no-memory", action="store_true", help="skip the memory sweep")
     p.add_argument(
-        "--max-kv-lens", type=comma_list(int), default=[256, 1024, 4096, 16384],
+        "--max-kv-lens", type=comma_list(positive_int), default=[256, 1024, 4096, 16384],
         help="the memory sweep's max_kv_len values",
     )  # fmt: skip
     p.add_argument("--no-plot", action="store_true")
@@ -888,10 +951,28 @@ def apply_quick(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line. Returns the exit code: 0, or 1 when a speed target fails."""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    device = jax.devices()[0]
-    print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}")
+    """The command line. Returns the exit code: 0; 1 when a speed target fails or any row
+    failed to run; 2 (from argparse) for a bad flag."""
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if max(args.num_seqs) > args.max_num_batched_tokens and not args.quick:
+        parser.error(
+            f"--num-seqs {max(args.num_seqs)} is more than --max-num-batched-tokens "
+            f"{args.max_num_batched_tokens}: every sequence needs at least one q row"
+        )
+    kv_cache_bytes = max(
+        n * args.pages_per_seq * args.page_size * 2 * kv_heads * head_dim * 4
+        for n in args.num_seqs
+        for _, kv_heads, head_dim in (
+            HEAD_CONFIGS[h] if isinstance(h, str) else h for h in args.heads
+        )
+    )
+    if kv_cache_bytes > MAX_KV_CACHE_BYTES and not args.quick:
+        parser.error(
+            f"--num-seqs {max(args.num_seqs)} x --pages-per-seq {args.pages_per_seq} x "
+            f"--page-size {args.page_size} makes a KV cache of {kv_cache_bytes / 2**30:.1f} GiB, "
+            f"more than this harness allows ({MAX_KV_CACHE_BYTES / 2**30:.0f} GiB)"
+        )
     if args.impls is not None:
         unknown = set(args.impls) - {i.name for i in IMPLEMENTATIONS}
         if unknown:
@@ -903,6 +984,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(engine_bench(reps=args.reps).describe())
         return 0
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}")
     if args.targets:
         case = dataclasses.replace(TARGET_CASE, dtype=cases_from_args(args)[0].dtype)
         print(f"speed targets on: {case}  (timings are noisy on a shared machine)")
@@ -922,6 +1005,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_bench(cases, args.impls, reps=args.reps, interpret=args.interpret, chip=chip)
     print(format_table(rows))
     print(TABLE_KEY)
+    failed = [f"{r.case.label()}: {r.impl}" for r in rows if r.note.startswith("failed")]
     if not args.no_plot:
         path = plot_times(rows, args.out_dir / f"bench_{device.platform}.png")
         print(f"plot: {path.resolve()}")
@@ -934,6 +1018,9 @@ def main(argv: list[str] | None = None) -> int:
         if points and not args.no_plot:
             path = plot_memory(points, args.out_dir / f"memory_{device.platform}.png")
             print(f"plot: {path.resolve()}")
+    if failed:
+        print(f"{len(failed)} row(s) failed: {'; '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from minilib.reference import DEFAULT_MASK_VALUE, dequantize
-from minilib.validation import static_validate_inputs
+from minilib.validation import static_options, validate_inputs
 
 # Default block sizes, chosen by timing minilib.bench's 32-sequence cases (GQA 32/8/128, pages
 # of 16, 1024 q rows; mixed, decode-heavy, prefill-heavy) on a 2-core CPU, among 32, 64, 128
@@ -85,6 +85,7 @@ def ragged_paged_attention_blockwise(
     v_scale: float | None = None,
     num_kv_pages_per_block: int | None = None,
     num_queries_per_block: int | None = None,
+    validate: bool = True,
 ) -> jax.Array:  # [max_num_batched_tokens, num_q_heads, head_dim]
     """Ragged paged attention, one q block and one KV block at a time, with online softmax.
 
@@ -95,7 +96,10 @@ def ragged_paged_attention_blockwise(
         sequences with at most SHORT_Q_BLOCK (8) q rows use blocks of that size instead.
 
     Compiled once per shape and options; new lengths reuse the compile, and `num_seqs` may be
-    a traced value.
+    a traced value. Called eagerly, it first checks the values of the inputs
+    (`dynamic_validate_inputs`); `validate=False` skips that. Under `jax.jit` only the static
+    checks can run: validate outside jit, as JAX does. Bad values under jit still return
+    quickly, as every loop bound is clamped to the array shapes.
 
     >>> from minilib.batch import make_batch
     >>> batch = make_batch([(3, 3), (1, 40)], page_size=8)
@@ -103,13 +107,14 @@ def ragged_paged_attention_blockwise(
     >>> out.shape
     (4, 4, 64)
     """
-    static_validate_inputs(
+    validate_inputs(
         q,
         kv_pages,
         kv_lens,
         page_indices,
         cu_q_lens,
         num_seqs,
+        validate=validate,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -127,13 +132,7 @@ def ragged_paged_attention_blockwise(
         num_queries_per_block = DEFAULT_NUM_QUERIES_PER_BLOCK
     # A q block is a window of q's rows, so it can't be longer than q.
     num_queries_per_block = min(num_queries_per_block, max_num_batched_tokens)
-    return _rpa_blockwise(
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
+    options = static_options(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -143,6 +142,7 @@ def ragged_paged_attention_blockwise(
         num_kv_pages_per_block=num_kv_pages_per_block,
         num_queries_per_block=num_queries_per_block,
     )
+    return _rpa_blockwise(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
 
 
 @functools.partial(
@@ -166,11 +166,19 @@ def _rpa_blockwise(
 
     The loop bound num_seqs[0] is a traced value, so this is a `while` loop in the compiled
     program, and a batch of few sequences runs few iterations.
+
+    Under jit nothing has checked the values, so every loop bound is clamped to what the
+    shapes allow (`clamp_lengths`): a garbage num_seqs or kv_len costs at most the work of a
+    full batch, and never hangs.
     """
     short_block = min(SHORT_Q_BLOCK, num_queries_per_block)
+    max_num_seqs, pages_per_seq = page_indices.shape
+    num_seqs, kv_lens, q_starts, q_ends = clamp_lengths(
+        num_seqs, kv_lens, cu_q_lens, max_num_seqs, q.shape[0], pages_per_seq * kv_pages.shape[1]
+    )
 
     def one_sequence(seq, out):
-        q_start, q_end = cu_q_lens[seq], cu_q_lens[seq + 1]
+        q_start, q_end = q_starts[seq], q_ends[seq]
         seq_args = (q, kv_pages, page_indices[seq], kv_lens[seq], q_start, q_end)
 
         def in_blocks_of(rows):
@@ -187,7 +195,33 @@ def _rpa_blockwise(
         )
 
     # Rows no live sequence writes, the padding past cu_q_lens[num_seqs], stay zero.
-    return jax.lax.fori_loop(0, num_seqs[0], one_sequence, jnp.zeros_like(q))
+    return jax.lax.fori_loop(0, num_seqs, one_sequence, jnp.zeros_like(q))
+
+
+def clamp_lengths(
+    num_seqs: jax.Array,  # i32[1]
+    kv_lens: jax.Array,  # i32[max_num_seqs]
+    cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_kv_len: int,  # pages_per_seq * page_size
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    # num_seqs: i32[], kv_lens: i32[max_num_seqs], q_starts, q_ends: i32[max_num_seqs]
+    """The lengths, clamped into the ranges the array shapes allow. Valid inputs are
+    unchanged; garbage ones (unchecked under jit) can no longer make a loop run for ever.
+
+    num_seqs to [0, max_num_seqs]; each sequence's q rows to [0, max_num_batched_tokens], and
+    never ending before they start; kv_len to [0, pages_per_seq * page_size].
+
+    >>> n, kv, starts, ends = clamp_lengths(jnp.array([2**31 - 1]), jnp.array([-5, 9]),
+    ...                                     jnp.array([0, 7, 3]), 2, 4, 8)
+    >>> int(n), kv.tolist(), starts.tolist(), ends.tolist()
+    (2, [0, 8], [0, 4], [4, 4])
+    """
+    num_seqs = jnp.clip(num_seqs[0], 0, max_num_seqs)
+    q_starts = jnp.clip(cu_q_lens[:-1], 0, max_num_batched_tokens)
+    q_ends = jnp.clip(cu_q_lens[1:], q_starts, max_num_batched_tokens)
+    return num_seqs, jnp.clip(kv_lens, 0, max_kv_len), q_starts, q_ends
 
 
 def attend_sequence(
@@ -442,5 +476,10 @@ def online_softmax_update(
 def finish_flash_state(
     state: FlashState,
 ) -> jax.Array:  # f32[num_kv_heads, rows, head_dim]
-    """After the last KV block, acc / l is softmax(scores) @ v."""
-    return state.acc / state.l[..., None]
+    """After the last KV block, acc / l is softmax(scores) @ v.
+
+    A row that saw no key at all (l = 0) gives 0, not 0 / 0 = NaN. Valid inputs never have
+    one (every q row sees itself); unchecked garbage under jit may.
+    """
+    l = state.l[..., None]  # noqa: E741
+    return jnp.where(l > 0, state.acc / jnp.where(l > 0, l, 1.0), 0.0)

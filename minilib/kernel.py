@@ -70,7 +70,7 @@ from minilib.block_sizes import (  # noqa: F401  (re-exported: the policy's old 
     packing,
 )
 from minilib.reference import DEFAULT_MASK_VALUE, dequantize
-from minilib.validation import static_validate_inputs
+from minilib.validation import static_options, validate_inputs
 
 # The m and l scratch rows are 128 lanes wide, one vector register row: TPU vector memory is
 # laid out in (8, 128) tiles, so a [rows, 1] array would take the same space anyway.
@@ -102,6 +102,7 @@ def ragged_paged_attention(
     num_queries_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
     interpret=None,
+    validate: bool = True,
 ) -> jax.Array:  # [max_num_batched_tokens, num_q_heads, head_dim]
     """Ragged paged attention on a TPU, or on CPU in Pallas' TPU interpret mode.
 
@@ -112,18 +113,23 @@ def ragged_paged_attention(
     Returns an array shaped like `q`; rows past `cu_q_lens[num_seqs]` are zeros.
     `num_kv_pages_per_block` and `num_queries_per_block` default to `default_block_sizes`.
 
+    Called eagerly, it first checks the values of the inputs (`dynamic_validate_inputs`);
+    `validate=False` skips that. Under `jax.jit` only the static checks can run: validate the
+    batch outside jit, as JAX does.
+
     >>> from minilib.batch import make_batch
     >>> batch = make_batch([(3, 3), (1, 9)])
     >>> ragged_paged_attention(*batch.args(), sm_scale=0.125).shape
     (4, 4, 64)
     """
-    static_validate_inputs(
+    validate_inputs(
         q,
         kv_pages,
         kv_lens,
         page_indices,
         cu_q_lens,
         num_seqs,
+        validate=validate,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -134,10 +140,7 @@ def ragged_paged_attention(
         num_queries_per_block=num_queries_per_block,
         vmem_limit_bytes=vmem_limit_bytes,
     )
-    config = kernel_config(
-        q,
-        kv_pages,
-        page_indices,
+    options = static_options(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -147,6 +150,7 @@ def ragged_paged_attention(
         num_kv_pages_per_block=num_kv_pages_per_block,
         num_queries_per_block=num_queries_per_block,
     )
+    config = kernel_config(q, kv_pages, page_indices, **options)
     out, _ = _rpa_jit(
         q,
         kv_pages,

@@ -43,6 +43,8 @@ def pages_needed(seq_len: int, page_size: int) -> int:
     >>> pages_needed(17, page_size=16)
     2
     """
+    _check_int("seq_len", seq_len, minimum=0)
+    _check_positive_int("page_size", page_size)
     return -(-seq_len // page_size)
 
 
@@ -110,7 +112,7 @@ class PageAllocator:
         `owner` (for example a sequence id) is recorded for each page, for bookkeeping and
         display.
         """
-        if not isinstance(n, int | np.integer) or n < 0:
+        if not _is_int(n) or n < 0:
             raise KVCacheError(
                 f"allocate(n={n!r}): n must be a non-negative int.",
                 "n is the number of pages to take; 0 is allowed and takes none.",
@@ -129,6 +131,11 @@ class PageAllocator:
 
     def free(self, pages: Iterable[int]) -> None:
         """Give `pages` back to the pool. Every page must be allocated, and listed once."""
+        if _is_int(pages) or isinstance(pages, str | bytes) or not isinstance(pages, Iterable):
+            raise KVCacheError(
+                f"free(pages={pages!r}): pages must be a list of page numbers.",
+                f"to free one page, pass a list: free([{pages!r}]).",
+            )
         pages = list(pages)
         seen = set()
         for page in pages:  # check them all before changing anything
@@ -152,7 +159,7 @@ class PageAllocator:
         self._free.extend(pages)
 
     def _check_page(self, page: int) -> None:
-        if not isinstance(page, int | np.integer) or not 0 <= page < self.total_num_pages:
+        if not _is_int(page) or not 0 <= page < self.total_num_pages:
             raise KVCacheError(
                 f"page={page!r} is not a page number in [0, {self.total_num_pages}).",
                 f"pages are numbered 0 .. total_num_pages - 1 = {self.total_num_pages - 1}.",
@@ -227,12 +234,12 @@ class PagedKVCache:
             ("pages_per_seq", pages_per_seq),
         ):
             _check_positive_int(name, value)
+        self.dtype = _cache_dtype(dtype)
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.max_num_seqs = max_num_seqs
         self.pages_per_seq = pages_per_seq
-        self.dtype = jnp.dtype(dtype)
         # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
         self.kv_pages = jnp.zeros(
             (total_num_pages, page_size, 2 * num_kv_heads, head_dim), self.dtype
@@ -386,7 +393,7 @@ class PagedKVCache:
                 )
             seen.add(seq_id)
             seq_len = self._lens[seq_id]
-            if not isinstance(q_len, int | np.integer) or not 0 <= q_len <= seq_len:
+            if not _is_int(q_len) or not 0 <= q_len <= seq_len:
                 raise KVCacheError(
                     f"q_len={q_len!r} for seq_id={seq_id!r} must be in [0, seq_len={seq_len}].",
                     "append the step's new K/V first: q_len counts new tokens that are already "
@@ -428,7 +435,11 @@ class PagedKVCache:
 
     def _check_new_kv(self, k, v) -> tuple[np.ndarray, np.ndarray]:
         try:  # to the cache's dtype, on the host, before anything changes
-            k, v = np.asarray(k).astype(self.dtype), np.asarray(v).astype(self.dtype)
+            k, v = np.asarray(k), np.asarray(v)
+            for name, x in (("k", k), ("v", v)):
+                if x.dtype.kind not in "biuf" and x.dtype != self.dtype:
+                    raise TypeError(f"{name}.dtype={x.dtype} is not a real number type")
+            k, v = k.astype(self.dtype), v.astype(self.dtype)
         except (TypeError, ValueError) as err:
             raise KVCacheError(
                 f"k and v must be numeric arrays convertible to dtype={self.dtype}: {err}",
@@ -465,9 +476,44 @@ class PagedKVCache:
         return page_ids, slot_ids, k_padded, v_padded
 
 
+def _is_int(value) -> bool:
+    """An int or NumPy integer, but not a bool (True is not page 1)."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def _check_int(name: str, value, *, minimum: int) -> None:
+    if not _is_int(value) or value < minimum:
+        raise KVCacheError(
+            f"{name}={value!r} must be an int >= {minimum}.",
+            f"{name} counts tokens or pages: a whole number, at least {minimum}.",
+        )
+
+
 def _check_positive_int(name: str, value) -> None:
-    if not isinstance(value, int | np.integer) or value < 1:
+    if not _is_int(value) or value < 1:
         raise KVCacheError(
             f"{name}={value!r} must be a positive int.",
             "sizes of the cache are counts: at least 1.",
         )
+
+
+def _cache_dtype(dtype) -> np.dtype:
+    """The cache's dtype: a float type JAX can hold as it is (fp8 included)."""
+    requested = dtype
+    try:
+        dtype = None if dtype is None else jnp.dtype(dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise KVCacheError(
+            f"PagedKVCache(dtype={requested!r}): the cache's dtype must be a float type.",
+            "K and V are floats: use jnp.float32, jnp.bfloat16 or an fp8 type such as "
+            "jnp.float8_e4m3fn. An integer cache would silently round 0.7 to 0.",
+        )
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        raise KVCacheError(
+            f"PagedKVCache(dtype={dtype}): JAX would store the pages as "
+            f"{jax.dtypes.canonicalize_dtype(dtype)}, not {dtype}.",
+            "use jnp.float32 (64-bit floats need jax.config.update('jax_enable_x64', True)).",
+        )
+    return dtype

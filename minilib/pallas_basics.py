@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from minilib.blockwise import clamp_lengths
 from minilib.reference import DEFAULT_MASK_VALUE, dequantize
-from minilib.validation import static_validate_inputs
+from minilib.validation import static_options, validate_inputs
 from minilib.vectorized import gather_all_kv
 
 DEFAULT_NUM_QUERIES_PER_BLOCK = 8
@@ -112,13 +113,16 @@ def ragged_paged_attention_pallas_basic(
     v_scale: float | None = None,
     num_queries_per_block: int = DEFAULT_NUM_QUERIES_PER_BLOCK,
     interpret=True,
+    validate: bool = True,
 ) -> jax.Array:  # [max_num_batched_tokens, num_q_heads, head_dim]
     """Ragged paged attention as a first Pallas kernel, over K/V gathered by jnp.
 
     Same signature and result as `ref_ragged_paged_attention` (padding rows come out zero),
     plus `num_queries_per_block` (q rows per program) and `interpret` (passed to
     `pl.pallas_call`; True runs on any backend). Compiled once per shape; `num_seqs` may be
-    traced.
+    traced. Called eagerly, it first checks the values of the inputs
+    (`dynamic_validate_inputs`); `validate=False` skips that. Under `jax.jit` only the static
+    checks can run: validate outside jit, as JAX does.
 
     It runs in interpret mode only: Mosaic, the TPU compiler, rejects it by design. Its
     BlockSpecs cut one KV head and `group` q heads out of the head axis, so the last two
@@ -133,13 +137,14 @@ def ragged_paged_attention_pallas_basic(
     >>> ragged_paged_attention_pallas_basic(*batch.args()).shape
     (4, 4, 64)
     """
-    static_validate_inputs(
+    validate_inputs(
         q,
         kv_pages,
         kv_lens,
         page_indices,
         cu_q_lens,
         num_seqs,
+        validate=validate,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -148,13 +153,7 @@ def ragged_paged_attention_pallas_basic(
         v_scale=v_scale,
         num_queries_per_block=num_queries_per_block,
     )
-    return _rpa_pallas_basic(
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
+    options = static_options(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -162,7 +161,9 @@ def ragged_paged_attention_pallas_basic(
         k_scale=k_scale,
         v_scale=v_scale,
         num_queries_per_block=num_queries_per_block,
-        interpret=interpret,
+    )
+    return _rpa_pallas_basic(
+        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, interpret=interpret, **options
     )
 
 
@@ -185,11 +186,15 @@ def _rpa_pallas_basic(
 ):  # fmt: skip
     """jnp rearranges the batch into dense blocks, the kernel attends, jnp packs the rows back."""
     max_num_seqs, pages_per_seq = page_indices.shape
-    # Padding sequence slots may hold garbage: give them no q rows and no keys.
-    live = jnp.arange(max_num_seqs) < num_seqs[0]
-    q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    # Unchecked values (under jit) are clamped into the ranges the shapes allow ...
+    num_seqs, kv_lens, q_starts, q_ends = clamp_lengths(
+        num_seqs, kv_lens, cu_q_lens, max_num_seqs, q.shape[0], pages_per_seq * kv_pages.shape[1]
+    )
+    # ... and padding sequence slots may hold garbage: give them no q rows and no keys.
+    live = jnp.arange(max_num_seqs) < num_seqs
+    q_lens = jnp.where(live, q_ends - q_starts, 0)
     kv_lens = jnp.where(live, kv_lens, 0)
-    q_starts = jnp.where(live, cu_q_lens[:-1], 0)
+    q_starts = jnp.where(live, q_starts, 0)
 
     # A sequence has at most min(max_num_batched_tokens, max kv_len) q rows (q_len <= kv_len),
     # rounded up to whole q blocks.

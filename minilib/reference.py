@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minilib.validation import static_validate_inputs
+from minilib.validation import static_options, validate_inputs
 
 # The value a masked score is set to: very negative, but finite, so exp() gives 0, not NaN.
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -42,24 +42,30 @@ def ref_ragged_paged_attention(
     mask_value: float | None = DEFAULT_MASK_VALUE,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    validate: bool = True,
 ) -> jax.Array:  # [max_num_batched_tokens, num_q_heads, head_dim]
     """Ragged paged attention, one sequence at a time. Same signature as JAX's reference.
 
     Returns an array shaped like `q`: the attention output of every live row, and zeros in
     the padding rows past `cu_q_lens[num_seqs]`. (JAX's reference returns only the live rows.)
 
+    The inputs are checked first with `validate_inputs`: all of `dynamic_validate_inputs`
+    (their values too) on concrete arrays; `validate=False` skips the value checks. This
+    function reads the lengths in Python, so it cannot run under `jax.jit` at all.
+
     >>> from minilib.batch import make_batch
     >>> batch = make_batch([(3, 3), (1, 9)])
     >>> ref_ragged_paged_attention(*batch.args(), sm_scale=0.125).shape
     (4, 4, 64)
     """
-    static_validate_inputs(
+    validate_inputs(
         q,
         kv_pages,
         kv_lens,
         page_indices,
         cu_q_lens,
         num_seqs,
+        validate=validate,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -67,8 +73,11 @@ def ref_ragged_paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    if mask_value is None:
-        mask_value = DEFAULT_MASK_VALUE
+    options = static_options(
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, mask_value=mask_value
+    )
+    if options["mask_value"] is None:
+        options["mask_value"] = DEFAULT_MASK_VALUE
     # The lengths steer a Python loop, so read their values once, on the host.
     kv_lens, page_indices, cu_q_lens = (np.asarray(a) for a in (kv_lens, page_indices, cu_q_lens))
     outputs = []
@@ -80,17 +89,7 @@ def ref_ragged_paged_attention(
         k, v = gather_kv(kv_pages, page_indices[i], int(kv_lens[i]))
         k, v = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype)
         # 4-7.
-        outputs.append(
-            attend(
-                seq_q,
-                k,
-                v,
-                sm_scale=sm_scale,
-                sliding_window=sliding_window,
-                soft_cap=soft_cap,
-                mask_value=mask_value,
-            )
-        )
+        outputs.append(attend(seq_q, k, v, **options))
     # The padding rows past the last sequence are zeros.
     padding = jnp.zeros((q.shape[0] - sum(o.shape[0] for o in outputs), *q.shape[1:]), q.dtype)
     return jnp.concatenate([*outputs, padding])

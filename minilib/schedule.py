@@ -162,8 +162,14 @@ def plan_schedule(
     sliding_window: int | None = None,
     num_kv_pages_per_block: int | None = None,
     num_queries_per_block: int | None = None,
+    max_computes: int | None = None,
+    max_grid_steps: int | None = None,
 ) -> Schedule:
     """The kernel's schedule, worked out in Python: the work list, then the copies around it.
+
+    `max_computes`, `max_grid_steps`: raise `ScheduleTooBig` when the kernel would compute
+    more KV blocks, or run more grid steps, than this, before listing any of them (so that
+    interactive tools stay responsive).
 
     >>> from minilib.batch import make_batch
     >>> s = plan_schedule(*make_batch([(3, 3)]).args())
@@ -173,7 +179,22 @@ def plan_schedule(
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     config = _config(*args, sliding_window, num_kv_pages_per_block, num_queries_per_block)
     table = _Table(kv_lens, page_indices, cu_q_lens, num_seqs)
-    work = work_list(table, config, num_q_blocks=-(-q.shape[0] // config.num_queries_per_block))
+    num_q_blocks = -(-q.shape[0] // config.num_queries_per_block)
+    grid_steps = config.num_heads_blocks * num_q_blocks
+    if max_grid_steps is not None and grid_steps > max_grid_steps:
+        raise ScheduleTooBig(
+            f"The grid has {config.num_heads_blocks} heads blocks x {num_q_blocks} q blocks = "
+            f"{grid_steps} steps, more than {max_grid_steps=}. Use a bigger "
+            "num_queries_per_block, or fewer q rows or heads."
+        )
+    if max_computes is not None:
+        count = count_computes(table, config, num_q_blocks)
+        if count > max_computes:
+            raise ScheduleTooBig(
+                f"The kernel computes {count} KV blocks for this batch, more than "
+                f"{max_computes=}. Use bigger blocks, fewer heads or shorter sequences."
+            )
+    work = work_list(table, config, num_q_blocks)
     events = []
     for i, (step, heads_blk, seq, kv_blk) in enumerate(work):
         if i == 0:  # the first grid step starts the very first copy
@@ -186,21 +207,43 @@ def plan_schedule(
     return _schedule(q, config, table, events)
 
 
+class ScheduleTooBig(ValueError):
+    """The schedule has more work than the caller asked to handle (`max_computes`)."""
+
+
 def work_list(table: _Table, config: kernel.KernelConfig, num_q_blocks: int):
     """[(step, heads_blk, seq, kv_blk)] in the kernel's order: grid steps in row-major order;
     in each, the sequences with rows in the q block, in order; for each, the KV blocks its rows
     can see."""
     work = []
-    bq = config.num_queries_per_block
     for heads_blk in range(config.num_heads_blocks):
-        for q_blk in range(num_q_blocks):
-            rows = (q_blk * bq, (q_blk + 1) * bq)
-            for seq in range(table.num_seqs):
-                if not table.has_rows_in(seq, rows):
-                    continue
-                first, end = table.kv_block_range(seq, rows, config)
-                work += [((heads_blk, q_blk), heads_blk, seq, b) for b in range(first, end)]
+        for q_blk, seq, first, end in _seq_blocks(table, config, num_q_blocks):
+            work += [((heads_blk, q_blk), heads_blk, seq, b) for b in range(first, end)]
     return work
+
+
+def count_computes(table: _Table, config: kernel.KernelConfig, num_q_blocks: int) -> int:
+    """len(work_list(...)), without listing the work: a few steps per (q block, sequence)."""
+    pairs = _seq_blocks(table, config, num_q_blocks)
+    return config.num_heads_blocks * sum(end - first for _, _, first, end in pairs)
+
+
+def _seq_blocks(table: _Table, config: kernel.KernelConfig, num_q_blocks: int):
+    """[(q_blk, seq, first KV block, end KV block)] for every sequence with rows in a q block,
+    in the kernel's order (q blocks, then sequences). Only each sequence's own q blocks are
+    visited, so this costs (number of q blocks + number of sequences) steps."""
+    bq = config.num_queries_per_block
+    seqs_of_block = [[] for _ in range(num_q_blocks)]
+    for seq in range(table.num_seqs):
+        start, end = table.q_rows(seq)
+        for q_blk in range(start // bq, min(-(-end // bq), num_q_blocks)):
+            seqs_of_block[q_blk].append(seq)
+    return [
+        (q_blk, seq, *table.kv_block_range(seq, (q_blk * bq, (q_blk + 1) * bq), config))
+        for q_blk, seqs in enumerate(seqs_of_block)
+        for seq in seqs
+        if table.has_rows_in(seq, (q_blk * bq, (q_blk + 1) * bq))
+    ]
 
 
 class _Table:
@@ -210,7 +253,8 @@ class _Table:
         self.kv_lens = np.asarray(kv_lens)
         self.page_indices = np.asarray(page_indices)
         self.cu_q_lens = np.asarray(cu_q_lens)
-        self.num_seqs = int(np.asarray(num_seqs)[0])
+        # Clamped to the slots that exist, as the kernel's loops are.
+        self.num_seqs = min(max(int(np.asarray(num_seqs)[0]), 0), len(self.kv_lens))
 
     def q_rows(self, seq) -> tuple[int, int]:
         return int(self.cu_q_lens[seq]), int(self.cu_q_lens[seq + 1])
@@ -231,7 +275,8 @@ class _Table:
             first_key = max(first_key - config.sliding_window + 1, 0)  # ... or its window
         last_key = kv_len - q_end + last_row  # the last row sees up to its own position
         tokens = config.kv_tokens_per_block
-        return first_key // tokens, last_key // tokens + 1
+        num_kv_blocks = -(-config.pages_per_seq // config.num_kv_pages_per_block)
+        return max(first_key // tokens, 0), min(last_key // tokens + 1, num_kv_blocks)
 
     def pages(self, seq, kv_blk, config) -> tuple[int, ...]:
         num_pages = -(-int(self.kv_lens[seq]) // config.page_size)

@@ -13,10 +13,19 @@ a `ValueError` that carries the hint as `.hint`.
 
 Only the live sequences, the first `num_seqs`, are checked: the padding slots past them may
 hold anything.
+
+Every attention function in minilib starts with `validate_inputs`: the dynamic checks when it
+is called eagerly on concrete arrays, only the static ones under `jax.jit` (validate outside
+jit, as JAX does), and `validate=False` to skip the value checks.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
+
+import jax
 import numpy as np
 
 from minilib.heads import nearest_valid_num_kv_heads, valid_num_kv_heads
@@ -71,6 +80,182 @@ def check_head_counts(num_q_heads: int, num_kv_heads: int) -> None:
         )
 
 
+def check_dtypes(
+    q,  # [max_num_batched_tokens, num_q_heads, head_dim]
+    kv_pages,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+) -> None:
+    """Raise unless q has a float dtype of 16 bits or more, and kv_pages a float dtype (fp8
+    included, for a quantized cache).
+
+    >>> import jax.numpy as jnp
+    >>> check_dtypes(jnp.zeros((8, 4, 64), jnp.bfloat16),
+    ...              jnp.zeros((4, 16, 4, 64), jnp.float8_e4m3fn))
+    """
+    q_dtype, kv_dtype = np.dtype(q.dtype), np.dtype(kv_pages.dtype)
+    if not jax.numpy.issubdtype(q_dtype, jax.numpy.floating) or q_dtype.itemsize < 2:
+        raise RPAInputError(
+            f"{q.dtype=} must be a float dtype of 16 bits or more (float32, bfloat16, float16).",
+            "q holds activations: convert it with q.astype(jnp.float32) (or bfloat16). An "
+            "integer q would give integer, truncated scores and outputs.",
+        )
+    if not jax.numpy.issubdtype(kv_dtype, jax.numpy.floating):
+        raise RPAInputError(
+            f"{kv_pages.dtype=} must be a float dtype (float32, bfloat16, or an fp8 type such "
+            "as float8_e4m3fn with k_scale and v_scale).",
+            "convert it with kv_pages.astype(jnp.float32); a quantized cache is fp8 with "
+            "k_scale and v_scale, not integers.",
+        )
+
+
+def check_options(
+    *,
+    sm_scale=None,
+    sliding_window=None,
+    soft_cap=None,
+    mask_value=None,
+    k_scale=None,
+    v_scale=None,
+    num_kv_pages_per_block=None,
+    num_queries_per_block=None,
+    vmem_limit_bytes=None,
+) -> None:
+    """Raise unless every option has a usable type and value. These are compile-time
+    constants, so each must be a concrete scalar: a Python, NumPy or concrete JAX number.
+
+      sm_scale, soft_cap: any finite real number (JAX checks soft_cap != 0 itself, below);
+      mask_value: finite and negative, so that masked scores become exp() = 0 and never NaN;
+      k_scale, v_scale: positive, finite Python floats (JAX's kernel asserts the float);
+      sliding_window and the block sizes: whole numbers (JAX checks that they are positive).
+
+    >>> check_options(sm_scale=0.125, mask_value=float("-inf"))
+    Traceback (most recent call last):
+    ...
+    minilib.validation.RPAInputError: mask_value=-inf must be a finite negative number.
+    Hint: ...
+    """
+    for name, value in (("sm_scale", sm_scale), ("soft_cap", soft_cap)):
+        if value is not None and not math.isfinite(_real(name, value)):
+            raise RPAInputError(
+                f"{name}={value!r} must be finite.",
+                f"{name} scales or caps the scores; an infinite or NaN value makes the outputs "
+                "NaN. Use a finite float (soft_cap=None turns soft capping off).",
+            )
+    if mask_value is not None and not -math.inf < _real("mask_value", mask_value) < 0:
+        raise RPAInputError(
+            f"mask_value={mask_value!r} must be a finite negative number.",
+            "masked scores are set to mask_value before the softmax: it must be very negative "
+            "(so that exp() gives 0 and rows never see future keys) and finite (-inf gives "
+            "NaN on a fully masked block). Use None for the default, -0.7 * float32 max.",
+        )
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            continue
+        if not isinstance(scale, float):
+            raise RPAInputError(
+                f"{name}={scale!r} must be a Python float or None.",
+                f"pass {name}=float(...); the scale is a compile-time constant, not an array.",
+            )
+        if not (math.isfinite(scale) and scale > 0):
+            raise RPAInputError(
+                f"{name}={scale!r} must be positive and finite.",
+                f"{name} multiplies the fp8 cache values back to their real size: the scale "
+                "the cache was quantized with, such as 0.5. Use None for an unquantized cache.",
+            )
+    for name, value in (
+        ("sliding_window", sliding_window),
+        ("num_kv_pages_per_block", num_kv_pages_per_block),
+        ("num_queries_per_block", num_queries_per_block),
+        ("vmem_limit_bytes", vmem_limit_bytes),
+    ):
+        if value is not None:
+            _whole_number(name, value)
+
+
+def _real(name: str, value) -> float:
+    """`value` as a Python float, or raise: it must be a concrete real scalar."""
+    if isinstance(value, jax.core.Tracer):
+        raise RPAInputError(
+            f"{name} is a traced value ({type(value).__name__}); it must be a concrete number.",
+            f"{name} is a compile-time constant: pass a Python float computed outside jit, "
+            "or mark it static (jax.jit(..., static_argnames=...)).",
+        )
+    is_real_array = np.ndim(value) == 0 and np.dtype(getattr(value, "dtype", object)).kind in "iuf"
+    if isinstance(value, bool | np.bool_) or not (isinstance(value, numbers.Real) or is_real_array):
+        raise RPAInputError(
+            f"{name}={value!r} must be a real number.",
+            f"pass a Python float such as {name}=0.125 (a NumPy or JAX scalar works too).",
+        )
+    return float(value)
+
+
+def _whole_number(name: str, value) -> int:
+    """`value` as a Python int, or raise: 2.5 and True are not window or block sizes."""
+    try:
+        if isinstance(value, bool | np.bool_) or isinstance(value, jax.core.Tracer):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise RPAInputError(
+            f"{name}={value!r} must be a whole number (an int).",
+            f"{name} counts tokens, pages or bytes: pass an int such as int(...), or None "
+            "for the default.",
+        ) from None
+
+
+def static_options(**options) -> dict:
+    """The options as plain Python numbers, ready to be `jax.jit` static arguments (which
+    must be hashable: a JAX scalar such as `1 / jnp.sqrt(8.0)` is not). Run the validators
+    first; None stays None.
+
+    >>> import jax.numpy as jnp
+    >>> static_options(sm_scale=1 / jnp.sqrt(4.0), sliding_window=None)
+    {'sm_scale': 0.5, 'sliding_window': None}
+    """
+    whole = ("sliding_window", "num_kv_pages_per_block", "num_queries_per_block",
+             "vmem_limit_bytes")  # fmt: skip
+    return {
+        name: None if value is None else int(value) if name in whole else float(value)
+        for name, value in options.items()
+    }
+
+
+def validate_inputs(
+    q,  # [max_num_batched_tokens, num_q_heads, head_dim]
+    kv_pages,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+    kv_lens,  # i32[max_num_seqs]
+    page_indices,  # i32[max_num_seqs, pages_per_seq]
+    cu_q_lens,  # i32[max_num_seqs + 1]
+    num_seqs,  # i32[1]
+    *,
+    validate: bool = True,
+    **options,
+) -> None:
+    """What every attention function runs first: all the checks the inputs allow.
+
+    Called eagerly, on concrete arrays, it runs `dynamic_validate_inputs`, which reads the
+    values of kv_lens, page_indices, cu_q_lens and num_seqs. Under `jax.jit` those are
+    tracers with no values yet, so only `static_validate_inputs` can run; validate outside
+    jit, as JAX does. `validate=False` skips the value checks even on concrete arrays (for
+    benchmarks and serving loops that validated the batch once already).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from minilib.batch import make_batch
+    >>> args = list(make_batch([(3, 3)]).args())
+    >>> args[2] = jnp.array([2], jnp.int32)             # kv_len 2 < q_len 3
+    >>> validate_inputs(*args)
+    Traceback (most recent call last):
+    ...
+    minilib.validation.RPAInputError: q_len=3 must be less or equal to kv_len=2 at sequence 0.
+    Hint: ...
+    >>> jax.jit(lambda *a: validate_inputs(*a))(*args)  # traced: static checks only
+    """
+    arrays = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    if validate and not any(isinstance(a, jax.core.Tracer) for a in arrays[2:]):
+        dynamic_validate_inputs(*arrays, **options)
+    else:
+        static_validate_inputs(*arrays, **options)
+
+
 def static_validate_inputs(
     q,  # [max_num_batched_tokens, num_q_heads, head_dim]
     kv_pages,  # [total_num_pages, page_size, num_combined_kv_heads, head_dim]
@@ -111,12 +296,18 @@ def static_validate_inputs(
             "kv_pages interleaves K and V on one axis: K of KV head h in slot 2*h, V in slot "
             "2*h+1. Build it with minilib.merge_kv_pages(k_pages, v_pages).",
         )
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if scale is not None and not isinstance(scale, float):
-            raise RPAInputError(
-                f"{name}={scale!r} must be a Python float or None.",
-                f"pass {name}=float(...); the scale is a compile-time constant, not an array.",
-            )
+    check_dtypes(q, kv_pages)
+    check_options(
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        mask_value=mask_value,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        num_kv_pages_per_block=num_kv_pages_per_block,
+        num_queries_per_block=num_queries_per_block,
+        vmem_limit_bytes=vmem_limit_bytes,
+    )
     num_kv_heads = num_combined_kv_heads // 2
     max_num_seqs, pages_per_seq = page_indices.shape
     if num_seqs.shape != (1,):
@@ -185,7 +376,6 @@ def static_validate_inputs(
             f"{vmem_limit_bytes=} must be positive.",
             "pass a byte count (e.g. 32 * 1024 * 1024), or None for the compiler's default.",
         )
-    del sm_scale, mask_value  # no constraints, as in JAX
 
 
 def dynamic_validate_inputs(
@@ -344,7 +534,8 @@ def _check_ranks(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> Non
 
 def _concrete(*arrays):
     try:
-        return [np.asarray(a) for a in arrays]
+        # int64, so that differences of garbage int32 values cannot wrap around.
+        return [np.asarray(a).astype(np.int64) for a in arrays]
     except Exception as err:  # a tracer: the values do not exist yet
         raise RPAInputError(
             "dynamic_validate_inputs needs concrete kv_lens, page_indices, cu_q_lens and "

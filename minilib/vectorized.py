@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from minilib.reference import DEFAULT_MASK_VALUE, dequantize
-from minilib.validation import static_validate_inputs
+from minilib.validation import static_options, validate_inputs
 
 TILE = 16  # q rows per tile: bigger tiles waste more rows on decodes, smaller ones re-read K/V
 
@@ -48,23 +48,29 @@ def ragged_paged_attention_jnp(
     mask_value: float | None = DEFAULT_MASK_VALUE,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    validate: bool = True,
 ) -> jax.Array:  # [max_num_batched_tokens, num_q_heads, head_dim]
     """Vectorized ragged paged attention: compiled once per array shape.
 
     Same signature and result as `ref_ragged_paged_attention`; padding rows come out zero.
+
+    Called eagerly, it first checks the values of the inputs (`dynamic_validate_inputs`);
+    `validate=False` skips that. Under `jax.jit` the values do not exist yet and only the
+    static checks run: validate the batch outside jit, as JAX does.
 
     >>> from minilib.batch import make_batch
     >>> batch = make_batch([(3, 3), (1, 9)])
     >>> ragged_paged_attention_jnp(*batch.args()).shape
     (4, 4, 64)
     """
-    static_validate_inputs(
+    validate_inputs(
         q,
         kv_pages,
         kv_lens,
         page_indices,
         cu_q_lens,
         num_seqs,
+        validate=validate,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -72,13 +78,7 @@ def ragged_paged_attention_jnp(
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    return _rpa_jnp(
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
+    options = static_options(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -86,6 +86,7 @@ def ragged_paged_attention_jnp(
         k_scale=k_scale,
         v_scale=v_scale,
     )
+    return _rpa_jnp(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
 
 
 @functools.partial(

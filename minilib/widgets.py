@@ -179,7 +179,8 @@ def _render_head_grouping(values: dict):
 # --- the paged KV cache ---------------------------------------------------------------------
 
 ORDERS = ("in order", "shuffled", "after some frees")
-MAX_PAGES, MAX_PAGE_SIZE, MAX_SEQS, MAX_SEQ_LEN = 1024, 4096, 16, 1_000_000
+# Drawing is the slow part (matplotlib, a box per page): these keep every figure to seconds.
+MAX_PAGES, MAX_PAGE_SIZE, MAX_SEQS, MAX_SEQ_LEN = 256, 4096, 16, 1_000_000
 
 
 def fill_cache(
@@ -341,6 +342,7 @@ def _render_page_table(values: dict):
 # --- the ragged batch -----------------------------------------------------------------------
 
 MAX_TOKENS, MAX_KV_LEN = 4096, 8192
+MAX_MASK_CELLS = 2**22  # (q row, key) cells of all the masks drawn
 
 
 def ragged_batch_explorer(
@@ -377,6 +379,12 @@ def _render_ragged_batch(values: dict):
         raise InputProblem(
             f"this explorer draws at most {MAX_SEQS} sequences, {MAX_TOKENS} q rows in all, "
             f"and kv_len up to {MAX_KV_LEN}."
+        )
+    cells = sum(q * kv for q, kv in zip(q_lens, kv_lens, strict=True))
+    if cells > MAX_MASK_CELLS:
+        raise InputProblem(
+            f"the masks have {cells} (q row, key) cells in all, sum of q_len * kv_len: this "
+            f"explorer draws at most {MAX_MASK_CELLS}. Try shorter sequences."
         )
     batch = make_batch(
         list(zip(q_lens, kv_lens, strict=True)), num_q_heads=2, num_kv_heads=1, head_dim=8
@@ -541,6 +549,21 @@ def k_scale_as_array(b):
     return b.args(), {"k_scale": jnp.float32(0.5), "v_scale": 0.5}
 
 
+def mask_value_minus_inf(b):
+    """mask_value=-inf, the textbook mask: NaN wherever a row sees no key in a block."""
+    return b.args(), {"mask_value": float("-inf")}
+
+
+def sliding_window_from_a_division(b):
+    """A sliding window computed as a fraction of the context, so it came out a float."""
+    return b.args(), {"sliding_window": 20 / 8}
+
+
+def q_as_integers(b):
+    """q cast to integers, as the token ids it was computed from."""
+    return (b.q.astype(jnp.int32), *b.args()[1:]), {}
+
+
 def kv_block_too_big(b):
     """num_kv_pages_per_block=4 when each sequence has only pages_per_seq=3 columns."""
     return b.args(), {"num_kv_pages_per_block": 4}
@@ -566,6 +589,9 @@ MISTAKES: dict[str, Callable] = {
     "q shorter than the packed tokens": q_too_short,
     "k_scale as an array": k_scale_as_array,
     "num_kv_pages_per_block > pages_per_seq": kv_block_too_big,
+    "mask_value=-inf": mask_value_minus_inf,
+    "sliding_window as a float": sliding_window_from_a_division,
+    "q as integers": q_as_integers,
 }
 
 
@@ -647,6 +673,7 @@ def _describe_array(a) -> str:
 # --- the kernel schedule --------------------------------------------------------------------
 
 MAX_COMPUTES = 400  # KV blocks drawn
+MAX_GRID_STEPS = 256  # grid steps listed (one entry each in the grid_step menu)
 
 
 def kernel_schedule_explorer(
@@ -707,7 +734,7 @@ HEAD_DIM = 128
 
 
 def _plan(values: dict):
-    from minilib.schedule import plan_schedule  # imports the Pallas kernel: only when needed
+    from minilib.schedule import ScheduleTooBig, plan_schedule  # imports the Pallas kernel
 
     q_lens = parse_ints(values["q_lens"], "q_lens")
     kv_lens = parse_ints(values["kv_lens"], "kv_lens")
@@ -744,24 +771,24 @@ def _plan(values: dict):
     kv_pages = jax.ShapeDtypeStruct(
         (total_num_pages, values["page_size"], 2 * values["num_kv_heads"], HEAD_DIM), jnp.float32
     )
-    schedule = plan_schedule(  # validates with dynamic_validate_inputs
-        q,
-        kv_pages,
-        *batch.args()[2:],
-        sliding_window=parse_optional_int(values["sliding_window"], "sliding_window"),
-        num_kv_pages_per_block=parse_optional_int(
-            values["num_kv_pages_per_block"], "num_kv_pages_per_block"
-        ),
-        num_queries_per_block=parse_optional_int(
-            values["num_queries_per_block"], "num_queries_per_block"
-        ),
-    )
-    if len(schedule.computes()) > MAX_COMPUTES:
-        raise InputProblem(
-            f"{len(schedule.computes())} KV blocks to compute: this explorer draws at most "
-            f"{MAX_COMPUTES}. Use bigger blocks or fewer heads."
+    try:
+        return plan_schedule(  # validates with dynamic_validate_inputs
+            q,
+            kv_pages,
+            *batch.args()[2:],
+            sliding_window=parse_optional_int(values["sliding_window"], "sliding_window"),
+            num_kv_pages_per_block=parse_optional_int(
+                values["num_kv_pages_per_block"], "num_kv_pages_per_block"
+            ),
+            num_queries_per_block=parse_optional_int(
+                values["num_queries_per_block"], "num_queries_per_block"
+            ),
+            max_computes=MAX_COMPUTES,  # counted before anything is planned or drawn
+            max_grid_steps=MAX_GRID_STEPS,
         )
-    return schedule
+    except ScheduleTooBig as err:
+        raise InputProblem(f"{err} This explorer draws at most {MAX_COMPUTES} KV blocks "
+                           f"and {MAX_GRID_STEPS} grid steps.") from None  # fmt: skip
 
 
 def _schedule_status(schedule) -> str:

@@ -84,3 +84,64 @@ def test_random_seq_lens_are_valid():
     assert len(pairs) == 50
     assert all(1 <= q <= min(kv, 16) and kv <= 100 for q, kv in pairs)
     assert any(q == 1 for q, _ in pairs) and any(q > 1 for q, _ in pairs)
+
+
+# --- bad arguments: every one raises RPAInputError with a hint -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "seq_lens, message",
+    [
+        ([(2.7, 5.9)], "q_len=2.7 must be a whole number"),
+        ([(2, 5.0)], "kv_len=5.0 must be a whole number"),
+        ([(True, 5)], "q_len=True must be a whole number"),
+        ([5], "seq_lens[0] = 5 must be a (q_len, kv_len) pair"),
+        ([(1, 2, 3)], "must be a (q_len, kv_len) pair"),
+        (["ab"], "must be a (q_len, kv_len) pair"),
+        (5, "seq_lens=5 must be a list of pairs"),
+        ([(3, 2)], "needs 0 <= q_len <= kv_len"),
+        ([(-1, 2)], "needs 0 <= q_len <= kv_len"),
+    ],
+)
+def test_bad_seq_lens(seq_lens, message):
+    with pytest.raises(RPAInputError) as info:
+        make_batch(seq_lens)
+    assert message in info.value.message and info.value.hint
+
+
+SIZES = [
+    "num_q_heads",
+    "num_kv_heads",
+    "head_dim",
+    "page_size",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "pages_per_seq",
+    "total_num_pages",
+]
+
+
+@pytest.mark.parametrize("name", SIZES)
+@pytest.mark.parametrize("value", [0, -3, 2.5, 4.0, True, "8"])
+def test_sizes_must_be_positive_whole_numbers(name, value):
+    with pytest.raises(RPAInputError) as info:
+        make_batch([(1, 5)], **{name: value})
+    assert f"{name}={value!r}" in info.value.message and info.value.hint
+
+
+@pytest.mark.parametrize("name", ["dtype", "kv_dtype"])
+@pytest.mark.parametrize("value", [jnp.int32, np.int8, "foo", jnp.bool_])
+def test_dtypes_must_be_float(name, value):
+    with pytest.raises(RPAInputError, match="must be a float dtype"):
+        make_batch([(1, 5)], **{name: value})
+
+
+def test_seed_must_be_a_non_negative_int():
+    for seed in (-1, 1.5):
+        with pytest.raises(RPAInputError, match="seed="):
+            make_batch([(1, 5)], seed=seed)
+
+
+def test_numpy_integer_lengths_and_sizes_are_fine():
+    b = make_batch([(np.int64(2), np.int32(5))], page_size=np.int64(4), head_dim=np.int32(8))
+    assert b.seq_lens == ((2, 5),) and b.kv_pages.shape[1] == 4

@@ -197,3 +197,87 @@ def test_tpu_targets_are_not_judged_off_a_tpu():
     assert [r.passed for r in results] == [None, None]
     assert all("not measured: needs a TPU (backend here: cpu)" in r.detail for r in results)
     assert "90% of JAX's kernel" in results[0].name and "70% of the HBM" in results[1].name
+
+
+# Command line: a bad flag value is a one-line error naming the flag, exit code 2 -------------
+
+BAD_FLAGS = [
+    ["--page-size", "0"],
+    ["--page-size", "-3"],
+    ["--page-size", "x"],
+    ["--num-seqs", "0"],
+    ["--num-seqs", "4,0"],
+    ["--num-seqs", ","],
+    ["--pages-per-seq", "0"],
+    ["--max-num-batched-tokens", "0"],
+    ["--max-num-batched-tokens", "1.5"],
+    ["--dtype", "foo"],
+    ["--dtype", "int32"],
+    ["--reps", "0"],
+    ["--reps", "-1"],
+    ["--workload", "nope"],
+    ["--heads", "32-8"],
+    ["--heads", "12/8/64"],
+    ["--heads", "0/0/64"],
+    ["--max-kv-lens", "0"],
+]
+
+
+@pytest.mark.parametrize("argv", BAD_FLAGS, ids=[" ".join(a) for a in BAD_FLAGS])
+def test_bad_flag_values_are_one_line_errors(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"argument {argv[0]}" in err and "Traceback" not in err
+
+
+def test_more_sequences_than_tokens_is_a_flag_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--num-seqs", "64", "--max-num-batched-tokens", "16"])
+    assert info.value.code == 2
+    assert "--num-seqs 64 is more than --max-num-batched-tokens 16" in capsys.readouterr().err
+
+
+def test_a_huge_kv_cache_is_a_flag_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--pages-per-seq", "1000000000", "--num-seqs", "8"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--pages-per-seq 1000000000" in err
+
+
+def test_a_failed_row_makes_the_run_fail(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "device_chip", lambda dtype: TOY_CHIP)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("this implementation is broken")
+
+    monkeypatch.setattr(bench, "load_implementation", lambda impl, backend: (broken, ""))
+    argv = ["--workload", "mixed", "--num-seqs", "2", "--heads", "4/2/64", "--pages-per-seq",
+            "2", "--max-num-batched-tokens", "8", "--impls", "jnp", "--reps", "1",
+            "--no-memory", "--no-plot", "--out-dir", str(tmp_path)]  # fmt: skip
+    assert bench.main(argv) == 1
+    captured = capsys.readouterr()
+    assert "failed: RuntimeError" in captured.out
+    assert "1 row(s) failed: mixed 2 seqs 4/2/64: jnp" in captured.err
+
+
+def test_bench_times_minilib_without_value_checks():
+    jnp_impl = next(i for i in bench.IMPLEMENTATIONS if i.name == "jnp")
+    fn, _ = bench.load_implementation(jnp_impl, "cpu")
+    assert fn.keywords == {"validate": False}
+
+
+@pytest.mark.parametrize("argv", [["nope"], ["doctor", "--fast"], ["bench", "--reps", "0"]])
+def test_command_line_errors_are_one_line_with_exit_code_2(argv, capsys):
+    from minilib.__main__ import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exit:
+        code = exit.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "error:" in err, err

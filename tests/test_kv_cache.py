@@ -527,3 +527,90 @@ PagedKVCacheMachine.TestCase.settings = settings(
     max_examples=30, stateful_step_count=25, deadline=None
 )
 TestPagedKVCacheMachine = PagedKVCacheMachine.TestCase
+
+
+# --- small cases: every bad argument raises KVCacheError, and nothing changes ------------------
+
+
+def pool_state(alloc: PageAllocator):
+    return alloc.free_pages, alloc.owners
+
+
+@pytest.mark.parametrize(
+    "pages, message",
+    [
+        (1, "free(pages=1): pages must be a list of page numbers."),
+        (np.int64(1), "pages must be a list of page numbers"),
+        ("01", "pages must be a list of page numbers"),
+        ([True], "page=True is not a page number"),
+        ([1.0], "page=1.0 is not a page number"),
+    ],
+)
+def test_free_takes_a_list_of_page_numbers(pages, message):
+    alloc = PageAllocator(4)
+    alloc.allocate(3, owner="a")
+    before = pool_state(alloc)
+    with pytest.raises(KVCacheError) as info:
+        alloc.free(pages)
+    assert message in info.value.message and info.value.hint
+    assert pool_state(alloc) == before
+
+
+@pytest.mark.parametrize(
+    "seq_len, page_size, message",
+    [
+        (5, 0, "page_size=0 must be a positive int."),
+        (5, -4, "page_size=-4 must be a positive int."),
+        (-5, 4, "seq_len=-5 must be an int >= 0."),
+        (2.5, 4, "seq_len=2.5 must be an int >= 0."),
+        (5, 2.0, "page_size=2.0 must be a positive int."),
+        (True, 4, "seq_len=True must be an int >= 0."),
+    ],
+)
+def test_pages_needed_rejects_bad_sizes(seq_len, page_size, message):
+    with pytest.raises(KVCacheError) as info:
+        pages_needed(seq_len, page_size)
+    assert info.value.message == message
+
+
+def test_pages_needed_of_nothing_is_zero():
+    assert pages_needed(0, 4) == 0 and pages_needed(np.int32(9), np.int64(4)) == 3
+
+
+@pytest.mark.parametrize(
+    "dtype", [None, jnp.int32, np.int8, "foo", jnp.bool_, np.float64, jnp.complex64]
+)
+def test_cache_dtype_must_be_a_float_jax_can_hold(dtype):
+    with pytest.raises(KVCacheError) as info:
+        make_cache(dtype=dtype)
+    assert "PagedKVCache(dtype=" in info.value.message and info.value.hint
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn])
+def test_cache_reports_the_dtype_of_its_pages(dtype):
+    cache = make_cache(dtype=dtype)
+    assert cache.dtype == cache.kv_pages.dtype == jnp.dtype(dtype)
+
+
+@pytest.mark.parametrize("size", [0, -1, True, 2.0, "3", None])
+def test_cache_sizes_must_be_positive_ints(size):
+    with pytest.raises(KVCacheError, match="must be a positive int"):
+        make_cache(page_size=size)
+
+
+def test_allocate_refuses_a_bool():
+    alloc = PageAllocator(4)
+    with pytest.raises(KVCacheError, match="non-negative int"):
+        alloc.allocate(True)
+    assert pool_state(alloc) == (tuple(range(4)), (None,) * 4)
+
+
+def test_append_refuses_strings_and_complex_values():
+    cache = make_cache()
+    cache.add_sequence("a")
+    before = np.asarray(cache.kv_pages).copy()
+    for bad in (np.full((1, 2, 3), "x"), np.ones((1, 2, 3), np.complex64)):
+        with pytest.raises(KVCacheError, match="must be numeric arrays"):
+            cache.append("a", bad, np.ones((1, 2, 3)))
+    assert cache.seq_len("a") == 0 and cache.allocator.num_used == 0
+    np.testing.assert_array_equal(np.asarray(cache.kv_pages), before)

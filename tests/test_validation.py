@@ -251,3 +251,91 @@ def test_unused_page_table_columns_may_hold_garbage():
     table = np.asarray(b.page_indices).copy()
     table[0, 2:] = 10**6
     dynamic_validate_inputs(*args_with(b, page_indices=jnp.asarray(table)))
+
+
+# Options: every bad one raises, from the validators and from every attention function.
+BAD_OPTIONS = {
+    "mask_value=nan": ({"mask_value": float("nan")}, "mask_value=nan must be a finite negative"),
+    "mask_value=-inf": (
+        {"mask_value": float("-inf")},
+        "mask_value=-inf must be a finite negative",
+    ),
+    "mask_value=0": ({"mask_value": 0.0}, "mask_value=0.0 must be a finite negative"),
+    "mask_value=1e30": ({"mask_value": 1e30}, "must be a finite negative"),
+    "mask_value str": ({"mask_value": "-1e9"}, "mask_value='-1e9' must be a real number"),
+    "sm_scale=nan": ({"sm_scale": float("nan")}, "sm_scale=nan must be finite"),
+    "sm_scale array": ({"sm_scale": jnp.ones(2)}, "must be a real number"),
+    "sm_scale str": ({"sm_scale": "0.125"}, "sm_scale='0.125' must be a real number"),
+    "soft_cap=inf": ({"soft_cap": float("inf")}, "soft_cap=inf must be finite"),
+    "sliding_window=2.5": ({"sliding_window": 2.5}, "sliding_window=2.5 must be a whole number"),
+    "sliding_window=True": ({"sliding_window": True}, "must be a whole number"),
+    "sliding_window=-3": ({"sliding_window": -3}, "sliding_window=-3 must be positive."),
+    "k_scale=0": ({"k_scale": 0.0}, "k_scale=0.0 must be positive and finite"),
+    "v_scale<0": ({"v_scale": -0.5}, "v_scale=-0.5 must be positive and finite"),
+    "v_scale=inf": ({"v_scale": float("inf")}, "v_scale=inf must be positive and finite"),
+    "q int32": ({"q": "int32"}, "q.dtype=dtype('int32') must be a float dtype"),
+    "q fp8": ({"q": "float8_e4m3fn"}, "must be a float dtype of 16 bits or more"),
+    "kv_pages int8": ({"kv_pages": "int8"}, "kv_pages.dtype=dtype('int8') must be a float"),
+    "kv_pages bool": ({"kv_pages": "bool"}, "must be a float dtype"),
+}
+
+
+def split_case(batch, case):
+    """(args, options) of a BAD_OPTIONS case: dtype entries recast an array."""
+    changes, message = BAD_OPTIONS[case]
+    arrays = {k: getattr(batch, k).astype(v) for k, v in changes.items() if k in ("q", "kv_pages")}
+    options = {k: v for k, v in changes.items() if k not in ("q", "kv_pages")}
+    return args_with(batch, **arrays), options, message
+
+
+@pytest.mark.parametrize("case", BAD_OPTIONS)
+@pytest.mark.parametrize("validator", ["static", "dynamic"])
+def test_bad_options_raise(case, validator):
+    args, options, message = split_case(good_batch(), case)
+    ours = {"static": static_validate_inputs, "dynamic": dynamic_validate_inputs}[validator]
+    err = raises_ours(ours, args, **options)
+    assert message in err.message
+
+
+@pytest.mark.parametrize("case", BAD_OPTIONS)
+def test_every_attention_function_rejects_bad_options(case):
+    from minilib import (
+        ragged_paged_attention,
+        ragged_paged_attention_blockwise,
+        ragged_paged_attention_pallas_basic,
+    )
+
+    args, options, message = split_case(good_batch(), case)
+    for fn in (
+        ref_ragged_paged_attention,
+        ragged_paged_attention_jnp,
+        ragged_paged_attention_blockwise,
+        ragged_paged_attention_pallas_basic,
+        ragged_paged_attention,
+    ):
+        with pytest.raises(RPAInputError) as info:
+            fn(*args, **options)
+        assert message in info.value.message, fn.__name__
+
+
+@pytest.mark.parametrize(
+    "sm_scale", [1 / jnp.sqrt(8.0), np.float32(1 / np.sqrt(8.0)), 1 / np.sqrt(8.0)]
+)
+def test_sm_scale_may_be_a_jax_or_numpy_scalar(sm_scale):
+    from minilib import ragged_paged_attention_blockwise
+
+    b = good_batch()
+    want = ragged_paged_attention_jnp(*b.args(), sm_scale=float(sm_scale))
+    for fn in (ragged_paged_attention_jnp, ragged_paged_attention_blockwise):
+        got = fn(
+            *b.args(), sm_scale=sm_scale, soft_cap=np.float32(30.0), sliding_window=np.int64(5)
+        )
+        ref = fn(*b.args(), sm_scale=float(sm_scale), soft_cap=30.0, sliding_window=5)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    assert want.shape == b.q.shape
+
+
+def test_fp8_kv_pages_and_default_mask_value_are_valid():
+    b = good_batch(kv_dtype=jnp.float8_e4m3fn)
+    dynamic_validate_inputs(*b.args(), k_scale=0.5, v_scale=2.0, mask_value=None)
+    dynamic_validate_inputs(*good_batch(dtype=jnp.bfloat16).args(), mask_value=-1e9)

@@ -8,6 +8,8 @@ keep working after bad input. These tests run with ipywidgets 7 (Colab) and 8.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 widgets = pytest.importorskip("ipywidgets")
@@ -198,7 +200,7 @@ def test_page_table_bad_sizes(pages, page_size, total):
         err = raised(w.fill_cache, [37, 5, 120], page_size=page_size, total_num_pages=total)
         assert shows_error(pages, err) and "must be a positive int" in err.message
     else:
-        assert "draws at most 1024 pages" in pages.text
+        assert f"draws at most {w.MAX_PAGES} pages" in pages.text
     pages.controls["page_size"].value, pages.controls["total_num_pages"].value = 16, 24
     assert shows_figure(pages)
 
@@ -260,6 +262,9 @@ REQUIRED_MISTAKES = {
     "sliding_window=0 to turn it off": "sliding_window=0 must be positive.",
     "a page index out of range": "page_indices[1, 0]=9 is outside [0, 9)",
     "cu_q_lens decreasing": "cu_q_lens must not decrease",
+    "mask_value=-inf": "mask_value=-inf must be a finite negative number.",
+    "sliding_window as a float": "sliding_window=2.5 must be a whole number (an int).",
+    "q as integers": "q.dtype=dtype('int32') must be a float dtype",
 }
 
 
@@ -348,3 +353,80 @@ def test_schedule_bad_heads(schedule):
     assert shows_error(schedule, raised(check_head_counts, 16, 6))
     schedule.controls["num_kv_heads"].value = 8
     assert shows_figure(schedule)
+
+
+# --- extremes: a huge or bad setting answers at once, with a message ---------------------------
+
+EXTREMES = {
+    "schedule, page_size 1, kv_len 8192, blocks of 1": (
+        lambda: w.kernel_schedule_explorer(
+            kv_lens="12, 8192, 30, 9",
+            page_size=1,
+            num_kv_pages_per_block="1",
+            num_queries_per_block="1",
+        ),
+        "This explorer draws at most 400 KV blocks",
+    ),
+    "schedule, 4096 q rows in blocks of 1": (
+        lambda: w.kernel_schedule_explorer(
+            q_lens="4096", kv_lens="4096", num_queries_per_block="1", num_kv_pages_per_block="512"
+        ),
+        "grid steps",
+    ),
+    "schedule, 256 KV heads": (
+        lambda: w.kernel_schedule_explorer(
+            q_lens="4000, 1",
+            kv_lens="8000, 8000",
+            num_q_heads=256,
+            num_kv_heads=256,
+            num_queries_per_block="1",
+        ),
+        "This explorer draws at most",
+    ),
+    "schedule, kv_len 10**12": (
+        lambda: w.kernel_schedule_explorer(kv_lens="12, 1000000000000, 30, 9"),
+        "kv_len up to 8192",
+    ),
+    "schedule, page_size 10**9": (
+        lambda: w.kernel_schedule_explorer(page_size=10**9),
+        "page_size up to 4096",
+    ),
+    "page table, 10**6 pages": (
+        lambda: w.page_table_explorer(total_num_pages=10**6),
+        "draws at most 256 pages",
+    ),
+    "page table, pool far too small, after frees": (
+        lambda: w.page_table_explorer(
+            seq_lens="1000000", page_size=1, total_num_pages=256, order="after some frees"
+        ),
+        "Out of pages",
+    ),
+    "page table, page_size 10**9": (
+        lambda: w.page_table_explorer(page_size=10**9),
+        "pages of at most 4096 slots",
+    ),
+    "ragged batch, 4096 rows over 8192 keys": (
+        lambda: w.ragged_batch_explorer(q_lens="4096", kv_lens="8192"),
+        "explorer draws at most 4194304",
+    ),
+    "ragged batch, kv_len 10**12": (
+        lambda: w.ragged_batch_explorer(q_lens="1", kv_lens="1000000000000"),
+        "kv_len up to 8192",
+    ),
+    "head grouping, 10**9 heads": (
+        lambda: w.head_grouping_explorer(num_q_heads=10**9, num_kv_heads=1),
+        "draws at most 256 heads",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", EXTREMES)
+def test_extreme_settings_answer_at_once(case):
+    make, message = EXTREMES[case]
+    make()  # once first: imports and first compiles are not the explorer's own time
+    start = time.perf_counter()
+    ex = make()
+    elapsed = time.perf_counter() - start
+    assert message in ex.text, ex.text
+    assert not shows_figure(ex)
+    assert elapsed < 2.0, f"{case}: {elapsed:.1f} s"

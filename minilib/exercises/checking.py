@@ -7,25 +7,44 @@ the notebook never showed, and prints one of three reports:
     Not attempted yet: <name> raises NotImplementedError. Fill it in, then ...
     FAILED: <name>, case 3 of N (<what the case is>) ... expected ..., got ...
 
-It never lets an exception escape: a learner's error is reported with the line of their code
-that raised it. Each checker returns a `CheckResult`, which is truthy only when it passed,
-so tests can `assert check_causal_mask(solution)`.
+It never lets an exception escape and never hangs:
+
+* a learner's error is reported with the line of their code that raised it, `SystemExit` and
+  `KeyboardInterrupt` included;
+* each case has a time limit (`TIME_LIMIT_SECONDS`, or more for a slow reference): an endless
+  loop is reported as "took too long";
+* an answer of the wrong type (a string, an object array, a one-element array where a number
+  is expected) fails with a message, even when its values would compare equal.
+
+NumPy answers are as good as JAX ones. Each checker returns a `CheckResult`, which is truthy
+only when it passed, so tests can `assert check_causal_mask(solution)`; in a notebook it shows
+nothing more than the report already printed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import numbers
 import os
+import threading
+import time
 import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 MINILIB_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
 
 PASSED, FAILED, NOT_ATTEMPTED = "passed", "failed", "not attempted"
+
+# How long the learner's function may take on one case: this many seconds, or
+# SLOWER_THAN_REFERENCE times what the reference took on it (compiles included), if more.
+TIME_LIMIT_SECONDS = 5.0
+SLOWER_THAN_REFERENCE = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +70,12 @@ class CheckResult:
     def __bool__(self) -> bool:
         return self.passed
 
-    def __repr__(self) -> str:  # the report itself was already printed
+    def __repr__(self) -> str:
         return f"CheckResult({self.name!r}, status={self.status!r})"
+
+    def _ipython_display_(self) -> None:
+        """As a notebook cell's value: nothing, as the checker printed its report already
+        (no `CheckResult(...)` line under "Not attempted yet")."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,35 +107,116 @@ def run_check(
     """Run `fn` and `reference` on every case; stop at the first mismatch, and report.
 
     `reference` is trusted: if it raises, that is a bug in the checker, and it propagates.
+    `fn` is not: whatever it raises, returns or however long it runs, this returns a result.
     """
     cases = list(cases)
     for i, case in enumerate(cases):
+        start = time.perf_counter()
         expected = reference(*case.args, **case.kwargs)
-        try:
-            got = fn(*case.args, **case.kwargs)
-        except NotImplementedError:
+        limit = max(TIME_LIMIT_SECONDS, SLOWER_THAN_REFERENCE * (time.perf_counter() - start))
+        heading = f"FAILED: {name}, case {i + 1} of {len(cases)}: {case.description}\n"
+        finished, got, error = call_with_time_limit(fn, case.args, case.kwargs, limit)
+        if not finished:
+            report = (
+                f"{heading}  took too long: stopped after {limit:.0f} s (the time limit of "
+                "a case). An endless loop? Check that every loop moves towards its end."
+            )
+            return _finish(name, FAILED, report, i + 1, verbose)
+        if isinstance(error, NotImplementedError):
             report = (
                 f"Not attempted yet: {name} raises NotImplementedError. "
                 "Fill it in, then run this check again."
             )
             return _finish(name, NOT_ATTEMPTED, report, i, verbose)
-        except Exception as err:  # the learner's bug: report it, don't raise it
+        if error is not None:  # the learner's bug: report it, don't raise it
             report = (
-                f"FAILED: {name}, case {i + 1} of {len(cases)}: {case.description}\n"
-                f"  your function raised {type(err).__name__}: {err}\n"
-                f"{_where_it_raised(err)}"
+                f"{heading}  your function raised {type(error).__name__}: {error}"
+                f"{_why_it_matters(error)}\n{_where_it_raised(error)}"
             )
             return _finish(name, FAILED, report, i + 1, verbose)
         try:
             compare(expected, got, case)
+            problem = answer_type_problem(expected, got)
         except Mismatch as diff:
-            report = (
-                f"FAILED: {name}, case {i + 1} of {len(cases)}: {case.description}\n"
-                f"{_indent(str(diff))}"
+            problem = str(diff)
+        except Exception as err:  # an answer the comparison could not even read
+            problem = answer_type_problem(expected, got) or (
+                f"your answer could not be compared with the expected one "
+                f"({type(err).__name__}: {err}).\nexpected {_describe(expected)}, "
+                f"got {_describe(got)}"
             )
-            return _finish(name, FAILED, report, i + 1, verbose)
+        if problem:
+            return _finish(name, FAILED, heading + _indent(problem), i + 1, verbose)
     report = f"Passed: {name} matches the reference on all {len(cases)} cases."
     return _finish(name, PASSED, report, len(cases), verbose)
+
+
+class _TookTooLong(BaseException):
+    """Raised inside a learner's function that ran past its time limit, to stop it."""
+
+
+def call_with_time_limit(
+    fn: Callable, args: tuple, kwargs: dict, seconds: float
+) -> tuple[bool, Any, BaseException | None]:
+    """Run fn(*args, **kwargs) for at most `seconds`: (finished, result, exception raised).
+
+    The call runs in a worker thread while this one waits, so the wait ends on time whatever
+    the function does, even inside compiled code or a C call: the notebook cell returns.
+    A function still running at the deadline is then stopped where Python can stop it (an
+    exception is injected into its thread: this ends a Python `while True:` loop); a loop
+    inside compiled XLA code cannot be stopped, and runs on in the background. Every
+    exception, `SystemExit` and `KeyboardInterrupt` included, comes back as a value. The
+    result is waited for (`jax.block_until_ready`), so the time limit covers JAX's
+    asynchronous work too.
+
+    >>> call_with_time_limit(lambda x: x + 1, (1,), {}, 1.0)
+    (True, 2, None)
+    """
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["result"] = _ready(fn(*args, **kwargs))
+        except BaseException as err:  # noqa: BLE001  (reported to the learner)
+            outcome["error"] = err
+
+    worker = threading.Thread(target=run, name="minilib-check", daemon=True)
+    worker.start()
+    try:
+        worker.join(seconds)
+    except KeyboardInterrupt as err:  # the Stop button, while waiting: stop the learner's
+        _stop(worker)  # function and report it, as if it had raised
+        return True, None, err
+    if worker.is_alive():
+        _stop(worker)
+        return False, None, None
+    return True, outcome.get("result"), outcome.get("error")
+
+
+def _ready(result):
+    try:
+        return jax.block_until_ready(result)
+    except Exception:  # not arrays, or nothing to wait for: the result as it is
+        return result
+
+
+def _stop(worker: threading.Thread) -> None:
+    """Ask `worker` to raise _TookTooLong at its next Python instruction."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(worker.ident), ctypes.py_object(_TookTooLong)
+    )
+    worker.join(0.5)
+
+
+def _why_it_matters(error: BaseException) -> str:
+    if isinstance(error, SystemExit):
+        return (
+            "\n  (exit() or sys.exit() ends the whole program, or restarts a notebook's kernel: "
+            "return a value, or raise an exception with a message)"
+        )
+    if isinstance(error, KeyboardInterrupt):
+        return "\n  (interrupted: the check stopped here; run it again to finish it)"
+    return ""
 
 
 def _finish(name: str, status: str, report: str, cases_run: int, verbose: bool) -> CheckResult:
@@ -156,10 +260,15 @@ def as_array(x, name: str) -> np.ndarray:
     Mismatch saying what came back instead."""
     if x is None:
         raise Mismatch(f"{name}: got None. Did you forget to `return` it?")
+    if isinstance(x, str | bytes | dict | set):
+        raise Mismatch(f"{name}: got {_describe(x)}, which is not an array of numbers.")
     try:
-        return np.asarray(x)
+        a = np.asarray(x)
     except Exception as err:
         raise Mismatch(f"{name}: got {type(x).__name__}, which is not an array ({err}).") from None
+    if a.dtype.kind not in "biuf":
+        raise Mismatch(f"{name}: got {_describe(x)}, which is not an array of numbers.")
+    return a
 
 
 def compare_arrays(
@@ -180,6 +289,8 @@ def compare_arrays(
     """
     want = np.asarray(expected)
     have = as_array(got, name)
+    if want.ndim == 0 and have.ndim != 0:
+        raise Mismatch(f"{name}: expected a single number, got {_describe(have)}")
     if have.shape != want.shape:
         hint = ""
         if sorted(have.shape) == sorted(want.shape):
@@ -220,7 +331,7 @@ def compare_arrays(
 def compare_values(expected, got, name: str = "output") -> None:
     """Exact comparison of small Python values (ints, tuples of ints)."""
     try:
-        same = _plain(got) == _plain(expected)
+        same = _same_values(_plain(expected), _plain(got))
     except Exception:
         same = False
     if not same:
@@ -230,11 +341,96 @@ def compare_values(expected, got, name: str = "output") -> None:
 def as_int(x):
     """`int(x)` for ints, NumPy/jax integer scalars and integral floats; anything else is
     returned as it is, so that the comparison can show it ("expected 3, got None")."""
+    if isinstance(x, bool | np.bool_ | str | bytes) or np.ndim(x) != 0:
+        return x  # True is not 1, "3" is not 3, [3] is not 3
     try:
         value = int(x)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return x
     return value if value == x else x
+
+
+def _same_values(expected, got) -> bool:
+    """== on plain values, but a bool is not an int: True does not match 1."""
+    if isinstance(expected, tuple) or isinstance(got, tuple):
+        return (
+            isinstance(expected, tuple)
+            and isinstance(got, tuple)
+            and len(expected) == len(got)
+            and all(_same_values(e, g) for e, g in zip(expected, got, strict=True))
+        )
+    if isinstance(expected, bool) != isinstance(got, bool):
+        return False
+    return bool(expected == got)
+
+
+def answer_type_problem(expected, got, name: str = "output") -> str | None:
+    """What is wrong with the *type* of `got`, given the `expected` answer, or None.
+
+    Values are the comparison's business; this catches answers that compare equal but are
+    not what the exercise asks for: a string for a number, a one-element array for a
+    scalar, an object array, a list for a tuple of a different length. NumPy and JAX arrays,
+    Python and NumPy numbers are all fine where the expected answer has that kind.
+
+    >>> answer_type_problem(3, "3")
+    "output: expected an int, got a str ('3')"
+    >>> answer_type_problem(3, np.array([3]))
+    'output: expected an int, got an array of shape (1,)'
+    >>> answer_type_problem((1, 2), (np.int64(1), 2)) is None
+    True
+    """
+    if expected is None or isinstance(expected, str):
+        return None
+    if isinstance(expected, tuple | list):
+        if not isinstance(got, tuple | list) or len(got) != len(expected):
+            return f"{name}: expected {_describe(expected)}, got {_describe(got)}"
+        for i, (e, g) in enumerate(zip(expected, got, strict=True)):
+            problem = answer_type_problem(e, g, f"{name}[{i}]")
+            if problem:
+                return problem
+        return None
+    if isinstance(expected, bool | np.bool_ | numbers.Number | np.ndarray | jax.Array):
+        want = np.asarray(expected)
+        if isinstance(got, str | bytes) or got is None or not _is_numeric(got):
+            return f"{name}: expected {_describe(expected)}, got {_describe(got)}"
+        have = np.asarray(got)
+        if want.ndim == 0 and have.ndim != 0:
+            return f"{name}: expected {_describe(expected)}, got {_describe(got)}"
+        if want.dtype == bool and want.ndim == 0 and have.dtype != bool:
+            return f"{name}: expected {_describe(expected)}, got {_describe(got)}"
+    return None
+
+
+def _is_numeric(x) -> bool:
+    try:
+        return np.asarray(x).dtype.kind in "biuf"
+    except Exception:
+        return False
+
+
+def _describe(x) -> str:
+    """A short description of a value's type and shape, for messages."""
+    if isinstance(x, bool | np.bool_):
+        return "a bool"
+    if isinstance(x, numbers.Integral):
+        return "an int"
+    if isinstance(x, numbers.Real):
+        return "a float"
+    if isinstance(x, str | bytes):
+        text = repr(x) if len(x) <= 20 else repr(x[:20]) + "..."
+        return f"a {type(x).__name__} ({text})"
+    if isinstance(x, tuple | list):
+        return f"a {type(x).__name__} of {len(x)}"
+    if x is None:
+        return "None"
+    if isinstance(x, np.ndarray | jax.Array | np.generic):
+        kind = {"b": "bool", "i": "int", "u": "int", "f": "float"}.get(x.dtype.kind)
+        if kind is None:
+            return f"an array of dtype {x.dtype} (not numbers)"
+        if x.ndim == 0:
+            return f"a {kind} (0-d array)"
+        return f"an array of shape {tuple(x.shape)}"
+    return f"a {type(x).__name__}"
 
 
 def _plain(x):
