@@ -670,6 +670,10 @@ class KVBlockCopier:
         """Copy (or wait for) one page: this heads block's K/V heads of every token in it."""
         kv_heads = self.config.num_kv_heads_per_block
         combined_heads = pl.ds(work.heads_blk * 2 * kv_heads, 2 * kv_heads)
+        if self.config.num_heads_blocks == 1:
+            # A static whole axis: Mosaic cannot prove a dynamic offset is tile-aligned when
+            # the axis is shorter than a tile (MQA in fp8: 2 combined heads, tiles of 4 rows).
+            combined_heads = slice(None)
         page = self.batch.page(work.seq, page_pos)
         copy = pltpu.make_async_copy(
             self.kv_pages_hbm_ref.at[page, :, combined_heads, :],  # [page_size, 2*kvh, hd]
