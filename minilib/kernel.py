@@ -495,11 +495,12 @@ class QBlockWalker:
 
         self.dma.wait(here, slot)
         self.trace.record(TRACE_WAIT, step, here, slot)
+        zero_tokens_past_kv_len(self.kv_bufs, slot, kv_blk, self.batch.kv_len(seq), self.config)
         visible, in_seq = score_mask(self.batch, seq, self.q_blk, kv_blk, self.config)
         for kv_head in range(self.config.num_kv_heads_per_block):
             k, v = load_kv_head(self.kv_bufs, slot, kv_head, self.config)
             q = load_q_group(self.q_ref, kv_head, self.config)
-            k, v = prepare_kv(k, v, q.dtype, kv_blk, self.batch.kv_len(seq), self.config)
+            k, v = dequantize_kv(k, v, q.dtype, self.config)
             self.softmax.update(kv_head, q, k, v, visible, in_seq)
         self.trace.record(TRACE_COMPUTE, step, here, slot)
         return 1 - slot
@@ -717,26 +718,38 @@ def load_q_group(q_ref, kv_head: int, config: KernelConfig):  # -> [rows_per_kv_
     return q.reshape(c.rows_per_kv_head, c.head_dim)
 
 
-def prepare_kv(
+def dequantize_kv(
     k,  # [kv_tokens_per_block, head_dim], kv dtype
     v,  # [kv_tokens_per_block, head_dim], kv dtype
     dtype,
-    kv_blk,
-    kv_len,
     config: KernelConfig,
 ):  # -> k, v: [kv_tokens_per_block, head_dim], dtype
-    """Dequantize (fp8) to the compute dtype and zero the tokens at or past kv_len."""
-    k = zero_missing_keys(dequantize(k, config.k_scale, dtype), kv_blk, kv_len, config)
-    v = zero_missing_keys(dequantize(v, config.v_scale, dtype), kv_blk, kv_len, config)
-    return k, v
+    """Dequantize (fp8) to the compute dtype; a plain cast otherwise."""
+    return dequantize(k, config.k_scale, dtype), dequantize(v, config.v_scale, dtype)
 
 
-def zero_missing_keys(x, kv_blk, kv_len, config: KernelConfig):  # x: [kv_tokens, head_dim]
-    """Zero the token rows at or past kv_len: they hold NaN or stale pages, and masking the
-    score does not help there, since 0 * NaN = NaN in p @ v. (In float32: v5e has no bf16
-    vector unit.)"""
-    pos = kv_blk * config.kv_tokens_per_block + lax.broadcasted_iota(jnp.int32, x.shape, 0)
-    return jnp.where(pos < kv_len, x.astype(jnp.float32), 0.0).astype(x.dtype)
+def zero_tokens_past_kv_len(kv_bufs, slot, kv_blk, kv_len, config: KernelConfig):
+    """Zero the tokens at or past kv_len in a slot, on the sequence's last (partial) block only.
+
+    They hold NaN page padding, or stale or never-written memory where pages were not copied.
+    Their scores are masked (no row can see past kv_len), so p is exactly 0 there; but
+    0 * NaN = NaN in p @ v, so V must be finite. Full blocks are left alone, and the mask runs
+    over tokens only (the two leading axes), so whole vector registers are selected at once.
+
+    kv_bufs: [2, num_kv_pages_per_block, page_size, 2*num_kv_heads_per_block, head_dim]
+    """
+    c = config
+    first_pos = kv_blk * c.kv_tokens_per_block
+
+    @pl.when(first_pos + c.kv_tokens_per_block > kv_len)
+    def _():
+        block = kv_bufs[slot]  # [num_kv_pages_per_block, page_size, 2*kvh_per_blk, head_dim]
+        pos = (
+            first_pos
+            + lax.broadcasted_iota(jnp.int32, block.shape, 0) * c.page_size
+            + lax.broadcasted_iota(jnp.int32, block.shape, 1)
+        )
+        kv_bufs[slot] = jnp.where(pos < kv_len, block, jnp.zeros_like(block))
 
 
 def score_mask(batch: SeqTable, seq, q_blk, kv_blk, config: KernelConfig):
