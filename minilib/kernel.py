@@ -196,6 +196,9 @@ class KernelConfig:
     mask_value: float
     k_scale: float | None
     v_scale: float | None
+    # Read each KV head with one strided load through a flat view of the slot (see
+    # `load_kv_head`); set by `rpa_pallas_call` where refs can be viewed (not in TPU interpret).
+    strided_kv_loads: bool = False
 
     @property
     def kv_tokens_per_block(self) -> int:
@@ -343,7 +346,9 @@ def rpa_pallas_call(
     rows 1.. of (kind, step heads block, step q block, heads block, seq, kv block, slot).
     """
     max_num_batched_tokens, _, head_dim = q.shape
-    c = config
+    c = dataclasses.replace(
+        config, strided_kv_loads=can_load_kv_strided(config, kv_pages.dtype, interpret)
+    )
     num_q_blocks = pl.cdiv(max_num_batched_tokens, c.num_queries_per_block)
     q_block = (c.num_queries_per_block, c.num_q_heads_per_block, head_dim)
 
@@ -495,10 +500,10 @@ class QBlockWalker:
 
         self.dma.wait(here, slot)
         self.trace.record(TRACE_WAIT, step, here, slot)
-        zero_tokens_past_kv_len(self.kv_bufs, slot, kv_blk, self.batch.kv_len(seq), self.config)
         visible, in_seq = score_mask(self.batch, seq, self.q_blk, kv_blk, self.config)
         for kv_head in range(self.config.num_kv_heads_per_block):
             k, v = load_kv_head(self.kv_bufs, slot, kv_head, self.config)
+            v = zero_tokens_past_kv_len(v, kv_blk, self.batch.kv_len(seq), self.config)
             q = load_q_group(self.q_ref, kv_head, self.config)
             k, v = dequantize_kv(k, v, q.dtype, self.config)
             self.softmax.update(kv_head, q, k, v, visible, in_seq)
@@ -694,16 +699,55 @@ def load_kv_head(
     slot,
     kv_head: int,  # within the heads block
     config: KernelConfig,
-):  # -> k, v: [kv_tokens_per_block, head_dim], kv dtype
+):  # -> k, v: [kv_tokens_per_block, head_dim], kv dtype or float32
     """K and V of one KV head from a slot, as [tokens, head_dim] matrices.
 
-    K sits in combined slot 2*kv_head and V in 2*kv_head + 1 of every token. The ref is indexed
-    and the *value* reshaped: interpret mode cannot reshape refs.
+    K sits in combined slot 2*kv_head and V in 2*kv_head + 1 of every token. Tokens at or past
+    kv_len hold anything (NaN padding, stale or never-written memory): see
+    `zero_tokens_past_kv_len`.
     """
+    if config.strided_kv_loads:
+        return load_kv_head_strided(kv_bufs, slot, kv_head, config)
     c = config
+    # Index the ref and reshape the *value*: TPU interpret mode cannot reshape refs. On the chip
+    # this reads one vector register per token and reassembles the rows: slow.
     tokens = c.kv_tokens_per_block
     k = kv_bufs[slot, :, :, 2 * kv_head, :].reshape(tokens, c.head_dim)
     v = kv_bufs[slot, :, :, 2 * kv_head + 1, :].reshape(tokens, c.head_dim)
+    return k, v
+
+
+def can_load_kv_strided(config: KernelConfig, kv_dtype, interpret) -> bool:
+    """Whether `load_kv_head_strided` applies: refs can be viewed (the chip, or plain
+    `interpret=True`; not TPU interpret mode), the combined heads of a token fill whole
+    (8 * packing, 128) tiles (so the flat view is free), and the KV dtype is f32 or bf16."""
+    if isinstance(interpret, pltpu.InterpretParams):
+        return False
+    combined = 2 * config.num_kv_heads_per_block
+    return packing(kv_dtype) in (1, 2) and combined % (8 * packing(kv_dtype)) == 0
+
+
+def load_kv_head_strided(kv_bufs, slot, kv_head: int, config: KernelConfig):
+    """`load_kv_head` with one strided load: row `token * 2*kvh + 2*kv_head` of the slot seen
+    as a flat [tokens * 2*kvh, head_dim] matrix, for every token.
+
+    In bf16 two rows share each 32-bit word (K in the low half, V in the high half), so one
+    load of 32-bit words brings K and V together. Shifted into the high half, a bf16 is the
+    float32 of the same value: a shift and a mask split them, and they stay float32 (exactly
+    the bf16 values) until `dequantize_kv` casts them.
+    """
+    c = config
+    tokens = c.kv_tokens_per_block
+    flat = kv_bufs.at[slot].reshape(tokens * 2 * c.num_kv_heads_per_block, c.head_dim)
+    if packing(kv_bufs.dtype) == 1:  # f32: one row per combined head
+        stride = 2 * c.num_kv_heads_per_block
+        k = flat[pl.ds(2 * kv_head, tokens, stride=stride), :]
+        v = flat[pl.ds(2 * kv_head + 1, tokens, stride=stride), :]
+        return k, v
+    words = flat.bitcast(jnp.uint32)  # [tokens * kvh, head_dim]: one (K, V) pair per row
+    pair = words[pl.ds(kv_head, tokens, stride=c.num_kv_heads_per_block), :]  # [tokens, hd]
+    k = lax.bitcast_convert_type(pair << 16, jnp.float32)
+    v = lax.bitcast_convert_type(pair & jnp.uint32(0xFFFF0000), jnp.float32)
     return k, v
 
 
@@ -719,8 +763,8 @@ def load_q_group(q_ref, kv_head: int, config: KernelConfig):  # -> [rows_per_kv_
 
 
 def dequantize_kv(
-    k,  # [kv_tokens_per_block, head_dim], kv dtype
-    v,  # [kv_tokens_per_block, head_dim], kv dtype
+    k,  # [kv_tokens_per_block, head_dim], kv dtype or float32
+    v,  # [kv_tokens_per_block, head_dim], kv dtype or float32
     dtype,
     config: KernelConfig,
 ):  # -> k, v: [kv_tokens_per_block, head_dim], dtype
@@ -728,28 +772,16 @@ def dequantize_kv(
     return dequantize(k, config.k_scale, dtype), dequantize(v, config.v_scale, dtype)
 
 
-def zero_tokens_past_kv_len(kv_bufs, slot, kv_blk, kv_len, config: KernelConfig):
-    """Zero the tokens at or past kv_len in a slot, on the sequence's last (partial) block only.
+def zero_tokens_past_kv_len(x, kv_blk, kv_len, config: KernelConfig):  # x: [kv_tokens, hd]
+    """Zero the token rows at or past kv_len; needed for V only.
 
-    They hold NaN page padding, or stale or never-written memory where pages were not copied.
-    Their scores are masked (no row can see past kv_len), so p is exactly 0 there; but
-    0 * NaN = NaN in p @ v, so V must be finite. Full blocks are left alone, and the mask runs
-    over tokens only (the two leading axes), so whole vector registers are selected at once.
-
-    kv_bufs: [2, num_kv_pages_per_block, page_size, 2*num_kv_heads_per_block, head_dim]
+    Those rows hold NaN padding, or stale or never-written memory where pages were not copied.
+    K needs nothing: no row can see past kv_len, so `score_mask` replaces those scores (NaN
+    included) and p is exactly 0 there. But 0 * NaN = NaN in p @ v, so V must be finite.
+    (The select runs in float32: v5e has no bf16 vector unit.)
     """
-    c = config
-    first_pos = kv_blk * c.kv_tokens_per_block
-
-    @pl.when(first_pos + c.kv_tokens_per_block > kv_len)
-    def _():
-        block = kv_bufs[slot]  # [num_kv_pages_per_block, page_size, 2*kvh_per_blk, head_dim]
-        pos = (
-            first_pos
-            + lax.broadcasted_iota(jnp.int32, block.shape, 0) * c.page_size
-            + lax.broadcasted_iota(jnp.int32, block.shape, 1)
-        )
-        kv_bufs[slot] = jnp.where(pos < kv_len, block, jnp.zeros_like(block))
+    pos = kv_blk * config.kv_tokens_per_block + lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    return jnp.where(pos < kv_len, x.astype(jnp.float32), 0.0).astype(x.dtype)
 
 
 def score_mask(batch: SeqTable, seq, q_blk, kv_blk, config: KernelConfig):
