@@ -788,25 +788,44 @@ def score_mask(batch: SeqTable, seq, q_blk, kv_blk, config: KernelConfig):
     """Which scores count, and which rows belong to `seq`.
 
     Returns visible: bool[rows_per_kv_head, kv_tokens_per_block] (causal, sliding window) and
-    in_seq: bool[rows_per_kv_head, 1] (rows of other sequences, or padding, must not change).
+    in_seq: bool[rows_per_kv_head, LANES] (rows of other sequences, or padding, must not change).
     """
     c = config
     shape = (c.rows_per_kv_head, c.kv_tokens_per_block)
-    row = q_blk * c.num_queries_per_block + (
-        lax.broadcasted_iota(jnp.int32, shape, 0) // c.num_q_heads_per_kv_head
-    )
-    q_pos = batch.kv_len(seq) - batch.q_end(seq) + row  # position of the row in its sequence
+    q_pos = batch.kv_len(seq) - batch.q_end(seq) + q_row(shape, q_blk, c)  # in its sequence
     k_pos = kv_blk * c.kv_tokens_per_block + lax.broadcasted_iota(jnp.int32, shape, 1)
     visible = k_pos <= q_pos
     if c.sliding_window is not None:
         visible &= k_pos > q_pos - c.sliding_window
+    row = q_row((c.rows_per_kv_head, LANES), q_blk, c)
     in_seq = (row >= batch.q_start(seq)) & (row < batch.q_end(seq))
-    return visible, in_seq[:, :1]
+    return visible, in_seq
+
+
+def q_row(shape, q_blk, config: KernelConfig):
+    """i32[shape]: the q row (in the whole batch) of each row of the folded q matrix."""
+    first = q_blk * config.num_queries_per_block
+    return first + lax.broadcasted_iota(jnp.int32, shape, 0) // config.num_q_heads_per_kv_head
+
+
+def widen(x, width: int):  # x: [rows, LANES], every lane the same -> [rows, width]
+    """A lane-replicated column, as wide as `width` columns.
+
+    A multiple of 128 columns is copies of the same vector registers (free); anything else
+    takes one lane and broadcasts it (a cross-lane permute on the chip).
+    """
+    if width % LANES == 0:
+        return jnp.concatenate([x] * (width // LANES), axis=1) if width > LANES else x
+    return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
 
 
 class OnlineSoftmax:
     """The running max m, running sum l and unnormalized output acc of every row of the q block,
-    per KV head: softmax(s) @ v computed one KV block at a time."""
+    per KV head: softmax(s) @ v computed one KV block at a time.
+
+    m and l are kept 128 lanes wide, every lane holding the row's value: that is how a row's
+    value must sit to meet 128 columns of s or acc, so they are never broadcast across lanes.
+    """
 
     def __init__(self, m_ref, l_ref, acc_ref, config: KernelConfig):
         self.m_ref = m_ref  # f32[num_kv_heads_per_block, rows_per_kv_head, LANES]
@@ -826,7 +845,7 @@ class OnlineSoftmax:
         k,  # [kv_tokens_per_block, head_dim]
         v,  # [kv_tokens_per_block, head_dim]
         visible,  # bool[rows_per_kv_head, kv_tokens_per_block]
-        in_seq,  # bool[rows_per_kv_head, 1]
+        in_seq,  # bool[rows_per_kv_head, LANES]
     ):
         """Fold one KV block into the rows `in_seq`, for one KV head and its q heads."""
         c = self.config
@@ -834,26 +853,22 @@ class OnlineSoftmax:
         if c.soft_cap is not None:
             s = c.soft_cap * jnp.tanh(s / c.soft_cap)
         s = jnp.where(visible, s, c.mask_value)  # [rows, kv_tokens]
+        lanes = (c.rows_per_kv_head, LANES)
 
-        m_prev = self.m_ref[kv_head][:, :1]  # [rows, 1]
-        l_prev = self.l_ref[kv_head][:, :1]
-        m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-        p = jnp.exp(s - m_next)  # [rows, kv_tokens]
+        m_prev = self.m_ref[kv_head]  # [rows, LANES]
+        l_prev = self.l_ref[kv_head]  # [rows, LANES]
+        acc_prev = self.acc_ref[kv_head]  # [rows, head_dim]
+        m_next = jnp.maximum(m_prev, jnp.broadcast_to(s.max(axis=1, keepdims=True), lanes))
+        p = jnp.exp(s - widen(m_next, c.kv_tokens_per_block))  # [rows, kv_tokens]
         alpha = jnp.exp(m_prev - m_next)  # rescales what was summed under the old max
-        l_next = alpha * l_prev + p.sum(axis=1, keepdims=True)
+        l_next = alpha * l_prev + jnp.broadcast_to(p.sum(axis=1, keepdims=True), lanes)
         pv = jnp.einsum("rt,td->rd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        acc_next = alpha * self.acc_ref[kv_head] + pv
+        acc_next = widen(alpha, c.head_dim) * acc_prev + pv
 
         # Rows of other sequences (and padding rows, which may be NaN) keep their state.
-        self._store(self.m_ref, kv_head, m_next, in_seq)
-        self._store(self.l_ref, kv_head, l_next, in_seq)
-        self._store(self.acc_ref, kv_head, acc_next, in_seq)
-
-    @staticmethod
-    def _store(ref, kv_head: int, new, in_seq):
-        """ref[kv_head] = new on the rows in_seq (broadcast across lanes), old elsewhere."""
-        old = ref[kv_head]  # [rows, LANES or head_dim]
-        ref[kv_head] = jnp.where(in_seq, jnp.broadcast_to(new, old.shape), old)
+        self.m_ref[kv_head] = jnp.where(in_seq, m_next, m_prev)
+        self.l_ref[kv_head] = jnp.where(in_seq, l_next, l_prev)
+        self.acc_ref[kv_head] = jnp.where(widen(in_seq, c.head_dim), acc_next, acc_prev)
 
     def write_output(self, o_ref):
         """out = acc / l for each KV head's group of q heads. Rows that no sequence owns have
