@@ -482,16 +482,21 @@ class QBlockWalker:
     def attend_seq(self, carry):
         seq, slot = carry
         first_kv_blk, end_kv_blk = kv_block_range(self.batch, self.config, seq, self.q_blk)
-        attend = functools.partial(self.attend_kv_block, seq)
+        following = next_live_seq(self.batch, seq + 1)
+        last = Work(self.heads_blk, seq, end_kv_blk - 1)
+        after_seq = work_after_seq(
+            self.batch, self.config, self.q_blk, last, following, self.first_live
+        )
+        attend = functools.partial(self.attend_kv_block, seq, end_kv_blk, after_seq)
         slot = lax.fori_loop(first_kv_blk, end_kv_blk, attend, slot)
-        return next_live_seq(self.batch, seq + 1), slot
+        return following, slot
 
-    def attend_kv_block(self, seq, kv_blk, slot):
+    def attend_kv_block(self, seq, end_kv_blk, after_seq: Work, kv_blk, slot):
         """Start copying the next KV block into the other slot, wait for this one, and fold
         it into the softmax of the sequence's rows, one KV head at a time."""
         step = (self.heads_blk, self.q_blk)
         here = Work(self.heads_blk, seq, kv_blk)
-        nxt = next_work(self.batch, self.config, self.q_blk, here, self.first_live)
+        nxt = next_work(here, end_kv_blk, after_seq)
 
         @pl.when(nxt.heads_blk < self.config.num_heads_blocks)
         def _prefetch_the_next_block():
@@ -602,20 +607,18 @@ def first_work(batch: SeqTable) -> Work:
     return Work(jnp.int32(0), seq, first_kv_blk)
 
 
-def next_work(batch: SeqTable, config: KernelConfig, q_blk, here: Work, first_live) -> Work:
-    """The KV block the kernel will attend to after `here` (in q block `q_blk`), so that its
-    copy can start now. After the very last one, `heads_blk` is `num_heads_blocks`.
+def work_after_seq(batch: SeqTable, config: KernelConfig, q_blk, here: Work, following, first_live):
+    """The KV block the kernel will attend to after the last one of `here.seq` in q block
+    `q_blk`. After the very last one, `heads_blk` is `num_heads_blocks`.
 
-    In order: the next KV block of this sequence; else the same sequence in the next q block
-    (if its rows go on); else the next live sequence; else the first live sequence of the next
-    heads block.
+    In order: the same sequence in the next q block (if its rows go on); else the next live
+    sequence (`following`); else the first live sequence of the next heads block. Each starts
+    at its first visible KV block. It depends on the sequence only, not on the KV block, so
+    it is worked out once per sequence, outside the loop over KV blocks.
     """
     c = config
     bq = c.num_queries_per_block
-    _, end_kv_blk = kv_block_range(batch, c, here.seq, q_blk)
-    more_kv = here.kv_blk + 1 < end_kv_blk
     rows_go_on = batch.q_end(here.seq) > (q_blk + 1) * bq
-    following = next_live_seq(batch, here.seq + 1)
     heads_done = following >= batch.num_seqs()
 
     # From the last resort to the first choice, each overriding the one before:
@@ -625,16 +628,23 @@ def next_work(batch: SeqTable, config: KernelConfig, q_blk, here: Work, first_li
     following_q_blk = batch.q_start(jnp.minimum(following, batch.num_seqs() - 1)) // bq
     seq = jnp.where(heads_done, seq, following)
     seq_q_blk = jnp.where(heads_done, seq_q_blk, following_q_blk)
-    # ... this sequence, in the next q block ...
+    # ... this sequence, in the next q block.
     seq = jnp.where(rows_go_on, here.seq, seq)
     seq_q_blk = jnp.where(rows_go_on, q_blk + 1, seq_q_blk)
-    # ... (all of which start at their first visible KV block) ... this sequence's next block.
     first_kv_blk, _ = kv_block_range(batch, c, seq, seq_q_blk)
-    seq = jnp.where(more_kv, here.seq, seq)
-    kv_blk = jnp.where(more_kv, here.kv_blk + 1, first_kv_blk)
-    next_heads = heads_done & ~rows_go_on & ~more_kv
-    heads_blk = jnp.where(next_heads, here.heads_blk + 1, here.heads_blk)
-    return Work(heads_blk, seq, kv_blk)
+    heads_blk = jnp.where(heads_done & ~rows_go_on, here.heads_blk + 1, here.heads_blk)
+    return Work(heads_blk, seq, first_kv_blk)
+
+
+def next_work(here: Work, end_kv_blk, after_seq: Work) -> Work:
+    """The KV block to attend to after `here`, so that its copy can start now: the next KV
+    block of this sequence, or else `after_seq` (from `work_after_seq`)."""
+    more_kv = here.kv_blk + 1 < end_kv_blk
+    return Work(
+        jnp.where(more_kv, here.heads_blk, after_seq.heads_blk),
+        jnp.where(more_kv, here.seq, after_seq.seq),
+        jnp.where(more_kv, here.kv_blk + 1, after_seq.kv_blk),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
