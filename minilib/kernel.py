@@ -186,6 +186,8 @@ class KernelConfig:
     num_kv_pages_per_block: int  # pages per KV block (one DMA batch, one softmax update)
     page_size: int
     pages_per_seq: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
     num_heads_blocks: int  # grid axis 0
     num_kv_heads_per_block: int
     num_q_heads_per_kv_head: int  # the GQA group size
@@ -232,7 +234,7 @@ def kernel_config(
     max_num_batched_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_combined_kv_heads, _ = kv_pages.shape
     num_kv_heads = num_combined_kv_heads // 2
-    _, pages_per_seq = page_indices.shape
+    max_num_seqs, pages_per_seq = page_indices.shape
     kv_heads_per_block = num_kv_heads_per_block(num_q_heads, num_kv_heads, q.dtype, kv_pages.dtype)
     default_pages, default_queries = default_block_sizes(
         page_size=page_size,
@@ -245,6 +247,8 @@ def kernel_config(
         num_kv_pages_per_block=num_kv_pages_per_block or default_pages,
         page_size=page_size,
         pages_per_seq=pages_per_seq,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
         num_heads_blocks=num_kv_heads // kv_heads_per_block,
         num_kv_heads_per_block=kv_heads_per_block,
         num_q_heads_per_kv_head=num_q_heads // num_kv_heads,
@@ -375,6 +379,7 @@ def rpa_pallas_call(
         pltpu.VMEM((c.num_kv_heads_per_block, rows, LANES), jnp.float32),  # l_ref
         pltpu.VMEM((c.num_kv_heads_per_block, rows, head_dim), jnp.float32),  # acc_ref
         pltpu.SMEM((1,), jnp.int32),  # slot_ref: the slot the next KV block is loading into
+        pltpu.SMEM((1,), jnp.int32),  # num_seqs_in_order_ref: see `count_seqs_in_order`
     ]
     kernel = functools.partial(rpa_kernel, config=c, trace_capacity=trace_capacity)
     return pl.pallas_call(
@@ -419,15 +424,25 @@ def rpa_kernel(
 ):
     """One grid step: one block of q rows, one block of heads."""
     if trace_capacity:
-        o_ref, trace_ref, kv_bufs, sems, m_ref, l_ref, acc_ref, slot_ref = refs
+        o_ref, trace_ref, kv_bufs, sems, m_ref, l_ref, acc_ref, slot_ref, num_seqs_in_order_ref = (
+            refs
+        )
     else:
-        (o_ref, kv_bufs, sems, m_ref, l_ref, acc_ref, slot_ref), trace_ref = refs, None
+        trace_ref = None
+        o_ref, kv_bufs, sems, m_ref, l_ref, acc_ref, slot_ref, num_seqs_in_order_ref = refs
     # o_ref: [num_queries_per_block, num_q_heads_per_block, head_dim], VMEM
     # kv_bufs: [2, num_kv_pages_per_block, page_size, 2*num_kv_heads_per_block, head_dim]
     # m_ref, l_ref: f32[num_kv_heads_per_block, rows_per_kv_head, LANES]
     # acc_ref: f32[num_kv_heads_per_block, rows_per_kv_head, head_dim]
-    # slot_ref: i32[1], SMEM, kept from one grid step to the next
-    batch = SeqTable(kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref, config)
+    # slot_ref, num_seqs_in_order_ref: i32[1], SMEM, kept from one grid step to the next
+    batch = SeqTable(
+        kv_lens_ref,
+        page_indices_ref,
+        cu_q_lens_ref,
+        num_seqs_in_order_ref,
+        config,
+        total_num_pages=kv_pages_hbm_ref.shape[0],
+    )
     dma = KVBlockCopier(kv_pages_hbm_ref, kv_bufs, sems, batch, config)
     softmax = OnlineSoftmax(m_ref, l_ref, acc_ref, config)
     trace = Trace(trace_ref, trace_capacity)
@@ -436,11 +451,12 @@ def rpa_kernel(
     @pl.when((step[0] == 0) & (step[1] == 0))
     def _start_the_first_copy():
         slot_ref[0] = 0
+        num_seqs_in_order_ref[0] = count_seqs_in_order(cu_q_lens_ref, num_seqs_ref, config)
         trace.reset()
+        first = first_work(batch)
 
-        @pl.when(batch.total_q_len() > 0)
+        @pl.when(first.seq < batch.num_seqs())
         def _():
-            first = first_work(batch)
             dma.start(first, 0)
             trace.record(TRACE_START, step, first, 0)
 
@@ -471,7 +487,8 @@ class QBlockWalker:
         self.first_live = next_live_seq(batch, 0)  # where the next heads block starts
 
     def run(self, slot):
-        first_seq = first_seq_in_q_block(self.batch, self.q_blk * self.config.num_queries_per_block)
+        first_row = self.q_blk * self.config.num_queries_per_block
+        first_seq = next_live_seq(self.batch, first_seq_in_q_block(self.batch, first_row))
         _, slot = lax.while_loop(self.has_rows_here, self.attend_seq, (first_seq, slot))
         return slot
 
@@ -522,37 +539,69 @@ class QBlockWalker:
 
 
 class SeqTable:
-    """Read access to the scalar-prefetched batch description (SMEM refs)."""
+    """Read access to the scalar-prefetched batch description (SMEM refs), never trusted.
 
-    def __init__(self, kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref, config):
+    Under `jit` nothing has validated these values, and a bad one must not send a loop or a
+    copy astray: a hang, or a copy from outside `kv_pages`. So each value is clamped to what
+    the shapes allow, which changes nothing for a valid batch:
+      num_seqs     to [0, max_num_seqs], and cut before the first sequence whose
+                   cu_q_lens go backwards (`count_seqs_in_order`);
+      cu_q_lens    to [0, max_num_batched_tokens];
+      kv_lens      to [0, pages_per_seq * page_size];
+      page numbers to [0, total_num_pages).
+    Every loop over sequences then ends by max_num_seqs, and every loop over pages or KV
+    blocks by pages_per_seq (see also `kv_block_range`).
+    """
+
+    def __init__(
+        self, kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref, config, total_num_pages
+    ):
         self.kv_lens_ref = kv_lens_ref  # i32[max_num_seqs]
         self.page_indices_ref = page_indices_ref  # i32[max_num_seqs, pages_per_seq]
         self.cu_q_lens_ref = cu_q_lens_ref  # i32[max_num_seqs + 1]
-        self.num_seqs_ref = num_seqs_ref  # i32[1]
+        self.num_seqs_ref = num_seqs_ref  # i32[1], already clamped by `count_seqs_in_order`
         self.config = config
+        self.total_num_pages = total_num_pages
 
     def num_seqs(self):
         return self.num_seqs_ref[0]
 
     def q_start(self, seq):
-        return self.cu_q_lens_ref[seq]
+        return jnp.clip(self.cu_q_lens_ref[seq], 0, self.config.max_num_batched_tokens)
 
     def q_end(self, seq):
-        return self.cu_q_lens_ref[seq + 1]
+        return jnp.clip(self.cu_q_lens_ref[seq + 1], 0, self.config.max_num_batched_tokens)
 
     def kv_len(self, seq):
-        return self.kv_lens_ref[seq]
+        return jnp.clip(self.kv_lens_ref[seq], 0, self.config.pages_per_seq * self.config.page_size)
 
     def total_q_len(self):
-        return self.cu_q_lens_ref[self.num_seqs()]
+        """The rows the sequences own: up to the end of the last one (0 if there is none)."""
+        n = self.num_seqs()
+        return jnp.where(n > 0, self.q_end(jnp.maximum(n - 1, 0)), 0)
 
     def num_pages(self, seq):
         """Pages holding the sequence's kv_len tokens (never more than pages_per_seq)."""
-        pages = pl.cdiv(self.kv_len(seq), self.config.page_size)
-        return jnp.minimum(pages, self.config.pages_per_seq)
+        return pl.cdiv(self.kv_len(seq), self.config.page_size)
 
     def page(self, seq, page_pos):
-        return self.page_indices_ref[seq, page_pos]
+        return jnp.clip(self.page_indices_ref[seq, page_pos], 0, self.total_num_pages - 1)
+
+
+def count_seqs_in_order(cu_q_lens_ref, num_seqs_ref, config: KernelConfig):
+    """num_seqs clamped to [0, max_num_seqs], and cut before the first sequence whose
+    cu_q_lens go backwards: the walk relies on the rows of sequence s + 1 following those of s.
+    A loop over at most max_num_seqs sequences, run once, in the first grid step.
+
+    cu_q_lens_ref: i32[max_num_seqs + 1]; num_seqs_ref: i32[1]
+    """
+    n = jnp.clip(num_seqs_ref[0], 0, config.max_num_seqs)
+
+    def in_order(s):
+        next_start = cu_q_lens_ref[jnp.minimum(s + 1, config.max_num_seqs)]  # never past the end
+        return (s < n) & (next_start >= cu_q_lens_ref[s])
+
+    return lax.while_loop(in_order, lambda s: s + 1, jnp.int32(0))
 
 
 def next_live_seq(batch: SeqTable, seq):
@@ -561,7 +610,7 @@ def next_live_seq(batch: SeqTable, seq):
     n = batch.num_seqs()
 
     def is_idle(s):
-        s_safe = jnp.minimum(s, n - 1)  # never read past the live entries
+        s_safe = seq_or_last(batch, s)
         return (s < n) & (batch.q_end(s_safe) == batch.q_start(s_safe))
 
     return lax.while_loop(is_idle, lambda s: s + 1, seq)
@@ -589,7 +638,12 @@ def kv_block_range(batch: SeqTable, config: KernelConfig, seq, q_blk):
     first_pos = kv_len - q_end + first_row  # = kv_len - q_len + (first_row - q_start)
     last_pos = kv_len - q_end + last_row
     first_key = 0 if c.sliding_window is None else jnp.maximum(first_pos - c.sliding_window + 1, 0)
-    return first_key // c.kv_tokens_per_block, last_pos // c.kv_tokens_per_block + 1
+    # Clamped to at least one block, all within pages_per_seq: a garbage batch (kv_len < q_len)
+    # must neither loop long nor leave a prefetched block without its compute.
+    max_kv_blks = pl.cdiv(c.pages_per_seq, c.num_kv_pages_per_block)
+    first = jnp.clip(first_key // c.kv_tokens_per_block, 0, max_kv_blks - 1)
+    end = jnp.clip(last_pos // c.kv_tokens_per_block + 1, first + 1, max_kv_blks)
+    return first, end
 
 
 @dataclasses.dataclass(frozen=True)
@@ -602,9 +656,17 @@ class Work:
 
 
 def first_work(batch: SeqTable) -> Work:
+    """The first KV block of the first live sequence, in the q block of its first row.
+    `seq` is `num_seqs` if there is no live sequence."""
     seq = next_live_seq(batch, 0)
-    first_kv_blk, _ = kv_block_range(batch, batch.config, seq, 0)
+    seq_q_blk = batch.q_start(seq_or_last(batch, seq)) // batch.config.num_queries_per_block
+    first_kv_blk, _ = kv_block_range(batch, batch.config, seq_or_last(batch, seq), seq_q_blk)
     return Work(jnp.int32(0), seq, first_kv_blk)
+
+
+def seq_or_last(batch: SeqTable, seq):
+    """`seq`, or the last sequence if it is past them: never read past the live entries."""
+    return jnp.clip(seq, 0, jnp.maximum(batch.num_seqs() - 1, 0))
 
 
 def work_after_seq(batch: SeqTable, config: KernelConfig, q_blk, here: Work, following, first_live):
@@ -621,16 +683,12 @@ def work_after_seq(batch: SeqTable, config: KernelConfig, q_blk, here: Work, fol
     rows_go_on = batch.q_end(here.seq) > (q_blk + 1) * bq
     heads_done = following >= batch.num_seqs()
 
-    # From the last resort to the first choice, each overriding the one before:
-    # the first live sequence of the next heads block (its q block is 0) ...
-    seq, seq_q_blk = first_live, 0
-    # ... the next live sequence, in the q block holding its first row ...
-    following_q_blk = batch.q_start(jnp.minimum(following, batch.num_seqs() - 1)) // bq
-    seq = jnp.where(heads_done, seq, following)
-    seq_q_blk = jnp.where(heads_done, seq_q_blk, following_q_blk)
-    # ... this sequence, in the next q block.
+    # From the last resort to the first choice, each overriding the one before: the first live
+    # sequence of the next heads block, the next live sequence, this sequence ...
+    seq = jnp.where(heads_done, first_live, following)
     seq = jnp.where(rows_go_on, here.seq, seq)
-    seq_q_blk = jnp.where(rows_go_on, q_blk + 1, seq_q_blk)
+    # ... each in the q block holding its first row, except this one, which goes on in the next.
+    seq_q_blk = jnp.where(rows_go_on, q_blk + 1, batch.q_start(seq) // bq)
     first_kv_blk, _ = kv_block_range(batch, c, seq, seq_q_blk)
     heads_blk = jnp.where(heads_done & ~rows_go_on, here.heads_blk + 1, here.heads_blk)
     return Work(heads_blk, seq, first_kv_blk)
