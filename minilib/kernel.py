@@ -514,11 +514,12 @@ class QBlockWalker:
         step = (self.heads_blk, self.q_blk)
         here = Work(self.heads_blk, seq, kv_blk)
         nxt = next_work(here, end_kv_blk, after_seq)
+        other_slot = self.other_slot(slot)
 
         @pl.when(nxt.heads_blk < self.config.num_heads_blocks)
         def _prefetch_the_next_block():
-            self.dma.start(nxt, 1 - slot)
-            self.trace.record(TRACE_START, step, nxt, 1 - slot)
+            self.dma.start(nxt, other_slot)
+            self.trace.record(TRACE_START, step, nxt, other_slot)
 
         self.dma.wait(here, slot)
         self.trace.record(TRACE_WAIT, step, here, slot)
@@ -530,7 +531,12 @@ class QBlockWalker:
             k, v = dequantize_kv(k, v, q.dtype, self.config)
             self.softmax.update(kv_head, q, k, v, visible, in_seq)
         self.trace.record(TRACE_COMPUTE, step, here, slot)
-        return 1 - slot
+        return other_slot
+
+    def other_slot(self, slot):
+        """The slot the next KV block goes into. A select of constants, not `1 - slot`: then
+        Mosaic knows the slot is 0 or 1, and needs no run-time bounds check of the copy."""
+        return jnp.where(slot == 0, 1, 0)
 
 
 # ---------------------------------------------------------------------------------------------
