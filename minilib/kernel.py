@@ -342,9 +342,13 @@ def rpa_pallas_call(
     vmem_limit_bytes: int | None = None,
     interpret=False,
     trace_capacity: int = 0,
+    copier_class: type[KVBlockCopier] | None = None,
 ):
     """Build the `pallas_call`. Called with (kv_lens, page_indices, cu_q_lens, num_seqs, q,
     kv_pages); returns (out,) or, with `trace_capacity > 0`, (out, trace).
+
+    `copier_class` (default `KVBlockCopier`) moves the KV blocks; the tests pass a subclass
+    with a deliberate bug to show that their checks catch it.
 
     trace: i32[1 + trace_capacity, TRACE_FIELDS]; `trace[0, 0]` counts the events, which are
     rows 1.. of (kind, step heads block, step q block, heads block, seq, kv block, slot).
@@ -381,7 +385,12 @@ def rpa_pallas_call(
         pltpu.SMEM((1,), jnp.int32),  # slot_ref: the slot the next KV block is loading into
         pltpu.SMEM((1,), jnp.int32),  # num_seqs_in_order_ref: see `count_seqs_in_order`
     ]
-    kernel = functools.partial(rpa_kernel, config=c, trace_capacity=trace_capacity)
+    kernel = functools.partial(
+        rpa_kernel,
+        config=c,
+        trace_capacity=trace_capacity,
+        copier_class=copier_class or KVBlockCopier,
+    )
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -421,6 +430,7 @@ def rpa_kernel(
     *refs,
     config: KernelConfig,
     trace_capacity: int,
+    copier_class: type[KVBlockCopier],
 ):
     """One grid step: one block of q rows, one block of heads."""
     if trace_capacity:
@@ -443,7 +453,7 @@ def rpa_kernel(
         config,
         total_num_pages=kv_pages_hbm_ref.shape[0],
     )
-    dma = KVBlockCopier(kv_pages_hbm_ref, kv_bufs, sems, batch, config)
+    dma = copier_class(kv_pages_hbm_ref, kv_bufs, sems, batch, config)
     softmax = OnlineSoftmax(m_ref, l_ref, acc_ref, config)
     trace = Trace(trace_ref, trace_capacity)
     step = (pl.program_id(0), pl.program_id(1))  # (heads_blk, q_blk)
@@ -464,7 +474,7 @@ def rpa_kernel(
 
     @pl.when(step[1] * config.num_queries_per_block < batch.total_q_len())
     def _attend_this_q_block():
-        walker = QBlockWalker(step, q_ref, kv_bufs, softmax, batch, dma, trace, config)
+        walker = QBlockWalker(step, q_ref, softmax, batch, dma, trace, config)
         slot_ref[0] = walker.run(slot_ref[0])
 
     softmax.write_output(o_ref)
@@ -474,10 +484,9 @@ class QBlockWalker:
     """Walks one grid step's work: the sequences owning rows of the q block, and for each the
     KV blocks its rows can see. `run` returns the slot the next KV block is loading into."""
 
-    def __init__(self, step, q_ref, kv_bufs, softmax, batch, dma, trace, config: KernelConfig):
+    def __init__(self, step, q_ref, softmax, batch, dma, trace, config: KernelConfig):
         self.heads_blk, self.q_blk = step
         self.q_ref = q_ref  # [num_queries_per_block, num_q_heads_per_block, head_dim]
-        self.kv_bufs = kv_bufs  # [2, num_kv_pages_per_block, page_size, 2*kvh_per_blk, hd]
         self.softmax = softmax
         self.batch = batch
         self.dma = dma
@@ -514,29 +523,31 @@ class QBlockWalker:
         step = (self.heads_blk, self.q_blk)
         here = Work(self.heads_blk, seq, kv_blk)
         nxt = next_work(here, end_kv_blk, after_seq)
-        other_slot = self.other_slot(slot)
+        other = other_slot(slot)
 
         @pl.when(nxt.heads_blk < self.config.num_heads_blocks)
         def _prefetch_the_next_block():
-            self.dma.start(nxt, other_slot)
-            self.trace.record(TRACE_START, step, nxt, other_slot)
+            self.dma.start(nxt, other)
+            self.trace.record(TRACE_START, step, nxt, other)
 
         self.dma.wait(here, slot)
         self.trace.record(TRACE_WAIT, step, here, slot)
         visible, in_seq = score_mask(self.batch, seq, self.q_blk, kv_blk, self.config)
+        kv_buf = self.dma.buffer(slot)
         for kv_head in range(self.config.num_kv_heads_per_block):
-            k, v = load_kv_head(self.kv_bufs, slot, kv_head, self.config)
+            k, v = load_kv_head(kv_buf, kv_head, self.config)
             v = zero_tokens_past_kv_len(v, kv_blk, self.batch.kv_len(seq), self.config)
             q = load_q_group(self.q_ref, kv_head, self.config)
             k, v = dequantize_kv(k, v, q.dtype, self.config)
             self.softmax.update(kv_head, q, k, v, visible, in_seq)
         self.trace.record(TRACE_COMPUTE, step, here, slot)
-        return other_slot
+        return other
 
-    def other_slot(self, slot):
-        """The slot the next KV block goes into. A select of constants, not `1 - slot`: then
-        Mosaic knows the slot is 0 or 1, and needs no run-time bounds check of the copy."""
-        return jnp.where(slot == 0, 1, 0)
+
+def other_slot(slot):
+    """The slot the next KV block goes into. A select of constants, not `1 - slot`: then
+    Mosaic knows the slot is 0 or 1, and needs no run-time bounds check of the copy."""
+    return jnp.where(slot == 0, 1, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -726,6 +737,10 @@ class KVBlockCopier:
         self.batch = batch
         self.config = config
 
+    def buffer(self, slot):
+        """The VMEM buffer of a slot: [num_kv_pages_per_block, page_size, 2*kvh_per_blk, hd]."""
+        return self.kv_bufs.at[slot]
+
     def start(self, work: Work, slot):
         self._for_each_page(work, slot, lambda copy: copy.start())
 
@@ -757,7 +772,7 @@ class KVBlockCopier:
         page = self.batch.page(work.seq, page_pos)
         copy = pltpu.make_async_copy(
             self.kv_pages_hbm_ref.at[page, :, combined_heads, :],  # [page_size, 2*kvh, hd]
-            self.kv_bufs.at[slot, i],  # [page_size, 2*num_kv_heads_per_block, head_dim]
+            self.buffer(slot).at[i],  # [page_size, 2*num_kv_heads_per_block, head_dim]
             self.sems.at[slot],
         )
         action(copy)
@@ -769,8 +784,7 @@ class KVBlockCopier:
 
 
 def load_kv_head(
-    kv_bufs,  # [2, num_kv_pages_per_block, page_size, 2*num_kv_heads_per_block, head_dim]
-    slot,
+    kv_buf,  # [num_kv_pages_per_block, page_size, 2*num_kv_heads_per_block, head_dim]
     kv_head: int,  # within the heads block
     config: KernelConfig,
 ):  # -> k, v: [kv_tokens_per_block, head_dim], kv dtype or float32
@@ -781,13 +795,13 @@ def load_kv_head(
     `zero_tokens_past_kv_len`.
     """
     if config.strided_kv_loads:
-        return load_kv_head_strided(kv_bufs, slot, kv_head, config)
+        return load_kv_head_strided(kv_buf, kv_head, config)
     c = config
     # Index the ref and reshape the *value*: TPU interpret mode cannot reshape refs. On the chip
     # this reads one vector register per token and reassembles the rows: slow.
     tokens = c.kv_tokens_per_block
-    k = kv_bufs[slot, :, :, 2 * kv_head, :].reshape(tokens, c.head_dim)
-    v = kv_bufs[slot, :, :, 2 * kv_head + 1, :].reshape(tokens, c.head_dim)
+    k = kv_buf[:, :, 2 * kv_head, :].reshape(tokens, c.head_dim)
+    v = kv_buf[:, :, 2 * kv_head + 1, :].reshape(tokens, c.head_dim)
     return k, v
 
 
@@ -801,7 +815,7 @@ def can_load_kv_strided(config: KernelConfig, kv_dtype, interpret) -> bool:
     return packing(kv_dtype) in (1, 2) and combined % (8 * packing(kv_dtype)) == 0
 
 
-def load_kv_head_strided(kv_bufs, slot, kv_head: int, config: KernelConfig):
+def load_kv_head_strided(kv_buf, kv_head: int, config: KernelConfig):
     """`load_kv_head` with one strided load: row `token * 2*kvh + 2*kv_head` of the slot seen
     as a flat [tokens * 2*kvh, head_dim] matrix, for every token.
 
@@ -812,8 +826,8 @@ def load_kv_head_strided(kv_bufs, slot, kv_head: int, config: KernelConfig):
     """
     c = config
     tokens = c.kv_tokens_per_block
-    flat = kv_bufs.at[slot].reshape(tokens * 2 * c.num_kv_heads_per_block, c.head_dim)
-    if packing(kv_bufs.dtype) == 1:  # f32: one row per combined head
+    flat = kv_buf.reshape(tokens * 2 * c.num_kv_heads_per_block, c.head_dim)
+    if packing(kv_buf.dtype) == 1:  # f32: one row per combined head
         stride = 2 * c.num_kv_heads_per_block
         k = flat[pl.ds(2 * kv_head, tokens, stride=stride), :]
         v = flat[pl.ds(2 * kv_head + 1, tokens, stride=stride), :]
