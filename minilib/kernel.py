@@ -38,14 +38,29 @@ or before the sliding window) are skipped; only the pages a sequence has are cop
 sequences (q_len 0) are skipped; and the softmax state is reset once per q block, so no masked
 stores are needed.
 
-Written for JAX's TPU interpret mode as well as for the chip: refs are never reshaped or
-bitcast (interpret mode cannot), only values are; no masked loads or stores (a `jnp.where` on
-values keeps the rows that must not change).
+What makes it lean on the chip (each measured in bundles per KV block, see `tpu_compile`):
+* K and V of a head are read with one strided load through a flat 32-bit view of the slot; in
+  bf16 a shift and a mask split each word into K and V (`load_kv_head_strided`).
+* K is never cleaned: no row can see a key at or past kv_len, so the score mask replaces
+  whatever is there. Only V is zeroed there, in float32 (0 * NaN = NaN in p @ v).
+* m and l are kept 128 lanes wide, so the softmax update needs no cross-lane broadcasts.
+* What follows a sequence (for the prefetch) is worked out once per sequence.
 
-What is checked without a TPU: parity in interpret mode, and lowering to a Mosaic custom call
-for v5e and v6e with `jax.export`. Mosaic's own compiler passes run only in libtpu, on a TPU
-host; the likeliest place for them to object is `load_kv_head`, which reads one head slot of
-every token (a size-1 slice of the second-to-last axis) and reshapes it to [tokens, head_dim].
+Written for JAX's TPU interpret mode as well as for the chip. Interpret mode cannot view a ref
+as another shape or dtype, so there K and V are read by plain indexing (`load_kv_head`), and
+the strided load is used only when the kernel is compiled (or run by plain `interpret=True`).
+No masked loads or stores: a `jnp.where` on values keeps the rows that must not change.
+
+Nothing in the batch description is trusted (`SeqTable`): under `jit` it cannot be validated,
+so every loop bound is clamped (sequences to max_num_seqs, pages and KV blocks to
+pages_per_seq) and every page number to the pages there are. A garbage batch gives garbage,
+but no hang and no copy from outside `kv_pages`.
+
+What is checked without a TPU: parity in TPU interpret mode (DMAs, semaphores and races
+simulated) and, for the strided loads, in plain interpret mode; and Mosaic's own compiler, in
+libtpu, which compiles for v4, v5e, v5p and v6e on any host where libtpu is installed
+(`jax.experimental.topologies` gives a compile-only TPU device): what it accepts, and the
+bundles it schedules, are what the chip would run.
 """
 
 from __future__ import annotations
@@ -808,11 +823,13 @@ def load_kv_head(
 def can_load_kv_strided(config: KernelConfig, kv_dtype, interpret) -> bool:
     """Whether `load_kv_head_strided` applies: refs can be viewed (the chip, or plain
     `interpret=True`; not TPU interpret mode), the combined heads of a token fill whole
-    (8 * packing, 128) tiles (so the flat view is free), and the KV dtype is f32 or bf16."""
+    (8 * packing, 128) tiles (so the flat view is free), the KV dtype is f32 or bf16, and
+    head_dim is 128 (Mosaic's strided loads need rows of exactly 128 lanes)."""
     if isinstance(interpret, pltpu.InterpretParams):
         return False
     combined = 2 * config.num_kv_heads_per_block
-    return packing(kv_dtype) in (1, 2) and combined % (8 * packing(kv_dtype)) == 0
+    tiles_whole = combined % (8 * packing(kv_dtype)) == 0
+    return packing(kv_dtype) in (1, 2) and tiles_whole and config.head_dim == LANES
 
 
 def load_kv_head_strided(kv_buf, kv_head: int, config: KernelConfig):
