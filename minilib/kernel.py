@@ -528,11 +528,12 @@ class QBlockWalker:
         after_seq = work_after_seq(
             self.batch, self.config, self.q_blk, last, following, self.first_live
         )
-        attend = functools.partial(self.attend_kv_block, seq, end_kv_blk, after_seq)
+        span = SeqSpan(self.batch.q_start(seq), self.batch.q_end(seq), self.batch.kv_len(seq))
+        attend = functools.partial(self.attend_kv_block, seq, span, end_kv_blk, after_seq)
         slot = lax.fori_loop(first_kv_blk, end_kv_blk, attend, slot)
         return following, slot
 
-    def attend_kv_block(self, seq, end_kv_blk, after_seq: Work, kv_blk, slot):
+    def attend_kv_block(self, seq, span: SeqSpan, end_kv_blk, after_seq: Work, kv_blk, slot):
         """Start copying the next KV block into the other slot, wait for this one, and fold
         it into the softmax of the sequence's rows, one KV head at a time."""
         step = (self.heads_blk, self.q_blk)
@@ -547,11 +548,11 @@ class QBlockWalker:
 
         self.dma.wait(here, slot)
         self.trace.record(TRACE_WAIT, step, here, slot)
-        visible, in_seq = score_mask(self.batch, seq, self.q_blk, kv_blk, self.config)
+        visible, in_seq = score_mask(span, self.q_blk, kv_blk, self.config)
         kv_buf = self.dma.buffer(slot)
         for kv_head in range(self.config.num_kv_heads_per_block):
             k, v = load_kv_head(kv_buf, kv_head, self.config)
-            v = zero_tokens_past_kv_len(v, kv_blk, self.batch.kv_len(seq), self.config)
+            v = zero_tokens_past_kv_len(v, kv_blk, span.kv_len, self.config)
             q = load_q_group(self.q_ref, kv_head, self.config)
             k, v = dequantize_kv(k, v, q.dtype, self.config)
             self.softmax.update(kv_head, q, k, v, visible, in_seq)
@@ -889,7 +890,17 @@ def zero_tokens_past_kv_len(x, kv_blk, kv_len, config: KernelConfig):  # x: [kv_
     return jnp.where(pos < kv_len, x.astype(jnp.float32), 0.0).astype(x.dtype)
 
 
-def score_mask(batch: SeqTable, seq, q_blk, kv_blk, config: KernelConfig):
+@dataclasses.dataclass(frozen=True)
+class SeqSpan:
+    """One sequence's rows [q_start, q_end) and kv_len, read from the table once per sequence
+    rather than in every KV-block iteration."""
+
+    q_start: jax.Array
+    q_end: jax.Array
+    kv_len: jax.Array
+
+
+def score_mask(span: SeqSpan, q_blk, kv_blk, config: KernelConfig):
     """Which scores count, and which rows belong to `seq`.
 
     Returns visible: bool[rows_per_kv_head, kv_tokens_per_block] (causal, sliding window) and
@@ -897,13 +908,13 @@ def score_mask(batch: SeqTable, seq, q_blk, kv_blk, config: KernelConfig):
     """
     c = config
     shape = (c.rows_per_kv_head, c.kv_tokens_per_block)
-    q_pos = batch.kv_len(seq) - batch.q_end(seq) + q_row(shape, q_blk, c)  # in its sequence
+    q_pos = span.kv_len - span.q_end + q_row(shape, q_blk, c)  # position in its sequence
     k_pos = kv_blk * c.kv_tokens_per_block + lax.broadcasted_iota(jnp.int32, shape, 1)
     visible = k_pos <= q_pos
     if c.sliding_window is not None:
         visible &= k_pos > q_pos - c.sliding_window
     row = q_row((c.rows_per_kv_head, LANES), q_blk, c)
-    in_seq = (row >= batch.q_start(seq)) & (row < batch.q_end(seq))
+    in_seq = (row >= span.q_start) & (row < span.q_end)
     return visible, in_seq
 
 
