@@ -524,21 +524,25 @@ class QBlockWalker:
         seq, slot = carry
         first_kv_blk, end_kv_blk = kv_block_range(self.batch, self.config, seq, self.q_blk)
         following = next_live_seq(self.batch, seq + 1)
-        last = Work(self.heads_blk, seq, end_kv_blk - 1)
+        span = SeqSpan(self.batch.q_start(seq), self.batch.q_end(seq), self.batch.kv_len(seq))
+        num_pages = pl.cdiv(span.kv_len, self.config.page_size)
+        last = Work(self.heads_blk, seq, end_kv_blk - 1, num_pages)
         after_seq = work_after_seq(
             self.batch, self.config, self.q_blk, last, following, self.first_live
         )
-        span = SeqSpan(self.batch.q_start(seq), self.batch.q_end(seq), self.batch.kv_len(seq))
-        attend = functools.partial(self.attend_kv_block, seq, span, end_kv_blk, after_seq)
+        attend = functools.partial(self.attend_kv_block, last, span, after_seq)
         slot = lax.fori_loop(first_kv_blk, end_kv_blk, attend, slot)
         return following, slot
 
-    def attend_kv_block(self, seq, span: SeqSpan, end_kv_blk, after_seq: Work, kv_blk, slot):
+    def attend_kv_block(self, last: Work, span: SeqSpan, after_seq: Work, kv_blk, slot):
         """Start copying the next KV block into the other slot, wait for this one, and fold
-        it into the softmax of the sequence's rows, one KV head at a time."""
+        it into the softmax of the sequence's rows, one KV head at a time.
+
+        `last` is the sequence's last KV block here, `after_seq` the one after it, and `span`
+        its rows and kv_len: all worked out once per sequence, in `attend_seq`."""
         step = (self.heads_blk, self.q_blk)
-        here = Work(self.heads_blk, seq, kv_blk)
-        nxt = next_work(here, end_kv_blk, after_seq)
+        here = dataclasses.replace(last, kv_blk=kv_blk)
+        nxt = next_work(here, last.kv_blk + 1, after_seq)
         other = other_slot(slot)
 
         @pl.when(nxt.heads_blk < self.config.num_heads_blocks)
@@ -681,11 +685,13 @@ def kv_block_range(batch: SeqTable, config: KernelConfig, seq, q_blk):
 
 @dataclasses.dataclass(frozen=True)
 class Work:
-    """One KV block's worth of work: which heads, which sequence, which KV block."""
+    """One KV block's worth of work: which heads, which sequence, which KV block; and how
+    many pages the sequence has (for the copies), worked out once per sequence."""
 
     heads_blk: jax.Array
     seq: jax.Array
     kv_blk: jax.Array
+    num_pages: jax.Array
 
 
 def first_work(batch: SeqTable) -> Work:
@@ -694,7 +700,8 @@ def first_work(batch: SeqTable) -> Work:
     seq = next_live_seq(batch, 0)
     seq_q_blk = batch.q_start(seq_or_last(batch, seq)) // batch.config.num_queries_per_block
     first_kv_blk, _ = kv_block_range(batch, batch.config, seq_or_last(batch, seq), seq_q_blk)
-    return Work(jnp.int32(0), seq, first_kv_blk)
+    num_pages = batch.num_pages(seq_or_last(batch, seq))
+    return Work(jnp.int32(0), seq, first_kv_blk, num_pages)
 
 
 def seq_or_last(batch: SeqTable, seq):
@@ -724,7 +731,7 @@ def work_after_seq(batch: SeqTable, config: KernelConfig, q_blk, here: Work, fol
     seq_q_blk = jnp.where(rows_go_on, q_blk + 1, batch.q_start(seq) // bq)
     first_kv_blk, _ = kv_block_range(batch, c, seq, seq_q_blk)
     heads_blk = jnp.where(heads_done & ~rows_go_on, here.heads_blk + 1, here.heads_blk)
-    return Work(heads_blk, seq, first_kv_blk)
+    return Work(heads_blk, seq, first_kv_blk, batch.num_pages(seq))
 
 
 def next_work(here: Work, end_kv_blk, after_seq: Work) -> Work:
@@ -735,6 +742,7 @@ def next_work(here: Work, end_kv_blk, after_seq: Work) -> Work:
         jnp.where(more_kv, here.heads_blk, after_seq.heads_blk),
         jnp.where(more_kv, here.seq, after_seq.seq),
         jnp.where(more_kv, here.kv_blk + 1, after_seq.kv_blk),
+        jnp.where(more_kv, here.num_pages, after_seq.num_pages),
     )
 
 
@@ -770,7 +778,7 @@ class KVBlockCopier:
         keeps stale data, which the compute zeroes. `wait` must see the same pages as `start`,
         so both come through here.
         """
-        num_pages = self.batch.num_pages(work.seq)
+        num_pages = work.num_pages
         for i in range(self.config.num_kv_pages_per_block):
             page_pos = work.kv_blk * self.config.num_kv_pages_per_block + i
             pl.when(page_pos < num_pages)(
