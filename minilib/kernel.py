@@ -38,14 +38,29 @@ or before the sliding window) are skipped; only the pages a sequence has are cop
 sequences (q_len 0) are skipped; and the softmax state is reset once per q block, so no masked
 stores are needed.
 
-Written for JAX's TPU interpret mode as well as for the chip: refs are never reshaped or
-bitcast (interpret mode cannot), only values are; no masked loads or stores (a `jnp.where` on
-values keeps the rows that must not change).
+What makes it lean on the chip (each measured in bundles per KV block, see `tpu_compile`):
+* K and V of a head are read with one strided load through a flat 32-bit view of the slot; in
+  bf16 a shift and a mask split each word into K and V (`load_kv_head_strided`).
+* K is never cleaned: no row can see a key at or past kv_len, so the score mask replaces
+  whatever is there. Only V is zeroed there, in float32 (0 * NaN = NaN in p @ v).
+* m and l are kept 128 lanes wide, so the softmax update needs no cross-lane broadcasts.
+* What follows a sequence (for the prefetch) is worked out once per sequence.
 
-What is checked without a TPU: parity in interpret mode, and lowering to a Mosaic custom call
-for v5e and v6e with `jax.export`. Mosaic's own compiler passes run only in libtpu, on a TPU
-host; the likeliest place for them to object is `load_kv_head`, which reads one head slot of
-every token (a size-1 slice of the second-to-last axis) and reshapes it to [tokens, head_dim].
+Written for JAX's TPU interpret mode as well as for the chip. Interpret mode cannot view a ref
+as another shape or dtype, so there K and V are read by plain indexing (`load_kv_head`), and
+the strided load is used only when the kernel is compiled (or run by plain `interpret=True`).
+No masked loads or stores: a `jnp.where` on values keeps the rows that must not change.
+
+Nothing in the batch description is trusted (`SeqTable`): under `jit` it cannot be validated,
+so every loop bound is clamped (sequences to max_num_seqs, pages and KV blocks to
+pages_per_seq) and every page number to the pages there are. A garbage batch gives garbage,
+but no hang and no copy from outside `kv_pages`.
+
+What is checked without a TPU: parity in TPU interpret mode (DMAs, semaphores and races
+simulated) and, for the strided loads, in plain interpret mode; and Mosaic's own compiler, in
+libtpu, which compiles for v4, v5e, v5p and v6e on any host where libtpu is installed
+(`jax.experimental.topologies` gives a compile-only TPU device): what it accepts, and the
+bundles it schedules, are what the chip would run.
 """
 
 from __future__ import annotations
@@ -192,6 +207,8 @@ class KernelConfig:
     num_kv_pages_per_block: int  # pages per KV block (one DMA batch, one softmax update)
     page_size: int
     pages_per_seq: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
     num_heads_blocks: int  # grid axis 0
     num_kv_heads_per_block: int
     num_q_heads_per_kv_head: int  # the GQA group size
@@ -202,6 +219,9 @@ class KernelConfig:
     mask_value: float
     k_scale: float | None
     v_scale: float | None
+    # Read each KV head with one strided load through a flat view of the slot (see
+    # `load_kv_head`); set by `rpa_pallas_call` where refs can be viewed (not in TPU interpret).
+    strided_kv_loads: bool = False
 
     @property
     def kv_tokens_per_block(self) -> int:
@@ -235,7 +255,7 @@ def kernel_config(
     max_num_batched_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_combined_kv_heads, _ = kv_pages.shape
     num_kv_heads = num_combined_kv_heads // 2
-    _, pages_per_seq = page_indices.shape
+    max_num_seqs, pages_per_seq = page_indices.shape
     kv_heads_per_block = num_kv_heads_per_block(num_q_heads, num_kv_heads, q.dtype, kv_pages.dtype)
     default_pages, default_queries = default_block_sizes(
         page_size=page_size,
@@ -248,6 +268,8 @@ def kernel_config(
         num_kv_pages_per_block=num_kv_pages_per_block or default_pages,
         page_size=page_size,
         pages_per_seq=pages_per_seq,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
         num_heads_blocks=num_kv_heads // kv_heads_per_block,
         num_kv_heads_per_block=kv_heads_per_block,
         num_q_heads_per_kv_head=num_q_heads // num_kv_heads,
@@ -293,15 +315,21 @@ def rpa_pallas_call(
     vmem_limit_bytes: int | None = None,
     interpret=False,
     trace_capacity: int = 0,
+    copier_class: type[KVBlockCopier] | None = None,
 ):
     """Build the `pallas_call`. Called with (kv_lens, page_indices, cu_q_lens, num_seqs, q,
     kv_pages); returns (out,) or, with `trace_capacity > 0`, (out, trace).
+
+    `copier_class` (default `KVBlockCopier`) moves the KV blocks; the tests pass a subclass
+    with a deliberate bug to show that their checks catch it.
 
     trace: i32[1 + trace_capacity, TRACE_FIELDS]; `trace[0, 0]` counts the events, which are
     rows 1.. of (kind, step heads block, step q block, heads block, seq, kv block, slot).
     """
     max_num_batched_tokens, _, head_dim = q.shape
-    c = config
+    c = dataclasses.replace(
+        config, strided_kv_loads=can_load_kv_strided(config, kv_pages.dtype, interpret)
+    )
     num_q_blocks = pl.cdiv(max_num_batched_tokens, c.num_queries_per_block)
     q_block = (c.num_queries_per_block, c.num_q_heads_per_block, head_dim)
 
@@ -328,8 +356,14 @@ def rpa_pallas_call(
         pltpu.VMEM((c.num_kv_heads_per_block, rows, LANES), jnp.float32),  # l_ref
         pltpu.VMEM((c.num_kv_heads_per_block, rows, head_dim), jnp.float32),  # acc_ref
         pltpu.SMEM((1,), jnp.int32),  # slot_ref: the slot the next KV block is loading into
+        pltpu.SMEM((1,), jnp.int32),  # num_seqs_in_order_ref: see `count_seqs_in_order`
     ]
-    kernel = functools.partial(rpa_kernel, config=c, trace_capacity=trace_capacity)
+    kernel = functools.partial(
+        rpa_kernel,
+        config=c,
+        trace_capacity=trace_capacity,
+        copier_class=copier_class or KVBlockCopier,
+    )
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -369,19 +403,30 @@ def rpa_kernel(
     *refs,
     config: KernelConfig,
     trace_capacity: int,
+    copier_class: type[KVBlockCopier],
 ):
     """One grid step: one block of q rows, one block of heads."""
     if trace_capacity:
-        o_ref, trace_ref, kv_bufs, sems, m_ref, l_ref, acc_ref, slot_ref = refs
+        o_ref, trace_ref, kv_bufs, sems, m_ref, l_ref, acc_ref, slot_ref, num_seqs_in_order_ref = (
+            refs
+        )
     else:
-        (o_ref, kv_bufs, sems, m_ref, l_ref, acc_ref, slot_ref), trace_ref = refs, None
+        trace_ref = None
+        o_ref, kv_bufs, sems, m_ref, l_ref, acc_ref, slot_ref, num_seqs_in_order_ref = refs
     # o_ref: [num_queries_per_block, num_q_heads_per_block, head_dim], VMEM
     # kv_bufs: [2, num_kv_pages_per_block, page_size, 2*num_kv_heads_per_block, head_dim]
     # m_ref, l_ref: f32[num_kv_heads_per_block, rows_per_kv_head, LANES]
     # acc_ref: f32[num_kv_heads_per_block, rows_per_kv_head, head_dim]
-    # slot_ref: i32[1], SMEM, kept from one grid step to the next
-    batch = SeqTable(kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref, config)
-    dma = KVBlockCopier(kv_pages_hbm_ref, kv_bufs, sems, batch, config)
+    # slot_ref, num_seqs_in_order_ref: i32[1], SMEM, kept from one grid step to the next
+    batch = SeqTable(
+        kv_lens_ref,
+        page_indices_ref,
+        cu_q_lens_ref,
+        num_seqs_in_order_ref,
+        config,
+        total_num_pages=kv_pages_hbm_ref.shape[0],
+    )
+    dma = copier_class(kv_pages_hbm_ref, kv_bufs, sems, batch, config)
     softmax = OnlineSoftmax(m_ref, l_ref, acc_ref, config)
     trace = Trace(trace_ref, trace_capacity)
     step = (pl.program_id(0), pl.program_id(1))  # (heads_blk, q_blk)
@@ -389,11 +434,12 @@ def rpa_kernel(
     @pl.when((step[0] == 0) & (step[1] == 0))
     def _start_the_first_copy():
         slot_ref[0] = 0
+        num_seqs_in_order_ref[0] = count_seqs_in_order(cu_q_lens_ref, num_seqs_ref, config)
         trace.reset()
+        first = first_work(batch)
 
-        @pl.when(batch.total_q_len() > 0)
+        @pl.when(first.seq < batch.num_seqs())
         def _():
-            first = first_work(batch)
             dma.start(first, 0)
             trace.record(TRACE_START, step, first, 0)
 
@@ -401,7 +447,7 @@ def rpa_kernel(
 
     @pl.when(step[1] * config.num_queries_per_block < batch.total_q_len())
     def _attend_this_q_block():
-        walker = QBlockWalker(step, q_ref, kv_bufs, softmax, batch, dma, trace, config)
+        walker = QBlockWalker(step, q_ref, softmax, batch, dma, trace, config)
         slot_ref[0] = walker.run(slot_ref[0])
 
     softmax.write_output(o_ref)
@@ -411,10 +457,9 @@ class QBlockWalker:
     """Walks one grid step's work: the sequences owning rows of the q block, and for each the
     KV blocks its rows can see. `run` returns the slot the next KV block is loading into."""
 
-    def __init__(self, step, q_ref, kv_bufs, softmax, batch, dma, trace, config: KernelConfig):
+    def __init__(self, step, q_ref, softmax, batch, dma, trace, config: KernelConfig):
         self.heads_blk, self.q_blk = step
         self.q_ref = q_ref  # [num_queries_per_block, num_q_heads_per_block, head_dim]
-        self.kv_bufs = kv_bufs  # [2, num_kv_pages_per_block, page_size, 2*kvh_per_blk, hd]
         self.softmax = softmax
         self.batch = batch
         self.dma = dma
@@ -424,7 +469,8 @@ class QBlockWalker:
         self.first_live = next_live_seq(batch, 0)  # where the next heads block starts
 
     def run(self, slot):
-        first_seq = first_seq_in_q_block(self.batch, self.q_blk * self.config.num_queries_per_block)
+        first_row = self.q_blk * self.config.num_queries_per_block
+        first_seq = next_live_seq(self.batch, first_seq_in_q_block(self.batch, first_row))
         _, slot = lax.while_loop(self.has_rows_here, self.attend_seq, (first_seq, slot))
         return slot
 
@@ -435,32 +481,51 @@ class QBlockWalker:
     def attend_seq(self, carry):
         seq, slot = carry
         first_kv_blk, end_kv_blk = kv_block_range(self.batch, self.config, seq, self.q_blk)
-        attend = functools.partial(self.attend_kv_block, seq)
+        following = next_live_seq(self.batch, seq + 1)
+        span = SeqSpan(self.batch.q_start(seq), self.batch.q_end(seq), self.batch.kv_len(seq))
+        num_pages = pl.cdiv(span.kv_len, self.config.page_size)
+        last = Work(self.heads_blk, seq, end_kv_blk - 1, num_pages)
+        after_seq = work_after_seq(
+            self.batch, self.config, self.q_blk, last, following, self.first_live
+        )
+        attend = functools.partial(self.attend_kv_block, last, span, after_seq)
         slot = lax.fori_loop(first_kv_blk, end_kv_blk, attend, slot)
-        return next_live_seq(self.batch, seq + 1), slot
+        return following, slot
 
-    def attend_kv_block(self, seq, kv_blk, slot):
+    def attend_kv_block(self, last: Work, span: SeqSpan, after_seq: Work, kv_blk, slot):
         """Start copying the next KV block into the other slot, wait for this one, and fold
-        it into the softmax of the sequence's rows, one KV head at a time."""
+        it into the softmax of the sequence's rows, one KV head at a time.
+
+        `last` is the sequence's last KV block here, `after_seq` the one after it, and `span`
+        its rows and kv_len: all worked out once per sequence, in `attend_seq`."""
         step = (self.heads_blk, self.q_blk)
-        here = Work(self.heads_blk, seq, kv_blk)
-        nxt = next_work(self.batch, self.config, self.q_blk, here, self.first_live)
+        here = dataclasses.replace(last, kv_blk=kv_blk)
+        nxt = next_work(here, last.kv_blk + 1, after_seq)
+        other = other_slot(slot)
 
         @pl.when(nxt.heads_blk < self.config.num_heads_blocks)
         def _prefetch_the_next_block():
-            self.dma.start(nxt, 1 - slot)
-            self.trace.record(TRACE_START, step, nxt, 1 - slot)
+            self.dma.start(nxt, other)
+            self.trace.record(TRACE_START, step, nxt, other)
 
         self.dma.wait(here, slot)
         self.trace.record(TRACE_WAIT, step, here, slot)
-        visible, in_seq = score_mask(self.batch, seq, self.q_blk, kv_blk, self.config)
+        visible, in_seq = score_mask(span, self.q_blk, kv_blk, self.config)
+        kv_buf = self.dma.buffer(slot)
         for kv_head in range(self.config.num_kv_heads_per_block):
-            k, v = load_kv_head(self.kv_bufs, slot, kv_head, self.config)
+            k, v = load_kv_head(kv_buf, kv_head, self.config)
+            v = zero_tokens_past_kv_len(v, kv_blk, span.kv_len, self.config)
             q = load_q_group(self.q_ref, kv_head, self.config)
-            k, v = prepare_kv(k, v, q.dtype, kv_blk, self.batch.kv_len(seq), self.config)
+            k, v = dequantize_kv(k, v, q.dtype, self.config)
             self.softmax.update(kv_head, q, k, v, visible, in_seq)
         self.trace.record(TRACE_COMPUTE, step, here, slot)
-        return 1 - slot
+        return other
+
+
+def other_slot(slot):
+    """The slot the next KV block goes into. A select of constants, not `1 - slot`: then
+    Mosaic knows the slot is 0 or 1, and needs no run-time bounds check of the copy."""
+    return jnp.where(slot == 0, 1, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,37 +534,69 @@ class QBlockWalker:
 
 
 class SeqTable:
-    """Read access to the scalar-prefetched batch description (SMEM refs)."""
+    """Read access to the scalar-prefetched batch description (SMEM refs), never trusted.
 
-    def __init__(self, kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref, config):
+    Under `jit` nothing has validated these values, and a bad one must not send a loop or a
+    copy astray: a hang, or a copy from outside `kv_pages`. So each value is clamped to what
+    the shapes allow, which changes nothing for a valid batch:
+      num_seqs     to [0, max_num_seqs], and cut before the first sequence whose
+                   cu_q_lens go backwards (`count_seqs_in_order`);
+      cu_q_lens    to [0, max_num_batched_tokens];
+      kv_lens      to [0, pages_per_seq * page_size];
+      page numbers to [0, total_num_pages).
+    Every loop over sequences then ends by max_num_seqs, and every loop over pages or KV
+    blocks by pages_per_seq (see also `kv_block_range`).
+    """
+
+    def __init__(
+        self, kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref, config, total_num_pages
+    ):
         self.kv_lens_ref = kv_lens_ref  # i32[max_num_seqs]
         self.page_indices_ref = page_indices_ref  # i32[max_num_seqs, pages_per_seq]
         self.cu_q_lens_ref = cu_q_lens_ref  # i32[max_num_seqs + 1]
-        self.num_seqs_ref = num_seqs_ref  # i32[1]
+        self.num_seqs_ref = num_seqs_ref  # i32[1], already clamped by `count_seqs_in_order`
         self.config = config
+        self.total_num_pages = total_num_pages
 
     def num_seqs(self):
         return self.num_seqs_ref[0]
 
     def q_start(self, seq):
-        return self.cu_q_lens_ref[seq]
+        return jnp.clip(self.cu_q_lens_ref[seq], 0, self.config.max_num_batched_tokens)
 
     def q_end(self, seq):
-        return self.cu_q_lens_ref[seq + 1]
+        return jnp.clip(self.cu_q_lens_ref[seq + 1], 0, self.config.max_num_batched_tokens)
 
     def kv_len(self, seq):
-        return self.kv_lens_ref[seq]
+        return jnp.clip(self.kv_lens_ref[seq], 0, self.config.pages_per_seq * self.config.page_size)
 
     def total_q_len(self):
-        return self.cu_q_lens_ref[self.num_seqs()]
+        """The rows the sequences own: up to the end of the last one (0 if there is none)."""
+        n = self.num_seqs()
+        return jnp.where(n > 0, self.q_end(jnp.maximum(n - 1, 0)), 0)
 
     def num_pages(self, seq):
         """Pages holding the sequence's kv_len tokens (never more than pages_per_seq)."""
-        pages = pl.cdiv(self.kv_len(seq), self.config.page_size)
-        return jnp.minimum(pages, self.config.pages_per_seq)
+        return pl.cdiv(self.kv_len(seq), self.config.page_size)
 
     def page(self, seq, page_pos):
-        return self.page_indices_ref[seq, page_pos]
+        return jnp.clip(self.page_indices_ref[seq, page_pos], 0, self.total_num_pages - 1)
+
+
+def count_seqs_in_order(cu_q_lens_ref, num_seqs_ref, config: KernelConfig):
+    """num_seqs clamped to [0, max_num_seqs], and cut before the first sequence whose
+    cu_q_lens go backwards: the walk relies on the rows of sequence s + 1 following those of s.
+    A loop over at most max_num_seqs sequences, run once, in the first grid step.
+
+    cu_q_lens_ref: i32[max_num_seqs + 1]; num_seqs_ref: i32[1]
+    """
+    n = jnp.clip(num_seqs_ref[0], 0, config.max_num_seqs)
+
+    def in_order(s):
+        next_start = cu_q_lens_ref[jnp.minimum(s + 1, config.max_num_seqs)]  # never past the end
+        return (s < n) & (next_start >= cu_q_lens_ref[s])
+
+    return lax.while_loop(in_order, lambda s: s + 1, jnp.int32(0))
 
 
 def next_live_seq(batch: SeqTable, seq):
@@ -508,7 +605,7 @@ def next_live_seq(batch: SeqTable, seq):
     n = batch.num_seqs()
 
     def is_idle(s):
-        s_safe = jnp.minimum(s, n - 1)  # never read past the live entries
+        s_safe = seq_or_last(batch, s)
         return (s < n) & (batch.q_end(s_safe) == batch.q_start(s_safe))
 
     return lax.while_loop(is_idle, lambda s: s + 1, seq)
@@ -536,57 +633,75 @@ def kv_block_range(batch: SeqTable, config: KernelConfig, seq, q_blk):
     first_pos = kv_len - q_end + first_row  # = kv_len - q_len + (first_row - q_start)
     last_pos = kv_len - q_end + last_row
     first_key = 0 if c.sliding_window is None else jnp.maximum(first_pos - c.sliding_window + 1, 0)
-    return first_key // c.kv_tokens_per_block, last_pos // c.kv_tokens_per_block + 1
+    # Clamped to at least one block, all within pages_per_seq: a garbage batch (kv_len < q_len)
+    # must neither loop long nor leave a prefetched block without its compute.
+    max_kv_blks = pl.cdiv(c.pages_per_seq, c.num_kv_pages_per_block)
+    first = jnp.clip(first_key // c.kv_tokens_per_block, 0, max_kv_blks - 1)
+    end = jnp.clip(last_pos // c.kv_tokens_per_block + 1, first + 1, max_kv_blks)
+    return first, end
 
 
 @dataclasses.dataclass(frozen=True)
 class Work:
-    """One KV block's worth of work: which heads, which sequence, which KV block."""
+    """One KV block's worth of work: which heads, which sequence, which KV block; and how
+    many pages the sequence has (for the copies), worked out once per sequence."""
 
     heads_blk: jax.Array
     seq: jax.Array
     kv_blk: jax.Array
+    num_pages: jax.Array
 
 
 def first_work(batch: SeqTable) -> Work:
+    """The first KV block of the first live sequence, in the q block of its first row.
+    `seq` is `num_seqs` if there is no live sequence."""
     seq = next_live_seq(batch, 0)
-    first_kv_blk, _ = kv_block_range(batch, batch.config, seq, 0)
-    return Work(jnp.int32(0), seq, first_kv_blk)
+    seq_q_blk = batch.q_start(seq_or_last(batch, seq)) // batch.config.num_queries_per_block
+    first_kv_blk, _ = kv_block_range(batch, batch.config, seq_or_last(batch, seq), seq_q_blk)
+    num_pages = batch.num_pages(seq_or_last(batch, seq))
+    return Work(jnp.int32(0), seq, first_kv_blk, num_pages)
 
 
-def next_work(batch: SeqTable, config: KernelConfig, q_blk, here: Work, first_live) -> Work:
-    """The KV block the kernel will attend to after `here` (in q block `q_blk`), so that its
-    copy can start now. After the very last one, `heads_blk` is `num_heads_blocks`.
+def seq_or_last(batch: SeqTable, seq):
+    """`seq`, or the last sequence if it is past them: never read past the live entries."""
+    return jnp.clip(seq, 0, jnp.maximum(batch.num_seqs() - 1, 0))
 
-    In order: the next KV block of this sequence; else the same sequence in the next q block
-    (if its rows go on); else the next live sequence; else the first live sequence of the next
-    heads block.
+
+def work_after_seq(batch: SeqTable, config: KernelConfig, q_blk, here: Work, following, first_live):
+    """The KV block the kernel will attend to after the last one of `here.seq` in q block
+    `q_blk`. After the very last one, `heads_blk` is `num_heads_blocks`.
+
+    In order: the same sequence in the next q block (if its rows go on); else the next live
+    sequence (`following`); else the first live sequence of the next heads block. Each starts
+    at its first visible KV block. It depends on the sequence only, not on the KV block, so
+    it is worked out once per sequence, outside the loop over KV blocks.
     """
     c = config
     bq = c.num_queries_per_block
-    _, end_kv_blk = kv_block_range(batch, c, here.seq, q_blk)
-    more_kv = here.kv_blk + 1 < end_kv_blk
     rows_go_on = batch.q_end(here.seq) > (q_blk + 1) * bq
-    following = next_live_seq(batch, here.seq + 1)
     heads_done = following >= batch.num_seqs()
 
-    # From the last resort to the first choice, each overriding the one before:
-    # the first live sequence of the next heads block (its q block is 0) ...
-    seq, seq_q_blk = first_live, 0
-    # ... the next live sequence, in the q block holding its first row ...
-    following_q_blk = batch.q_start(jnp.minimum(following, batch.num_seqs() - 1)) // bq
-    seq = jnp.where(heads_done, seq, following)
-    seq_q_blk = jnp.where(heads_done, seq_q_blk, following_q_blk)
-    # ... this sequence, in the next q block ...
+    # From the last resort to the first choice, each overriding the one before: the first live
+    # sequence of the next heads block, the next live sequence, this sequence ...
+    seq = jnp.where(heads_done, first_live, following)
     seq = jnp.where(rows_go_on, here.seq, seq)
-    seq_q_blk = jnp.where(rows_go_on, q_blk + 1, seq_q_blk)
-    # ... (all of which start at their first visible KV block) ... this sequence's next block.
+    # ... each in the q block holding its first row, except this one, which goes on in the next.
+    seq_q_blk = jnp.where(rows_go_on, q_blk + 1, batch.q_start(seq) // bq)
     first_kv_blk, _ = kv_block_range(batch, c, seq, seq_q_blk)
-    seq = jnp.where(more_kv, here.seq, seq)
-    kv_blk = jnp.where(more_kv, here.kv_blk + 1, first_kv_blk)
-    next_heads = heads_done & ~rows_go_on & ~more_kv
-    heads_blk = jnp.where(next_heads, here.heads_blk + 1, here.heads_blk)
-    return Work(heads_blk, seq, kv_blk)
+    heads_blk = jnp.where(heads_done & ~rows_go_on, here.heads_blk + 1, here.heads_blk)
+    return Work(heads_blk, seq, first_kv_blk, batch.num_pages(seq))
+
+
+def next_work(here: Work, end_kv_blk, after_seq: Work) -> Work:
+    """The KV block to attend to after `here`, so that its copy can start now: the next KV
+    block of this sequence, or else `after_seq` (from `work_after_seq`)."""
+    more_kv = here.kv_blk + 1 < end_kv_blk
+    return Work(
+        jnp.where(more_kv, here.heads_blk, after_seq.heads_blk),
+        jnp.where(more_kv, here.seq, after_seq.seq),
+        jnp.where(more_kv, here.kv_blk + 1, after_seq.kv_blk),
+        jnp.where(more_kv, here.num_pages, after_seq.num_pages),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -604,6 +719,10 @@ class KVBlockCopier:
         self.batch = batch
         self.config = config
 
+    def buffer(self, slot):
+        """The VMEM buffer of a slot: [num_kv_pages_per_block, page_size, 2*kvh_per_blk, hd]."""
+        return self.kv_bufs.at[slot]
+
     def start(self, work: Work, slot):
         self._for_each_page(work, slot, lambda copy: copy.start())
 
@@ -617,7 +736,7 @@ class KVBlockCopier:
         keeps stale data, which the compute zeroes. `wait` must see the same pages as `start`,
         so both come through here.
         """
-        num_pages = self.batch.num_pages(work.seq)
+        num_pages = work.num_pages
         for i in range(self.config.num_kv_pages_per_block):
             page_pos = work.kv_blk * self.config.num_kv_pages_per_block + i
             pl.when(page_pos < num_pages)(
@@ -628,10 +747,14 @@ class KVBlockCopier:
         """Copy (or wait for) one page: this heads block's K/V heads of every token in it."""
         kv_heads = self.config.num_kv_heads_per_block
         combined_heads = pl.ds(work.heads_blk * 2 * kv_heads, 2 * kv_heads)
+        if self.config.num_heads_blocks == 1:
+            # A static whole axis: Mosaic cannot prove a dynamic offset is tile-aligned when
+            # the axis is shorter than a tile (MQA in fp8: 2 combined heads, tiles of 4 rows).
+            combined_heads = slice(None)
         page = self.batch.page(work.seq, page_pos)
         copy = pltpu.make_async_copy(
             self.kv_pages_hbm_ref.at[page, :, combined_heads, :],  # [page_size, 2*kvh, hd]
-            self.kv_bufs.at[slot, i],  # [page_size, 2*num_kv_heads_per_block, head_dim]
+            self.buffer(slot).at[i],  # [page_size, 2*num_kv_heads_per_block, head_dim]
             self.sems.at[slot],
         )
         action(copy)
@@ -643,20 +766,60 @@ class KVBlockCopier:
 
 
 def load_kv_head(
-    kv_bufs,  # [2, num_kv_pages_per_block, page_size, 2*num_kv_heads_per_block, head_dim]
-    slot,
+    kv_buf,  # [num_kv_pages_per_block, page_size, 2*num_kv_heads_per_block, head_dim]
     kv_head: int,  # within the heads block
     config: KernelConfig,
-):  # -> k, v: [kv_tokens_per_block, head_dim], kv dtype
+):  # -> k, v: [kv_tokens_per_block, head_dim], kv dtype or float32
     """K and V of one KV head from a slot, as [tokens, head_dim] matrices.
 
-    K sits in combined slot 2*kv_head and V in 2*kv_head + 1 of every token. The ref is indexed
-    and the *value* reshaped: interpret mode cannot reshape refs.
+    K sits in combined slot 2*kv_head and V in 2*kv_head + 1 of every token. Tokens at or past
+    kv_len hold anything (NaN padding, stale or never-written memory): see
+    `zero_tokens_past_kv_len`.
+    """
+    if config.strided_kv_loads:
+        return load_kv_head_strided(kv_buf, kv_head, config)
+    c = config
+    # Index the ref and reshape the *value*: TPU interpret mode cannot reshape refs. On the chip
+    # this reads one vector register per token and reassembles the rows: slow.
+    tokens = c.kv_tokens_per_block
+    k = kv_buf[:, :, 2 * kv_head, :].reshape(tokens, c.head_dim)
+    v = kv_buf[:, :, 2 * kv_head + 1, :].reshape(tokens, c.head_dim)
+    return k, v
+
+
+def can_load_kv_strided(config: KernelConfig, kv_dtype, interpret) -> bool:
+    """Whether `load_kv_head_strided` applies: refs can be viewed (the chip, or plain
+    `interpret=True`; not TPU interpret mode), the combined heads of a token fill whole
+    (8 * packing, 128) tiles (so the flat view is free), the KV dtype is f32 or bf16, and
+    head_dim is 128 (Mosaic's strided loads need rows of exactly 128 lanes)."""
+    if isinstance(interpret, pltpu.InterpretParams):
+        return False
+    combined = 2 * config.num_kv_heads_per_block
+    tiles_whole = combined % (8 * packing(kv_dtype)) == 0
+    return packing(kv_dtype) in (1, 2) and tiles_whole and config.head_dim == LANES
+
+
+def load_kv_head_strided(kv_buf, kv_head: int, config: KernelConfig):
+    """`load_kv_head` with one strided load: row `token * 2*kvh + 2*kv_head` of the slot seen
+    as a flat [tokens * 2*kvh, head_dim] matrix, for every token.
+
+    In bf16 two rows share each 32-bit word (K in the low half, V in the high half), so one
+    load of 32-bit words brings K and V together. Shifted into the high half, a bf16 is the
+    float32 of the same value: a shift and a mask split them, and they stay float32 (exactly
+    the bf16 values) until `dequantize_kv` casts them.
     """
     c = config
     tokens = c.kv_tokens_per_block
-    k = kv_bufs[slot, :, :, 2 * kv_head, :].reshape(tokens, c.head_dim)
-    v = kv_bufs[slot, :, :, 2 * kv_head + 1, :].reshape(tokens, c.head_dim)
+    flat = kv_buf.reshape(tokens * 2 * c.num_kv_heads_per_block, c.head_dim)
+    if packing(kv_buf.dtype) == 1:  # f32: one row per combined head
+        stride = 2 * c.num_kv_heads_per_block
+        k = flat[pl.ds(2 * kv_head, tokens, stride=stride), :]
+        v = flat[pl.ds(2 * kv_head + 1, tokens, stride=stride), :]
+        return k, v
+    words = flat.bitcast(jnp.uint32)  # [tokens * kvh, head_dim]: one (K, V) pair per row
+    pair = words[pl.ds(kv_head, tokens, stride=c.num_kv_heads_per_block), :]  # [tokens, hd]
+    k = lax.bitcast_convert_type(pair << 16, jnp.float32)
+    v = lax.bitcast_convert_type(pair & jnp.uint32(0xFFFF0000), jnp.float32)
     return k, v
 
 
@@ -671,51 +834,80 @@ def load_q_group(q_ref, kv_head: int, config: KernelConfig):  # -> [rows_per_kv_
     return q.reshape(c.rows_per_kv_head, c.head_dim)
 
 
-def prepare_kv(
-    k,  # [kv_tokens_per_block, head_dim], kv dtype
-    v,  # [kv_tokens_per_block, head_dim], kv dtype
+def dequantize_kv(
+    k,  # [kv_tokens_per_block, head_dim], kv dtype or float32
+    v,  # [kv_tokens_per_block, head_dim], kv dtype or float32
     dtype,
-    kv_blk,
-    kv_len,
     config: KernelConfig,
 ):  # -> k, v: [kv_tokens_per_block, head_dim], dtype
-    """Dequantize (fp8) to the compute dtype and zero the tokens at or past kv_len."""
-    k = zero_missing_keys(dequantize(k, config.k_scale, dtype), kv_blk, kv_len, config)
-    v = zero_missing_keys(dequantize(v, config.v_scale, dtype), kv_blk, kv_len, config)
-    return k, v
+    """Dequantize (fp8) to the compute dtype; a plain cast otherwise."""
+    return dequantize(k, config.k_scale, dtype), dequantize(v, config.v_scale, dtype)
 
 
-def zero_missing_keys(x, kv_blk, kv_len, config: KernelConfig):  # x: [kv_tokens, head_dim]
-    """Zero the token rows at or past kv_len: they hold NaN or stale pages, and masking the
-    score does not help there, since 0 * NaN = NaN in p @ v. (In float32: v5e has no bf16
-    vector unit.)"""
+def zero_tokens_past_kv_len(x, kv_blk, kv_len, config: KernelConfig):  # x: [kv_tokens, hd]
+    """Zero the token rows at or past kv_len; needed for V only.
+
+    Those rows hold NaN padding, or stale or never-written memory where pages were not copied.
+    K needs nothing: no row can see past kv_len, so `score_mask` replaces those scores (NaN
+    included) and p is exactly 0 there. But 0 * NaN = NaN in p @ v, so V must be finite.
+    (The select runs in float32: v5e has no bf16 vector unit.)
+    """
     pos = kv_blk * config.kv_tokens_per_block + lax.broadcasted_iota(jnp.int32, x.shape, 0)
     return jnp.where(pos < kv_len, x.astype(jnp.float32), 0.0).astype(x.dtype)
 
 
-def score_mask(batch: SeqTable, seq, q_blk, kv_blk, config: KernelConfig):
+@dataclasses.dataclass(frozen=True)
+class SeqSpan:
+    """One sequence's rows [q_start, q_end) and kv_len, read from the table once per sequence
+    rather than in every KV-block iteration."""
+
+    q_start: jax.Array
+    q_end: jax.Array
+    kv_len: jax.Array
+
+
+def score_mask(span: SeqSpan, q_blk, kv_blk, config: KernelConfig):
     """Which scores count, and which rows belong to `seq`.
 
     Returns visible: bool[rows_per_kv_head, kv_tokens_per_block] (causal, sliding window) and
-    in_seq: bool[rows_per_kv_head, 1] (rows of other sequences, or padding, must not change).
+    in_seq: bool[rows_per_kv_head, LANES] (rows of other sequences, or padding, must not change).
     """
     c = config
     shape = (c.rows_per_kv_head, c.kv_tokens_per_block)
-    row = q_blk * c.num_queries_per_block + (
-        lax.broadcasted_iota(jnp.int32, shape, 0) // c.num_q_heads_per_kv_head
-    )
-    q_pos = batch.kv_len(seq) - batch.q_end(seq) + row  # position of the row in its sequence
+    q_pos = span.kv_len - span.q_end + q_row(shape, q_blk, c)  # position in its sequence
     k_pos = kv_blk * c.kv_tokens_per_block + lax.broadcasted_iota(jnp.int32, shape, 1)
     visible = k_pos <= q_pos
     if c.sliding_window is not None:
         visible &= k_pos > q_pos - c.sliding_window
-    in_seq = (row >= batch.q_start(seq)) & (row < batch.q_end(seq))
-    return visible, in_seq[:, :1]
+    row = q_row((c.rows_per_kv_head, LANES), q_blk, c)
+    in_seq = (row >= span.q_start) & (row < span.q_end)
+    return visible, in_seq
+
+
+def q_row(shape, q_blk, config: KernelConfig):
+    """i32[shape]: the q row (in the whole batch) of each row of the folded q matrix."""
+    first = q_blk * config.num_queries_per_block
+    return first + lax.broadcasted_iota(jnp.int32, shape, 0) // config.num_q_heads_per_kv_head
+
+
+def widen(x, width: int):  # x: [rows, LANES], every lane the same -> [rows, width]
+    """A lane-replicated column, as wide as `width` columns.
+
+    A multiple of 128 columns is copies of the same vector registers (free); anything else
+    takes one lane and broadcasts it (a cross-lane permute on the chip).
+    """
+    if width % LANES == 0:
+        return jnp.concatenate([x] * (width // LANES), axis=1) if width > LANES else x
+    return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
 
 
 class OnlineSoftmax:
     """The running max m, running sum l and unnormalized output acc of every row of the q block,
-    per KV head: softmax(s) @ v computed one KV block at a time."""
+    per KV head: softmax(s) @ v computed one KV block at a time.
+
+    m and l are kept 128 lanes wide, every lane holding the row's value: that is how a row's
+    value must sit to meet 128 columns of s or acc, so they are never broadcast across lanes.
+    """
 
     def __init__(self, m_ref, l_ref, acc_ref, config: KernelConfig):
         self.m_ref = m_ref  # f32[num_kv_heads_per_block, rows_per_kv_head, LANES]
@@ -735,7 +927,7 @@ class OnlineSoftmax:
         k,  # [kv_tokens_per_block, head_dim]
         v,  # [kv_tokens_per_block, head_dim]
         visible,  # bool[rows_per_kv_head, kv_tokens_per_block]
-        in_seq,  # bool[rows_per_kv_head, 1]
+        in_seq,  # bool[rows_per_kv_head, LANES]
     ):
         """Fold one KV block into the rows `in_seq`, for one KV head and its q heads."""
         c = self.config
@@ -743,26 +935,22 @@ class OnlineSoftmax:
         if c.soft_cap is not None:
             s = c.soft_cap * jnp.tanh(s / c.soft_cap)
         s = jnp.where(visible, s, c.mask_value)  # [rows, kv_tokens]
+        lanes = (c.rows_per_kv_head, LANES)
 
-        m_prev = self.m_ref[kv_head][:, :1]  # [rows, 1]
-        l_prev = self.l_ref[kv_head][:, :1]
-        m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-        p = jnp.exp(s - m_next)  # [rows, kv_tokens]
+        m_prev = self.m_ref[kv_head]  # [rows, LANES]
+        l_prev = self.l_ref[kv_head]  # [rows, LANES]
+        acc_prev = self.acc_ref[kv_head]  # [rows, head_dim]
+        m_next = jnp.maximum(m_prev, jnp.broadcast_to(s.max(axis=1, keepdims=True), lanes))
+        p = jnp.exp(s - widen(m_next, c.kv_tokens_per_block))  # [rows, kv_tokens]
         alpha = jnp.exp(m_prev - m_next)  # rescales what was summed under the old max
-        l_next = alpha * l_prev + p.sum(axis=1, keepdims=True)
+        l_next = alpha * l_prev + jnp.broadcast_to(p.sum(axis=1, keepdims=True), lanes)
         pv = jnp.einsum("rt,td->rd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        acc_next = alpha * self.acc_ref[kv_head] + pv
+        acc_next = widen(alpha, c.head_dim) * acc_prev + pv
 
         # Rows of other sequences (and padding rows, which may be NaN) keep their state.
-        self._store(self.m_ref, kv_head, m_next, in_seq)
-        self._store(self.l_ref, kv_head, l_next, in_seq)
-        self._store(self.acc_ref, kv_head, acc_next, in_seq)
-
-    @staticmethod
-    def _store(ref, kv_head: int, new, in_seq):
-        """ref[kv_head] = new on the rows in_seq (broadcast across lanes), old elsewhere."""
-        old = ref[kv_head]  # [rows, LANES or head_dim]
-        ref[kv_head] = jnp.where(in_seq, jnp.broadcast_to(new, old.shape), old)
+        self.m_ref[kv_head] = jnp.where(in_seq, m_next, m_prev)
+        self.l_ref[kv_head] = jnp.where(in_seq, l_next, l_prev)
+        self.acc_ref[kv_head] = jnp.where(widen(in_seq, c.head_dim), acc_next, acc_prev)
 
     def write_output(self, o_ref):
         """out = acc / l for each KV head's group of q heads. Rows that no sequence owns have

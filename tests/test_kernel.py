@@ -1,12 +1,24 @@
-"""The Pallas TPU kernel, run in TPU interpret mode on CPU, against JAX's reference.
+"""The Pallas TPU kernel, run on CPU, against JAX's reference.
 
 Every batch comes from `make_batch`, so unused page slots, unused pages and padding q rows are
 NaN and padding sequence slots hold garbage: a kernel that reads them fails here.
 The fast suite runs a dozen small cases; `pytest -m slow` adds a random sweep.
+
+Which path of the kernel each test covers:
+- TPU interpret mode (`pltpu.InterpretParams`: HBM, VMEM, DMAs and semaphores simulated) runs
+  the kernel with K and V read by plain ref indexing (it cannot view a ref as another shape
+  or dtype). The parity tests run it twice: with DMAs done when waited for (the default) and
+  with DMAs done as soon as started (`dma_execution_mode="eager"`), where a copy into a slot
+  still being read changes the answer. The race tests add the race detector.
+- The compiled path reads each KV head with one strided load through a flat 32-bit view of
+  the slot (`load_kv_head_strided`). Plain `interpret=True` can run that (it can view refs, but
+  does not simulate DMA timing): `test_strided_kv_loads_match_jax_reference`.
+- Mosaic's own compiler passes need libtpu: see the TPU compile tests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import jax
@@ -21,15 +33,22 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
 
 from minilib.batch import make_batch, random_seq_lens
 from minilib.kernel import (
+    KVBlockCopier,
+    can_load_kv_strided,
     default_block_sizes,
+    kernel_config,
     num_kv_heads_per_block,
     ragged_paged_attention,
     resolve_interpret,
+    rpa_pallas_call,
 )
 from minilib.validation import RPAInputError
 
 # Fresh VMEM and SMEM scratch is NaN, so a kernel that reads memory it never wrote fails.
 INTERPRET = pltpu.InterpretParams(uninitialized_memory="nan")
+# A DMA runs when it is started: reading a slot that a copy is still filling gets new data.
+EAGER = pltpu.InterpretParams(uninitialized_memory="nan", dma_execution_mode="eager")
+DMA_MODES = {"DMAs on wait": INTERPRET, "DMAs eager": EAGER}
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 
@@ -113,11 +132,57 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("dma_mode", list(DMA_MODES))
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_jax_reference(name):
+def test_matches_jax_reference(name, dma_mode):
     seq_lens, batch_options, options = CASES[name]
     batch = make_batch(seq_lens, **batch_options)
-    check_against_reference(batch, sm_scale=0.125, **options)
+    check_against_reference(batch, interpret=DMA_MODES[dma_mode], sm_scale=0.125, **options)
+
+
+STRIDED_CASES = {
+    # name: (make_batch options, kernel options); 2 * KV heads fill whole (8 * packing) tiles
+    "bfloat16, 8 KV heads": (dict(num_kv_heads=8, dtype=jnp.bfloat16), {}),
+    "float32, 4 KV heads, sliding window and soft cap": (
+        dict(num_kv_heads=4, dtype=jnp.float32),
+        dict(sliding_window=9, soft_cap=20.0),
+    ),
+    "bfloat16, two heads blocks": (dict(num_kv_heads=16, dtype=jnp.bfloat16), {}),
+}
+
+
+@pytest.mark.parametrize("name", list(STRIDED_CASES))
+def test_strided_kv_loads_match_jax_reference(name):
+    """The compiled path's strided K/V loads, run by plain `interpret=True`."""
+    batch_options, options = STRIDED_CASES[name]
+    num_kv_heads = batch_options["num_kv_heads"]
+    batch = make_batch(
+        MIXED, num_q_heads=2 * num_kv_heads, head_dim=128, page_size=8, **batch_options
+    )
+    options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8, **options)
+    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
+    assert can_load_kv_strided(config, batch.kv_pages.dtype, interpret=True)
+    out = run_pallas_call(batch, config, interpret=True)
+    expected = jax_reference_jit(batch, **without_block_sizes(options))
+    n = batch.num_tokens
+    tolerance = TOLERANCE[batch.q.dtype.type]
+    np.testing.assert_allclose(
+        np.asarray(out[:n], np.float32), np.asarray(expected, np.float32), atol=tolerance, rtol=0
+    )
+    np.testing.assert_array_equal(np.asarray(out[n:], np.float32), 0.0)
+
+
+def run_pallas_call(batch, config, *, interpret, copier_class=None):
+    """The kernel's pallas_call itself, with any `interpret` value (the public function turns
+    `True` into TPU interpret mode) and, for the mutation tests, another copier class."""
+    call = rpa_pallas_call(
+        batch.q, batch.kv_pages, config=config, interpret=interpret, copier_class=copier_class
+    )
+    return jax.jit(call)(*batch.args()[2:], batch.q, batch.kv_pages)[0]
+
+
+def without_block_sizes(options):
+    return {k: v for k, v in options.items() if not k.startswith("num_")}
 
 
 def test_empty_batch_gives_zeros():
@@ -141,17 +206,55 @@ def races_found() -> bool:
     raise AssertionError("cannot find the Pallas interpret race detector in this JAX")
 
 
-def test_mixed_batch_without_races():
-    """Prefill, decode, idle and chunk with padding slots, KV blocks not dividing pages_per_seq;
-    with the race detector on: a copy into one slot must never touch the slot in use."""
-    batch = make_batch(
+def race_test_batch():
+    """Prefill, decode, idle and chunk with padding slots, KV blocks not dividing pages_per_seq."""
+    return make_batch(
         MIXED, page_size=8, max_num_batched_tokens=24, max_num_seqs=6, pages_per_seq=7
     )
-    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
-    check_against_reference(
-        batch, interpret=params, sm_scale=0.125, num_kv_pages_per_block=3, num_queries_per_block=8
-    )
+
+
+RACE_TEST_OPTIONS = dict(sm_scale=0.125, num_kv_pages_per_block=3, num_queries_per_block=8)
+
+
+@pytest.mark.parametrize("dma_mode", list(DMA_MODES))
+def test_mixed_batch_without_races(dma_mode):
+    """With the race detector on: a copy into one slot must never touch the slot in use."""
+    params = dataclasses.replace(DMA_MODES[dma_mode], detect_races=True)
+    check_against_reference(race_test_batch(), interpret=params, **RACE_TEST_OPTIONS)
     assert not races_found()
+
+
+class SingleBufferCopier(KVBlockCopier):
+    """A deliberately broken kernel: one KV buffer for both slots (each slot keeps its own
+    semaphore), so the next KV block is prefetched into the buffer being read."""
+
+    def buffer(self, slot):
+        return self.kv_bufs.at[0]
+
+
+def run_single_buffered(interpret):
+    batch = race_test_batch()
+    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **RACE_TEST_OPTIONS)
+    out = run_pallas_call(batch, config, interpret=interpret, copier_class=SingleBufferCopier)
+    return batch, np.asarray(out, np.float32)
+
+
+@pytest.mark.parametrize("dma_mode", list(DMA_MODES))
+def test_the_race_detector_catches_a_single_buffered_kernel(dma_mode):
+    """The race check above can fail on the kernel itself, whichever way DMAs are simulated."""
+    params = dataclasses.replace(DMA_MODES[dma_mode], detect_races=True)
+    run_single_buffered(params)
+    assert races_found()
+
+
+def test_eager_dmas_show_a_single_buffered_kernel_in_the_answer():
+    """With eager DMAs, the prefetch overwrites the block being read: parity fails."""
+    batch, out = run_single_buffered(EAGER)
+    n = batch.num_tokens
+    options = without_block_sizes(RACE_TEST_OPTIONS)
+    expected = np.asarray(jax_reference_jit(batch, **options), np.float32)
+    error = np.abs(out[:n] - expected)
+    assert not (error <= TOLERANCE[jnp.float32]).all(), "the broken kernel still matches"
 
 
 def test_the_race_detector_catches_a_deliberate_race():
@@ -202,9 +305,20 @@ def test_bad_head_counts_raise():
         ragged_paged_attention(q, kv_pages, *batch.args()[2:], interpret=INTERPRET)
 
 
-def test_interpret_default_follows_the_backend():
-    assert jax.default_backend() != "tpu"
+ON_TPU = jax.default_backend() == "tpu"
+
+
+@pytest.mark.skipif(ON_TPU, reason="a TPU host compiles: see the next test")
+def test_interpret_default_is_tpu_interpret_mode_without_a_tpu():
     assert isinstance(resolve_interpret(None), pltpu.InterpretParams)
+
+
+@pytest.mark.skipif(not ON_TPU, reason="needs a TPU host")
+def test_interpret_default_compiles_on_a_tpu_host():
+    assert resolve_interpret(None) is False
+
+
+def test_explicit_interpret_values_are_kept():
     assert isinstance(resolve_interpret(True), pltpu.InterpretParams)
     assert resolve_interpret(False) is False
     params = pltpu.InterpretParams(detect_races=True)
