@@ -52,8 +52,9 @@ CHROMIUM_FLAGS = [
 REACT_SECONDS = 60
 RUN_ALL_SECONDS = 600
 NEWS_PROMPT = "Would you like to get notified about official Jupyter news?"
-# What a widget that did not render shows instead of itself.
-LOADING = "Loading widget"
+# What a widget that did not render shows instead of itself: a placeholder, the front end's
+# error, or its Python repr.
+UNRENDERED = ("Loading widget", "Error displaying widget", "Failed to load")
 MODEL_REPR = re.compile(r"\b[A-Z]\w*\(children=\(")
 
 
@@ -282,7 +283,7 @@ class NotebookPage:
         """Outputs showing "Loading widget..." or a widget's Python repr instead of the
         widget."""
         outputs = self.page.locator(self.front_end.outputs).all_inner_texts()
-        return [t[:200] for t in outputs if LOADING in t or MODEL_REPR.search(t)]
+        return [t[:200] for t in outputs if any(u in t for u in UNRENDERED) or MODEL_REPR.search(t)]
 
     def wait_for_text(self, box, text: str, present: bool = True) -> float:
         """Wait until `text` shows in `box` (or, with present=False, no longer shows).

@@ -139,12 +139,15 @@ def screenshot(nb: NotebookPage, box, state: str, docs_name: str | None = None) 
         shrink_for_docs(path, DOCS_IMG / f"{docs_name}.png")
 
 
-def shrink_for_docs(source: Path, target: Path, width: int = 640, colours: int = 48) -> None:
-    """A copy small enough to commit: `width` pixels wide, a palette of `colours`."""
+def shrink_for_docs(
+    source: Path, target: Path, width: int = 640, colours: int = 96, top: int = 1000
+) -> None:
+    """A copy small enough to commit: its `top` pixels, `width` wide, `colours` colours."""
     from PIL import Image
 
     target.parent.mkdir(parents=True, exist_ok=True)
     image = Image.open(source).convert("RGB")
+    image = image.crop((0, 0, image.width, min(image.height, top)))
     height = round(image.height * width / image.width)
     small = image.resize((width, height), Image.LANCZOS)
     small.quantize(colors=colours, method=Image.Quantize.MEDIANCUT).save(target, optimize=True)
@@ -175,7 +178,7 @@ def test_01_head_grouping(open_notebook):
     nb.wait_for_text(box, "each of the 4 KV heads serves 3 q heads")
     first = nb.wait_for_figure(box)
     assert message_colour(box) == GREEN
-    screenshot(nb, box, "01-head-grouping-12-4", "head_grouping")
+    screenshot(nb, box, "01-head-grouping-12-4")
 
     nb.type_into(box, "num_kv_heads", "8")  # the famous pair: 12 and 8
     nb.wait_for_text(box, "num_q_heads=12 must be divisible by num_kv_heads=8")
@@ -222,14 +225,14 @@ def test_05_validation_playground(open_notebook):
     box = nb.explorer("Validation playground")
     nb.wait_for_text(box, "num_q_heads=12 must be divisible by num_kv_heads=8")
     assert message_colour(box) == VERMILLION  # an error is never shown in the green box
-    screenshot(nb, box, "05-playground-12-8", "validation_playground")
+    screenshot(nb, box, "05-playground-12-8")
 
     nb.choose(box, "mistake", "kv_lens as int64 (NumPy's default)")
     nb.wait_for_text(box, "kv_lens.dtype=dtype('int64')")
     nb.wait_for_text(box, "def int64_lengths(b):")
     assert "Hint:" in box.inner_text() and message_colour(box) == VERMILLION
     assert wraps_between_words(nb, box)
-    screenshot(nb, box, "05-playground-int64")
+    screenshot(nb, box, "05-playground-int64", "validation_playground")
 
     nb.choose(box, "mistake", "a page index out of range")
     nb.wait_for_text(box, "page_indices[1, 0]=9 is outside [0, 9)")
