@@ -270,10 +270,22 @@ class NotebookPage:
 
     def explorer(self, title: str):
         """The box of the explorer whose title starts with `title`, scrolled into view."""
+        from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
         box = self.page.locator(".widget-vbox", has=self.page.get_by_text(title)).last
+        try:
+            box.wait_for(timeout=REACT_SECONDS * 1000)
+        except PlaywrightTimeout:
+            raise AssertionError(
+                f"{self.name}: the explorer {title!r} did not render. Widget errors in the "
+                f"console: {self.widget_console_errors()}; outputs: {self.unrendered_widgets()}"
+            ) from None
         box.scroll_into_view_if_needed()
-        box.wait_for(timeout=REACT_SECONDS * 1000)
         return box
+
+    def widget_console_errors(self) -> list[str]:
+        """Console errors of the widget manager (a model or view it could not load)."""
+        return [e.splitlines()[0] for e in self.console_errors if "widget" in e.lower()]
 
     def news_prompt_shown(self) -> bool:
         """JupyterLab's pop-up asking about its news feed (the course turns it off)."""

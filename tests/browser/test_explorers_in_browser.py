@@ -112,6 +112,7 @@ def open_notebook(browser, lab, results_dir, record_property):
         nb.page.screenshot(path=results_dir / f"{Path(nb.name).stem}-page.png", full_page=False)
         assert nb.unrendered_widgets() == [], f"{nb.name}: widgets did not render"
         assert nb.page_errors == [], f"{nb.name}: JavaScript errors: {nb.page_errors}"
+        assert nb.widget_console_errors() == [], f"{nb.name}: widget errors in the console"
         assert not nb.news_prompt_shown(), "the course's JupyterLab settings turn the news off"
         errors = sorted({e.splitlines()[0][:200] for e in nb.console_errors})
         print(f"{nb.name}: console errors (reported, not failed): {errors}")
