@@ -69,6 +69,7 @@ class FrontEnd:
     prompts: str  # the input prompts of the notebook's code cells ("[3]:", "[*]:")
     outputs: str  # every output area
     error_outputs: str  # outputs that are tracebacks
+    whole_outputs_css: str = ""  # for screenshots: long outputs shown whole, not scrolled
 
 
 LAB = FrontEnd(
@@ -89,6 +90,8 @@ CLASSIC = FrontEnd(
     prompts=".code_cell .input_prompt",
     outputs=".output_area",
     error_outputs=".output_error",
+    whole_outputs_css=".output_scroll { height: auto !important; max-height: none !important;"
+    " overflow: visible !important; box-shadow: none !important; }",
 )
 
 
@@ -361,6 +364,8 @@ class NotebookPage:
 
     def screenshot(self, box, state: str) -> Path:
         path = self.results_dir / f"{state}.png"
+        if self.front_end.whole_outputs_css:
+            self.page.add_style_tag(content=self.front_end.whole_outputs_css)
         box.scroll_into_view_if_needed()
         box.screenshot(path=path)
         return path
