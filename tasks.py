@@ -3,14 +3,20 @@
     python3 tasks.py course   # make .venv, install, open JupyterLab on notebooks/
     python3 tasks.py test     # make the venvs, install, lint, run every test
 
-`test` runs in two environments:
+`test` runs in four environments:
   * .venv         the newest supported jax (constraints/newest.txt): lint, then every test
                   (notebooks included; the slow sweeps stay opt-in, see README);
   * .venv-oldest  Colab's TPU runtime: jax 0.7.2 and ipywidgets 7.7.1
                   (constraints/oldest.txt) on Python 3.13 when this machine has it: the
                   fast tests, notebooks and explorers included;
-then the browser test in both (tests/browser: the explorers in JupyterLab in headless
-Chromium), which needs Debian's `chromium` and is skipped, loudly, without it.
+  * .venv-tpu     the newest jax with its libtpu, pinned (constraints/tpu.txt): the
+                  `tpu_compile` tests, which compile every kernel for four TPU chips here,
+                  without a TPU, and print our kernel's bundle ratios against JAX's;
+  * .venv-tpu-oldest  jax 0.7.2 with its libtpu, Colab's stack (constraints/tpu-oldest.txt):
+                  a few of those compiles (COLAB_TPU_TESTS).
+then the browser test in .venv and .venv-oldest (tests/browser: the explorers in
+JupyterLab, or the classic notebook for ipywidgets 7, in headless Chromium), which needs
+Debian's `chromium` and is skipped, loudly, without it.
 
 Extra arguments after `test` go to pytest in the first environment, e.g.
 `python3 tasks.py test -m slow`.
@@ -30,6 +36,14 @@ OLDEST = (ROOT / ".venv-oldest", ROOT / "constraints" / "oldest.txt")
 COLAB_PYTHON = "3.13"  # the Python of Colab's TPU runtime, for .venv-oldest
 # The course's JupyterLab settings: no news pop-up (labconfig/default_setting_overrides.json).
 JUPYTER_CONFIG = ROOT / "jupyter_config"
+TPU = (ROOT / ".venv-tpu", ROOT / "constraints" / "tpu.txt")
+TPU_OLDEST = (ROOT / ".venv-tpu-oldest", ROOT / "constraints" / "tpu-oldest.txt")
+# On Colab's stack, one kernel configuration per chip, the comparison with JAX's kernel and
+# the harness's own failure tests: the whole matrix runs once, on the newest stack.
+# The test files holding `tpu_compile` tests (the TPU venvs lack the course's packages, so
+# only these are collected there).
+TPU_COMPILE_TESTS = ("tests/test_tpu_compile.py", "tests/test_ladder.py")
+COLAB_TPU_TESTS = "gqa-bf16 or against_jax or bad_kernel or vmem_overflow or by_design"
 
 
 def run(*cmd: str | Path, env: dict | None = None) -> None:
@@ -91,6 +105,13 @@ def test(args: list[str]) -> None:
 
     oldest = make_venv(*OLDEST, extra="dev,browser", base_python=colab_python())
     pytest(oldest, "-m", "not slow and not browser", "-p", "no:cacheprovider")
+
+    tpu = make_venv(*TPU, extra="tpu-test")
+    pytest(tpu, "-m", "tpu_compile", "-p", "no:cacheprovider", *TPU_COMPILE_TESTS)
+
+    tpu_oldest = make_venv(*TPU_OLDEST, extra="tpu-test")
+    pytest(tpu_oldest, "-m", "tpu_compile", "-k", COLAB_TPU_TESTS, "-p", "no:cacheprovider",
+           "tests/test_tpu_compile.py")  # fmt: skip
 
     for env in (python, oldest):
         browser_test(env)

@@ -1,4 +1,4 @@
-"""Command line: `python -m minilib doctor` or `python -m minilib bench [options]`."""
+"""Command line: `python -m minilib doctor`, `... bench [options]`, `... compile [options]`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ commands:
   doctor   where you are running (cpu or tpu), versions, interpreted or compiled kernel,
            and a one-second parity check
   bench    the benchmark harness (python -m minilib bench --help)
+  compile  compile our kernel and JAX's for a TPU chip, without a TPU (needs libtpu), and
+           compare bundles per KV block, VMEM and spills (python -m minilib compile --help)
 """
 
 
@@ -27,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         from minilib.bench import main as bench_main
 
         return bench_main(rest)
+    if command == "compile":
+        from minilib.kernel_costs import main as compile_main
+
+        return compile_main(rest)
     print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -3,6 +3,7 @@
     python -m minilib bench --quick                       # one small case, about a minute on CPU
     python -m minilib bench --workload mixed --num-seqs 32
     python -m minilib bench --targets                     # the course's speed targets, PASS/FAIL
+    python -m minilib bench --engine                      # serving engine vs dense, tokens/s
     python -m minilib bench --help
 
 For each implementation and each case (workload x number of sequences x head config):
@@ -738,7 +739,15 @@ def check_targets(case: BenchCase = TARGET_CASE, *, reps: int = 5, log=print):
                 f"{chip.peak_flops_per_s / 1e9:.1f} GFLOP/s measured matmul)",
             )
         )
-    return results + check_tpu_targets(case, reps=reps, log=log)
+    return results + check_tpu_targets(case, reps=reps, log=log) + check_static_targets()
+
+
+def check_static_targets() -> list[TargetResult]:
+    """The kernel's static TPU targets (compiled bundles and spills against JAX's kernel, on
+    any host with libtpu): see `minilib.kernel_costs.static_targets`."""
+    from minilib.kernel_costs import static_targets
+
+    return [TargetResult(name, passed, detail) for name, passed, detail in static_targets()]
 
 
 # The TPU targets: the mixed case of the speed targets, and a decode-heavy step of the same
@@ -849,6 +858,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the memory sweep's max_kv_len values",
     )  # fmt: skip
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument(
+        "--engine", action="store_true",
+        help="engine workload: minilib.engine against dense_generate one request at a time",
+    )  # fmt: skip
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     return p
 
@@ -885,6 +898,11 @@ def main(argv: list[str] | None = None) -> int:
             known = ", ".join(i.name for i in IMPLEMENTATIONS)
             print(f"unknown --impls {sorted(unknown)}: choose from {known}", file=sys.stderr)
             return 2
+    if args.engine:  # the serving engine's throughput (minilib/engine/throughput.py)
+        from minilib.engine.throughput import engine_bench
+
+        print(engine_bench(reps=args.reps).describe())
+        return 0
     if args.targets:
         case = dataclasses.replace(TARGET_CASE, dtype=cases_from_args(args)[0].dtype)
         print(f"speed targets on: {case}  (timings are noisy on a shared machine)")

@@ -66,4 +66,29 @@ def doctor() -> bool:
     details = ", ".join(f"{name} {err:.1e}" for name, err in errors.items())
     verdict = "PASS" if ok else "FAIL"
     print(f"parity check: {verdict}: max |minilib - jax reference|: {details} ({seconds:.1f} s)")
-    return ok
+    return tpu_compile_check() and ok
+
+
+def tpu_compile_check() -> bool:
+    """Report whether a TPU compile is available here (libtpu, no TPU needed); when it is,
+    compile the kernel for v5e and print what the compiler made of it. Returns False only
+    when libtpu is there and the kernel does not compile."""
+    from minilib.tpu_compile import tpu_compile_available
+
+    ok, reason = tpu_compile_available()
+    if not ok:
+        print(f"TPU compile:  not available: {reason}")
+        return True
+    from minilib.kernel_costs import compile_rpa, rpa_specs
+
+    report = compile_rpa("ours", rpa_specs(), chip="v5e")
+    if not report.compiled:
+        print(f"TPU compile:  FAIL: {reason}; the kernel did not compile for v5e:")
+        print(report.error)
+        return False
+    print(
+        f"TPU compile:  PASS: {reason}; the kernel compiles for v5e: "
+        f"{report.bundles_per_kv_block:,} bundles per KV block, VMEM {report.vmem_bytes // 1024:,} "
+        f"KiB (static estimates, not timings; python -m minilib compile compares with JAX's)"
+    )
+    return True

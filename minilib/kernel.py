@@ -60,6 +60,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from minilib.block_sizes import (  # noqa: F401  (re-exported: the policy's old home)
+    DEFAULT_NUM_QUERIES_PER_BLOCK,
+    KV_BUFFERS_VMEM_BUDGET,
+    MAX_PAGES_PER_BLOCK,
+    TARGET_KV_TOKENS_PER_BLOCK,
+    default_block_sizes,
+    num_kv_heads_per_block,
+    packing,
+)
 from minilib.reference import DEFAULT_MASK_VALUE, dequantize
 from minilib.validation import static_validate_inputs
 
@@ -67,15 +76,8 @@ from minilib.validation import static_validate_inputs
 # laid out in (8, 128) tiles, so a [rows, 1] array would take the same space anyway.
 LANES = 128
 
-# Default block sizes: a KV block of about this many tokens keeps the MXU busy, ...
-TARGET_KV_TOKENS_PER_BLOCK = 512
-# ... with at most this many page copies per block (each is a DMA descriptor, issued by the
-# scalar core, whose page number lives in a scalar register) ...
-MAX_PAGES_PER_BLOCK = 16
-# ... and both KV buffers together within this much VMEM (v5e's default scoped VMEM is 16 MiB,
-# v6e's 32 MiB; q, the output and the softmax state need room too).
-KV_BUFFERS_VMEM_BUDGET = 4 * 1024 * 1024
-DEFAULT_NUM_QUERIES_PER_BLOCK = 32
+# The block-size policy lives in minilib.block_sizes (per-chip defaults and their cost model);
+# its names stay importable from here.
 
 # Event kinds in the trace the kernel can record for minilib.schedule.
 TRACE_START, TRACE_WAIT, TRACE_COMPUTE = 1, 2, 3
@@ -253,54 +255,6 @@ def kernel_config(
         k_scale=k_scale,
         v_scale=v_scale,
     )
-
-
-def num_kv_heads_per_block(num_q_heads: int, num_kv_heads: int, q_dtype, kv_dtype) -> int:
-    """The fewest KV heads per heads block that keep every block tile-aligned; else all of them.
-
-    A TPU stores the last two axes of an array in tiles of (8 * packing, 128), where packing is
-    how many values share one 32-bit word (1 for f32, 2 for bf16, 4 for fp8). A heads block of
-    `kv_pages` (2 * kv heads on the second-to-last axis) and of `q` (q heads there) must fill
-    whole tiles, or be the whole axis.
-
-    >>> num_kv_heads_per_block(16, 8, jnp.float32, jnp.float32)   # 8 K/V slots, 8 q heads
-    4
-    >>> num_kv_heads_per_block(4, 2, jnp.float32, jnp.float32)    # too few heads to split
-    2
-    """
-    group = num_q_heads // num_kv_heads
-    q_tile = 8 * packing(q_dtype)
-    kv_tile = 8 * packing(kv_dtype)
-    for kv_heads in range(1, num_kv_heads):
-        if num_kv_heads % kv_heads:
-            continue
-        if (2 * kv_heads) % kv_tile == 0 and (kv_heads * group) % q_tile == 0:
-            return kv_heads
-    return num_kv_heads
-
-
-def packing(dtype) -> int:
-    """How many values of `dtype` share one 32-bit word."""
-    return 4 // jnp.dtype(dtype).itemsize
-
-
-def default_block_sizes(
-    *, page_size: int, pages_per_seq: int, max_num_batched_tokens: int, bytes_per_page: int
-) -> tuple[int, int]:  # (num_kv_pages_per_block, num_queries_per_block)
-    """Chip-independent defaults: KV blocks of about 512 tokens, q blocks of 32 rows.
-
-    No chip table: on a TPU-less machine (or inside `jax.export`) the chip is unknown, and these
-    sizes run well enough on v5e and v6e. Pass both block sizes to tune for one chip.
-
-    >>> default_block_sizes(page_size=16, pages_per_seq=64, max_num_batched_tokens=512,
-    ...                     bytes_per_page=16 * 16 * 128 * 2)
-    (16, 32)
-    """
-    pages = max(1, min(TARGET_KV_TOKENS_PER_BLOCK // page_size, MAX_PAGES_PER_BLOCK))
-    pages = min(pages, pages_per_seq)
-    while pages > 1 and 2 * pages * bytes_per_page > KV_BUFFERS_VMEM_BUDGET:
-        pages //= 2
-    return pages, min(DEFAULT_NUM_QUERIES_PER_BLOCK, max_num_batched_tokens)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -120,6 +120,14 @@ def ragged_paged_attention_pallas_basic(
     `pl.pallas_call`; True runs on any backend). Compiled once per shape; `num_seqs` may be
     traced.
 
+    It runs in interpret mode only: Mosaic, the TPU compiler, rejects it by design. Its
+    BlockSpecs cut one KV head and `group` q heads out of the head axis, so the last two
+    dimensions of a block, (group, head_dim) or (1, head_dim), are not whole (8, 128) tiles.
+    `interpret=False` fails at lowering with "The Pallas TPU lowering currently requires that
+    the last two dimensions of your block shape are divisible by 8 and 128 respectively, or be
+    equal to the respective dimensions of the overall array." `minilib.kernel` keeps whole
+    tiles (`num_kv_heads_per_block`); `tests/test_tpu_compile.py` checks both.
+
     >>> from minilib.batch import make_batch
     >>> batch = make_batch([(3, 3), (1, 9)])
     >>> ragged_paged_attention_pallas_basic(*batch.args()).shape

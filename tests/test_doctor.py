@@ -12,7 +12,8 @@ def test_doctor_command_reports_and_passes():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    for line in ("backend:", "jax:", "jaxlib:", "libtpu:", "Pallas kernel:", "parity check: PASS"):
+    expected = ("backend:", "jax:", "jaxlib:", "libtpu:", "Pallas kernel:", "parity check: PASS")
+    for line in (*expected, "TPU compile:"):
         assert line in out
 
 

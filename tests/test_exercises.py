@@ -10,6 +10,7 @@ unless told not to, and every one of them is used by a notebook.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -18,8 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 import minilib.exercises as ex
+from minilib.ladder.flash import init_online_softmax
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,22 +39,6 @@ def solution(module: str, name: str):
 
 
 # --- plausible wrong answers, one per exercise ------------------------------------------------
-
-
-def pages_round_up_wrong(kv_len, page_size):
-    return kv_len // page_size + 1  # one page too many when page_size divides kv_len
-
-
-def kv_head_interleaved(q_head, num_q_heads, num_kv_heads):
-    return q_head % num_kv_heads  # deals q heads out in turn instead of consecutive groups
-
-
-def repeat_kv_tiled(x, num_q_heads):
-    return jnp.tile(x, (1, num_q_heads // x.shape[1], 1))  # 0 1 0 1 instead of 0 0 1 1
-
-
-def token_location_no_page_table(t, pages, page_size):
-    return t // page_size, t % page_size  # the page column, not the page
 
 
 def gather_kv_halves(kv_pages, pages, kv_len):
@@ -91,13 +79,6 @@ def sliding_window_off_by_one(q_len, kv_len, sliding_window):
     return (k_pos > q_pos) | (k_pos < q_pos - sliding_window)
 
 
-def validate_every_slot(kv_lens, cu_q_lens, num_seqs):
-    # Checks the padding slots too, which may hold anything.
-    for i in range(len(kv_lens)):
-        if cu_q_lens[i + 1] - cu_q_lens[i] > kv_lens[i]:
-            raise ValueError(f"sequence {i}: q_len > kv_len")
-
-
 def online_softmax_no_rescale(m, l, acc, scores, v):
     # Rescales l but forgets acc when the max rises.
     m_new = jnp.maximum(m, scores.max(-1))
@@ -117,17 +98,157 @@ def kv_blocks_ignoring_causality(first_q_pos, last_q_pos, kv_len, block_len, sli
     return first, -(-kv_len // block_len)
 
 
-def decode_kv_bytes_tokens_not_pages(kv_lens, page_size, num_kv_heads, head_dim, itemsize):
-    # Counts tokens, but the cache is read in whole pages.
-    return sum(kv_lens) * 2 * num_kv_heads * head_dim * itemsize
+def can_admit_whole_prompt(num_prompt_tokens, *, token_budget_left, num_free_pages, page_size,
+                           num_running, max_num_seqs):  # fmt: skip
+    # Asks for the pages of the whole prompt, not just of this step's first chunk.
+    return (num_running < max_num_seqs and token_budget_left > 0
+            and -(-num_prompt_tokens // page_size) <= num_free_pages)  # fmt: skip
+
+
+def preempt_keeps_num_computed(request, allocator):
+    # Frees the pages but still believes their K/V is cached.
+    allocator.free(request.pages)
+    request.pages = []
+
+
+def flash_attention_without_init():
+    # Forgets to reset m, l and acc on the first KV block: scratch starts as NaN here.
+    from minilib.ladder import flash
+
+    def kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, kv_len, q_len, sm_scale):
+        i, j = pl.program_id(1), pl.program_id(2)
+        rows, cols = q_ref.shape[0], k_ref.shape[0]
+        q_pos = kv_len - q_len + i * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+        k_pos = j * cols + jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
+        v = flash.zero_rows_past(v_ref[...], j * cols, kv_len)
+        visible = (k_pos <= q_pos) & (k_pos < kv_len)
+        flash.online_softmax_update(
+            m_ref, l_ref, acc_ref, q_ref[...], k_ref[...], v, visible, sm_scale
+        )
+
+        @pl.when(j == pl.num_programs(2) - 1)
+        def _():
+            o_ref[...] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
+
+    return functools.partial(flash.flash_attention, kernel=kernel)
+
+
+def paged_decode_ignoring_page_table():
+    # The index map returns page i itself, not page_indices[seq, i].
+    from minilib.ladder import scalar_prefetch
+
+    def index_map(seq, i, kv_lens_ref, page_indices_ref, *, page_size):
+        return (i, 0, 0, 0)
+
+    return functools.partial(scalar_prefetch.paged_decode_attention, index_map=index_map)
+
+
+def async_copy_without_wait():
+    # Starts the copy and reads the buffer at once, never waiting: a race.
+    from minilib.ladder import async_copy
+    from minilib.ladder.scalar_prefetch import attend_kv_block, write_output
+
+    def kernel(kv_lens_ref, page_indices_ref, q_ref, kv_hbm_ref, o_ref, buf, sem, m_ref, l_ref,
+               acc_ref, *, sm_scale):  # fmt: skip
+        seq, i = pl.program_id(0), pl.program_id(1)
+        kv_len, page_size = kv_lens_ref[seq], buf.shape[0]
+
+        @pl.when(i == 0)
+        def _():
+            init_online_softmax(m_ref, l_ref, acc_ref)
+
+        @pl.when(i * page_size < kv_len)
+        def _():
+            pltpu.make_async_copy(kv_hbm_ref.at[page_indices_ref[seq, i]], buf, sem).start()
+            attend_kv_block(buf, q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len, sm_scale)
+
+        @pl.when(i == pl.num_programs(1) - 1)
+        def _():
+            write_output(o_ref, l_ref, acc_ref)
+
+    return functools.partial(async_copy.paged_decode_attention_async_copy, kernel=kernel)
+
+
+def double_buffer_computing_before_waiting():
+    # Computes with page i before waiting for its copy: a race. (Starting page i + 1 into the
+    # slot being read is a race too, but it deadlocks in interpret mode; the checker reports
+    # that after a timeout, which a test should not sit through.)
+    from minilib.ladder import double_buffer
+    from minilib.ladder.scalar_prefetch import attend_kv_block, write_output
+
+    def kernel(kv_lens_ref, page_indices_ref, q_ref, kv_hbm_ref, o_ref, bufs, sems, m_ref, l_ref,
+               acc_ref, *, sm_scale):  # fmt: skip
+        seq = pl.program_id(0)
+        kv_len, page_size = kv_lens_ref[seq], bufs.shape[1]
+
+        def page_copy(i, slot):
+            page = page_indices_ref[seq, i]
+            return pltpu.make_async_copy(kv_hbm_ref.at[page], bufs.at[slot], sems.at[slot])
+
+        def body(i, _):
+            slot = i % 2
+
+            @pl.when(i + 1 < pl.cdiv(kv_len, page_size))
+            def _():
+                page_copy(i + 1, 1 - slot).start()
+
+            attend_kv_block(bufs.at[slot], q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len,
+                            sm_scale)  # fmt: skip
+            page_copy(i, slot).wait()  # too late
+
+        init_online_softmax(m_ref, l_ref, acc_ref)
+        page_copy(0, 0).start()
+        jax.lax.fori_loop(0, pl.cdiv(kv_len, page_size), body, None)
+        write_output(o_ref, l_ref, acc_ref)
+
+    return functools.partial(double_buffer.paged_decode_attention_double_buffered, kernel=kernel)
+
+
+def prefetch_never_flipping_the_slot():
+    # Uses slot 0 for every page: the next page's copy overwrites the one being read.
+    from minilib.ladder import prefetch
+    from minilib.ladder.scalar_prefetch import attend_kv_block, write_output
+
+    def kernel(kv_lens_ref, page_indices_ref, q_ref, kv_hbm_ref, o_ref, bufs, sems, slot_ref,
+               m_ref, l_ref, acc_ref, *, sm_scale):  # fmt: skip
+        seq, num_seqs = pl.program_id(0), pl.num_programs(0)
+        kv_len, page_size = kv_lens_ref[seq], bufs.shape[1]
+
+        def page_copy(seq, i):
+            page = page_indices_ref[seq, i]
+            return pltpu.make_async_copy(kv_hbm_ref.at[page], bufs.at[0], sems.at[0])
+
+        @pl.when(seq == 0)
+        def _():
+            page_copy(0, 0).start()
+
+        def body(i, _):
+            has_next, next_seq, next_page = prefetch.next_work_in_kernel(
+                seq, i, kv_lens_ref, num_seqs, page_size
+            )
+
+            @pl.when(has_next)
+            def _():
+                page_copy(next_seq, next_page).start()
+
+            page_copy(seq, i).wait()
+            attend_kv_block(bufs.at[0], q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len,
+                            sm_scale)  # fmt: skip
+
+        init_online_softmax(m_ref, l_ref, acc_ref)
+        jax.lax.fori_loop(0, pl.cdiv(kv_len, page_size), body, None)
+        write_output(o_ref, l_ref, acc_ref)
+
+    return functools.partial(prefetch.paged_decode_attention_prefetch, kernel=kernel)
+
+
+def next_work_stopping_at_sequence_end(seq, page, kv_lens, num_seqs, page_size):
+    # Never crosses to the next sequence: no prefetch across grid steps.
+    return (seq, page + 1) if (page + 1) * page_size < kv_lens[seq] else None
 
 
 # (checker, solutions module, function name, wrong answer)
 EXERCISES = [
-    (ex.check_pages_needed, "ex00_tour", "pages_needed", pages_round_up_wrong),
-    (ex.check_kv_head_for_q_head, "ex01_heads", "kv_head_for_q_head", kv_head_interleaved),
-    (ex.check_repeat_kv, "ex01_heads", "repeat_kv", repeat_kv_tiled),
-    (ex.check_token_location, "ex02_paged_cache", "token_location", token_location_no_page_table),
     (ex.check_gather_kv, "ex02_paged_cache", "gather_kv", gather_kv_halves),
     (ex.check_causal_mask, "ex03_ragged", "causal_mask", causal_mask_no_offset),
     (ex.check_seq_for_row, "ex03_ragged", "seq_for_row", seq_for_row_left),
@@ -138,7 +259,6 @@ EXERCISES = [
         "sliding_window_mask",
         sliding_window_off_by_one,
     ),
-    (ex.check_validate_q_lens, "ex05_validation", "validate_q_lens", validate_every_slot),
     (
         ex.check_online_softmax_update,
         "ex06_online_softmax",
@@ -153,11 +273,38 @@ EXERCISES = [
         kv_blocks_ignoring_causality,
     ),
     (
-        ex.check_decode_kv_bytes,
-        "ex09_performance",
-        "decode_kv_bytes",
-        decode_kv_bytes_tokens_not_pages,
+        ex.check_flash_attention,
+        "ex07_flash",
+        "flash_attention",
+        flash_attention_without_init(),
     ),
+    (
+        ex.check_paged_decode_attention,
+        "ex08_ladder",
+        "paged_decode_attention",
+        paged_decode_ignoring_page_table(),
+    ),
+    (
+        ex.check_paged_decode_async_copy,
+        "ex08_ladder",
+        "paged_decode_async_copy",
+        async_copy_without_wait(),
+    ),
+    (
+        ex.check_double_buffered_decode,
+        "ex08_ladder",
+        "double_buffered_decode",
+        double_buffer_computing_before_waiting(),
+    ),
+    (ex.check_next_work, "ex08_ladder", "next_work", next_work_stopping_at_sequence_end),
+    (
+        ex.check_prefetching_decode,
+        "ex08_ladder",
+        "prefetching_decode",
+        prefetch_never_flipping_the_slot(),
+    ),
+    (ex.check_can_admit, "ex10_engine", "can_admit", can_admit_whole_prompt),
+    (ex.check_preempt, "ex10_engine", "preempt", preempt_keeps_num_computed),
 ]
 IDS = [checker.__name__.removeprefix("check_") for checker, *_ in EXERCISES]
 
@@ -201,14 +348,14 @@ def test_learner_errors_are_reported_not_raised(checker, module, name, wrong):
 
 @pytest.mark.parametrize("checker, module, name, wrong", EXERCISES, ids=IDS)
 def test_returning_none_is_reported(checker, module, name, wrong):
-    if checker is ex.check_validate_q_lens:  # returning None is how a validator says "valid"
+    if checker is ex.check_validate_page_indices:  # returning None: a validator's "valid"
         pytest.skip("validators return None")
     result = checker(lambda *args, **kwargs: None, verbose=False)
     assert result.status == "failed", result.report
 
 
 def test_checkers_print_their_report(capsys):
-    result = ex.check_pages_needed(solution("ex00_tour", "pages_needed"))
+    result = ex.check_live_seq_lens(solution("ex00_tour", "live_seq_lens"))
     assert capsys.readouterr().out.strip() == result.report
     assert result.report.startswith("Passed")
 
@@ -221,7 +368,7 @@ def test_other_seeds_pass_too():
 
 def test_every_checker_is_tested_and_used_in_a_notebook():
     checkers = {n for n in ex.__all__ if n.startswith("check_")}
-    assert checkers == {checker.__name__ for checker, *_ in EXERCISES}
+    assert checkers == {checker.__name__ for checker, *_ in EXERCISES + MORE_EXERCISES}
     notebook_code = ""
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
@@ -229,3 +376,171 @@ def test_every_checker_is_tested_and_used_in_a_notebook():
                 notebook_code += "".join(cell["source"])
     unused = [name for name in sorted(checkers) if f"{name}(" not in notebook_code]
     assert not unused, f"checkers no notebook calls: {unused}"
+
+
+# --- exercises that carry each notebook's idea further -----------------------------------------
+
+
+def live_seq_lens_every_slot(kv_lens, cu_q_lens, num_seqs):
+    # Reads the padding slots past num_seqs too.
+    return [(int(cu_q_lens[i + 1] - cu_q_lens[i]), int(kv_lens[i])) for i in range(len(kv_lens))]
+
+
+def grouped_query_attention_interleaved(q, k, v, *, sm_scale):
+    # Groups q heads as [tokens, group, num_kv_heads, head_dim]: head h reads KV head h % nkv.
+    num_tokens, num_q_heads, head_dim = q.shape
+    group = num_q_heads // k.shape[1]
+    q_grouped = q.reshape(num_tokens, group, k.shape[1], head_dim)
+    scores = jnp.einsum("qghd,khd->hgqk", q_grouped, k) * sm_scale
+    future = jnp.arange(num_tokens)[None, :] > jnp.arange(num_tokens)[:, None]
+    probs = jax.nn.softmax(jnp.where(future, -jnp.inf, scores), axis=-1)
+    return jnp.einsum("hgqk,khd->qghd", probs, v).reshape(num_tokens, num_q_heads, head_dim)
+
+
+def repeat_kv_pages_on_combined_axis(kv_pages, num_q_heads):
+    # Repeats each slot (K0 K0 V0 V0 ...), which breaks the K/V interleave.
+    return jnp.repeat(kv_pages, num_q_heads // (kv_pages.shape[2] // 2), axis=2)
+
+
+def write_new_tokens_after_kv_len(kv_pages, pages, kv_len, new_k, new_v):
+    # Takes kv_len as the length before the write: writes past the sequence's end.
+    positions = kv_len + jnp.arange(new_k.shape[0])
+    page_size = kv_pages.shape[1]
+    page, slot = jnp.asarray(pages)[positions // page_size], positions % page_size
+    return kv_pages.at[page, slot, 0::2].set(new_k).at[page, slot, 1::2].set(new_v)
+
+
+def validate_page_indices_whole_rows(kv_pages, kv_lens, page_indices, num_seqs):
+    # Checks every column of a live row, though the unused ones may hold anything.
+    table = np.asarray(page_indices)
+    for i in range(int(num_seqs[0])):
+        for j, page in enumerate(table[i].tolist()):
+            if not 0 <= page < kv_pages.shape[0]:
+                raise ValueError(f"page_indices[{i}, {j}]={page}")
+
+
+def decode_attention_masks_scores_only(q, kv_pages, kv_lens, page_indices, *, sm_scale):
+    # Masks the scores past kv_len but multiplies the weights 0 by V's NaN padding.
+    num_seqs, num_q_heads, head_dim = q.shape
+    combined = kv_pages.shape[2]
+    slots = kv_pages[page_indices].reshape(num_seqs, -1, combined, head_dim)
+    live = jnp.arange(slots.shape[1])[None, :] < kv_lens[:, None]
+    k, v = slots[:, :, 0::2], slots[:, :, 1::2]
+    q_grouped = q.reshape(num_seqs, combined // 2, -1, head_dim)
+    scores = jnp.einsum("shgd,skhd->shgk", q_grouped, k) * sm_scale
+    scores = jnp.where(live[:, None, None, :], scores, -1e30)
+    out = jnp.einsum("shgk,skhd->shgd", jax.nn.softmax(scores, axis=-1), v)
+    return out.reshape(num_seqs, num_q_heads, head_dim)
+
+
+def arithmetic_intensity_every_pair(
+    seq_lens, *, num_q_heads, num_kv_heads, head_dim, page_size, itemsize
+):
+    # Counts q_len * kv_len pairs, as if there were no causal mask.
+    live = [(q, kv) for q, kv in seq_lens if q > 0]
+    flops = 4 * head_dim * num_q_heads * sum(q * kv for q, kv in live)
+    rows = sum(q for q, _ in live)
+    slots = sum(-(-kv // page_size) * page_size for _, kv in live)
+    kv_bytes = slots * 2 * num_kv_heads * head_dim * itemsize
+    return flops / (2 * rows * num_q_heads * head_dim * itemsize + kv_bytes)
+
+
+def num_kv_pages_per_block_one_slot(vmem_budget_bytes, *, page_size, pages_per_seq,
+                                    num_kv_heads_per_block, group, head_dim, itemsize,
+                                    num_queries_per_block):  # fmt: skip
+    # Forgets that the KV block is double-buffered: one slot per page.
+    q_and_out = 4 * num_queries_per_block * num_kv_heads_per_block * group * head_dim * itemsize
+    state = num_kv_heads_per_block * num_queries_per_block * group * (256 + head_dim) * 4
+    per_page = page_size * 2 * num_kv_heads_per_block * head_dim * itemsize
+    room = vmem_budget_bytes - q_and_out - state
+    return max(0, min(room // per_page, pages_per_seq))
+
+
+# (checker, solutions module, function name, wrong answer, a word of the likely cause)
+MORE_EXERCISES = [
+    (ex.check_live_seq_lens, "ex00_tour", "live_seq_lens", live_seq_lens_every_slot, "live"),
+    (
+        ex.check_grouped_query_attention,
+        "ex01_heads",
+        "grouped_query_attention",
+        grouped_query_attention_interleaved,
+        "consecutive",
+    ),
+    (
+        ex.check_repeat_kv_pages,
+        "ex01_heads",
+        "repeat_kv_pages",
+        repeat_kv_pages_on_combined_axis,
+        "interleave",
+    ),
+    (
+        ex.check_write_new_tokens,
+        "ex02_paged_cache",
+        "write_new_tokens",
+        write_new_tokens_after_kv_len,
+        "kv_len - n",
+    ),
+    (
+        ex.check_validate_page_indices,
+        "ex05_validation",
+        "validate_page_indices",
+        validate_page_indices_whole_rows,
+        "columns",
+    ),
+    (
+        ex.check_decode_attention,
+        "ex06_vectorized",
+        "decode_attention",
+        decode_attention_masks_scores_only,
+        "0 * NaN",
+    ),
+    (
+        ex.check_arithmetic_intensity,
+        "ex09_performance",
+        "arithmetic_intensity",
+        arithmetic_intensity_every_pair,
+        "visible pairs",
+    ),
+    (
+        ex.check_num_kv_pages_per_block,
+        "ex09_performance",
+        "num_kv_pages_per_block",
+        num_kv_pages_per_block_one_slot,
+        "two slots",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "checker, module, name, wrong, cause",
+    MORE_EXERCISES,
+    ids=[checker.__name__.removeprefix("check_") for checker, *_ in MORE_EXERCISES],
+)
+def test_solution_passes_wrong_answer_fails_stub_not_attempted(checker, module, name, wrong, cause):
+    passed = checker(solution(module, name), verbose=False)
+    assert passed.passed and passed.cases_run > 1, passed.report
+
+    failed = checker(wrong, verbose=False)
+    assert failed.status == "failed", failed.report
+    assert "Likely cause:" in failed.report and cause in failed.report, failed.report
+
+    def stub(*args, **kwargs):
+        raise NotImplementedError("FILL ME IN")
+
+    assert checker(stub, verbose=False).status == "not attempted"
+
+
+def test_decode_attention_checker_reference_matches_jax():
+    """check_decode_attention compares with a small NumPy reference: it must agree with JAX's
+    own reference on a NaN-padded batch."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+        ref_ragged_paged_attention as jax_reference,
+    )
+
+    from minilib.batch import make_batch
+    from minilib.exercises.ex06_vectorized import _reference
+
+    batch = make_batch([(1, 5), (1, 16), (1, 1)], num_q_heads=6, num_kv_heads=2, page_size=4)
+    ours = _reference(batch.q, batch.kv_pages, batch.kv_lens, batch.page_indices, sm_scale=0.3)
+    theirs = jax_reference(*batch.args(), sm_scale=0.3)
+    np.testing.assert_allclose(ours, np.asarray(theirs), atol=1e-5)

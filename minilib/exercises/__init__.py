@@ -4,11 +4,11 @@ Each notebook ends with exercises: a function for you to fill in (its body raise
 `NotImplementedError("FILL ME IN")`) and a checker that runs it against minilib's tested
 version on cases the notebook never showed:
 
-    >>> from minilib.exercises import check_pages_needed
-    >>> def pages_needed(kv_len, page_size):
+    >>> from minilib.exercises import check_live_seq_lens
+    >>> def live_seq_lens(kv_lens, cu_q_lens, num_seqs):
     ...     raise NotImplementedError("FILL ME IN")
-    >>> result = check_pages_needed(pages_needed)
-    Not attempted yet: pages_needed raises NotImplementedError. Fill it in, then run this ...
+    >>> result = check_live_seq_lens(live_seq_lens)
+    Not attempted yet: live_seq_lens raises NotImplementedError. Fill it in, then run this ...
     >>> result.status
     'not attempted'
 
@@ -23,31 +23,54 @@ Every checker takes `fn` and two keywords: `seed` (another set of random cases) 
 """
 
 from minilib.exercises.checking import CheckResult
-from minilib.exercises.ex00_tour import check_pages_needed
-from minilib.exercises.ex01_heads import check_kv_head_for_q_head, check_repeat_kv
-from minilib.exercises.ex02_paged_cache import check_gather_kv, check_token_location
+from minilib.exercises.ex00_tour import check_live_seq_lens
+from minilib.exercises.ex01_heads import check_grouped_query_attention, check_repeat_kv_pages
+from minilib.exercises.ex02_paged_cache import check_gather_kv, check_write_new_tokens
 from minilib.exercises.ex03_ragged import check_causal_mask, check_seq_for_row
 from minilib.exercises.ex04_reference import check_attend_soft_cap, check_sliding_window_mask
-from minilib.exercises.ex05_validation import check_validate_q_lens
+from minilib.exercises.ex05_validation import check_validate_page_indices
 from minilib.exercises.ex06_online_softmax import check_online_softmax_update
+from minilib.exercises.ex06_vectorized import check_decode_attention
+from minilib.exercises.ex07_flash import check_flash_attention
 from minilib.exercises.ex07_pallas import check_softmax_kernel
 from minilib.exercises.ex08_kernel import check_kv_blocks_to_visit
-from minilib.exercises.ex09_performance import check_decode_kv_bytes
+from minilib.exercises.ex08_ladder import (
+    check_double_buffered_decode,
+    check_next_work,
+    check_paged_decode_async_copy,
+    check_paged_decode_attention,
+    check_prefetching_decode,
+)
+from minilib.exercises.ex09_performance import (
+    check_arithmetic_intensity,
+    check_num_kv_pages_per_block,
+)
+from minilib.exercises.ex10_engine import check_can_admit, check_preempt
 
 __all__ = [
     "CheckResult",
+    "check_arithmetic_intensity",
     "check_attend_soft_cap",
+    "check_can_admit",
     "check_causal_mask",
-    "check_decode_kv_bytes",
+    "check_decode_attention",
+    "check_double_buffered_decode",
+    "check_flash_attention",
     "check_gather_kv",
+    "check_grouped_query_attention",
     "check_kv_blocks_to_visit",
-    "check_kv_head_for_q_head",
+    "check_live_seq_lens",
+    "check_next_work",
+    "check_num_kv_pages_per_block",
     "check_online_softmax_update",
-    "check_pages_needed",
-    "check_repeat_kv",
+    "check_paged_decode_async_copy",
+    "check_paged_decode_attention",
+    "check_preempt",
+    "check_prefetching_decode",
+    "check_repeat_kv_pages",
     "check_seq_for_row",
     "check_sliding_window_mask",
     "check_softmax_kernel",
-    "check_token_location",
-    "check_validate_q_lens",
+    "check_validate_page_indices",
+    "check_write_new_tokens",
 ]

@@ -1,4 +1,5 @@
-"""Notebook 01's exercises: which KV head a q head reads, and repeating KV heads."""
+"""Notebook 01's exercises: GQA attention without copying K and V, and repeating the KV heads
+of a combined `kv_pages` (fix 2) without breaking its K/V interleave."""
 
 from __future__ import annotations
 
@@ -11,119 +12,186 @@ from minilib.exercises.checking import (
     Case,
     CheckResult,
     Mismatch,
-    as_int,
     compare_arrays,
     diagnose,
     expected_vs_got,
     run_check,
 )
-from minilib.heads import kv_head_for_q_head, repeat_kv, valid_num_kv_heads
+from minilib.heads import attention_kind, merge_kv_pages, repeat_kv, split_kv_pages
+from minilib.reference import DEFAULT_MASK_VALUE, attend
 
-# (num_q_heads, num_kv_heads): GQA first, since MHA and MQA forgive some mistakes.
-HEAD_CONFIGS = [(8, 2), (12, 4), (32, 8), (6, 3), (4, 4), (8, 1), (12, 6), (16, 2)]
-
-
-def _kind(num_q_heads: int, num_kv_heads: int) -> str:
-    from minilib.heads import attention_kind
-
-    return attention_kind(num_q_heads, num_kv_heads)
+# (num_tokens, num_q_heads, num_kv_heads, head_dim): GQA first, since MHA and MQA forgive
+# the grouping mistakes. Few shapes: every new shape costs a learner's eager code compiles.
+ATTENTION_CONFIGS = [(5, 8, 2, 8), (5, 6, 3, 8), (5, 4, 4, 8), (5, 8, 1, 8)]
 
 
-def check_kv_head_for_q_head(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
-    """Check `fn(q_head, num_q_heads, num_kv_heads) -> int`, the KV head that q head reads.
+def _gqa_attention(q, k, v, *, sm_scale):
+    """Causal GQA self-attention, from minilib's tested `attend`."""
+    return attend(q, k, v, sm_scale=sm_scale, sliding_window=None, soft_cap=None,
+                  mask_value=DEFAULT_MASK_VALUE)  # fmt: skip
 
-    Every q head of several MHA, GQA and MQA configurations is tried.
 
-    >>> check_kv_head_for_q_head(lambda h, nq, nkv: h // (nq // nkv))
-    Passed: kv_head_for_q_head matches the reference on all 10 cases.
-    CheckResult('kv_head_for_q_head', status='passed')
+def _mha(q, k, v, *, sm_scale, causal=True):
+    # q, k, v: [num_tokens, num_heads, head_dim] with as many K/V heads as q heads
+    scores = jnp.einsum("qhd,khd->hqk", q, k) * sm_scale
+    if causal:
+        n = q.shape[0]
+        scores = jnp.where(jnp.arange(n)[None, :] > jnp.arange(n)[:, None], -jnp.inf, scores)
+    probs = jnp.exp(scores - scores.max(-1, keepdims=True))
+    return jnp.einsum("hqk,khd->qhd", probs / probs.sum(-1, keepdims=True), v)
+
+
+def check_grouped_query_attention(
+    fn: Callable, *, seed: int = 0, verbose: bool = True
+) -> CheckResult:
+    """Check `fn(q, k, v, *, sm_scale) -> out`: causal self-attention with grouped query heads.
+
+      q:   [num_tokens, num_q_heads, head_dim]
+      k,v: [num_tokens, num_kv_heads, head_dim]   num_kv_heads divides num_q_heads
+      out: [num_tokens, num_q_heads, head_dim]    q head h reads KV head h // group
+
+    Token i sees keys 0..i. Group the q heads (reshape) rather than repeat K and V: the
+    checker compares only the numbers, but the reshape is what the kernel does.
+
+    >>> check_grouped_query_attention(_gqa_attention)
+    Passed: grouped_query_attention matches the reference on all 4 cases.
+    CheckResult('grouped_query_attention', status='passed')
     """
     rng = np.random.default_rng(200 + seed)
-    configs = list(HEAD_CONFIGS)
-    for num_q_heads in rng.choice([10, 24, 20], size=2, replace=False):
-        num_q_heads = int(num_q_heads)
-        configs.append((num_q_heads, int(rng.choice(valid_num_kv_heads(num_q_heads)[1:-1]))))
-    cases = [
-        Case(f"num_q_heads={nq}, num_kv_heads={nkv} ({_kind(nq, nkv)}), every q head", (nq, nkv))
-        for nq, nkv in configs
-    ]
+    cases = []
+    for num_tokens, nq, nkv, head_dim in ATTENTION_CONFIGS:
+        q, k, v = (
+            jnp.asarray(rng.standard_normal((num_tokens, h, head_dim)), jnp.float32)
+            for h in (nq, nkv, nkv)
+        )
+        sm_scale = float(rng.choice([0.25, 0.5, 2.0]))
+        cases.append(
+            Case(
+                f"{num_tokens} tokens, num_q_heads={nq}, num_kv_heads={nkv} "
+                f"({attention_kind(nq, nkv)}), head_dim={head_dim}, sm_scale={sm_scale}",
+                (q, k, v),
+                {"sm_scale": sm_scale},
+            )
+        )
 
-    def table(f):  # the KV head of every q head
-        return lambda nq, nkv: [as_int(f(h, nq, nkv)) for h in range(nq)]
+    def interleaved_groups(q, k, v, *, sm_scale):  # q head h reads KV head h % num_kv_heads
+        reps = q.shape[1] // k.shape[1]
+        return _mha(q, jnp.tile(k, (1, reps, 1)), jnp.tile(v, (1, reps, 1)), sm_scale=sm_scale)
 
-    def compare(want, got, case):
-        for h, (w, g) in enumerate(zip(want, got, strict=True)):
-            if w != g:
-                table = expected_vs_got(f"KV head of q heads 0..{len(want) - 1}", want, got)
-                raise Mismatch(f"q head {h} -> expected KV head {w}, got {g}\n{table}")
+    def not_causal(q, k, v, *, sm_scale):
+        nq = q.shape[1]
+        k, v = repeat_kv(k, nq, axis=1), repeat_kv(v, nq, axis=1)
+        return _mha(q, k, v, sm_scale=sm_scale, causal=False)
+
+    def not_scaled(q, k, v, *, sm_scale):
+        return _gqa_attention(q, k, v, sm_scale=1.0)
 
     mistakes = {
-        "q_head % num_kv_heads deals the q heads out in turn (0, 1, 0, 1, ...). The groups are "
-        "consecutive: q heads 0..group-1 share KV head 0, so divide by the group size.": table(
-            lambda h, nq, nkv: h % nkv
-        ),
-        "q_head // num_kv_heads divides by the number of KV heads; divide by the group size, "
-        "num_q_heads // num_kv_heads.": table(lambda h, nq, nkv: h // nkv),
+        "q head h reads KV head h % num_kv_heads: the groups are dealt out in turn. They are "
+        "consecutive: view q as [tokens, num_kv_heads, group, head_dim] (KV head first), not "
+        "[tokens, group, num_kv_heads, head_dim].": interleaved_groups,
+        "no causal mask: token i may see only keys 0..i. Set the scores of keys j > i to a "
+        "very negative value before the softmax.": not_causal,
+        "the scores are not multiplied by sm_scale.": not_scaled,
     }
-    return run_check(
-        "kv_head_for_q_head",
-        table(fn),
-        table(kv_head_for_q_head),
-        cases,
-        diagnose(compare, mistakes),
-        verbose=verbose,
+    compare = diagnose(
+        lambda want, got, case: compare_arrays(want, got, "out", atol=1e-4, rtol=1e-4), mistakes
     )
+    return run_check("grouped_query_attention", fn, _gqa_attention, cases, compare, verbose=verbose)
 
 
-def check_repeat_kv(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
-    """Check `fn(x, num_q_heads)`: x [num_tokens, num_kv_heads, head_dim] -> the same with
-    num_q_heads heads, where q head h holds a copy of the KV head it reads.
+def _repeat_kv_pages(kv_pages, num_q_heads: int):
+    k, v = split_kv_pages(kv_pages)
+    return merge_kv_pages(repeat_kv(k, num_q_heads, axis=2), repeat_kv(v, num_q_heads, axis=2))
 
-    >>> check_repeat_kv(lambda x, nq: jnp.repeat(x, nq // x.shape[1], axis=1))
-    Passed: repeat_kv matches the reference on all 6 cases.
-    CheckResult('repeat_kv', status='passed')
+
+def check_repeat_kv_pages(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
+    """Check `fn(kv_pages, num_q_heads) -> kv_pages`: the same cache with every KV head
+    repeated `num_q_heads // num_kv_heads` times, so that q head h has its own copy, and K and
+    V still interleaved (K of head h in slot 2*h, V in 2*h + 1).
+
+      kv_pages: [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+      returns:  [total_num_pages, page_size, 2*num_q_heads, head_dim]
+
+    >>> check_repeat_kv_pages(_repeat_kv_pages)
+    Passed: repeat_kv_pages matches the reference on all 6 cases.
+    CheckResult('repeat_kv_pages', status='passed')
     """
     rng = np.random.default_rng(210 + seed)
     cases = []
-    for nq, nkv in [(8, 2), (12, 4), (6, 3), (4, 4), (8, 1), (16, 2)]:
-        num_tokens, head_dim = int(rng.integers(1, 6)), int(rng.choice([4, 8]))
-        x = jnp.asarray(rng.standard_normal((num_tokens, nkv, head_dim)), jnp.float32)
-        cases.append(Case(f"x.shape={x.shape} (num_kv_heads={nkv}), num_q_heads={nq}", (x, nq)))
+    for nq, nkv in [(8, 2), (12, 4), (6, 3), (4, 4), (8, 1), (6, 2)]:
+        pages, page_size, head_dim = int(rng.integers(1, 4)), int(rng.choice([2, 4])), 4
+        kv_pages = jnp.asarray(
+            rng.standard_normal((pages, page_size, 2 * nkv, head_dim)), jnp.float32
+        )
+        cases.append(
+            Case(
+                f"kv_pages.shape={kv_pages.shape} (num_kv_heads={nkv}), num_q_heads={nq}",
+                (kv_pages, nq),
+            )
+        )
 
     def compare(want, got, case):
-        x = np.asarray(case.args[0])
-        have = np.asarray(got) if got is not None else None
-        if have is not None and have.shape == np.shape(want):
-            # Say which KV head each q head got: clearer than a wall of numbers.
-            def source(out):
-                return [_which_head(x, out[:, h]) for h in range(out.shape[1])]
-
-            if source(have) != source(np.asarray(want)):
-                label = f"KV head copied into q heads 0..{have.shape[1] - 1}"
-                raise Mismatch(
-                    "each q head should hold a copy of the KV head it reads ('?' = none).\n"
-                    + expected_vs_got(label, source(np.asarray(want)), source(have))
+        # Say what each slot holds: clearer than a wall of numbers.
+        want_slots, got_slots = _slots(case.args[0], want), _slots(case.args[0], got)
+        if got_slots is not None and want_slots != got_slots:
+            raise Mismatch(
+                "slot 2*h must hold K of the KV head that q head h reads, slot 2*h + 1 its V "
+                "('?' = neither).\n"
+                + expected_vs_got(
+                    f"what slots 0..{len(want_slots) - 1} hold", want_slots, got_slots
                 )
-        compare_arrays(want, got, "repeated x")
+            )
+        compare_arrays(want, got, "kv_pages")
+
+    def repeat_combined_axis(kv_pages, num_q_heads):  # K0 K0 V0 V0 ...
+        return jnp.repeat(kv_pages, num_q_heads // (kv_pages.shape[2] // 2), axis=2)
+
+    def tiled(kv_pages, num_q_heads):  # heads 0 1 0 1 ...
+        reps = num_q_heads // (kv_pages.shape[2] // 2)
+        k, v = split_kv_pages(kv_pages)
+        return merge_kv_pages(jnp.tile(k, (1, 1, reps, 1)), jnp.tile(v, (1, 1, reps, 1)))
+
+    def halves(kv_pages, num_q_heads):  # K K K ... V V V ...
+        k, v = split_kv_pages(kv_pages)
+        return jnp.concatenate(
+            [repeat_kv(k, num_q_heads, axis=2), repeat_kv(v, num_q_heads, axis=2)], axis=2
+        )
 
     mistakes = {
-        "jnp.tile repeats the whole list of heads (0, 1, 0, 1, ...); jnp.repeat repeats each "
-        "head in place (0, 0, 1, 1, ...), which is what consecutive groups need.": (
-            lambda x, nq: jnp.tile(x, (1, nq // x.shape[1], 1))
-        ),
+        "jnp.repeat on the combined axis repeats each *slot* (K0 K0 V0 V0 ...) and breaks the "
+        "interleave. Split K (slots 0::2) and V (1::2), repeat each, then interleave again "
+        "(stack on a new axis after the heads, and reshape).": repeat_combined_axis,
+        "jnp.tile repeats the whole list of heads (0, 1, 0, 1, ...); the groups are "
+        "consecutive (0, 0, 1, 1, ...): use jnp.repeat on K and on V.": tiled,
+        "K and V are concatenated in two halves; the layout interleaves them: K of head h in "
+        "slot 2*h, V in 2*h + 1. Stack them on a new axis after the heads, then reshape.": halves,
     }
     return run_check(
-        "repeat_kv",
+        "repeat_kv_pages",
         fn,
-        lambda x, nq: repeat_kv(x, nq, axis=1),
+        _repeat_kv_pages,
         cases,
         diagnose(compare, mistakes),
         verbose=verbose,
     )
 
 
-def _which_head(x: np.ndarray, column: np.ndarray):
-    for h in range(x.shape[1]):
-        if np.allclose(x[:, h], column, atol=1e-6):
-            return h
+def _slots(kv_pages, out) -> list[str] | None:
+    """What each slot of `out`'s combined axis holds ('K0', 'V0', ...), or None when `out`
+    is not an array of the expected shape."""
+    try:
+        kv_pages, out = np.asarray(kv_pages, np.float64), np.asarray(out, np.float64)
+        if out.ndim != 4 or out.shape[:2] != kv_pages.shape[:2]:
+            return None
+        return [_which_slot(kv_pages, out[:, :, s]) for s in range(out.shape[2])]
+    except Exception:
+        return None
+
+
+def _which_slot(kv_pages: np.ndarray, column: np.ndarray) -> str:
+    """'K1' if `column` equals K of KV head 1 (slot 2), 'V1' for slot 3, ...; '?' if none."""
+    for s in range(kv_pages.shape[2]):
+        if np.allclose(kv_pages[:, :, s], column, atol=1e-6):
+            return f"{'KV'[s % 2]}{s // 2}"
     return "?"

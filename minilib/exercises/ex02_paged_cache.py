@@ -1,9 +1,11 @@
-"""Notebook 02's exercises: find a token in the paged cache, then read a whole sequence."""
+"""Notebook 02's exercises: write a step's new tokens into the paged cache, then read a whole
+sequence back."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax.numpy as jnp
 import numpy as np
 
 from minilib.batch import make_batch
@@ -11,68 +13,141 @@ from minilib.exercises.checking import (
     Case,
     CheckResult,
     Mismatch,
-    as_int,
     compare_arrays,
     diagnose,
-    expected_vs_got,
     run_check,
 )
 from minilib.reference import gather_kv
 
 
-def _token_location(t: int, pages, page_size: int) -> tuple[int, int]:
-    return int(pages[t // page_size]), t % page_size
+def _write_new_tokens(kv_pages, pages, kv_len, new_k, new_v):
+    n = new_k.shape[0]
+    page_size = kv_pages.shape[1]
+    positions = kv_len - n + jnp.arange(n)  # the new tokens are the sequence's last n
+    page, slot = jnp.asarray(pages)[positions // page_size], positions % page_size
+    return kv_pages.at[page, slot, 0::2].set(new_k).at[page, slot, 1::2].set(new_v)
 
 
-def check_token_location(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
-    """Check `fn(t, pages, page_size) -> (page, slot)`: where token t of a sequence whose
-    pages, in token order, are `pages` (its row of page_indices) is stored in kv_pages.
+def check_write_new_tokens(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
+    """Check `fn(kv_pages, pages, kv_len, new_k, new_v) -> kv_pages`: the cache with a
+    sequence's n new tokens written in, every other slot unchanged.
 
-    Every token of each sequence is tried.
+      kv_pages:     [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+      pages:        i32[pages_per_seq]  the sequence's row of page_indices, in token order
+      kv_len:       the sequence's length *after* this write (it counts the new tokens)
+      new_k, new_v: [n, num_kv_heads, head_dim]  so the new tokens are kv_len - n .. kv_len - 1
 
-    >>> check_token_location(lambda t, pages, page_size: (pages[t // page_size], t % page_size))
-    Passed: token_location matches the reference on all 5 cases.
-    CheckResult('token_location', status='passed')
+    The caches come from `make_batch`: slots no sequence uses hold NaN, so a write to the
+    wrong slot shows. The sequence already owns every page it needs.
+
+    >>> check_write_new_tokens(_write_new_tokens)
+    Passed: write_new_tokens matches the reference on all 7 cases.
+    CheckResult('write_new_tokens', status='passed')
     """
     rng = np.random.default_rng(300 + seed)
+    specs = [  # (seq_lens, which sequence, n new tokens, num_kv_heads, page_size)
+        ([(1, 7), (1, 5)], 0, 1, 1, 4),  # a decode in the middle of a page
+        ([(1, 9), (1, 3)], 0, 1, 2, 4),  # a decode that opens a new page
+        ([(6, 6), (1, 4)], 0, 6, 2, 4),  # a prefill over two pages
+        ([(1, 3), (5, 11)], 1, 5, 1, 4),  # a chunk that crosses a page boundary
+        ([(3, 3), (2, 8)], 1, 2, 3, 2),  # three KV heads, pages of two tokens
+        ([(4, 4)], 0, 4, 1, 1),  # pages of one token
+    ]
+    kv_len = int(rng.integers(2, 30))
+    specs.append(([(1, 5), (kv_len, kv_len)], 1, int(rng.integers(1, kv_len + 1)), 2, 8))
     cases = []
-    for page_size, num_pages in [(4, 3), (8, 2), (2, 5), (16, 1), (1, 4)]:
-        pages = [int(p) for p in rng.choice(24, size=num_pages, replace=False)]
+    for k, (seq_lens, i, n, num_kv_heads, page_size) in enumerate(specs):
+        batch = make_batch(seq_lens, num_q_heads=num_kv_heads, num_kv_heads=num_kv_heads,
+                           head_dim=4, page_size=page_size, pages_per_seq=4,
+                           seed=320 + seed + k)  # fmt: skip
+        kv_len = seq_lens[i][1]
+        new_k, new_v = (
+            jnp.asarray(rng.standard_normal((n, num_kv_heads, 4)), jnp.float32) for _ in "kv"
+        )
+        pages = batch.page_indices[i]
         cases.append(
-            Case(f"pages={pages}, page_size={page_size}, every token t", (pages, page_size))
+            Case(
+                f"kv_pages.shape={batch.kv_pages.shape} (num_kv_heads={num_kv_heads}), "
+                f"pages={pages.tolist()}, kv_len={kv_len}, {n} new token(s): "
+                + (f"token {kv_len - 1}" if n == 1 else f"tokens {kv_len - n}..{kv_len - 1}"),
+                (batch.kv_pages, pages, kv_len, new_k, new_v),
+            )
         )
 
-    def every_token(f):
-        return lambda pages, page_size: [
-            _pair(f(t, pages, page_size)) for t in range(len(pages) * page_size)
-        ]
-
     def compare(want, got, case):
-        for t, (w, g) in enumerate(zip(want, got, strict=True)):
-            if w != g:
-                raise Mismatch(
-                    f"token t={t}: expected (page, slot) = {w}, got {g}\n"
-                    + expected_vs_got("(page, slot) of tokens 0..", want[: t + 3], got[: t + 3])
-                )
+        where = _first_wrong_slot(want, got, case.args[1], case.args[0].shape[1])
+        try:
+            compare_arrays(want, got, "kv_pages")
+        except Mismatch as diff:
+            raise Mismatch(f"{where}\n{diff}" if where else str(diff)) from None
+
+    def write_at(positions_of):
+        def write(kv_pages, pages, kv_len, new_k, new_v):
+            page_size = kv_pages.shape[1]
+            positions = positions_of(kv_len, new_k.shape[0])
+            page, slot = jnp.asarray(pages)[positions // page_size], positions % page_size
+            return kv_pages.at[page, slot, 0::2].set(new_k).at[page, slot, 1::2].set(new_v)
+
+        return write
+
+    def page_column(kv_pages, pages, kv_len, new_k, new_v):
+        positions = kv_len - new_k.shape[0] + jnp.arange(new_k.shape[0])
+        page, slot = positions // kv_pages.shape[1], positions % kv_pages.shape[1]
+        return kv_pages.at[page, slot, 0::2].set(new_k).at[page, slot, 1::2].set(new_v)
+
+    def halves(kv_pages, pages, kv_len, new_k, new_v):
+        n, num_kv_heads = new_k.shape[:2]
+        positions = kv_len - n + jnp.arange(n)
+        page = jnp.asarray(pages)[positions // kv_pages.shape[1]]
+        slot = positions % kv_pages.shape[1]
+        kv_pages = kv_pages.at[page, slot, :num_kv_heads].set(new_k)
+        return kv_pages.at[page, slot, num_kv_heads:].set(new_v)
 
     mistakes = {
-        "t // page_size is the token's page *column*, its index into `pages`; the page number "
-        "in kv_pages is pages[t // page_size].": every_token(
-            lambda t, pages, page_size: (t // page_size, t % page_size)
+        "kv_len already counts the new tokens: they are tokens kv_len - n .. kv_len - 1, not "
+        "kv_len .. kv_len + n - 1.": write_at(lambda kv_len, n: kv_len + jnp.arange(n)),
+        "the new tokens are the sequence's *last* n tokens, not its first: token kv_len - n + j "
+        "for new token j.": write_at(lambda kv_len, n: jnp.arange(n)),
+        "t // page_size is the token's page *column*, its index into `pages`; the page in "
+        "kv_pages is pages[t // page_size].": page_column,
+        "K and V are swapped: K of KV head h goes to combined slot 2*h, V to 2*h + 1.": (
+            lambda kv_pages, pages, kv_len, new_k, new_v: _write_new_tokens(
+                kv_pages, pages, kv_len, new_v, new_k
+            )
         ),
-        "(page, slot) are swapped: the page comes from t // page_size, the slot from "
-        "t % page_size.": every_token(
-            lambda t, pages, page_size: (t % page_size, pages[t // page_size])
-        ),
+        "K and V are interleaved, not in two halves: K of KV head h goes to slot 2*h, V to "
+        "2*h + 1 (kv_pages[page, slot, 0::2] and [page, slot, 1::2]).": halves,
     }
     return run_check(
-        "token_location",
-        every_token(fn),
-        every_token(_token_location),
+        "write_new_tokens",
+        fn,
+        _write_new_tokens,
         cases,
         diagnose(compare, mistakes),
         verbose=verbose,
     )
+
+
+def _first_wrong_slot(want, got, pages, page_size: int) -> str:
+    """'page 5, slot 2 (token 9 of this sequence) differs', or '' if that cannot be said."""
+    try:
+        want, have = np.asarray(want, np.float64), np.asarray(got, np.float64)
+        if want.shape != have.shape:
+            return ""
+        same = np.isclose(want, have, atol=1e-5, rtol=1e-5, equal_nan=True)
+        bad = np.argwhere(~same.all(axis=(2, 3)))
+    except Exception:
+        return ""
+    if not len(bad):
+        return ""
+    page, slot = (int(x) for x in bad[0])
+    columns = [c for c, p in enumerate(np.asarray(pages).tolist()) if p == page]
+    owner = (
+        f"token {columns[0] * page_size + slot} of this sequence"
+        if columns
+        else "a page this sequence does not own"
+    )
+    return f"{len(bad)} (page, slot) pairs differ; the first is page {page}, slot {slot} ({owner})"
 
 
 def check_gather_kv(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
@@ -137,15 +212,6 @@ def check_gather_kv(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Che
     return run_check(
         "gather_kv", fn, gather_kv, cases, diagnose(compare, mistakes), verbose=verbose
     )
-
-
-def _pair(out):
-    """(page, slot) as two ints, or what came back if it is not a pair of integers."""
-    try:
-        page, slot = out
-    except (TypeError, ValueError):
-        return out
-    return as_int(page), as_int(slot)
 
 
 def _all_tokens(kv_pages, pages):

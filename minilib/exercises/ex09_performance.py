@@ -1,4 +1,5 @@
-"""Notebook 09's exercise: the bytes a decode step must read from HBM."""
+"""Notebook 09's exercises: a batch's arithmetic intensity, and the largest KV block that fits
+a VMEM budget."""
 
 from __future__ import annotations
 
@@ -6,71 +7,266 @@ from collections.abc import Callable
 
 import numpy as np
 
-from minilib.exercises.checking import Case, CheckResult, compare_values, diagnose, run_check
+from minilib.exercises.checking import (
+    Case,
+    CheckResult,
+    Mismatch,
+    as_int,
+    compare_values,
+    diagnose,
+    run_check,
+)
+from minilib.kernel import LANES
 from minilib.roofline import rpa_cost
 
-
-def _reference(kv_lens, page_size, num_kv_heads, head_dim, itemsize):
-    cost = rpa_cost(
-        [(1, int(kv)) for kv in kv_lens],
-        num_q_heads=num_kv_heads,  # q heads do not change the KV bytes
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        page_size=page_size,
-        kv_itemsize=itemsize,
-    )
-    return int(cost.kv_bytes)
+# --- 9.1: arithmetic intensity --------------------------------------------------------------
 
 
-def _as_int(fn: Callable) -> Callable:
-    def run(*args):
-        out = fn(*args)
-        try:
-            return int(out)
-        except (TypeError, ValueError):
-            return out
-
-    return run
+def _intensity(seq_lens, *, num_q_heads, num_kv_heads, head_dim, page_size, itemsize):
+    cost = rpa_cost(seq_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim, page_size=page_size, q_itemsize=itemsize)  # fmt: skip
+    return cost.intensity
 
 
-def check_decode_kv_bytes(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
-    """Check `fn(kv_lens, page_size, num_kv_heads, head_dim, itemsize) -> int`: the bytes of
-    KV cache one decode step reads from HBM, for sequences of `kv_lens` tokens each decoding
-    one token. K and V of every KV head are read, in whole pages (`itemsize` bytes a value).
+def _intensity_with(*, pairs=None, kv_heads=None, kv_slots=None, flops_per_pair=4, q_and_out=True):
+    """The intensity with one term computed wrongly, for the checker's likely causes."""
 
-    >>> check_decode_kv_bytes(_reference)
-    Passed: decode_kv_bytes matches the reference on all 8 cases.
-    CheckResult('decode_kv_bytes', status='passed')
+    def intensity(seq_lens, *, num_q_heads, num_kv_heads, head_dim, page_size, itemsize):
+        live = [(q, kv) for q, kv in seq_lens if q > 0]
+        seen = sum((pairs or _visible)(q, kv) for q, kv in live)
+        slots = sum((kv_slots or _page_slots)(kv, page_size) for _, kv in live)
+        heads = num_q_heads if kv_heads == "q" else num_kv_heads
+        rows = sum(q for q, _ in live)
+        flops = flops_per_pair * head_dim * num_q_heads * seen
+        kv_bytes = slots * 2 * heads * head_dim * itemsize
+        row_bytes = 2 * rows * num_q_heads * head_dim * itemsize if q_and_out else 0
+        return flops / (kv_bytes + row_bytes)
+
+    return intensity
+
+
+def _visible(q_len, kv_len):
+    return sum(kv_len - q_len + i + 1 for i in range(q_len))
+
+
+def _page_slots(kv_len, page_size):
+    return -(-kv_len // page_size) * page_size
+
+
+def check_arithmetic_intensity(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
+    """Check `fn(seq_lens, *, num_q_heads, num_kv_heads, head_dim, page_size, itemsize) ->
+    float`: the useful FLOPs of a batch of `(q_len, kv_len)` pairs over the bytes it must move
+    through HBM, with `minilib.roofline.rpa_cost`'s conventions:
+
+      FLOPs: 4 * head_dim per visible (q row, key) pair and q head (two matmuls, q . k and
+             probs . v, a multiply and an add each); row i of a sequence sees kv_len - q_len
+             + i + 1 keys (causal);
+      bytes: q and the output, num_q_heads * head_dim values a row each, and the KV cache in
+             whole pages, 2 * num_kv_heads * head_dim values a token slot (K and V);
+             `itemsize` bytes a value. An idle sequence (q_len 0) reads nothing.
+
+    >>> check_arithmetic_intensity(_intensity)
+    Passed: arithmetic_intensity matches the reference on all 8 cases.
+    CheckResult('arithmetic_intensity', status='passed')
     """
     rng = np.random.default_rng(1000 + seed)
-    specs = [
-        ([1024], 16, 8, 128, 2),  # Llama-3-8B-like, bf16
-        ([17, 33, 100], 16, 8, 128, 2),  # partial last pages
-        ([1], 128, 1, 64, 4),
-        ([64, 64], 16, 4, 128, 1),  # fp8
+    specs = [  # (seq_lens, num_q_heads, num_kv_heads, head_dim, page_size, itemsize)
+        ([(1, 4096)], 32, 8, 128, 16, 2),  # a Llama-3-8B-like decode
+        ([(4096, 4096)], 32, 8, 128, 16, 2),  # its prefill
+        ([(1, 17), (1, 33), (1, 100)], 8, 2, 64, 16, 2),  # partial last pages
+        ([(8, 8), (1, 40), (0, 25), (5, 24)], 8, 2, 64, 16, 4),  # mixed, one idle
+        ([(3, 10)], 4, 4, 32, 4, 1),  # MHA, a chunk, fp8
+        ([(1, 1)], 16, 1, 128, 128, 2),  # MQA, one key in a big page
     ]
-    for _ in range(4):
-        kv_lens = [int(x) for x in rng.integers(1, 3000, size=int(rng.integers(1, 6)))]
-        page_size = int(rng.choice([8, 16, 32, 64]))
-        specs.append((kv_lens, page_size, int(rng.choice([1, 2, 8])), 128, int(rng.choice([1, 2]))))
-    cases = [
-        Case(
-            f"kv_lens={kv_lens}, page_size={ps}, num_kv_heads={h}, head_dim={d}, itemsize={i}",
-            (kv_lens, ps, h, d, i),
-        )
-        for kv_lens, ps, h, d, i in specs
-    ]
+    for _ in range(2):
+        kv = [int(x) for x in rng.integers(1, 600, size=int(rng.integers(1, 5)))]
+        pairs = [(int(rng.integers(0, min(k, 64) + 1)), k) for k in kv]
+        specs.append((pairs, 16, int(rng.choice([1, 2, 8])), 128, int(rng.choice([8, 16, 32])), 2))
+    cases = []
+    for seq_lens, nq, nkv, d, ps, size in specs:
+        kwargs = dict(num_q_heads=nq, num_kv_heads=nkv, head_dim=d, page_size=ps, itemsize=size)
+        description = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+        cases.append(Case(f"seq_lens={seq_lens}, {description}", (seq_lens,), kwargs))
 
-    def k_only(kv_lens, page_size, num_kv_heads, head_dim, itemsize):
-        return _reference(kv_lens, page_size, num_kv_heads, head_dim, itemsize) // 2
-
-    def tokens_not_pages(kv_lens, page_size, num_kv_heads, head_dim, itemsize):
-        return sum(kv_lens) * 2 * num_kv_heads * head_dim * itemsize
+    def every_pair(q_len, kv_len):
+        return q_len * kv_len
 
     mistakes = {
-        "K and V are both read: 2 * num_kv_heads * head_dim values per token.": _as_int(k_only),
-        "the cache is read in whole pages: a sequence of kv_len tokens reads "
-        "ceil(kv_len / page_size) * page_size token slots.": _as_int(tokens_not_pages),
+        "every (row, key) pair counted: row i of a sequence sees only keys up to its position "
+        "kv_len - q_len + i, so it has kv_len - q_len + i + 1 visible pairs.": _intensity_with(
+            pairs=every_pair
+        ),
+        "the KV cache holds num_kv_heads heads, not num_q_heads: with GQA a KV head's bytes "
+        "are read once for its whole group of q heads.": _intensity_with(kv_heads="q"),
+        "the cache is read in whole pages: ceil(kv_len / page_size) * page_size token slots.": (
+            _intensity_with(kv_slots=lambda kv_len, page_size: kv_len)
+        ),
+        "each pair costs 2 matmuls (q . k, then probs . v) of head_dim multiply-adds, and a "
+        "multiply-add is 2 FLOPs: 4 * head_dim per pair and q head.": _intensity_with(
+            flops_per_pair=2
+        ),
+        "q must be read and the output written too: 2 * num_q_heads * head_dim * itemsize "
+        "bytes per row.": _intensity_with(q_and_out=False),
     }
-    compare = diagnose(lambda want, got, case: compare_values(want, got, "bytes"), mistakes)
-    return run_check("decode_kv_bytes", _as_int(fn), _reference, cases, compare, verbose=verbose)
+
+    def compare(want, got, case):
+        if got is None:
+            raise Mismatch("FLOP/byte: got None. Did you forget to `return` it?")
+        try:
+            value = float(got)
+        except (TypeError, ValueError):
+            raise Mismatch(
+                f"FLOP/byte: expected one number, got {type(got).__name__} {str(got)[:60]}"
+            ) from None
+        if not np.isclose(value, want, rtol=1e-6, atol=1e-6):
+            raise Mismatch(f"FLOP/byte: expected {want:.6g}, got {value:.6g}")
+
+    return run_check(
+        "arithmetic_intensity", fn, _intensity, cases, diagnose(compare, mistakes), verbose=verbose
+    )
+
+
+# --- 9.2: the largest KV block that fits a VMEM budget ----------------------------------------
+
+
+def kernel_vmem_bytes(
+    num_kv_pages_per_block: int,
+    *,
+    page_size: int,
+    num_kv_heads_per_block: int,
+    group: int,
+    head_dim: int,
+    itemsize: int,
+    num_queries_per_block: int,
+    kv_slots: int = 2,
+    q_out_buffers: int = 2,
+    state_lanes: int = LANES,
+) -> int:
+    """VMEM of the kernel's buffers for one heads block, as notebook 09 adds them up: two slots
+    of one KV block, the q and output blocks (each double-buffered by Pallas), and the
+    softmax state m, l (128 lanes a row) and acc in float32.
+
+    The last three keywords exist to model mistakes; the kernel's values are the defaults.
+
+    >>> kernel_vmem_bytes(1, page_size=16, num_kv_heads_per_block=1, group=1, head_dim=128,
+    ...                   itemsize=2, num_queries_per_block=8)
+    36864
+    """
+    kv = kv_slots * num_kv_pages_per_block * page_size * 2 * num_kv_heads_per_block * head_dim
+    q_and_out = 2 * q_out_buffers * num_queries_per_block * num_kv_heads_per_block * group
+    rows = num_queries_per_block * group
+    state = num_kv_heads_per_block * rows * (2 * state_lanes + head_dim) * 4
+    return (kv + q_and_out * head_dim) * itemsize + state
+
+
+def _largest_block(vmem_budget_bytes, *, pages_per_seq, cap=True, strict=False,
+                   clamp=True, **shapes) -> int:  # fmt: skip
+    """The largest n <= pages_per_seq whose buffers fit the budget; 0 if n = 1 does not."""
+    fixed = kernel_vmem_bytes(0, **shapes)
+    per_page = kernel_vmem_bytes(1, **shapes) - fixed
+    room = vmem_budget_bytes - fixed - (1 if strict else 0)
+    n = room // per_page
+    if cap:
+        n = min(n, pages_per_seq)
+    return max(n, 0) if clamp else n
+
+
+def _num_kv_pages_per_block(vmem_budget_bytes, *, page_size, pages_per_seq,
+                            num_kv_heads_per_block, group, head_dim, itemsize,
+                            num_queries_per_block):  # fmt: skip
+    return _largest_block(
+        vmem_budget_bytes, pages_per_seq=pages_per_seq, page_size=page_size,
+        num_kv_heads_per_block=num_kv_heads_per_block, group=group, head_dim=head_dim,
+        itemsize=itemsize, num_queries_per_block=num_queries_per_block,
+    )  # fmt: skip
+
+
+def check_num_kv_pages_per_block(
+    fn: Callable, *, seed: int = 0, verbose: bool = True
+) -> CheckResult:
+    """Check `fn(vmem_budget_bytes, *, page_size, pages_per_seq, num_kv_heads_per_block, group,
+    head_dim, itemsize, num_queries_per_block) -> int`: the largest num_kv_pages_per_block,
+    at most pages_per_seq, whose buffers fit in `vmem_budget_bytes`; 0 if not even one page
+    fits. The buffers are those of notebook 09 (see `kernel_vmem_bytes`):
+
+      KV:    2 slots * num_kv_pages_per_block * page_size * 2*num_kv_heads_per_block * head_dim
+      q, out: 2 blocks * 2 buffers * num_queries_per_block * num_kv_heads_per_block * group
+             * head_dim                                      (these two in `itemsize` bytes)
+      state: num_kv_heads_per_block * num_queries_per_block * group * (2*128 + head_dim)
+             float32 values (m and l are 128 lanes wide, acc head_dim)
+
+    >>> check_num_kv_pages_per_block(_num_kv_pages_per_block)
+    Passed: num_kv_pages_per_block matches the reference on all 10 cases.
+    CheckResult('num_kv_pages_per_block', status='passed')
+    """
+    rng = np.random.default_rng(1100 + seed)
+    llama = dict(page_size=16, pages_per_seq=256, num_kv_heads_per_block=8, group=4,
+                 head_dim=128, itemsize=2, num_queries_per_block=32)  # fmt: skip
+    small = dict(page_size=16, pages_per_seq=64, num_kv_heads_per_block=1, group=8,
+                 head_dim=128, itemsize=2, num_queries_per_block=16)  # fmt: skip
+    short = dict(page_size=32, pages_per_seq=6, num_kv_heads_per_block=2, group=2,
+                 head_dim=64, itemsize=4, num_queries_per_block=8)  # fmt: skip
+    mib = 2**20
+
+    def fits(shapes, n):  # the budget that exactly fits n pages
+        return kernel_vmem_bytes(n, **{k: v for k, v in shapes.items() if k != "pages_per_seq"})
+
+    budgets = [
+        (16 * mib, llama, "v5e's default scoped VMEM"),
+        (32 * mib, llama, "v6e's default scoped VMEM"),
+        (fits(llama, 12), llama, "exactly 12 pages' worth"),
+        (fits(llama, 12) - 1, llama, "one byte short of 12 pages"),
+        (4 * mib, small, "4 MiB"),
+        (128 * mib, short, "more than pages_per_seq pages' worth"),
+        (fits(short, 1) - 1, short, "one byte short of one page"),
+        (fits(short, 0) // 2, short, "not even room for q, the output and the state"),
+    ]
+    for shapes in (small, short):
+        budgets.append((fits(shapes, int(rng.integers(1, 40))) + int(rng.integers(0, 5000)),
+                        shapes, "a random budget"))  # fmt: skip
+    cases = []
+    for budget, shapes, what in budgets:
+        described = ", ".join(f"{k}={v}" for k, v in shapes.items())
+        cases.append(Case(f"vmem_budget_bytes={budget} ({what}), {described}", (budget,), shapes))
+
+    def making(**mistake):
+        search = {k: mistake.pop(k) for k in ("cap", "clamp", "strict") if k in mistake}
+
+        def choose(vmem_budget_bytes, *, pages_per_seq, **shapes):
+            return _largest_block(
+                vmem_budget_bytes, pages_per_seq=pages_per_seq, **search, **shapes, **mistake
+            )
+
+        return choose
+
+    def halving(vmem_budget_bytes, *, pages_per_seq, **shapes):
+        n = pages_per_seq
+        while n > 0 and kernel_vmem_bytes(n, **shapes) > vmem_budget_bytes:
+            n //= 2
+        return n
+
+    mistakes = {
+        "the KV block has two slots (double buffering: one is computed on while the next block "
+        "is copied into the other), so each page costs twice its bytes.": making(kv_slots=1),
+        "Pallas double-buffers the q and output blocks too: 2 blocks * 2 buffers.": making(
+            q_out_buffers=1
+        ),
+        "m and l are stored 128 lanes wide, one vector-register row per q row: "
+        "(2 * 128 + head_dim) float32 values per row, not (2 + head_dim).": making(state_lanes=1),
+        "the block may not be longer than a sequence's row of pages: cap it at pages_per_seq.": (
+            making(cap=False)
+        ),
+        "when not even one page fits, return 0 (nothing fits), not a negative number.": making(
+            clamp=False
+        ),
+        "a budget that the buffers fill exactly still fits: use <=, not <.": making(strict=True),
+        "halving from pages_per_seq finds *a* size that fits, not the largest: the answer need "
+        "not be pages_per_seq / 2**k. Solve for n, or count up.": halving,
+    }
+    compare = diagnose(
+        lambda want, got, case: compare_values(want, as_int(got), "num_kv_pages_per_block"),
+        mistakes,
+    )
+    return run_check(
+        "num_kv_pages_per_block", fn, _num_kv_pages_per_block, cases, compare, verbose=verbose
+    )

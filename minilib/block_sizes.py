@@ -1,0 +1,194 @@
+"""The kernel's default block sizes, per TPU chip, and the static cost model behind them.
+
+Two sizes shape the kernel's work: `num_kv_pages_per_block` (pages per KV block: one batch of
+DMAs, one online-softmax update) and `num_queries_per_block` (q rows per grid step).
+
+The cost model (a model, not a measurement). For one sequence of `kv_len` tokens, the kernel
+visits `ceil(kv_len / kv_tokens_per_block)` KV blocks. Each block costs the larger of
+
+* its compute: `bundles_per_kv_block` cycles (the TPU core issues one VLIW bundle per cycle
+  when nothing stalls; the count is read from the compiled program by `minilib.tpu_compile`),
+  divided by the chip's clock, and
+* its copy: the KV bytes of the block divided by the chip's HBM bandwidth (from
+  `pltpu.get_tpu_info_for_chip` when this JAX has it, else `minilib.roofline.CHIPS`),
+
+because double buffering overlaps the copy of the next block with the compute of this one.
+Bigger blocks amortise the fixed cost of a block (loop control, DMA issue, rescaling the
+softmax state) over more tokens, but the last block of a sequence is computed whole however
+few of its tokens exist, and both KV buffers must fit in VMEM next to q, the output and the
+softmax state. `modelled_seconds` evaluates the model; `tests/test_tpu_compile.py` compiles
+8, 16 and 32 pages of 16 tokens for each chip, and checks that the default is the model's
+best, or within 10 % of it, and that the compiled kernel leaves VMEM headroom.
+
+Defaults never call `jax.devices()`: lowering for a TPU on a TPU-less machine must work. The
+chip comes from the `chip` argument, else from the abstract mesh that `minilib.tpu_compile`
+lowers under, else from the device kind when JAX runs on a TPU; unknown means the
+chip-independent defaults.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+# Chip-independent defaults: a KV block of about this many tokens keeps the MXU busy, ...
+TARGET_KV_TOKENS_PER_BLOCK = 512
+# ... with at most this many page copies per block (each is a DMA descriptor, issued by the
+# scalar core, whose page number lives in a scalar register) ...
+MAX_PAGES_PER_BLOCK = 16
+# ... and both KV buffers together within this much VMEM (v5e's default scoped VMEM is 16 MiB,
+# v6e's 32 MiB; q, the output and the softmax state need room too).
+KV_BUFFERS_VMEM_BUDGET = 4 * 1024 * 1024
+DEFAULT_NUM_QUERIES_PER_BLOCK = 32
+
+# Per chip: (KV tokens per block, most pages per block, q rows per block, KV buffers' VMEM
+# budget). Chosen with the cost model above on the course's GQA case (32 q heads, 8 KV heads,
+# head_dim 128, bf16, page_size 16, kv_len 1024): on all four chips the model ranks 32 pages
+# (512 tokens) first, then 16, 8 and 4, because a KV block's fixed cost is large against its
+# per-token cost. Both KV buffers at 32 such pages take 4 MiB; the compiled kernel then needs
+# about 10 MiB of VMEM, within v5e's 16 MiB default limit. `tests/test_tpu_compile.py`
+# re-checks the ranking and the headroom against the current kernel.
+CHIP_DEFAULTS: dict[str, tuple[int, int, int, int]] = {
+    "v4": (512, 32, 32, 4 * 1024 * 1024),
+    "v5e": (512, 32, 32, 4 * 1024 * 1024),
+    "v5p": (512, 32, 32, 4 * 1024 * 1024),
+    "v6e": (512, 32, 32, 8 * 1024 * 1024),
+}
+
+# Core clock, for the model's compute term: peak bf16 FLOP/s = 2 * MXUs * MXU size^2 * clock
+# for v4 (1.05 GHz), v5e (1.5 GHz) and v5p (1.75 GHz); v6e's 1.75 GHz is an assumption.
+CLOCK_HZ = {"v4": 1.05e9, "v5e": 1.5e9, "v5p": 1.75e9, "v6e": 1.75e9}
+
+DEVICE_KINDS = {
+    "TPU v4": "v4",
+    "TPU v5 lite": "v5e",
+    "TPU v5e": "v5e",
+    "TPU v5": "v5p",
+    "TPU v5p": "v5p",
+    "TPU v6 lite": "v6e",
+    "TPU v6e": "v6e",
+}
+
+
+def current_chip() -> str | None:
+    """The chip being compiled for: the abstract mesh's device kind (as `tpu_compile` sets
+    it), else the device kind when JAX runs on a TPU, else None. Never `jax.devices()` off a
+    TPU.
+
+    >>> current_chip() is None or current_chip() in CHIP_DEFAULTS
+    True
+    """
+    get_abstract_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    mesh = get_abstract_mesh() if get_abstract_mesh else None
+    device = getattr(mesh, "abstract_device", None)
+    if device is not None:
+        return DEVICE_KINDS.get(device.device_kind)
+    if jax.default_backend() == "tpu":
+        return DEVICE_KINDS.get(jax.local_devices()[0].device_kind)
+    return None
+
+
+def packing(dtype) -> int:
+    """How many values of `dtype` share one 32-bit word.
+
+    >>> packing(jnp.bfloat16), packing(jnp.float32)
+    (2, 1)
+    """
+    return 4 // jnp.dtype(dtype).itemsize
+
+
+def num_kv_heads_per_block(num_q_heads: int, num_kv_heads: int, q_dtype, kv_dtype) -> int:
+    """The fewest KV heads per heads block that keep every block tile-aligned; else all of them.
+
+    A TPU stores the last two axes of an array in tiles of (8 * packing, 128), where packing is
+    how many values share one 32-bit word (1 for f32, 2 for bf16, 4 for fp8). A heads block of
+    `kv_pages` (2 * kv heads on the second-to-last axis) and of `q` (q heads there) must fill
+    whole tiles, or be the whole axis.
+
+    >>> num_kv_heads_per_block(16, 8, jnp.float32, jnp.float32)   # 8 K/V slots, 8 q heads
+    4
+    >>> num_kv_heads_per_block(4, 2, jnp.float32, jnp.float32)    # too few heads to split
+    2
+    """
+    group = num_q_heads // num_kv_heads
+    q_tile = 8 * packing(q_dtype)
+    kv_tile = 8 * packing(kv_dtype)
+    for kv_heads in range(1, num_kv_heads):
+        if num_kv_heads % kv_heads:
+            continue
+        if (2 * kv_heads) % kv_tile == 0 and (kv_heads * group) % q_tile == 0:
+            return kv_heads
+    return num_kv_heads
+
+
+def default_block_sizes(
+    *,
+    page_size: int,
+    pages_per_seq: int,
+    max_num_batched_tokens: int,
+    bytes_per_page: int,
+    chip: str | None = None,
+) -> tuple[int, int]:  # (num_kv_pages_per_block, num_queries_per_block)
+    """Default block sizes for `chip` ("v4", "v5e", "v5p", "v6e"; None: `current_chip()`,
+    and chip-independent sizes when that is unknown).
+
+    A KV block of the chip's target tokens (at most the chip's most pages, 16 when the chip
+    is unknown, and the sequence's pages), halved until both KV buffers fit the VMEM budget;
+    q blocks of 32 rows (fewer if the batch has fewer). Pass both block sizes to tune by hand.
+
+    >>> default_block_sizes(page_size=16, pages_per_seq=64, max_num_batched_tokens=512,
+    ...                     bytes_per_page=16 * 16 * 128 * 2)   # chip unknown
+    (16, 32)
+    >>> default_block_sizes(page_size=16, pages_per_seq=64, max_num_batched_tokens=512,
+    ...                     bytes_per_page=16 * 16 * 128 * 2, chip="v5e")
+    (32, 32)
+    """
+    chip = current_chip() if chip is None else chip
+    if chip is not None and chip not in CHIP_DEFAULTS:
+        raise ValueError(f"{chip=} has no default block sizes; use one of {list(CHIP_DEFAULTS)}.")
+    target_tokens, max_pages, queries, budget = CHIP_DEFAULTS.get(
+        chip,
+        (
+            TARGET_KV_TOKENS_PER_BLOCK,
+            MAX_PAGES_PER_BLOCK,
+            DEFAULT_NUM_QUERIES_PER_BLOCK,
+            KV_BUFFERS_VMEM_BUDGET,
+        ),
+    )
+    pages = max(1, min(target_tokens // page_size, max_pages))
+    pages = min(pages, pages_per_seq)
+    while pages > 1 and 2 * pages * bytes_per_page > budget:
+        pages //= 2
+    return pages, min(queries, max_num_batched_tokens)
+
+
+def hbm_bytes_per_s(chip: str) -> float:
+    """The chip's HBM bandwidth: JAX's own table when it has one (jax >= 0.8), else ours."""
+    try:
+        from jax.experimental.pallas import tpu as pltpu
+
+        info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(chip), 1)
+        return float(info.mem_bw_bytes_per_second)
+    except (AttributeError, ValueError):
+        from minilib.roofline import CHIPS
+
+        return CHIPS[chip].hbm_bytes_per_s
+
+
+def modelled_seconds(
+    chip: str, *, kv_len: int, kv_tokens_per_block: int, bundles_per_kv_block: int,
+    kv_bytes_per_token: int
+) -> float:  # fmt: skip
+    """The model's time for one sequence's KV blocks in one grid step (a model, not a
+    measurement): blocks visited x max(bundles / clock, block bytes / HBM bandwidth).
+
+    >>> round(modelled_seconds("v5e", kv_len=1024, kv_tokens_per_block=128,
+    ...                        bundles_per_kv_block=1500, kv_bytes_per_token=4096) * 1e6, 1)
+    8.0
+    """
+    blocks = math.ceil(kv_len / kv_tokens_per_block)
+    compute = bundles_per_kv_block / CLOCK_HZ[chip]
+    copy = kv_tokens_per_block * kv_bytes_per_token / hbm_bytes_per_s(chip)
+    return blocks * max(compute, copy)

@@ -1,0 +1,331 @@
+"""A toy decoder-only transformer, and `dense_generate`: the yardstick the engine must match.
+
+One layer, in four named steps that the engine and the dense model share:
+
+  1. `embed_tokens`                     token ids -> vectors        [n, embed_dim]
+  2. `attention_inputs`                 RMSNorm, q/k/v projections, rotary positions
+  3. attention                          the only step the two differ in
+  4. `attention_output_and_mlp`         output projection, residual, RMSNorm, MLP, residual
+
+and at the end `final_logits` (RMSNorm, unembedding). Steps 1, 2 and 4 treat every token row
+on its own, so they do not care how rows are batched. Step 3 is where a serving engine
+differs from a plain model: `dense_generate` keeps one contiguous K/V buffer per layer and
+runs plain causal attention; the engine writes K/V into pages and runs ragged paged
+attention over many sequences at once. Greedy decoding makes the comparison token for token.
+
+The weights are random (`init_params`), so the text is gibberish; what matters is that both
+paths compute the same function of the same weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from minilib.kv_cache import bucket_size
+from minilib.validation import RPAInputError, check_head_counts
+
+DTYPES = ("float32", "bfloat16")
+MIN_DENSE_LEN = 64  # dense_generate's shortest cache: short requests share compiled programs
+
+
+class EngineError(RPAInputError):
+    """A bad model config, engine setting or request. Nothing was changed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The shape of the toy transformer. Frozen and hashable: jit takes it as a static arg.
+
+    `num_q_heads` query heads share `num_kv_heads` key/value heads (GQA; MHA and MQA are the
+    two ends). `dtype` is the weights', activations' and KV cache's dtype.
+
+    >>> ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32)
+    ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32, \
+embed_dim=64, mlp_dim=128, rope_theta=10000.0, dtype='float32')
+    """
+
+    vocab_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    embed_dim: int = 64
+    mlp_dim: int = 128
+    rope_theta: float = 10000.0
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in (
+            "vocab_size",
+            "num_layers",
+            "num_q_heads",
+            "num_kv_heads",
+            "head_dim",
+            "embed_dim",
+            "mlp_dim",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
+                raise EngineError(
+                    f"ModelConfig: {name}={value!r} must be a positive int.",
+                    "sizes of the model are counts: at least 1.",
+                )
+        check_head_counts(self.num_q_heads, self.num_kv_heads)
+        if self.head_dim % 2:
+            raise EngineError(
+                f"ModelConfig: head_dim={self.head_dim} must be even.",
+                "rotary positions rotate pairs of dimensions; use an even head_dim.",
+            )
+        if self.dtype not in DTYPES:
+            raise EngineError(
+                f"ModelConfig: dtype={self.dtype!r} is not one of {DTYPES}.",
+                "give the dtype by name, 'float32' or 'bfloat16'.",
+            )
+
+    @property
+    def sm_scale(self) -> float:
+        """The attention scale, 1 / sqrt(head_dim)."""
+        return 1.0 / float(np.sqrt(self.head_dim))
+
+
+def init_params(config: ModelConfig, seed: int = 0) -> dict:
+    """Seeded random weights for `config`: a dict of arrays in `config.dtype`.
+
+    Matrices are normal with variance 1 / fan_in, so every layer keeps its activations near
+    unit size. The unembedding is scaled up (logits of standard deviation about 4): the top two
+    logits are then rarely close, so a last-bit difference in attention does not flip a greedy
+    token, and exactness tests compare tokens, not rounding.
+
+    >>> config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
+    ...                      head_dim=32)
+    >>> params = init_params(config, seed=0)
+    >>> params["layers"][0]["wq"].shape, params["layers"][0]["wk"].shape
+    ((64, 4, 32), (64, 2, 32))
+    """
+    if not isinstance(config, ModelConfig):
+        raise EngineError(
+            f"config={config!r} must be a ModelConfig.",
+            "build one with ModelConfig(vocab_size=..., num_layers=..., ...).",
+        )
+    d, h, nq, nkv = config.embed_dim, config.head_dim, config.num_q_heads, config.num_kv_heads
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 4 + 6 * config.num_layers))
+
+    def normal(shape, fan_in, scale=1.0):
+        return (scale / np.sqrt(fan_in)) * jax.random.normal(next(keys), shape, jnp.float32)
+
+    layers = [
+        {
+            "attn_norm": jnp.ones(d),
+            "wq": normal((d, nq, h), d),  # [embed_dim, num_q_heads, head_dim]
+            "wk": normal((d, nkv, h), d),  # [embed_dim, num_kv_heads, head_dim]
+            "wv": normal((d, nkv, h), d),
+            "wo": normal((nq, h, d), nq * h),  # [num_q_heads, head_dim, embed_dim]
+            "mlp_norm": jnp.ones(d),
+            "w_in": normal((d, config.mlp_dim), d),
+            "w_out": normal((config.mlp_dim, d), config.mlp_dim),
+        }
+        for _ in range(config.num_layers)
+    ]
+    params = {
+        "embed": normal((config.vocab_size, d), 1),  # [vocab_size, embed_dim]
+        "layers": layers,
+        "final_norm": jnp.ones(d),
+        "unembed": normal((d, config.vocab_size), d, scale=4.0),  # [embed_dim, vocab_size]
+    }
+    return jax.tree.map(lambda x: x.astype(config.dtype), params)
+
+
+# --- the shared steps of a layer -------------------------------------------------------------
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / rms(x) * weight, computed in float32.  x: [n, embed_dim]."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate pairs (x[..., i], x[..., i + head_dim/2]) by angle position / theta^(2i/head_dim).
+
+    x: [n, num_heads, head_dim], positions: i32[n]. Token order enters attention only here:
+    a token's K is rotated by its position once, when it is written to the cache.
+    """
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [half]
+    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [n, half]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+@jax.jit
+def embed_tokens(params: dict, tokens: jax.Array) -> jax.Array:  # [n, embed_dim]
+    """Step 1: one embedding row per token id.  tokens: i32[n]."""
+    return params["embed"][tokens]
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def attention_inputs(layer: dict, config: ModelConfig, x: jax.Array, positions: jax.Array):
+    """Step 2: q [n, num_q_heads, head_dim], k and v [n, num_kv_heads, head_dim] of every row.
+
+    x: [n, embed_dim], positions: i32[n] (each row's position in its own sequence).
+    """
+    h = rms_norm(x, layer["attn_norm"])
+    q = jnp.einsum("nd,dhk->nhk", h, layer["wq"])
+    k = jnp.einsum("nd,dhk->nhk", h, layer["wk"])
+    v = jnp.einsum("nd,dhk->nhk", h, layer["wv"])
+    return rotary(q, positions, config.rope_theta), rotary(k, positions, config.rope_theta), v
+
+
+@jax.jit
+def attention_output_and_mlp(layer: dict, x: jax.Array, attn: jax.Array) -> jax.Array:
+    """Step 4: x + attn @ wo, then x + MLP(RMSNorm(x)).  attn: [n, num_q_heads, head_dim]."""
+    x = x + jnp.einsum("nhk,hkd->nd", attn.astype(x.dtype), layer["wo"])
+    h = rms_norm(x, layer["mlp_norm"])
+    return x + jax.nn.gelu(h @ layer["w_in"]) @ layer["w_out"]
+
+
+@jax.jit
+def final_logits(params: dict, x: jax.Array) -> jax.Array:  # f32[n, vocab_size]
+    """RMSNorm, then the unembedding: one row of logits per token row, accumulated and kept
+    in float32 (bf16 logits would tie too often for a greedy argmax)."""
+    h = rms_norm(x, params["final_norm"])
+    return jnp.dot(h, params["unembed"], preferred_element_type=jnp.float32)
+
+
+# --- the yardstick: one sequence, a contiguous cache, plain attention ------------------------
+
+
+def dense_attention(
+    q: jax.Array,  # [n, num_q_heads, head_dim], the rows at `positions`
+    k: jax.Array,  # [max_len, num_kv_heads, head_dim], the whole contiguous cache
+    v: jax.Array,  # [max_len, num_kv_heads, head_dim]
+    positions: jax.Array,  # i32[n]
+    sm_scale: float,
+) -> jax.Array:  # [n, num_q_heads, head_dim]
+    """Causal attention over a contiguous cache: row at position p sees keys 0..p."""
+    group = q.shape[1] // k.shape[1]
+    k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+    scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * sm_scale
+    future = jnp.arange(k.shape[0])[None, :] > positions[:, None]  # [n, max_len]
+    scores = jnp.where(future, -jnp.inf, scores)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("hqk,khd->qhd", probs, v)
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def dense_forward(params, config: ModelConfig, tokens, start, k_cache, v_cache):
+    """Run `tokens` (i32[n], positions start..start+n-1) through the model with a contiguous
+    cache per layer, k_cache and v_cache [num_layers, max_len, num_kv_heads, head_dim].
+
+    Returns (logits f32[n, vocab_size], k_cache, v_cache) with the new K/V written in.
+    """
+    positions = start + jnp.arange(tokens.shape[0])
+    x = embed_tokens(params, tokens)
+    for i, layer in enumerate(params["layers"]):
+        q, k, v = attention_inputs(layer, config, x, positions)
+        k_cache = k_cache.at[i].set(jax.lax.dynamic_update_slice(k_cache[i], k, (start, 0, 0)))
+        v_cache = v_cache.at[i].set(jax.lax.dynamic_update_slice(v_cache[i], v, (start, 0, 0)))
+        attn = dense_attention(q, k_cache[i], v_cache[i], positions, config.sm_scale)
+        x = attention_output_and_mlp(layer, x, attn)
+    return final_logits(params, x), k_cache, v_cache
+
+
+def dense_generate(params: dict, config: ModelConfig, prompt, max_new_tokens: int) -> list[int]:
+    """Greedy generation of one sequence: the prompt in one pass, then one token at a time.
+
+    The cache is one contiguous buffer per layer, `bucket_size(len(prompt) + max_new_tokens)`
+    long (at least `MIN_DENSE_LEN`), so that sequences of similar length share the two
+    compiled programs, prefill and decode. The prompt is padded to the cache's length: the
+    causal mask hides the padding from the real rows, and its K/V is overwritten by the
+    generated tokens before any row could see it.
+
+    >>> config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
+    ...                      head_dim=32)
+    >>> tokens = dense_generate(init_params(config), config, [1, 2, 3], max_new_tokens=4)
+    >>> len(tokens), all(0 <= t < 64 for t in tokens)
+    (4, True)
+    """
+    return dense_generate_with_margins(params, config, prompt, max_new_tokens)[0]
+
+
+def dense_generate_with_margins(params, config: ModelConfig, prompt, max_new_tokens: int):
+    """`dense_generate`, and for each token the gap between the top two logits it was chosen
+    by: where the gap is tiny, a rounding difference may legitimately pick the other token.
+
+    >>> config = ModelConfig(vocab_size=64, num_layers=1, num_q_heads=2, num_kv_heads=1,
+    ...                      head_dim=8)
+    >>> tokens, margins = dense_generate_with_margins(init_params(config), config, [1], 3)
+    >>> len(margins), all(m >= 0 for m in margins)
+    (3, True)
+    """
+    check_request(prompt, max_new_tokens, config)
+    prompt = [int(t) for t in prompt]
+    if max_new_tokens == 0:
+        return [], []
+    max_len = max(MIN_DENSE_LEN, bucket_size(len(prompt) + max_new_tokens))
+    shape = (config.num_layers, max_len, config.num_kv_heads, config.head_dim)
+    k_cache, v_cache = jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype)
+    padded = np.zeros(max_len, np.int32)  # the prompt, padded to the cache's length
+    padded[: len(prompt)] = prompt
+    logits, k_cache, v_cache = dense_forward(params, config, padded, 0, k_cache, v_cache)
+    tokens, margins = [], []
+    last = np.asarray(logits[len(prompt) - 1])
+    while True:
+        top2 = np.sort(last)[-2:]
+        tokens.append(int(np.argmax(last)))
+        margins.append(float(top2[1] - top2[0]))
+        if len(tokens) == max_new_tokens:
+            return tokens, margins
+        position = len(prompt) + len(tokens) - 1  # the newest token, not yet in the cache
+        logits, k_cache, v_cache = dense_forward(
+            params, config, np.array(tokens[-1:], np.int32), position, k_cache, v_cache
+        )
+        last = np.asarray(logits[0])
+
+
+def check_request(prompt, max_new_tokens, config: ModelConfig) -> None:
+    """Raise `EngineError` unless `prompt` is a non-empty list of token ids in the vocabulary
+    and `max_new_tokens` a non-negative int."""
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int | np.integer)
+        or max_new_tokens < 0
+    ):
+        raise EngineError(
+            f"max_new_tokens={max_new_tokens!r} must be a non-negative int.",
+            "it counts the tokens to generate after the prompt.",
+        )
+    try:
+        ids = np.asarray(prompt)
+    except Exception:
+        ids = np.asarray([], object)
+    if ids.ndim != 1 or not (np.issubdtype(ids.dtype, np.integer) or ids.size == 0):
+        raise EngineError(
+            f"prompt={_short(prompt)} must be a flat list of int token ids.",
+            "tokenize the text first; a prompt is a list such as [5, 17, 3].",
+        )
+    if ids.size == 0:
+        raise EngineError(
+            "prompt=[] is empty: there is no token to predict the next one from.",
+            "give at least one token id (a beginning-of-sequence token, for example).",
+        )
+    bad = ids[(ids < 0) | (ids >= config.vocab_size)]
+    if bad.size:
+        raise EngineError(
+            f"prompt={_short(prompt)} holds token ids {sorted(set(bad.tolist()))[:5]} outside "
+            f"the vocabulary [0, vocab_size={config.vocab_size}).",
+            "token ids index the embedding table: keep them in 0 .. vocab_size - 1.",
+        )
+
+
+def _short(prompt) -> str:
+    text = repr(prompt)
+    return text if len(text) <= 60 else text[:57] + "..."

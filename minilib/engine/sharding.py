@@ -1,0 +1,158 @@
+"""Attention split over devices by KV head: `shard_map` over `Mesh(devices, ("kv_heads",))`.
+
+Attention never mixes heads: q head h reads only KV head h // group. So a mesh of D devices
+can split the KV heads into D contiguous blocks, each device holding its block's K/V pages
+and the q heads that read them:
+
+    kv_pages [total_num_pages, page_size, 2*num_kv_heads, head_dim]   axis 2 split D ways
+    q        [max_num_batched_tokens, num_q_heads, head_dim]          axis 1 split D ways
+
+The combined layout K0 V0 K1 V1 ... keeps each head's K and V side by side, so a contiguous
+block of axis 2 holds whole KV heads; and q heads d*nq/D .. (d+1)*nq/D - 1 use exactly KV
+heads d*nkv/D .. (d+1)*nkv/D - 1. Each device runs the unchanged attention function on its
+heads, with no communication; the index arrays (`kv_lens`, `page_indices`, `cu_q_lens`,
+`num_seqs`) are the same on every device. The pages are a pool shared by all heads, so the
+scheduler and page table do not change at all.
+
+The projections around attention are split the same way (`shard_params`): each device makes
+q, k and v for its own heads only, and the output projection ends with one sum over devices.
+The MLP, norms and embeddings stay replicated.
+
+On a CPU, `XLA_FLAGS=--xla_force_host_platform_device_count=4` (set before JAX starts) makes
+four simulated devices. On a TPU slice the devices are chips, and the same code runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+try:  # jax >= 0.7 has it at the top level; older versions in jax.experimental
+    from jax import shard_map
+except ImportError:  # pragma: no cover - depends on the installed jax
+    from jax.experimental.shard_map import shard_map
+
+from minilib.engine.model import EngineError, ModelConfig
+
+AXIS = "kv_heads"
+Q_SPEC = PartitionSpec(None, AXIS, None)  # q and the output: q heads split
+KV_SPEC = PartitionSpec(None, None, AXIS, None)  # kv_pages: combined K/V heads split
+SAME = PartitionSpec()  # the index arrays: a full copy on every device
+KV_HEAD_AXIS_1 = PartitionSpec(None, AXIS, None)  # wq, wk, wv [embed_dim, heads, head_dim]
+
+# Errors that mean "this implementation reads the lengths on the host" (both references loop
+# over sequences in Python): it cannot run with traced lengths.
+_NEEDS_HOST_VALUES = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
+
+
+def check_mesh(mesh, config: ModelConfig) -> int:
+    """Raise `EngineError` unless `mesh` can split `config`'s KV heads. Returns its size.
+
+    >>> config = ModelConfig(vocab_size=8, num_layers=1, num_q_heads=4, num_kv_heads=2,
+    ...                      head_dim=8)
+    >>> check_mesh(Mesh(np.array(jax.devices()[:1]), ("kv_heads",)), config)
+    1
+    """
+    if not isinstance(mesh, Mesh):
+        raise EngineError(
+            f"mesh={mesh!r} is not a jax.sharding.Mesh.",
+            f"build one with Mesh(np.array(jax.devices()), ({AXIS!r},)).",
+        )
+    if tuple(mesh.axis_names) != (AXIS,):
+        raise EngineError(
+            f"mesh.axis_names={tuple(mesh.axis_names)} are not the engine's: it knows one "
+            f"axis, {AXIS!r}.",
+            f"name the mesh axis {AXIS!r}: Mesh(devices, ({AXIS!r},)).",
+        )
+    size = mesh.shape[AXIS]
+    if config.num_kv_heads % size:
+        raise EngineError(
+            f"num_kv_heads={config.num_kv_heads} is not divisible by the mesh axis "
+            f"{AXIS!r} of size {size}: the devices cannot hold equal shares of the KV heads.",
+            f"use a mesh whose size divides num_kv_heads (one of "
+            f"{[d for d in range(1, config.num_kv_heads + 1) if config.num_kv_heads % d == 0]}).",
+        )
+    return size
+
+
+def shard_kv_pages(kv_pages: jax.Array, mesh: Mesh) -> jax.Array:
+    """Place `kv_pages` on the mesh, each device holding its KV heads' K and V."""
+    return jax.device_put(kv_pages, NamedSharding(mesh, KV_SPEC))
+
+
+def shard_params(params: dict, mesh: Mesh) -> dict:
+    """Place the head-parallel weights by head, like the KV cache: wq, wk and wv split on
+    their head axis, wo on its head axis; everything else replicated.
+
+    Then the jitted layers run split too (XLA partitions them from the weights' placement):
+    each device computes q, k and v of its own heads only, which are exactly the heads its
+    attention reads, and the output projection ends with one sum over devices.
+    """
+    by_head = {
+        "wq": KV_HEAD_AXIS_1,
+        "wk": KV_HEAD_AXIS_1,
+        "wv": KV_HEAD_AXIS_1,
+        "wo": PartitionSpec(AXIS, None, None),  # [num_q_heads, head_dim, embed_dim]
+    }
+
+    def place(layer):
+        return {
+            name: jax.device_put(w, NamedSharding(mesh, by_head.get(name, SAME)))
+            for name, w in layer.items()
+        }
+
+    everywhere = NamedSharding(mesh, SAME)
+    replicated = {k: jax.device_put(v, everywhere) for k, v in params.items() if k != "layers"}
+    return replicated | {"layers": [place(layer) for layer in params["layers"]]}
+
+
+def shard_attention(attention, mesh: Mesh, config: ModelConfig):
+    """`attention`, run on every device of `mesh` over that device's heads.
+
+    The result has `attention`'s signature. Jittable implementations are traced once per
+    set of options (the index arrays are arguments). The references read the lengths on the
+    host; for them the index arrays are baked in as constants, which runs the sharded call
+    op by op, and compiles anew each step: right, but slow.
+    """
+    check_mesh(mesh, config)
+    compiled = {}  # options -> the jitted sharded function
+    host_lengths = False
+
+    def local_heads(options):
+        def attend(q, kv_pages, *metadata):  # q [T, num_q_heads / D, head_dim]
+            return attention(q, kv_pages, *metadata, **options)
+
+        return attend
+
+    def sharded(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
+        nonlocal host_lengths
+        metadata = (kv_lens, page_indices, cu_q_lens, num_seqs)
+        if not host_lengths:
+            key = tuple(sorted(options.items()))
+            if key not in compiled:
+                specs = (Q_SPEC, KV_SPEC, SAME, SAME, SAME, SAME)
+                compiled[key] = jax.jit(_shard_map(local_heads(options), mesh, specs, Q_SPEC))
+            try:
+                return compiled[key](q, kv_pages, *metadata)
+            except _NEEDS_HOST_VALUES:
+                host_lengths = True
+        host = [np.asarray(a) for a in metadata]
+        attend = local_heads(options)
+        run = _shard_map(lambda q, kv: attend(q, kv, *host), mesh, (Q_SPEC, KV_SPEC), Q_SPEC)
+        return run(q, kv_pages)
+
+    return sharded
+
+
+def _shard_map(f, mesh, in_specs, out_specs):
+    """`shard_map` without the replication check (a Pallas kernel or the references' host
+    loop has no replication rule), under the keyword this jax version names it with."""
+    check = "check_vma" if "check_vma" in inspect.signature(shard_map).parameters else "check_rep"
+    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{check: False})

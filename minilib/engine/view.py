@@ -1,0 +1,141 @@
+"""`EngineView`: a live ipywidgets view of an `Engine`, step by step.
+
+Three panels, redrawn after every step:
+
+    counters   step, prefill and decode tokens, pages in use, waiting, running, preempted
+    pages      the page pool, one cell per page, coloured by the request that owns it
+    batch      the step's ragged batch: one segment per sequence, as wide as its tokens,
+               striped for a prefill chunk, solid for a decode token
+
+Everything is HTML in `HTML` widgets (no images, no front-end extension), so it renders as
+real widgets in Jupyter and Colab with ipywidgets 7 or 8, and its text can be read without a
+browser. After a run, the slider replays any recorded step.
+
+    >>> from minilib.engine import Engine, ModelConfig, init_params
+    >>> config = ModelConfig(vocab_size=32, num_layers=1, num_q_heads=2, num_kv_heads=1,
+    ...                      head_dim=8)
+    >>> from minilib import ragged_paged_attention_jnp
+    >>> engine = Engine(init_params(config), config, num_pages=6, page_size=4,
+    ...                 max_num_batched_tokens=8, max_num_seqs=2,
+    ...                 attention=ragged_paged_attention_jnp)
+    >>> view = EngineView(engine)
+    >>> _ = engine.add_request([1, 2, 3, 4, 5], max_new_tokens=2)
+    >>> view.run()
+    >>> "step 1 of 2" in view.text, "pages in use: 0 of 6" in view.text
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import html
+import re
+import time
+
+import ipywidgets as widgets
+
+from minilib.engine.engine import Engine, StepStats
+from minilib.viz import FILLS, LIGHT_GREY
+
+CELL = "display:inline-block;box-sizing:border-box;text-align:center;font:11px monospace;"
+
+
+class EngineView(widgets.VBox):
+    """A live view of `engine`: call `view.run()` (or `view.show(engine.step())`)."""
+
+    def __init__(self, engine: Engine, title: str = "Engine"):
+        self.engine = engine
+        self.counters, self.pages, self.batch = widgets.HTML(), widgets.HTML(), widgets.HTML()
+        self.slider = widgets.IntSlider(
+            value=0, min=0, max=0, description="step", continuous_update=True, disabled=True
+        )
+        self.slider.observe(self._on_slide, names="value")
+        header = widgets.HTML(f"<b style='font-size:1.1em'>{html.escape(title)}</b>")
+        super().__init__([header, self.counters, self.pages, self.batch, self.slider])
+        self._showing_live = False
+        self.counters.value = _counters_html(None, engine)
+        self.pages.value = _pages_html(engine.scheduler.allocator.owners)
+
+    def run(self, max_steps: int | None = None, delay: float = 0.0) -> None:
+        """Step the engine until every request is done (or `max_steps`), redrawing after each
+        step; `delay` seconds between steps make it watchable."""
+        steps = 0
+        while self.engine.has_unfinished and (max_steps is None or steps < max_steps):
+            self.show(self.engine.step())
+            steps += 1
+            if delay:
+                time.sleep(delay)
+
+    def show(self, stats: StepStats) -> None:
+        """Draw `stats`, and let the slider reach every step recorded so far."""
+        self.counters.value = _counters_html(stats, self.engine)
+        self.pages.value = _pages_html(stats.page_owners)
+        self.batch.value = _batch_html(stats, self.engine.max_num_batched_tokens)
+        self._showing_live = True  # the slider moves with the run without redrawing twice
+        self.slider.max = len(self.engine.stats) - 1
+        self.slider.value = stats.step
+        self.slider.disabled = False
+        self._showing_live = False
+
+    @property
+    def text(self) -> str:
+        """What the panels say, without markup."""
+        parts = [self.counters.value, self.pages.value, self.batch.value]
+        text = re.sub(r"<br>|</div>", "\n", "\n".join(parts))
+        return html.unescape(re.sub(r"<[^>]+>", "", text))
+
+    def _on_slide(self, change) -> None:
+        if not self._showing_live and 0 <= change["new"] < len(self.engine.stats):
+            self.show(self.engine.stats[change["new"]])
+
+
+def colour(request_id: int) -> str:
+    """The colour of a request: the Okabe-Ito palette, in turn."""
+    return FILLS[request_id % len(FILLS)]
+
+
+def _counters_html(stats: StepStats | None, engine: Engine) -> str:
+    if stats is None:
+        return "<div>no step yet</div>"
+    preempted = ", ".join(f"r{i}" for i in stats.preempted) or "none"
+    finished = ", ".join(f"r{i}" for i in stats.finished) or "none"
+    return (
+        f"<div><b>step {stats.step} of {len(engine.stats)}</b>: "
+        f"{stats.num_prefill_tokens} prefill + {stats.num_decode_tokens} decode tokens "
+        f"(budget {engine.max_num_batched_tokens}); "
+        f"pages in use: {stats.num_pages_used} of {engine.num_pages}; "
+        f"waiting: {stats.num_waiting}; running: {stats.num_running}; "
+        f"preempted: {preempted}; finished: {finished}</div>"
+    )
+
+
+def _pages_html(owners) -> str:
+    cells = []
+    for page, owner in enumerate(owners):
+        fill = LIGHT_GREY if owner is None else colour(owner)
+        label = "·" if owner is None else f"r{owner}"
+        cells.append(
+            f"<div title='page {page}' style='{CELL}width:30px;height:22px;"
+            f"line-height:22px;margin:1px;background:{fill}'>{label}</div>"
+        )
+    return f"<div>page pool (· free)</div><div style='max-width:720px'>{''.join(cells)}</div>"
+
+
+def _batch_html(stats: StepStats, budget: int) -> str:
+    segments = []
+    for request_id, kind, num_tokens in stats.batch:
+        fill = colour(request_id)
+        if kind == "prefill":  # stripes: a chunk of a prompt (or a recompute)
+            fill = f"repeating-linear-gradient(45deg,{fill} 0 6px,#ffffff 6px 9px)"
+        width = 100 * num_tokens / budget
+        segments.append(
+            f"<div title='r{request_id} {kind} {num_tokens}' style='{CELL}"
+            f"width:{width:.2f}%;height:22px;line-height:22px;background:{fill};"
+            f"border-right:1px solid #333'>r{request_id} {kind[0]}{num_tokens}"
+            "</div>"
+        )
+    legend = "batch: r&lt;id&gt; p&lt;n&gt; = prefill chunk of n (striped), d1 = decode"
+    bar = (
+        f"<div style='width:720px;border:1px solid #333;background:#fff;"
+        f"white-space:nowrap;overflow:hidden'>{''.join(segments)}</div>"
+    )
+    return f"<div>{legend}</div>{bar}"

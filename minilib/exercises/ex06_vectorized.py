@@ -1,0 +1,166 @@
+"""Notebook 06's vectorizing exercise: decode attention over a paged cache, with no Python loop
+over sequences, compiled once by `jax.jit` for every batch of the same shapes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from minilib.batch import make_batch
+from minilib.exercises.checking import Case, CheckResult, compare_arrays, diagnose, run_check
+from minilib.reference import DEFAULT_MASK_VALUE
+
+SM_SCALE = 0.5
+# Errors JAX raises when Python asks a traced value for a concrete number.
+TRACER_ERRORS = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+)
+
+
+class NotVectorizedError(Exception):
+    """The learner's function needs concrete values of traced arrays."""
+
+
+def _reference(q, kv_pages, kv_lens, page_indices, *, sm_scale):
+    """One decode row per sequence, in float64 NumPy, one sequence at a time (no compile, so
+    the checker starts at once); tests check it against JAX's reference."""
+    q, kv_pages = np.asarray(q, np.float64), np.asarray(kv_pages, np.float64)
+    num_seqs, num_q_heads, head_dim = q.shape
+    page_size, combined = kv_pages.shape[1:3]
+    group = num_q_heads // (combined // 2)
+    out = np.zeros_like(q)
+    for i in range(num_seqs):
+        kv_len = int(kv_lens[i])
+        pages = np.asarray(page_indices[i])[: -(-kv_len // page_size)]
+        slots = kv_pages[pages].reshape(-1, combined, head_dim)[:kv_len]
+        k = np.repeat(slots[:, 0::2], group, axis=1)  # [kv_len, num_q_heads, head_dim]
+        v = np.repeat(slots[:, 1::2], group, axis=1)
+        scores = np.einsum("hd,khd->hk", q[i], k) * sm_scale
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        out[i] = np.einsum("hk,khd->hd", probs / probs.sum(-1, keepdims=True), v)
+    return out
+
+
+def _under_jit(fn: Callable) -> Callable:
+    """`fn` compiled by jax.jit, as a server would run it: kv_lens and page_indices are
+    traced, so their values are unknown while the function is traced."""
+    jitted = jax.jit(fn, static_argnames="sm_scale")
+
+    def run(q, kv_pages, kv_lens, page_indices, *, sm_scale):
+        try:
+            return jitted(q, kv_pages, kv_lens, page_indices, sm_scale=sm_scale)
+        except TRACER_ERRORS as err:
+            first_line = str(err).strip().splitlines()[0]
+            raise NotVectorizedError(
+                "under jax.jit, kv_lens and page_indices have no values while your function is "
+                "traced, so Python int(), if, range() or NumPy functions on them fail. Use "
+                "jax.numpy, and keep the lengths as arrays: build a mask such as "
+                "jnp.arange(max_kv_len)[None, :] < kv_lens[:, None] and use jnp.where.\n"
+                f"  (JAX said: {first_line})"
+            ).with_traceback(err.__traceback__) from None
+
+    return run
+
+
+def _decode_attention(q, kv_pages, kv_lens, page_indices, *, sm_scale, mistake=None):
+    """Vectorized decode attention; `mistake` makes one of the errors the checker names."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, page_size, combined, _ = kv_pages.shape
+    num_kv_heads = combined // 2
+    group = num_q_heads // num_kv_heads
+    slots = kv_pages[page_indices].reshape(num_seqs, -1, combined, head_dim)
+    positions = jnp.arange(slots.shape[1])[None, :]  # [1, pages_per_seq * page_size]
+    live = positions < kv_lens[:, None]  # [num_seqs, max_kv_len]
+    if mistake != "nan":
+        slots = jnp.where(live[:, :, None, None], slots, 0.0)
+    if mistake == "halves":
+        k, v = slots[:, :, :num_kv_heads], slots[:, :, num_kv_heads:]
+    else:
+        k, v = slots[:, :, 0::2], slots[:, :, 1::2]
+    if mistake == "tiled":
+        qg = q.reshape(num_seqs, group, num_kv_heads, head_dim).swapaxes(1, 2)
+    else:
+        qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("shgd,skhd->shgk", qg, k) * sm_scale
+    visible = positions <= kv_lens[:, None] if mistake == "off_by_one" else live
+    scores = jnp.where(visible[:, None, None, :], scores, DEFAULT_MASK_VALUE)
+    out = jnp.einsum("shgk,skhd->shgd", jax.nn.softmax(scores, axis=-1), v)
+    if mistake == "tiled":
+        out = out.swapaxes(1, 2)
+    return out.reshape(num_seqs, num_q_heads, head_dim)
+
+
+def check_decode_attention(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
+    """Check `fn(q, kv_pages, kv_lens, page_indices, *, sm_scale) -> out`: one decode step,
+    one new token per sequence slot, over the paged cache, as one array program.
+
+      q:            [num_seqs, num_q_heads, head_dim]   row i is sequence i's new token
+      kv_pages:     [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+      kv_lens:      i32[num_seqs]   every one >= 1; the new token is the last of them
+      page_indices: i32[num_seqs, pages_per_seq]
+      out:          [num_seqs, num_q_heads, head_dim]
+
+    The checker runs `jax.jit(fn)`, so kv_lens and page_indices have no values while `fn` is
+    traced, and one compile serves all the cases of the same shapes. Unused slots and pages
+    of the cache hold NaN.
+
+    >>> check_decode_attention(_decode_attention)
+    Passed: decode_attention matches the reference on all 6 cases.
+    CheckResult('decode_attention', status='passed')
+    """
+    rng = np.random.default_rng(750 + seed)
+    shapes = [  # (num_q_heads, num_kv_heads, page_size, pages_per_seq); 4 sequences each
+        (4, 2, 4, 4),
+        (6, 3, 8, 2),
+    ]
+    lens = [  # kv_lens: partial and full pages, one-token sequences, full rows
+        [(5, 1, 8, 16), (3, 12, 1, 9), None],
+        [(9, 16, 1, 4), None, (15, 2, 8, 11)],
+    ]
+    cases = []
+    for (nq, nkv, page_size, pages_per_seq), kv_lens_list in zip(shapes, lens, strict=True):
+        capacity = page_size * pages_per_seq
+        for kv_lens in kv_lens_list:
+            if kv_lens is None:
+                kv_lens = tuple(int(x) for x in rng.integers(1, capacity + 1, size=4))
+            batch = make_batch([(1, kv) for kv in kv_lens], num_q_heads=nq, num_kv_heads=nkv,
+                               head_dim=8, page_size=page_size, pages_per_seq=pages_per_seq,
+                               total_num_pages=4 * pages_per_seq + 2,
+                               seed=760 + seed + len(cases))  # fmt: skip
+            cases.append(
+                Case(
+                    f"num_q_heads={nq}, num_kv_heads={nkv}, page_size={page_size}, "
+                    f"pages_per_seq={pages_per_seq}, kv_lens={list(kv_lens)}, "
+                    f"sm_scale={SM_SCALE}",
+                    (batch.q, batch.kv_pages, batch.kv_lens, batch.page_indices),
+                    {"sm_scale": SM_SCALE},
+                )
+            )
+
+    def making(mistake):
+        return lambda *args, **kwargs: _decode_attention(*args, **kwargs, mistake=mistake)
+
+    mistakes = {
+        "NaN: the cache holds NaN past each kv_len, and a masked score only makes its weight "
+        "0, while 0 * NaN is still NaN. Zero the K/V slots past kv_len with jnp.where too.": (
+            making("nan")
+        ),
+        "key j is live when j < kv_len (positions 0..kv_len-1); your mask lets key kv_len "
+        "through.": making("off_by_one"),
+        "q head h reads KV head h // group: view q as [num_seqs, num_kv_heads, group, "
+        "head_dim], KV head first.": making("tiled"),
+        "K and V are interleaved on the combined axis: K of KV head h in slot 2*h, V in "
+        "2*h + 1 ([:, :, 0::2] and [:, :, 1::2]), not two halves.": making("halves"),
+    }
+    compare = diagnose(
+        lambda want, got, case: compare_arrays(want, got, "out", atol=1e-4, rtol=1e-4), mistakes
+    )
+    return run_check(
+        "decode_attention", _under_jit(fn), _reference, cases, compare, verbose=verbose
+    )

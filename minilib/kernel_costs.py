@@ -1,0 +1,198 @@
+"""Our RPA kernel against JAX's, as the TPU compiler sees them: static estimates, not timings.
+
+`python -m minilib compile --chip v5e` compiles both kernels for one chip on the same shapes
+(with `minilib.tpu_compile`, so it needs libtpu but no TPU) and prints, side by side:
+bundles per KV-block iteration, total bundles, peak VMEM, spill bytes, and the source lines
+that produced the most ops in the KV-block loop.
+
+`static_targets` judges the kernel's static targets: on v5e and v6e, at 32 and at 8 queries
+per block, our bundles per KV block and our spill bytes are at most JAX's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from minilib.tpu_compile import CHIPS, CompileReport, compile_for_tpu, kib
+
+DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32, "fp8": jnp.float8_e4m3fn}
+
+# The case of the static targets: a GQA model in bfloat16, 8 pages of 16 tokens per KV block.
+TARGET_CASE = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+TARGET_NUM_KV_PAGES_PER_BLOCK = 8
+TARGET_CHIPS = ("v5e", "v6e")
+TARGET_QUERIES_PER_BLOCK = (32, 8)
+
+
+def rpa_specs(
+    *,
+    num_q_heads: int = 32,
+    num_kv_heads: int = 8,
+    head_dim: int = 128,
+    page_size: int = 16,
+    pages_per_seq: int = 64,
+    max_num_seqs: int = 32,
+    max_num_batched_tokens: int = 256,
+    dtype=jnp.bfloat16,
+    kv_dtype=None,
+) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Shapes and dtypes of (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs).
+
+    >>> [s.shape for s in rpa_specs(num_q_heads=4, num_kv_heads=2, max_num_seqs=2)][:2]
+    [(256, 4, 128), (128, 16, 4, 128)]
+    """
+    spec = jax.ShapeDtypeStruct
+    return (
+        spec((max_num_batched_tokens, num_q_heads, head_dim), dtype),
+        spec(
+            (max_num_seqs * pages_per_seq, page_size, 2 * num_kv_heads, head_dim),
+            kv_dtype or dtype,
+        ),
+        spec((max_num_seqs,), jnp.int32),
+        spec((max_num_seqs, pages_per_seq), jnp.int32),
+        spec((max_num_seqs + 1,), jnp.int32),
+        spec((1,), jnp.int32),
+    )
+
+
+def rpa_kernel(which: str):
+    """`ours`: minilib's kernel, compiled (not interpreted); `jax`: JAX's own."""
+    if which == "ours":
+        from minilib.kernel import ragged_paged_attention
+
+        return functools.partial(ragged_paged_attention, interpret=False)
+    if which == "jax":
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+            ragged_paged_attention,
+        )
+
+        return ragged_paged_attention
+    raise ValueError(f"{which=} must be 'ours' or 'jax'.")
+
+
+def compile_rpa(which: str, specs, *, chip: str = "v5e", **options) -> CompileReport:
+    """Compile one RPA kernel (`ours` or `jax`) for `chip`; options as for the kernel."""
+    options.setdefault("sm_scale", specs[0].shape[-1] ** -0.5)
+    return compile_for_tpu(functools.partial(rpa_kernel(which), **options), *specs, chip=chip)
+
+
+def side_by_side(ours: CompileReport, theirs: CompileReport) -> str:
+    """A table of ours against JAX's kernel, then each one's top source lines."""
+
+    def cell(report: CompileReport, field: str):
+        if not report.compiled:
+            return "did not compile"
+        value = getattr(report, field)
+        return "-" if value is None else (kib(value) if "bytes" in field else f"{value:,}")
+
+    rows = [
+        ("bundles per KV block", "bundles_per_kv_block"),
+        ("total bundles", "total_bundles"),
+        ("peak VMEM", "vmem_bytes"),
+        ("VMEM spills", "spill_bytes"),
+    ]
+    lines = [
+        f"TPU {ours.chip}: static estimates from the compiled programs (libtpu "
+        f"{ours.libtpu_version}), not timings.",
+        f"{'':24}{'ours':>18}{'JAX':>18}{'ours / JAX':>12}",
+    ]
+    for label, field in rows:
+        a, b = getattr(ours, field), getattr(theirs, field)
+        ratio = f"{a / b:.2f}x" if a and b else ""
+        lines.append(f"{label:24}{cell(ours, field):>18}{cell(theirs, field):>18}{ratio:>12}")
+    for name, report in (("ours", ours), ("JAX's", theirs)):
+        if not report.compiled:
+            lines += [f"\n{name} did not compile:", report.error or ""]
+            continue
+        lines.append(f"\n{name}: ops per source line in the KV-block loop")
+        kernel = report.kernel
+        for location, ops in report.top_source_lines[:5]:
+            code = kernel.source_code.get(location, "") if kernel else ""
+            lines.append(f"  {ops:6d}  {location}  {code[:70]}")
+        lines += [f"  note: {note}" for note in report.notes]
+    return "\n".join(lines)
+
+
+def static_targets() -> list[tuple[str, bool | None, str]]:
+    """[(target, passed, detail)]: ours <= JAX's in bundles per KV block and in spill bytes,
+    on v5e and v6e at 32 and 8 queries per block. Static estimates from the compiled
+    programs, not timings. Without libtpu, one entry with passed None says how to get it."""
+    from minilib.tpu_compile import tpu_compile_available
+
+    ok, reason = tpu_compile_available()
+    if not ok:
+        return [("static: bundles and spills <= JAX's kernel", None, f"not measured: {reason}")]
+    results = []
+    for chip in TARGET_CHIPS:
+        for queries in TARGET_QUERIES_PER_BLOCK:
+            specs = rpa_specs(**TARGET_CASE)
+            options = dict(
+                num_kv_pages_per_block=TARGET_NUM_KV_PAGES_PER_BLOCK,
+                num_queries_per_block=queries,
+            )
+            ours = compile_rpa("ours", specs, chip=chip, **options)
+            theirs = compile_rpa("jax", specs, chip=chip, **options)
+            where = f"{chip}, {queries} q/block"
+            for label, field in (("bundles per KV block", "bundles_per_kv_block"),
+                                 ("spill bytes", "spill_bytes")):  # fmt: skip
+                a, b = getattr(ours, field), getattr(theirs, field)
+                measured = a is not None and b is not None
+                why = ours.error or theirs.error or "; ".join(ours.notes + theirs.notes)
+                detail = f"ours {a:,} vs JAX {b:,}" if measured else f"not measured: {why}"
+                results.append((f"static: {label} <= JAX's ({where})", measured and a <= b, detail))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m minilib compile",
+        description="Compile our RPA kernel and JAX's for a TPU chip (needs libtpu, not a "
+        "TPU) and compare them: bundles per KV block, VMEM, spills. Static estimates from the "
+        "compiled programs, not timings.",
+    )
+    parser.add_argument("--chip", choices=CHIPS, default="v5e")
+    parser.add_argument("--num-q-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--pages-per-seq", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
+    parser.add_argument("--kv-dtype", choices=DTYPES, default=None)
+    parser.add_argument("--num-kv-pages-per-block", type=int, default=8)
+    parser.add_argument("--num-queries-per-block", type=int, default=32)
+    parser.add_argument("--sliding-window", type=int, default=None)
+    parser.add_argument("--soft-cap", type=float, default=None)
+    args = parser.parse_args(argv)
+    from minilib.tpu_compile import tpu_compile_available
+
+    ok, reason = tpu_compile_available()
+    if not ok:
+        print(f"Cannot compile for a TPU here: {reason}")
+        return 1
+    specs = rpa_specs(
+        num_q_heads=args.num_q_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        page_size=args.page_size,
+        pages_per_seq=args.pages_per_seq,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=DTYPES[args.dtype],
+        kv_dtype=DTYPES[args.kv_dtype] if args.kv_dtype else None,
+    )
+    options = dict(
+        num_kv_pages_per_block=args.num_kv_pages_per_block,
+        num_queries_per_block=args.num_queries_per_block,
+        sliding_window=args.sliding_window,
+        soft_cap=args.soft_cap,
+    )
+    ours = compile_rpa("ours", specs, chip=args.chip, **options)
+    theirs = compile_rpa("jax", specs, chip=args.chip, **options)
+    print(side_by_side(ours, theirs))
+    return 0 if ours.compiled else 1

@@ -1,0 +1,17 @@
+"""The kernel ladder: the Pallas kernels a learner writes in notebooks 07 and 08, one idea each.
+
+Each module is the tested version of one rung, imported by the notebooks after the learner has
+written it:
+
+  `flash`            rung 1: flash attention over dense K/V; an "arbitrary" KV grid axis, the
+                     online softmax state in VMEM scratch, `pl.when` to initialise and finish.
+  `scalar_prefetch`  rung 2: paged decode attention; the index map reads `page_indices` from
+                     SMEM, and Pallas copies the pages (double-buffered for us).
+  `async_copy`       rung 3: the same with `kv_pages` left in HBM (`pl.ANY`): one buffer, one
+                     `make_async_copy`, `start()` then `wait()`.
+  `double_buffer`    rung 4: two slots and two semaphores: copy page i + 1 while computing page i.
+  `prefetch`         rung 5: prefetching across grid steps: `next_work`, in Python and in the
+                     kernel, the step from these rungs to `minilib.kernel`.
+  `interpret`        the strict TPU interpret mode the checkers run them in, and the race
+                     detector's verdict.
+"""

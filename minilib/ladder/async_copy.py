@@ -1,0 +1,103 @@
+"""Rung 3 of the kernel ladder: the kernel copies the pages itself.
+
+Same grid and same answer as rung 2 (`scalar_prefetch`), but `kv_pages` is passed with
+`pl.BlockSpec(memory_space=pl.ANY)`: Pallas leaves it where it is (in HBM) and hands the kernel
+a ref to the whole array, which the kernel cannot read directly. The kernel owns one VMEM
+buffer of one page and one DMA semaphore (`scratch_shapes`), and for each page:
+
+    copy = pltpu.make_async_copy(kv_pages_hbm_ref.at[page], buf, sem)
+    copy.start()   # the DMA engine starts copying, HBM -> VMEM
+    copy.wait()    # block until the semaphore says all of it has arrived
+    ... compute with buf ...
+
+Nothing overlaps yet: the core waits for every copy. Rung 4 fixes that.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from minilib.ladder.flash import init_online_softmax
+from minilib.ladder.scalar_prefetch import attend_kv_block, softmax_scratch, write_output
+
+
+def paged_decode_attention_async_copy(
+    q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # i32[num_seqs]
+    page_indices: jax.Array,  # i32[num_seqs, pages_per_seq]
+    *,
+    sm_scale: float,
+    interpret=False,
+    kernel=None,
+) -> jax.Array:  # [num_seqs, num_q_heads, head_dim]
+    """Paged decode attention; grid step (seq, i) copies page i of seq itself, then attends.
+
+    `kernel` (default `async_copy_kernel`) may be replaced by a kernel body with the same arguments.
+
+    >>> from minilib.batch import make_batch
+    >>> b = make_batch([(1, 5), (1, 9)], page_size=8, head_dim=128)
+    >>> paged_decode_attention_async_copy(b.q, b.kv_pages, b.kv_lens, b.page_indices,
+    ...                                   sm_scale=0.1, interpret=pltpu.InterpretParams()).shape
+    (2, 4, 128)
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, page_size, num_combined_heads, _ = kv_pages.shape
+    num_kv_heads = num_combined_heads // 2
+    q_spec = pl.BlockSpec((None, num_q_heads, head_dim), lambda seq, i, *prefetch: (seq, 0, 0))
+    return pl.pallas_call(
+        functools.partial(kernel or async_copy_kernel, sm_scale=sm_scale),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(num_seqs, page_indices.shape[1]),
+            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],  # kv_pages stays in HBM
+            out_specs=q_spec,
+            scratch_shapes=[
+                pltpu.VMEM((page_size, num_combined_heads, head_dim), kv_pages.dtype),  # buf
+                pltpu.SemaphoreType.DMA(()),  # sem: counts the bytes of the copy into buf
+                *softmax_scratch(num_kv_heads, num_q_heads // num_kv_heads, head_dim),
+            ],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+    )(kv_lens, page_indices, q, kv_pages)
+
+
+def async_copy_kernel(
+    kv_lens_ref,  # i32[num_seqs], SMEM
+    page_indices_ref,  # i32[num_seqs, pages_per_seq], SMEM
+    q_ref,  # [num_q_heads, head_dim]
+    kv_pages_hbm_ref,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim], HBM
+    o_ref,  # [num_q_heads, head_dim]
+    buf,  # [page_size, 2*num_kv_heads, head_dim], VMEM
+    sem,  # a DMA semaphore
+    m_ref,  # f32[num_kv_heads, group, 1]
+    l_ref,  # f32[num_kv_heads, group, 1]
+    acc_ref,  # f32[num_kv_heads, group, head_dim]
+    *,
+    sm_scale: float,
+):
+    """Grid step (seq, i): copy page i of the sequence into buf, wait, fold it in."""
+    seq, i = pl.program_id(0), pl.program_id(1)
+    kv_len, page_size = kv_lens_ref[seq], buf.shape[0]
+
+    @pl.when(i == 0)
+    def _init():
+        init_online_softmax(m_ref, l_ref, acc_ref)
+
+    @pl.when(i * page_size < kv_len)  # only the pages the sequence has
+    def _copy_and_attend():
+        page = page_indices_ref[seq, i]
+        copy = pltpu.make_async_copy(kv_pages_hbm_ref.at[page], buf, sem)
+        copy.start()
+        copy.wait()
+        attend_kv_block(buf, q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len, sm_scale)
+
+    @pl.when(i == pl.num_programs(1) - 1)
+    def _finish():
+        write_output(o_ref, l_ref, acc_ref)

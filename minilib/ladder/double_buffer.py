@@ -1,0 +1,115 @@
+"""Rung 4 of the kernel ladder: double buffering within one sequence.
+
+One grid step per sequence. The kernel loops over the sequence's pages itself, with two VMEM
+slots and one DMA semaphore per slot. Page i lives in slot i % 2:
+
+    start the copy of page 0 into slot 0
+    for i in range(num_pages):
+        if i + 1 < num_pages: start the copy of page i + 1 into slot (i + 1) % 2
+        wait for page i (slot i % 2)
+        compute with slot i % 2          # meanwhile the DMA engine fills the other slot
+
+The copy of page i + 1 may only start once nobody reads its slot any more: that slot last held
+page i - 1, whose compute finished in the previous iteration. Start it into the slot being read
+(or wait on the wrong semaphore) and the race detector of TPU interpret mode reports it.
+
+Every copy a grid step starts, it also waits for, so the grid steps are independent again:
+the sequence axis is "parallel".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from minilib.ladder.flash import init_online_softmax
+from minilib.ladder.scalar_prefetch import attend_kv_block, softmax_scratch, write_output
+
+
+def paged_decode_attention_double_buffered(
+    q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # i32[num_seqs]
+    page_indices: jax.Array,  # i32[num_seqs, pages_per_seq]
+    *,
+    sm_scale: float,
+    interpret=False,
+    kernel=None,
+) -> jax.Array:  # [num_seqs, num_q_heads, head_dim]
+    """Paged decode attention, one grid step per sequence, pages double-buffered.
+
+    `kernel` (default `double_buffer_kernel`) may be replaced by a kernel body with the same
+    arguments.
+
+    >>> from minilib.batch import make_batch
+    >>> b = make_batch([(1, 5), (1, 9)], page_size=8, head_dim=128)
+    >>> paged_decode_attention_double_buffered(b.q, b.kv_pages, b.kv_lens, b.page_indices,
+    ...     sm_scale=0.1, interpret=pltpu.InterpretParams()).shape
+    (2, 4, 128)
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, page_size, num_combined_heads, _ = kv_pages.shape
+    num_kv_heads = num_combined_heads // 2
+    q_spec = pl.BlockSpec((None, num_q_heads, head_dim), lambda seq, *prefetch: (seq, 0, 0))
+    return pl.pallas_call(
+        functools.partial(kernel or double_buffer_kernel, sm_scale=sm_scale),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(num_seqs,),
+            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=q_spec,
+            scratch_shapes=[
+                pltpu.VMEM((2, page_size, num_combined_heads, head_dim), kv_pages.dtype),
+                pltpu.SemaphoreType.DMA((2,)),  # sems: one per slot
+                *softmax_scratch(num_kv_heads, num_q_heads // num_kv_heads, head_dim),
+            ],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=interpret,
+    )(kv_lens, page_indices, q, kv_pages)
+
+
+def double_buffer_kernel(
+    kv_lens_ref,  # i32[num_seqs], SMEM
+    page_indices_ref,  # i32[num_seqs, pages_per_seq], SMEM
+    q_ref,  # [num_q_heads, head_dim]
+    kv_pages_hbm_ref,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim], HBM
+    o_ref,  # [num_q_heads, head_dim]
+    bufs,  # [2, page_size, 2*num_kv_heads, head_dim], VMEM: slots 0 and 1
+    sems,  # DMA semaphores [2]
+    m_ref,  # f32[num_kv_heads, group, 1]
+    l_ref,  # f32[num_kv_heads, group, 1]
+    acc_ref,  # f32[num_kv_heads, group, head_dim]
+    *,
+    sm_scale: float,
+):
+    """Grid step seq: all pages of the sequence, page i + 1 copied while page i computes."""
+    seq = pl.program_id(0)
+    kv_len, page_size = kv_lens_ref[seq], bufs.shape[1]
+    num_pages = pl.cdiv(kv_len, page_size)
+
+    def page_copy(i, slot):
+        """The copy of page i of this sequence into `slot`: the same for start and wait."""
+        page = page_indices_ref[seq, i]
+        return pltpu.make_async_copy(kv_pages_hbm_ref.at[page], bufs.at[slot], sems.at[slot])
+
+    def attend_page(i, _):
+        slot = i % 2
+
+        @pl.when(i + 1 < num_pages)
+        def _prefetch_the_next_page():
+            page_copy(i + 1, 1 - slot).start()
+
+        page_copy(i, slot).wait()
+        attend_kv_block(bufs.at[slot], q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len,
+                        sm_scale)  # fmt: skip
+
+    init_online_softmax(m_ref, l_ref, acc_ref)
+    page_copy(0, 0).start()  # kv_len >= 1: a decode token is in the cache itself
+    lax.fori_loop(0, num_pages, attend_page, None)
+    write_output(o_ref, l_ref, acc_ref)

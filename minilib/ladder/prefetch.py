@@ -1,0 +1,191 @@
+"""Rung 5 of the kernel ladder: prefetching across grid steps.
+
+In rung 4 each grid step waits for its first page: nothing overlaps that copy. Here the last
+page of sequence s already starts the copy of the first page of sequence s + 1, in the
+*previous* grid step. So the whole batch is one stream of work, (seq, page) after (seq, page),
+and every step of it starts the copy of the next one:
+
+    grid step 0 starts the copy of the very first work into slot 0
+    in every grid step, for each page of its sequence, with `slot` carried along:
+        nxt = next_work(seq, page)
+        if there is one: start the copy of nxt into slot 1 - slot
+        wait for (seq, page) in slot;  compute;  slot = 1 - slot
+
+`next_work` is the whole difficulty, so it is written in plain Python first (`next_work`) and
+checked event by event against `minilib.schedule.plan_schedule`, the plan of the full kernel,
+which does exactly this on a decode batch with one page per KV block. Then the same function in
+jnp (`next_work_in_kernel`) runs inside the kernel.
+
+A copy started in one grid step is waited for in the next, and the slot to use next is kept in
+SMEM scratch between them: the grid steps are no longer independent, so the axis is
+"arbitrary", never "parallel" (on a megacore chip a "parallel" axis may be split over two cores,
+and core 1 would wait for a copy that core 0 started).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from minilib.ladder.flash import init_online_softmax
+from minilib.ladder.scalar_prefetch import attend_kv_block, softmax_scratch, write_output
+
+
+def next_work(seq: int, page: int, kv_lens, num_seqs: int, page_size: int):
+    """The (seq, page) the kernel works on after page `page` of sequence `seq`; None after the
+    last page of the last sequence. Every decode sequence has at least one page.
+
+    >>> [next_work(0, 0, [20, 5], 2, 8), next_work(0, 2, [20, 5], 2, 8),
+    ...  next_work(1, 0, [20, 5], 2, 8)]
+    [(0, 1), (1, 0), None]
+    """
+    if page + 1 < -(-int(kv_lens[seq]) // page_size):
+        return seq, page + 1
+    if seq + 1 < num_seqs:
+        return seq + 1, 0
+    return None
+
+
+def decode_schedule(next_work_fn, kv_lens, page_size: int) -> list[tuple]:
+    """The events (kind, seq, page, slot) of a decode batch, as `next_work_fn` orders the work.
+
+    The same events, in the same order, as `plan_schedule` lists for this kernel:
+    one start of the first work, then per work: start the next one (if any) into the other
+    slot, wait for this one, compute it.
+
+    >>> decode_schedule(next_work, [9, 3], page_size=8)[:4]
+    [('start', 0, 0, 0), ('start', 0, 1, 1), ('wait', 0, 0, 0), ('compute', 0, 0, 0)]
+    """
+    num_seqs = len(kv_lens)
+    events, here, slot = [("start", 0, 0, 0)], (0, 0), 0
+    limit = 2 + sum(-(-int(n) // page_size) for n in kv_lens)  # work items, and some slack
+    while here is not None and len(events) < 3 * limit:
+        nxt = next_work_fn(*here, kv_lens, num_seqs, page_size)
+        if nxt is not None:
+            nxt = tuple(int(x) for x in nxt)
+            events.append(("start", *nxt, 1 - slot))
+        events += [("wait", *here, slot), ("compute", *here, slot)]
+        here, slot = nxt, 1 - slot
+    return events
+
+
+def planned_decode_schedule(kv_lens, page_size: int) -> list[tuple]:
+    """`plan_schedule`'s events for a decode batch with these kv_lens, as (kind, seq, page,
+    slot): one page per KV block, one q row (one sequence) per q block.
+
+    >>> planned_decode_schedule([9, 3], 8) == decode_schedule(next_work, [9, 3], 8)
+    True
+    """
+    from minilib.batch import make_batch
+    from minilib.schedule import plan_schedule
+
+    batch = make_batch([(1, int(n)) for n in kv_lens], num_q_heads=1, num_kv_heads=1,
+                       head_dim=8, page_size=page_size)  # fmt: skip
+    plan = plan_schedule(*batch.args(), num_kv_pages_per_block=1, num_queries_per_block=1)
+    return [(e.kind, e.seq, e.kv_blk, e.slot) for e in plan.events]
+
+
+def next_work_in_kernel(seq, page, kv_lens_ref, num_seqs, page_size: int):
+    """`next_work` on traced scalars: returns (has_next, next_seq, next_page)."""
+    more_pages = (page + 1) * page_size < kv_lens_ref[seq]
+    next_seq = jnp.where(more_pages, seq, seq + 1)
+    next_page = jnp.where(more_pages, page + 1, 0)
+    return more_pages | (seq + 1 < num_seqs), next_seq, next_page
+
+
+def paged_decode_attention_prefetch(
+    q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # i32[num_seqs]
+    page_indices: jax.Array,  # i32[num_seqs, pages_per_seq]
+    *,
+    sm_scale: float,
+    interpret=False,
+    kernel=None,
+) -> jax.Array:  # [num_seqs, num_q_heads, head_dim]
+    """Paged decode attention; the copy of each sequence's first page starts in the grid step
+    before it.
+
+    `kernel` (default `prefetch_kernel`) may be replaced by a kernel body with the same arguments.
+
+    >>> from minilib.batch import make_batch
+    >>> b = make_batch([(1, 5), (1, 9)], page_size=8, head_dim=128)
+    >>> paged_decode_attention_prefetch(b.q, b.kv_pages, b.kv_lens, b.page_indices,
+    ...     sm_scale=0.1, interpret=pltpu.InterpretParams()).shape
+    (2, 4, 128)
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, page_size, num_combined_heads, _ = kv_pages.shape
+    num_kv_heads = num_combined_heads // 2
+    q_spec = pl.BlockSpec((None, num_q_heads, head_dim), lambda seq, *prefetch: (seq, 0, 0))
+    return pl.pallas_call(
+        functools.partial(kernel or prefetch_kernel, sm_scale=sm_scale),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(num_seqs,),
+            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=q_spec,
+            scratch_shapes=[
+                pltpu.VMEM((2, page_size, num_combined_heads, head_dim), kv_pages.dtype),
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.SMEM((1,), jnp.int32),  # slot_ref: the slot the next work is loading into
+                *softmax_scratch(num_kv_heads, num_q_heads // num_kv_heads, head_dim),
+            ],
+        ),
+        # "arbitrary": a step waits for the copy the step before it started.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=interpret,
+    )(kv_lens, page_indices, q, kv_pages)
+
+
+def prefetch_kernel(
+    kv_lens_ref,  # i32[num_seqs], SMEM
+    page_indices_ref,  # i32[num_seqs, pages_per_seq], SMEM
+    q_ref,  # [num_q_heads, head_dim]
+    kv_pages_hbm_ref,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim], HBM
+    o_ref,  # [num_q_heads, head_dim]
+    bufs,  # [2, page_size, 2*num_kv_heads, head_dim], VMEM
+    sems,  # DMA semaphores [2]
+    slot_ref,  # i32[1], SMEM, kept from one grid step to the next
+    m_ref,  # f32[num_kv_heads, group, 1]
+    l_ref,  # f32[num_kv_heads, group, 1]
+    acc_ref,  # f32[num_kv_heads, group, head_dim]
+    *,
+    sm_scale: float,
+):
+    """Grid step seq: the pages of sequence seq; the last one starts the next sequence's copy."""
+    seq, num_seqs = pl.program_id(0), pl.num_programs(0)
+    kv_len, page_size = kv_lens_ref[seq], bufs.shape[1]
+
+    def page_copy(seq, i, slot):
+        page = page_indices_ref[seq, i]
+        return pltpu.make_async_copy(kv_pages_hbm_ref.at[page], bufs.at[slot], sems.at[slot])
+
+    @pl.when(seq == 0)
+    def _start_the_very_first_copy():
+        slot_ref[0] = 0
+        page_copy(0, 0, 0).start()
+
+    def attend_page(i, slot):
+        has_next, next_seq, next_page = next_work_in_kernel(
+            seq, i, kv_lens_ref, num_seqs, page_size
+        )
+
+        @pl.when(has_next)
+        def _prefetch_the_next_work():
+            page_copy(next_seq, next_page, 1 - slot).start()
+
+        page_copy(seq, i, slot).wait()
+        attend_kv_block(bufs.at[slot], q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len,
+                        sm_scale)  # fmt: skip
+        return 1 - slot
+
+    init_online_softmax(m_ref, l_ref, acc_ref)
+    slot_ref[0] = lax.fori_loop(0, pl.cdiv(kv_len, page_size), attend_page, slot_ref[0])
+    write_output(o_ref, l_ref, acc_ref)

@@ -1,0 +1,186 @@
+"""Rung 2 of the kernel ladder: paged decode attention with scalar prefetch.
+
+A decode batch: one new token per sequence, so q is [num_seqs, num_q_heads, head_dim]. Its keys
+and values sit in pages of the paged cache, `kv_pages[page_indices[seq, i]]` for page i of the
+sequence. K and V of KV head h are combined slots 2h and 2h + 1 of every token.
+
+The grid is (num_seqs, pages_per_seq): one step per page of a sequence. `kv_lens` and
+`page_indices` are *scalar-prefetched* (`pltpu.PrefetchScalarGridSpec`): copied to SMEM before
+the grid runs and passed to every index map, so the index map of `kv_pages` can look up which
+page grid step (seq, i) needs. Pallas then copies that page into VMEM for us, and already
+fetches the next step's page while this one computes (its pipeline is double-buffered).
+
+Steps past a sequence's last page map to that last page again. Pallas skips the copy when a
+block index repeats, and the kernel skips the compute (`pl.when`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from minilib.ladder.flash import init_online_softmax, online_softmax_update, zero_rows_past
+
+
+def paged_decode_reference(
+    q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # i32[num_seqs]
+    page_indices: jax.Array,  # i32[num_seqs, pages_per_seq]
+    *,
+    sm_scale: float,
+    **interpret,
+) -> jax.Array:  # [num_seqs, num_q_heads, head_dim]
+    """Decode attention in plain jnp, one sequence at a time, with the kernels' signature.
+
+    >>> from minilib.batch import make_batch
+    >>> b = make_batch([(1, 5), (1, 9)])
+    >>> paged_decode_reference(b.q, b.kv_pages, b.kv_lens, b.page_indices, sm_scale=0.1).shape
+    (2, 4, 64)
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = kv_pages.shape[1], kv_pages.shape[2] // 2
+    out = []
+    for seq in range(num_seqs):
+        kv_len = int(kv_lens[seq])
+        pages = np.asarray(page_indices[seq, : -(-kv_len // page_size)])
+        kv = kv_pages[pages].reshape(-1, 2 * num_kv_heads, head_dim)[:kv_len]
+        k = jnp.repeat(kv[:, 0::2], num_q_heads // num_kv_heads, axis=1).astype(jnp.float32)
+        v = jnp.repeat(kv[:, 1::2], num_q_heads // num_kv_heads, axis=1).astype(jnp.float32)
+        scores = jnp.einsum("hd,khd->hk", q[seq].astype(jnp.float32), k) * sm_scale
+        out.append(jnp.einsum("hk,khd->hd", jax.nn.softmax(scores, axis=-1), v))
+    return jnp.stack(out).astype(q.dtype)
+
+
+def paged_decode_attention(
+    q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # i32[num_seqs]
+    page_indices: jax.Array,  # i32[num_seqs, pages_per_seq]
+    *,
+    sm_scale: float,
+    interpret=False,
+    kernel=None,
+    index_map=None,
+) -> jax.Array:  # [num_seqs, num_q_heads, head_dim]
+    """Paged decode attention: grid step (seq, i) attends to page i of sequence seq.
+
+    `kernel` (default `scalar_prefetch_kernel`) and `index_map` (default `page_index_map`)
+    may be replaced by versions with the same arguments.
+
+    >>> from minilib.batch import make_batch
+    >>> b = make_batch([(1, 5), (1, 9)], page_size=8, head_dim=128)
+    >>> out = paged_decode_attention(b.q, b.kv_pages, b.kv_lens, b.page_indices,
+    ...                              sm_scale=0.1, interpret=True)
+    >>> bool(jnp.allclose(out, paged_decode_reference(b.q, b.kv_pages, b.kv_lens,
+    ...                                               b.page_indices, sm_scale=0.1), atol=1e-5))
+    True
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, page_size, num_combined_heads, _ = kv_pages.shape
+    num_kv_heads, pages_per_seq = num_combined_heads // 2, page_indices.shape[1]
+    group = num_q_heads // num_kv_heads
+
+    def q_index_map(seq, i, kv_lens_ref, page_indices_ref):
+        return (seq, 0, 0)
+
+    kv_index_map = functools.partial(index_map or page_index_map, page_size=page_size)
+    return pl.pallas_call(
+        functools.partial(kernel or scalar_prefetch_kernel, sm_scale=sm_scale),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,  # kv_lens, page_indices: in SMEM, passed to index maps
+            grid=(num_seqs, pages_per_seq),
+            in_specs=[
+                pl.BlockSpec((None, num_q_heads, head_dim), q_index_map),
+                pl.BlockSpec((None, page_size, num_combined_heads, head_dim), kv_index_map),
+            ],
+            out_specs=pl.BlockSpec((None, num_q_heads, head_dim), q_index_map),
+            scratch_shapes=softmax_scratch(num_kv_heads, group, head_dim),
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+    )(kv_lens, page_indices, q, kv_pages)
+
+
+def page_index_map(seq, i, kv_lens_ref, page_indices_ref, *, page_size: int):
+    """The block of `kv_pages` that grid step (seq, i) sees: page i of the sequence, looked up in
+    the page table (in SMEM). Steps past the last page see the last page again, which Pallas
+    does not copy twice. Returns a block index: (page, 0, 0, 0).
+    """
+    last_page = jnp.maximum(pl.cdiv(kv_lens_ref[seq], page_size) - 1, 0)
+    return (page_indices_ref[seq, jnp.minimum(i, last_page)], 0, 0, 0)
+
+
+def softmax_scratch(num_kv_heads: int, group: int, head_dim: int) -> list:
+    """m, l and acc for every q head, grouped by the KV head it shares (VMEM scratch)."""
+    return [
+        pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),  # m
+        pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),  # l
+        pltpu.VMEM((num_kv_heads, group, head_dim), jnp.float32),  # acc
+    ]
+
+
+def scalar_prefetch_kernel(
+    kv_lens_ref,  # i32[num_seqs], SMEM
+    page_indices_ref,  # i32[num_seqs, pages_per_seq], SMEM
+    q_ref,  # [num_q_heads, head_dim]
+    page_ref,  # [page_size, 2*num_kv_heads, head_dim]: the page the index map chose
+    o_ref,  # [num_q_heads, head_dim]
+    m_ref,  # f32[num_kv_heads, group, 1]
+    l_ref,  # f32[num_kv_heads, group, 1]
+    acc_ref,  # f32[num_kv_heads, group, head_dim]
+    *,
+    sm_scale: float,
+):
+    """Grid step (seq, i): fold page i of the sequence into its online softmax."""
+    seq, i = pl.program_id(0), pl.program_id(1)
+    kv_len, page_size = kv_lens_ref[seq], page_ref.shape[0]
+
+    @pl.when(i == 0)
+    def _init():
+        init_online_softmax(m_ref, l_ref, acc_ref)
+
+    @pl.when(i * page_size < kv_len)
+    def _attend():
+        attend_kv_block(page_ref, q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len, sm_scale)
+
+    @pl.when(i == pl.num_programs(1) - 1)
+    def _finish():
+        write_output(o_ref, l_ref, acc_ref)
+
+
+def attend_kv_block(
+    kv_ref,  # [tokens, 2*num_kv_heads, head_dim]: K/V of consecutive positions
+    q_ref,  # [num_q_heads, head_dim]
+    m_ref,  # f32[num_kv_heads, group, 1]
+    l_ref,  # f32[num_kv_heads, group, 1]
+    acc_ref,  # f32[num_kv_heads, group, head_dim]
+    first_pos,  # position of the block's first token in its sequence
+    kv_len,
+    sm_scale: float,
+):
+    """Fold a block of keys into the softmax of every q head, one KV head (GQA group) at a time.
+
+    A decode token sees every key before it, so the only mask is `position < kv_len`.
+    """
+    tokens, num_kv_heads, group = kv_ref.shape[0], m_ref.shape[0], m_ref.shape[1]
+    k_pos = first_pos + jax.lax.broadcasted_iota(jnp.int32, (group, tokens), 1)
+    for h in range(num_kv_heads):
+        k = kv_ref[:, 2 * h, :]  # [tokens, head_dim]
+        v = zero_rows_past(kv_ref[:, 2 * h + 1, :], first_pos, kv_len)
+        q = q_ref[h * group : (h + 1) * group, :]  # the q heads that share KV head h
+        update = functools.partial(online_softmax_update, m_ref.at[h], l_ref.at[h], acc_ref.at[h])
+        update(q, k, v, k_pos < kv_len, sm_scale)
+
+
+def write_output(o_ref, l_ref, acc_ref):
+    """o = acc / l, the q heads of KV head h in rows h * group ... (h + 1) * group."""
+    num_kv_heads, group = l_ref.shape[0], l_ref.shape[1]
+    for h in range(num_kv_heads):
+        o_ref[h * group : (h + 1) * group, :] = (acc_ref[h] / l_ref[h]).astype(o_ref.dtype)

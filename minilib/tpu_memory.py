@@ -1,0 +1,77 @@
+"""A TPU core's memories and compute units, per chip, as JAX itself describes them.
+
+Newer JAX versions (0.10.2 does; 0.7.2 does not) carry a description of each TPU generation
+(`pltpu.get_tpu_info_for_chip`, the figures Pallas itself plans with): HBM, VMEM and SMEM
+capacity, the vector register shape (sublanes x lanes), and the MXU. `chip_memories` reads it
+for the chips this course compiles for. Without that table (jax 0.7.2) then it returns None, and
+`why_unavailable()` says so: the course never types these numbers in by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.experimental.pallas import tpu as pltpu
+
+CHIPS = ("v4", "v5e", "v5p", "v6e")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipMemories:
+    """One TensorCore of a chip: memory capacities in bytes, and its compute units."""
+
+    chip: str
+    hbm_bytes: int
+    vmem_bytes: int
+    smem_bytes: int
+    sublanes: int  # a vector register is sublanes x lanes 32-bit values
+    lanes: int
+    num_mxus: int
+    mxu_size: int  # the MXU is mxu_size x mxu_size
+
+    def row(self) -> str:
+        gib, mib, kib = 2**30, 2**20, 2**10
+        return (
+            f"{self.chip:5s} HBM {self.hbm_bytes / gib:5.1f} GiB   "
+            f"VMEM {self.vmem_bytes / mib:4.0f} MiB   SMEM {self.smem_bytes / kib:5.0f} KiB   "
+            "vector register "
+            f"{self.sublanes}x{self.lanes}   {self.num_mxus} MXU(s) of "
+            f"{self.mxu_size}x{self.mxu_size}"
+        )
+
+
+def chip_memories(chips=CHIPS) -> list[ChipMemories] | None:
+    """Each chip's figures from JAX's own table, or None when this JAX has none (0.7.2).
+
+    >>> rows = chip_memories(("v5e",))
+    >>> rows is None or rows[0].vmem_bytes > 0
+    True
+    """
+    get_info = getattr(pltpu, "get_tpu_info_for_chip", None)
+    if get_info is None:
+        return None
+    rows = []
+    for chip in chips:
+        info = get_info(pltpu.ChipVersion(chip), 1)  # one TensorCore per device
+        rows.append(
+            ChipMemories(
+                chip=chip,
+                hbm_bytes=info.hbm_capacity_bytes,
+                vmem_bytes=info.vmem_capacity_bytes,
+                smem_bytes=info.smem_capacity_bytes,
+                sublanes=info.num_sublanes,
+                lanes=info.num_lanes,
+                num_mxus=info.num_mxus,
+                mxu_size=info.mxu_column_size,
+            )
+        )
+    return rows
+
+
+def why_unavailable() -> str:
+    import jax
+
+    return (
+        f"jax {jax.__version__} has no table of TPU chips (pltpu.get_tpu_info_for_chip; jax "
+        "0.10.2 has it): with a newer jax this prints HBM, VMEM and SMEM per chip."
+    )
