@@ -232,6 +232,7 @@ class NotebookPage:
         self.page, self.name, self.results_dir = page, name, results_dir
         self.front_end = lab.front_end
         self.page_errors: list[str] = []
+        self.reaction_seconds: list[float] = []  # how long each awaited change took
         self.console_errors: list[str] = []
         page.on("pageerror", lambda err: self.page_errors.append(str(err)))
         page.on(
@@ -313,7 +314,8 @@ class NotebookPage:
                     f"The explorer shows:\n{box.inner_text()[:1500]}"
                 )
             time.sleep(0.1)
-        return time.monotonic() - start
+        self.reaction_seconds.append(time.monotonic() - start)
+        return self.reaction_seconds[-1]
 
     def figure_bytes(self, box) -> str:
         """A digest of the PNG bytes the explorer's figure shows; "" if it shows none."""

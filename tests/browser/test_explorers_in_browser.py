@@ -114,6 +114,8 @@ def open_notebook(browser, lab, results_dir, record_property):
         assert nb.page_errors == [], f"{nb.name}: JavaScript errors: {nb.page_errors}"
         assert nb.widget_console_errors() == [], f"{nb.name}: widget errors in the console"
         assert not nb.news_prompt_shown(), "the course's JupyterLab settings turn the news off"
+        if nb.reaction_seconds:
+            print(f"{nb.name}: reacted in at most {max(nb.reaction_seconds):.2f} s")
         errors = sorted({e.splitlines()[0][:200] for e in nb.console_errors})
         print(f"{nb.name}: console errors (reported, not failed): {errors}")
         nb.page.close()
