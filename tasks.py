@@ -128,7 +128,8 @@ def browser_test(python: Path) -> None:
             flush=True,
         )
         return
-    pytest(python, "-m", "browser", "tests/browser", "-p", "no:cacheprovider")
+    # -s: print the versions tried, each Run All's time and how fast the explorers reacted.
+    pytest(python, "-m", "browser", "tests/browser", "-p", "no:cacheprovider", "-s")
 
 
 def course(args: list[str]) -> None:
