@@ -596,6 +596,7 @@ def _draw_grid(ax, schedule, selected) -> list:
         box = _box(ax, start, 0, end - start, 0.7, color(seq), hatch(seq))
         labels.append((_label(ax, box, f"seq {seq}", color(seq)), box))
     # The grid steps, with a tile per KV block computed.
+    widest = None  # (width, compute) of a widest tile: the one the axis label names
     for (h, q_blk), events in schedule.steps().items():
         computes = [e for e in events if e.kind == "compute"]
         y, x0 = -(h + 1), q_blk * bq
@@ -608,6 +609,8 @@ def _draw_grid(ax, schedule, selected) -> list:
         for k, e in enumerate(computes):
             tile = _box(ax, x0 + k * width, y, width, 0.64, color(e.seq), hatch(e.seq))
             labels.append((_label(ax, tile, f"s{e.seq} b{e.kv_blk}", color(e.seq)), tile))
+            if widest is None or width > widest[0]:
+                widest = (width, e)
     ax.set_xlim(0, num_q_blocks * bq)
     ax.set_ylim(-num_heads_blocks - 0.5, 0.5)
     q_heads, kv_heads = schedule.num_q_heads_per_block, schedule.num_kv_heads_per_block
@@ -623,9 +626,12 @@ def _draw_grid(ax, schedule, selected) -> list:
     )
     ticks = list(range(0, num_q_blocks * bq + 1, bq))
     ax.set_xticks(ticks, [str(t) for t in ticks])
+    example = ""
+    if widest is not None:
+        e = widest[1]
+        example = f" (tile s{e.seq} b{e.kv_blk}: sequence {e.seq}, KV block {e.kv_blk})"
     ax.set_xlabel(
-        f"q row; grid axis 1 cuts them into q blocks of num_queries_per_block={bq} rows "
-        f"(tile s1 b2: sequence 1, KV block 2)"
+        f"q row; grid axis 1 cuts them into q blocks of num_queries_per_block={bq} rows{example}"
     )
     ax.set_title(
         f"The grid: a tile per KV block computed (num_kv_pages_per_block="

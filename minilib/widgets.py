@@ -42,7 +42,7 @@ from minilib.heads import (
     split_kv_pages,
     valid_num_kv_heads,
 )
-from minilib.kv_cache import PagedKVCache, pages_needed
+from minilib.kv_cache import KVCacheError, PagedKVCache, pages_needed
 from minilib.validation import RPAInputError, check_head_counts, dynamic_validate_inputs
 
 # Colours of the message box (Okabe-Ito): problems in vermillion, all-clear in bluish green.
@@ -59,7 +59,7 @@ class Explorer(widgets.VBox):
     Attributes:
       controls: name -> input widget. Set `.value` and the explorer redraws.
       views: what is shown, all in widget state:
-        "message": HTML, the status line, or the error with its hint;
+        "message": HTML, the status line (green), or the error with its hint (vermillion);
         "figure":  Image, the figure as PNG bytes (hidden, with empty bytes, on an error);
         "details": HTML, tables and the arrays.
     """
@@ -100,7 +100,8 @@ class Explorer(widgets.VBox):
             return
         finally:
             self._refreshing = False
-        message.value = _box(status, _OK)
+        # A render may report a problem it found (the playground's caught error) as its status.
+        message.value = _error_html(status) if isinstance(status, Exception) else _box(status, _OK)
         if fig is None:
             figure.value, figure.layout.display = b"", "none"
         else:
@@ -267,8 +268,58 @@ def page_table_explorer(
         "The paged KV cache",
         controls,
         _render_page_table,
-        "Sequence lengths in tokens, separated by commas. Try page_size 1, 16 and 64; "
-        "try a pool too small for them.",
+        "Sequence lengths in tokens, separated by commas. "
+        + _page_size_suggestions(parse_ints(seq_lens, "seq_lens"), page_size, total_num_pages),
+    )
+
+
+PAGE_SIZES_TO_TRY = (1, 2, 4, 8, 16, 32, 64)
+
+
+def pool_pages_needed(seq_lens, page_size: int) -> int:
+    """Pages of the pool that sequences of `seq_lens` tokens take.
+
+    >>> pool_pages_needed([37, 5, 120], page_size=16)
+    12
+    """
+    return sum(pages_needed(n, page_size) for n in seq_lens)
+
+
+def _page_size_suggestions(seq_lens, page_size: int, total_num_pages: int) -> str:
+    """What to try, computed so that each suggestion does what it says."""
+    fits = [p for p in PAGE_SIZES_TO_TRY if pool_pages_needed(seq_lens, p) <= total_num_pages]
+    if not fits:
+        return ""
+    sizes = list(dict.fromkeys([fits[0], *([page_size] if page_size in fits else []), fits[-1]]))
+    text = f"Try page_size {_and(sizes)}: the pool of {total_num_pages} pages holds them. "
+    smaller = [p for p in PAGE_SIZES_TO_TRY if p < fits[0]]
+    if smaller and pool_pages_needed(seq_lens, smaller[0]) <= MAX_PAGES:
+        need = pool_pages_needed(seq_lens, smaller[0])
+        text += f"page_size {smaller[0]} needs {need} pages: set total_num_pages to {need} first. "
+    need = pool_pages_needed(seq_lens, page_size)
+    if need > 1:
+        text += f"With page_size {page_size}, see a pool of fewer than {need} pages run out."
+    return text
+
+
+def _pool_hint(seq_lens, page_size: int, total_num_pages: int) -> str:
+    """How to make these sequences fit, with the explorer's own controls."""
+    need = pool_pages_needed(seq_lens, page_size)
+    fixes = []
+    if need <= MAX_PAGES:
+        fixes.append(f"set total_num_pages to {need}")
+    bigger = [
+        p
+        for p in (*PAGE_SIZES_TO_TRY, 128, 256, 512, 1024, 2048, MAX_PAGE_SIZE)
+        if p > page_size and pool_pages_needed(seq_lens, p) <= total_num_pages
+    ]
+    if bigger:
+        fixes.append(f"use page_size {bigger[0]} (or bigger)")
+    if not fixes:
+        return "these sequences need more pages than this explorer draws: use fewer tokens."
+    return (
+        f"these sequences need {need} pages of {_plural(page_size, 'slot')}; the pool has "
+        f"{total_num_pages}. In this explorer, {', or '.join(fixes)}."
     )
 
 
@@ -289,13 +340,22 @@ def _render_page_table(values: dict):
             f"total_num_pages={total}, page_size={page_size}: this explorer draws at most "
             f"{MAX_PAGES} pages of at most {MAX_PAGE_SIZE} slots."
         )
-    cache, ids = fill_cache(lens, page_size=page_size, total_num_pages=total, order=values["order"])
+    try:
+        cache, ids = fill_cache(
+            lens, page_size=page_size, total_num_pages=total, order=values["order"]
+        )
+    except KVCacheError as err:  # the cache's message; a hint that works in the explorer
+        if not err.message.startswith("Out of pages"):
+            raise
+        raise KVCacheError(err.message, _pool_hint(lens, page_size, total)) from None
     kv_lens, page_indices, _, num_seqs = cache.batch_metadata([(s, 0) for s in ids])
     n = int(num_seqs[0])
     usage = viz.slot_usage(lens, page_size)
     ours = sum(len(cache.pages(s)) for s in ids)
     status = (
-        f"{len(ids)} sequences hold {usage.tokens} tokens in {ours} pages of {page_size} slots; "
+        f"{_plural(len(ids), 'sequence')} hold{'s' if len(ids) == 1 else ''} "
+        f"{_plural(usage.tokens, 'token')} in {_plural(ours, 'page')} of "
+        f"{_plural(page_size, 'slot')}; "
         f"the pool has {total} pages: {ours} ours, {cache.allocator.num_used - ours} of other "
         f"sequences, {cache.allocator.num_free} free. Paged: {usage.paged_wasted} of "
         f"{usage.paged_slots} slots wasted; contiguous (each sequence sized to the longest): "
@@ -653,8 +713,7 @@ def _render_mistake(values: dict):
     try:
         dynamic_validate_inputs(*args, **options)
     except RPAInputError as err:
-        details = _error_html(err) + details
-        return "dynamic_validate_inputs raised RPAInputError (below, with its hint).", None, details
+        return err, None, details
     return "Valid: dynamic_validate_inputs accepts these inputs.", None, details
 
 
@@ -880,11 +939,13 @@ _STYLE = {"description_width": "initial"}
 
 
 def _int_text(description: str, value: int) -> widgets.IntText:
+    # Updates as you type: every explorer redraws in about a second at most. Text boxes,
+    # which take lists, update on Enter (or leaving the box), not at each comma.
     return widgets.IntText(
         value=value,
         description=description,
         style=_STYLE,
-        continuous_update=False,
+        continuous_update=True,
         layout=widgets.Layout(width="210px"),
     )
 
@@ -920,7 +981,10 @@ def _error_html(err: Exception) -> str:
 
 
 def _pre(text: str) -> str:
-    return f"<pre style='white-space:pre-wrap;margin:4px 0'>{html.escape(text)}</pre>"
+    # Wrap long lines between words. (Notebook front ends give output <pre> blocks
+    # `word-break: break-all`, which splits words and numbers anywhere.)
+    style = "white-space:pre-wrap;word-break:normal;overflow-wrap:break-word;margin:4px 0"
+    return f"<pre style='{style}'>{html.escape(text)}</pre>"
 
 
 def _table(header, rows) -> str:
@@ -939,6 +1003,11 @@ def _rows(array: np.ndarray) -> str:
 
 def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _and(items) -> str:
+    items = [str(i) for i in items]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 def _span(items) -> str:

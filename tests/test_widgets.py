@@ -8,6 +8,7 @@ keep working after bad input. These tests run with ipywidgets 7 (Colab) and 8.
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -99,6 +100,20 @@ def test_head_grouping_shows_the_groups(heads):
     assert cells[4:8] == ["KV head 1", "3..5", "2", "3"]  # its q heads, its K and V slots
 
 
+def test_head_grouping_opens_on_a_valid_pair_one_keystroke_from_12_over_8():
+    ex = w.head_grouping_explorer()
+    assert shows_figure(ex) and ex.controls["num_q_heads"].value == 12
+    ex.controls["num_kv_heads"].value = 8  # the notebook's famous pair: it shows the error
+    assert "num_q_heads=12 must be divisible by num_kv_heads=8" in ex.text
+
+
+def test_number_boxes_update_as_you_type():
+    for make in EXPLORERS:
+        for control in make().controls.values():
+            if isinstance(control, widgets.IntText):
+                assert control.continuous_update, (make.__name__, control.description)
+
+
 def test_head_grouping_12_over_8_shows_the_validators_message(heads):
     heads.controls["num_q_heads"].value, heads.controls["num_kv_heads"].value = 12, 8
     err = raised(check_head_counts, 12, 8)
@@ -185,10 +200,64 @@ def test_page_table_more_pages_than_the_pool_shows_the_caches_message(pages):
     pages.controls["seq_lens"].value = "370, 300, 5"
     err = raised(w.fill_cache, [370, 300, 5], page_size=16, total_num_pages=24)
     assert isinstance(err, KVCacheError) and err.message.startswith("Out of pages")
-    assert shows_error(pages, err)
-    pages.controls["total_num_pages"].value = 50  # a bigger pool fixes it
-    assert shows_figure(pages) and "the pool has 50 pages" in pages.text
-    pages.controls["seq_lens"].value, pages.controls["total_num_pages"].value = "37, 5, 120", 24
+    assert err.message in pages.text and not shows_figure(pages)
+    # The hint is one the explorer can follow: no free(seq_id), which it cannot do.
+    assert "free(" not in pages.text
+    assert "set total_num_pages to 44, or use page_size 32 (or bigger)" in pages.text
+    pages.controls["total_num_pages"].value = 44  # the hint's first fix works ...
+    assert shows_figure(pages) and "the pool has 44 pages" in pages.text
+    pages.controls["total_num_pages"].value = 43  # ... and is the least that does
+    assert err.message.split(":")[0] in pages.text and not shows_figure(pages)
+    pages.controls["total_num_pages"].value, pages.controls["page_size"].value = 24, 32
+    assert shows_figure(pages)  # and so does its second
+    pages.controls["seq_lens"].value, pages.controls["page_size"].value = "37, 5, 120", 16
+
+
+@pytest.mark.parametrize(
+    "seq_lens, page_size, total",
+    [("37, 5, 120", 16, 24), ("37, 5, 120", 1, 24), ("1000, 3", 4, 100), ("5, 5, 5", 8, 3)],
+)
+def test_page_table_suggestions_do_what_they_say(seq_lens, page_size, total):
+    """Every setting the note and the out-of-pages hint suggest does what they say it does."""
+    ex = w.page_table_explorer(seq_lens=seq_lens, page_size=page_size, total_num_pages=total)
+    note = ex.children[0].value
+    tried = re.search(r"Try page_size ([\d, and]+):", note)
+    for size in re.findall(r"\d+", tried.group(1)) if tried else []:  # "each fits the pool"
+        ex.controls["page_size"].value = int(size)
+        assert shows_figure(ex), (note, size)
+    first = re.search(r"page_size (\d+) needs (\d+) pages: set total_num_pages to \2 first", note)
+    if first:
+        ex.controls["page_size"].value = int(first.group(1))
+        assert not shows_figure(ex) and "Out of pages" in ex.text
+        ex.controls["total_num_pages"].value = int(first.group(2))
+        assert shows_figure(ex), note
+        ex.controls["total_num_pages"].value = total
+    runs_out = re.search(
+        r"With page_size (\d+), see a pool of fewer than (\d+) pages run out", note
+    )
+    if runs_out:
+        ex.controls["page_size"].value = int(runs_out.group(1))
+        ex.controls["total_num_pages"].value = int(runs_out.group(2))
+        assert shows_figure(ex), note
+        ex.controls["total_num_pages"].value = int(runs_out.group(2)) - 1
+        assert "Out of pages" in ex.text and not shows_figure(ex), note
+        # Out of pages: each fix the hint names works.
+        hint = ex.text.split("Hint: ")[1]
+        assert "free(" not in hint
+        for name, value in re.findall(
+            r"(?:set|use) (total_num_pages|page_size) (?:to )?(\d+)", hint
+        ):
+            ex.controls["total_num_pages"].value = int(runs_out.group(2)) - 1
+            ex.controls["page_size"].value = int(runs_out.group(1))
+            ex.controls[name].value = int(value)
+            assert shows_figure(ex), (hint, name, value)
+
+
+def test_page_table_counts_read_in_the_singular_too(pages):
+    pages.controls["seq_lens"].value, pages.controls["page_size"].value = "1", 1
+    assert "1 sequence holds 1 token in 1 page of 1 slot;" in pages.text
+    pages.controls["seq_lens"].value, pages.controls["page_size"].value = "37, 5, 120", 16
+    assert "3 sequences hold 162 tokens in 12 pages of 16 slots;" in pages.text
 
 
 @pytest.mark.parametrize("page_size, total", [(0, 24), (-4, 24), (16, 0), (16, 5000)])
@@ -287,11 +356,15 @@ def test_playground_shows_each_validators_message_and_the_code():
     for name in w.MISTAKES:
         ex.controls["mistake"].value = name
         err = w.run_mistake(name)
+        message = ex.views["message"].value
         if err is None:
             assert "Valid: dynamic_validate_inputs accepts these inputs." in ex.text
+            assert w._OK in message and w._PROBLEM not in message
         else:
             assert str(err) in ex.text, name  # the message and its hint, word for word
             assert "Hint: " in ex.text
+            # the error is the status, in the problem colour: no green "all clear" above it
+            assert w._PROBLEM in message and w._OK not in message, name
         assert f"def {w.MISTAKES[name].__name__}(b):" in ex.text  # the code that ran
 
 
@@ -346,6 +419,27 @@ def test_schedule_block_sizes(schedule):
     schedule.controls["num_kv_pages_per_block"].value = "2"
     schedule.controls["num_queries_per_block"].value = "8"
     assert shows_figure(schedule) and "= 6 grid steps" in schedule.text
+
+
+def test_schedule_caption_names_a_tile_it_draws():
+    from minilib.viz import kernel_schedule_figure
+
+    for overrides in [{}, {"num_kv_pages_per_block": 1}, {"num_queries_per_block": 32}]:
+        _, plan = _plan(**overrides)
+        fig = kernel_schedule_figure(plan)
+        caption = fig.axes[0].get_xlabel()
+        named = re.search(r"tile (s(\d+) b(\d+)): sequence \2, KV block \3", caption)
+        drawn = {t.get_text() for t in fig.axes[0].texts}
+        assert named and named.group(1) in drawn, (caption, sorted(drawn))
+
+
+def test_error_text_wraps_between_words_not_inside_them():
+    """Front ends give output <pre> blocks `word-break: break-all`; ours override it."""
+    ex = w.head_grouping_explorer()
+    ex.controls["num_kv_heads"].value = 8
+    html_text = ex.views["message"].value
+    pres = re.findall(r"<pre style='([^']*)'", html_text)
+    assert pres and all("word-break:normal" in p and "overflow-wrap" in p for p in pres)
 
 
 def test_schedule_bad_heads(schedule):
