@@ -483,19 +483,25 @@ def parse_bundles(text: str) -> list[Bundle]:
 
 
 def loop_extents(bundles: list[Bundle]) -> list[tuple[int, int]]:
-    """[start, end) of every loop body: from its `LB` bundle to the last bundle before one of
-    smaller depth. Empty bundles (delay slots) carry no depth; they count only inside."""
+    """[start, end) of every loop body: from its `LB` bundle to the next *marked* bundle (one
+    with a tag, such as `LB` or `PF`) of smaller depth.
+
+    Only marked bundles end a loop: the scheduler may move predicated ops of an outer loop into
+    an inner loop's body, and those bundles show the outer loop's smaller depth in the middle
+    of the inner loop.
+    """
     extents = []
     for start, bundle in enumerate(bundles):
         if bundle.tag != "LB":
             continue
-        end = start + 1
-        for j in range(start + 1, len(bundles)):
-            if bundles[j].is_empty:
-                continue
-            if bundles[j].depth < bundle.depth:
-                break
-            end = j + 1
+        end = next(
+            (
+                j
+                for j in range(start + 1, len(bundles))
+                if bundles[j].tag is not None and bundles[j].depth < bundle.depth
+            ),
+            len(bundles),
+        )
         extents.append((start, end))
     return extents
 

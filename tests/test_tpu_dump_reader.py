@@ -15,8 +15,10 @@ from minilib.tpu_compile import (
     vmem_usage,
 )
 
-# An outer loop (the grid) holding a KV loop with a matmul, which holds a small scalar loop;
-# a delay slot (`{}`, no depth marks) inside the KV loop, and one after it.
+# An outer loop (the grid) holding a KV loop with a matmul, which holds a small scalar loop.
+# As in real dumps, a loop ends at the next *marked* bundle (`PF:`, `LB:`) of smaller depth;
+# the scheduler has moved one predicated op of the grid loop (depth 1) into the KV loop at 0x5,
+# and a delay slot (`{}`, no depth marks) sits after the grid loop.
 BUNDLES = """\
 = control target key start
 LB: loop body
@@ -27,13 +29,13 @@ LB: loop body
    0x2   : > { %s3 = sld [smem:[#allocation9]] }
    0x3 LB: >> { %v4 = vld [vmem:[#allocation2]] /* loc("/src/minilib/kernel.py":10:5) */ }
    0x4   : >> { %v5 = vmatmul.bf16.gmra.mxu0 %v4 /* loc("/src/minilib/kernel.py":20:3) */  ;;  %v6 = vsel %v4 /* loc("/src/minilib/kernel.py":10:5) */ }
-   0x5   :  {}
+   0x5   : > { %s12 = sld [smem:[#allocation9]] (%p1) }
    0x6 LB: >>> { %s7 = sadd.s32 1, %s2 }
    0x7   : >>> { %s8 = sbr.rel %s7 }
-   0x8   : >> { %v9 = vadd.f32 %v5, %v6 /* loc("/src/minilib/kernel.py":10:5) */ }
-   0x9   :  {} /* End region 4 */
-   0xa   : > { %s10 = sbr.rel %s2 }
-   0xb   :  { %s11 = shalt }
+   0x8 PF: >> { %v9 = vadd.f32 %v5, %v6 /* loc("/src/minilib/kernel.py":10:5) */ }
+   0x9 PF: > { %s10 = sbr.rel %s2 }
+   0xa   :  {} /* End region 4 */
+   0xb PF:  { %s11 = shalt }
 """  # noqa: E501
 
 ALLOCATIONS = """\
@@ -47,8 +49,8 @@ ALLOCATIONS = """\
 def test_loops_run_from_their_first_bundle_to_the_last_one_as_deep():
     bundles = parse_bundles(BUNDLES)
     assert len(bundles) == 12
-    # The grid loop ends before the halt; the KV loop includes the delay slot at 0x5 and the
-    # inner loop, but not the trailing `{}` at 0x9.
+    # The grid loop ends at the marked halt; the KV loop holds the grid loop's predicated op at
+    # 0x5 and the inner loop, and ends at the marked bundle of depth 1 at 0x9.
     assert loop_extents(bundles) == [(1, 11), (3, 9), (6, 8)]
 
 

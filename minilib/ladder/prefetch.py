@@ -25,6 +25,7 @@ and core 1 would wait for a copy that core 0 started).
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -67,11 +68,20 @@ def decode_schedule(next_work_fn, kv_lens, page_size: int) -> list[tuple]:
     while here is not None and len(events) < 3 * limit:
         nxt = next_work_fn(*here, kv_lens, num_seqs, page_size)
         if nxt is not None:
-            nxt = tuple(int(x) for x in nxt)
+            nxt = tuple(_index_or_repr(x) for x in nxt)
             events.append(("start", *nxt, 1 - slot))
         events += [("wait", *here, slot), ("compute", *here, slot)]
         here, slot = nxt, 1 - slot
     return events
+
+
+def _index_or_repr(x):
+    """An integer as a Python int; anything else ("1", [1], 1.0) as its repr, so that it shows
+    in the events and never equals the planned number."""
+    try:
+        return operator.index(x)
+    except TypeError:
+        return repr(x)
 
 
 def planned_decode_schedule(kv_lens, page_size: int) -> list[tuple]:
