@@ -38,11 +38,11 @@ COLAB_PYTHON = "3.13"  # the Python of Colab's TPU runtime, for .venv-oldest
 JUPYTER_CONFIG = ROOT / "jupyter_config"
 TPU = (ROOT / ".venv-tpu", ROOT / "constraints" / "tpu.txt")
 TPU_OLDEST = (ROOT / ".venv-tpu-oldest", ROOT / "constraints" / "tpu-oldest.txt")
-# On Colab's stack, one kernel configuration per chip, the comparison with JAX's kernel and
-# the harness's own failure tests: the whole matrix runs once, on the newest stack.
 # The test files holding `tpu_compile` tests (the TPU venvs lack the course's packages, so
 # only these are collected there).
 TPU_COMPILE_TESTS = ("tests/test_tpu_compile.py", "tests/test_ladder.py")
+# On Colab's stack, one kernel configuration per chip, the comparison with JAX's kernel and
+# the harness's own failure tests: the whole matrix runs once, on the newest stack.
 COLAB_TPU_TESTS = "gqa-bf16 or against_jax or bad_kernel or vmem_overflow or by_design"
 
 
