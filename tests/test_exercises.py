@@ -556,16 +556,21 @@ def test_decode_attention_checker_reference_matches_jax():
 #   NUMPY_NOT_APPLICABLE: why the exercise cannot be solved in NumPy;
 #   WRONG_TYPE: a wrong-type answer, for exercises whose answer is not a returned value.
 
+# The checkers of Pallas kernels (minilib.exercises.kernel_checking): their kernel run has a
+# time limit of its own, and a NumPy answer makes no sense there.
+KERNEL_CHECKERS = {
+    ex.check_flash_attention,
+    ex.check_paged_decode_attention,
+    ex.check_paged_decode_async_copy,
+    ex.check_double_buffered_decode,
+    ex.check_prefetching_decode,
+}
 ALL_EXERCISES = EXERCISES + [(checker, *rest) for checker, *rest, _ in MORE_EXERCISES]
 ALL_IDS = [checker.__name__.removeprefix("check_") for checker, *_ in ALL_EXERCISES]
 
 NUMPY_NOT_APPLICABLE = {
     ex.check_softmax_kernel: "a Pallas kernel body computes with jnp on refs",
-    ex.check_flash_attention: "a Pallas kernel computes with jnp on refs",
-    ex.check_paged_decode_attention: "a Pallas kernel computes with jnp on refs",
-    ex.check_paged_decode_async_copy: "a Pallas kernel computes with jnp on refs",
-    ex.check_double_buffered_decode: "a Pallas kernel computes with jnp on refs",
-    ex.check_prefetching_decode: "a Pallas kernel computes with jnp on refs",
+    **{checker: "a Pallas kernel computes with jnp on refs" for checker in KERNEL_CHECKERS},
     ex.check_decode_attention: "the exercise is to vectorize in jnp: the checker runs it in jit",
 }
 
@@ -693,21 +698,32 @@ def test_any_exception_is_reported_not_raised(checker, module, name, wrong, erro
 
 @pytest.mark.parametrize("checker, module, name, wrong", ALL_EXERCISES, ids=ALL_IDS)
 def test_endless_loop_is_stopped_in_time(checker, module, name, wrong, monkeypatch):
-    from minilib.exercises import checking
+    from minilib.exercises import checking, kernel_checking
 
     monkeypatch.setattr(checking, "TIME_LIMIT_SECONDS", 1.0)
     monkeypatch.setattr(checking, "SLOWER_THAN_REFERENCE", 2)
+    monkeypatch.setattr(kernel_checking, "KERNEL_TIMEOUT_SECONDS", 1.0)  # the kernel checkers'
 
     def endless(*args, **kwargs):
         while True:
             pass
 
+    threads_before = threading.active_count()
     start = time.perf_counter()
     result = checker(endless, verbose=False)
     assert time.perf_counter() - start < 30  # the reference's compiles plus 1-2 s waits
     assert result.status == "failed"
-    assert "took too long: stopped after" in result.report
-    assert "s (the time limit of a case)" in result.report
+    if checker in KERNEL_CHECKERS:  # the kernel run's own limit
+        assert "expected the kernel to finish; it was stopped after 1 s" in result.report
+        assert "an endless loop" in result.report
+    else:
+        assert "took too long: stopped after" in result.report
+        assert "s (the time limit of a case)" in result.report
+    # and the looping thread was stopped, not left spinning behind the check
+    deadline = time.perf_counter() + 5
+    while threading.active_count() > threads_before and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() == threads_before
 
 
 def test_endless_loop_thread_is_stopped():

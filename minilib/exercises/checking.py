@@ -103,17 +103,26 @@ def run_check(
     compare: Compare,
     *,
     verbose: bool = True,
+    time_limit: float | None = None,
+    check_answer_type: bool = True,
 ) -> CheckResult:
     """Run `fn` and `reference` on every case; stop at the first mismatch, and report.
 
     `reference` is trusted: if it raises, that is a bug in the checker, and it propagates.
     `fn` is not: whatever it raises, returns or however long it runs, this returns a result.
+
+    A case may take `time_limit` seconds; by default TIME_LIMIT_SECONDS, or
+    SLOWER_THAN_REFERENCE times the reference's time if that is longer. `check_answer_type`
+    off leaves the answer's type to `compare` (for checkers whose `fn` wraps the learner's
+    answer, such as the kernel checkers).
     """
     cases = list(cases)
     for i, case in enumerate(cases):
         start = time.perf_counter()
         expected = reference(*case.args, **case.kwargs)
-        limit = max(TIME_LIMIT_SECONDS, SLOWER_THAN_REFERENCE * (time.perf_counter() - start))
+        limit = time_limit or max(
+            TIME_LIMIT_SECONDS, SLOWER_THAN_REFERENCE * (time.perf_counter() - start)
+        )
         heading = f"FAILED: {name}, case {i + 1} of {len(cases)}: {case.description}\n"
         finished, got, error = call_with_time_limit(fn, case.args, case.kwargs, limit)
         if not finished:
@@ -134,13 +143,14 @@ def run_check(
                 f"{_why_it_matters(error)}\n{_where_it_raised(error)}"
             )
             return _finish(name, FAILED, report, i + 1, verbose)
+        type_problem = answer_type_problem if check_answer_type else lambda *_: None
         try:
             compare(expected, got, case)
-            problem = answer_type_problem(expected, got)
+            problem = type_problem(expected, got)
         except Mismatch as diff:
             problem = str(diff)
         except Exception as err:  # an answer the comparison could not even read
-            problem = answer_type_problem(expected, got) or (
+            problem = type_problem(expected, got) or (
                 f"your answer could not be compared with the expected one "
                 f"({type(err).__name__}: {err}).\nexpected {_describe(expected)}, "
                 f"got {_describe(got)}"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 from collections.abc import Callable
 
 import jax
@@ -31,6 +30,7 @@ from minilib.exercises.checking import (
     Case,
     CheckResult,
     Mismatch,
+    call_with_time_limit,
     compare_arrays,
     run_check,
 )
@@ -73,31 +73,24 @@ def run_in_strict_interpret_mode(fn: Callable, timeout: float | None = None):
     """`fn` run with `interpret=strict_interpret_params()`; returns a KernelRun.
 
     A kernel that waits on a semaphore nobody signals hangs, in interpret mode as on the chip.
-    The run happens in a daemon thread; after `timeout` seconds the check gives up on it and
-    reports a likely deadlock (the thread stays blocked, idle, until Python exits).
+    The run happens in a worker thread (`call_with_time_limit`); after `timeout` seconds the
+    check gives up on it, stops it where Python can, and reports a likely deadlock.
     `timeout` defaults to KERNEL_TIMEOUT_SECONDS.
     """
-    timeout = KERNEL_TIMEOUT_SECONDS if timeout is None else timeout
 
     def run(*args, **kwargs):
-        outcome = {}
+        def kernel_run():
+            out = fn(*args, interpret=strict_interpret_params(), **kwargs)
+            jax.block_until_ready(out)
+            return KernelRun(out, races_found())
 
-        def target():
-            try:
-                out = fn(*args, interpret=strict_interpret_params(), **kwargs)
-                jax.block_until_ready(out)
-                outcome["run"] = KernelRun(out, races_found())
-            except BaseException as err:  # handed to the caller's thread below
-                outcome["error"] = err
-
-        worker = threading.Thread(target=target, daemon=True)
-        worker.start()
-        worker.join(timeout)
-        if worker.is_alive():
+        seconds = KERNEL_TIMEOUT_SECONDS if timeout is None else timeout
+        finished, result, error = call_with_time_limit(kernel_run, (), {}, seconds)
+        if not finished:
             return KernelRun(out=None, raced=False, hung=True)
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["run"]
+        if error is not None:
+            raise error
+        return result
 
     return run
 
@@ -111,8 +104,9 @@ def compare_kernel_output(mistakes: dict[str, Callable], atol: float, rtol: floa
     def compare(expected, got: KernelRun, case: Case) -> None:
         if got.hung:
             raise Mismatch(
-                f"expected the kernel to finish; it ran for {KERNEL_TIMEOUT_SECONDS:.0f} s.\n"
-                f"Likely cause: {DEADLOCK_CAUSE}"
+                f"expected the kernel to finish; it was stopped after "
+                f"{KERNEL_TIMEOUT_SECONDS:.0f} s.\n"
+                f"Likely cause: an endless loop, or {DEADLOCK_CAUSE}"
             )
         if got.raced:
             raise Mismatch(
@@ -165,8 +159,17 @@ def check_kernel(
     mistakes.
     """
     compare = compare_kernel_output(mistakes, atol, rtol)
+    # The kernel run has its own time limit (a deadlock is reported as such); the check's
+    # own limit only backs it up. The answer is a KernelRun, whose type `compare` checks.
     result = run_check(
-        name, run_in_strict_interpret_mode(fn), reference, cases, compare, verbose=False
+        name,
+        run_in_strict_interpret_mode(fn),
+        reference,
+        cases,
+        compare,
+        verbose=False,
+        time_limit=KERNEL_TIMEOUT_SECONDS + 10,
+        check_answer_type=False,
     )
     notes = []
     if MISSING_OPTIONS:
