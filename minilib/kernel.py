@@ -262,6 +262,7 @@ def kernel_config(
         pages_per_seq=pages_per_seq,
         max_num_batched_tokens=max_num_batched_tokens,
         bytes_per_page=page_size * 2 * kv_heads_per_block * head_dim * kv_pages.dtype.itemsize,
+        head_dim=head_dim,
     )
     return KernelConfig(
         num_queries_per_block=num_queries_per_block or default_queries,

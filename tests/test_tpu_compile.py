@@ -97,13 +97,6 @@ NOTEBOOK_BLOCKS = {
 }  # fmt: skip
 
 
-# Notebook 09's VMEM table goes up to 64 pages per KV block. The compiler needs more than the
-# table's hand count there (internal scratch and spilled registers come on top), and on v5e
-# that is more than the 16 MiB default scoped-VMEM limit: a VMEM overflow, by design of the
-# table, which shows where the sizes stop fitting. v6e's limit is 32 MiB.
-EXPECTED_VMEM_OVERFLOW = {("nb09-vmem-p64", "v5e")}
-
-
 def assert_compiled(report):
     assert report.compiled, f"Mosaic/XLA rejected the kernel on {report.chip}:\n{report.error}"
     assert report.total_bundles and report.total_bundles > 0, f"no bundles read: {report}"
@@ -128,9 +121,6 @@ def test_kernel_compiles_with_notebook_block_sizes(case, chip):
     report = compile_rpa(
         "ours", specs, chip=chip, num_kv_pages_per_block=pages, num_queries_per_block=queries
     )
-    if (case, chip) in EXPECTED_VMEM_OVERFLOW:
-        assert report.vmem_overflow, f"expected a VMEM overflow: {report}"
-        return
     assert_compiled(report)
 
 
@@ -260,6 +250,10 @@ def test_static_targets_are_judged_from_real_compiles():
     for name, passed, detail in results:
         assert passed in (True, False), f"{name}: {detail}"
         assert detail.startswith("ours "), detail
+    # The kernel is as lean as JAX's (with the pinned libtpu): a change that costs bundles or
+    # spills in the KV-block loop fails here, with the numbers.
+    missed = [f"{name}: {detail}" for name, passed, detail in results if not passed]
+    assert not missed, "static targets missed:\n" + "\n".join(missed)
 
 
 FALLBACK_SCRIPT = """
