@@ -147,13 +147,15 @@ def static_targets() -> list[tuple[str, bool | None, str]]:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m minilib compile",
-        description="Compile our RPA kernel and JAX's for a TPU chip (needs libtpu, not a "
-        "TPU) and compare them: bundles per KV block, VMEM, spills. Static estimates from the "
-        "compiled programs, not timings.",
-    )
+COMMAND_DESCRIPTION = (
+    "Compile our RPA kernel and JAX's for a TPU chip (needs libtpu, not a TPU) and compare "
+    "them: bundles per KV block, VMEM, spills. Static estimates from the compiled programs, "
+    "not timings."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `python -m minilib compile`: the chip, the shapes and the kernel options."""
     parser.add_argument("--chip", choices=CHIPS, default="v5e")
     parser.add_argument("--num-q-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
@@ -168,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-queries-per-block", type=int, default=32)
     parser.add_argument("--sliding-window", type=int, default=None)
     parser.add_argument("--soft-cap", type=float, default=None)
-    args = parser.parse_args(argv)
+
+
+def run(args) -> int:
+    """Run `python -m minilib compile` with parsed flags. Returns the exit code: 0, or 1 when
+    this host cannot compile for a TPU or our kernel did not compile."""
     from minilib.tpu_compile import tpu_compile_available
 
     ok, reason = tpu_compile_available()
