@@ -27,11 +27,7 @@ def run_doctor(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of `python -m minilib`: one subparser per command, with its own flags.
-
-    >>> build_parser().parse_args(["bench", "--quick"]).quick
-    True
-    """
+    """The parser of `python -m minilib`: one subparser per command, with its own flags."""
     parser = CommandLineParser(prog="python -m minilib")
     commands = parser.add_subparsers(
         title="commands", dest="command", metavar="COMMAND", required=True
