@@ -23,6 +23,7 @@ class CommandLineParser(argparse.ArgumentParser):
 
 
 def run_doctor(args) -> int:
+    """`python -m minilib doctor`: 0 when the parity check passes, else 1."""
     return 0 if doctor() else 1
 
 

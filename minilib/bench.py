@@ -261,13 +261,32 @@ max_err = max |out - first timed impl's out| on the live rows."""
 
 
 def format_row(r: BenchRow) -> str:
-    """One line of the table: every column of a timed row, or the note of one that did not run."""
+    """One line of the table: every column of a timed row, or the note of one that did not run.
+
+    >>> tiny = BenchCase("mixed", 2, (4, 2, 64), page_size=8, pages_per_seq=2,
+    ...                  max_num_batched_tokens=8)
+    >>> cost = batch_cost(case_batches(tiny)[0])
+    >>> toy = Chip("toy", hbm_bytes_per_s=1e10, peak_flops_per_s=1e11)
+    >>> print(format_row(BenchRow(tiny, "jax-kernel", "needs a TPU", None, cost, toy, math.nan)))
+    mixed 2 seqs 4/2/64              jax-kernel    needs a TPU
+    """
     columns = COLUMNS if r.ok else COLUMNS[:NAME_COLUMNS]
     return " ".join(f"{cell(r):{spec}}" for _, spec, cell in columns) + f"  {r.note}"
 
 
 def format_table(rows: list[BenchRow]) -> str:
-    """The rows as a text table: compiled/eager rows first, interpret-mode rows apart."""
+    """The rows as a text table: compiled/eager rows first, interpret-mode rows apart.
+
+    >>> tiny = BenchCase("mixed", 2, (4, 2, 64), page_size=8, pages_per_seq=2,
+    ...                  max_num_batched_tokens=8)
+    >>> cost = batch_cost(case_batches(tiny)[0])
+    >>> toy = Chip("toy", hbm_bytes_per_s=1e10, peak_flops_per_s=1e11)
+    >>> row = BenchRow(tiny, "jax-kernel", "needs a TPU", None, cost, toy, math.nan)
+    >>> print(format_table([row]))  # doctest: +ELLIPSIS
+    case                             impl          first_s  xla_s  comp ... max_err  note
+    ------...
+    mixed 2 seqs 4/2/64              jax-kernel    needs a TPU
+    """
     header = " ".join(f"{name:{spec}}" for name, spec, _ in COLUMNS) + "  note"
     sections = [
         ("", [r for r in rows if not r.interpreted]),
@@ -288,7 +307,16 @@ def format_table(rows: list[BenchRow]) -> str:
 
 
 def save_times_plot(rows: list[BenchRow], path: Path) -> Path:
-    """`viz.bench_times_figure` of the timed rows (interpreted ones left out), saved."""
+    """`viz.bench_times_figure` of the timed rows (interpreted ones left out), saved.
+
+    >>> import tempfile
+    >>> tiny = BenchCase("mixed", 2, (4, 2, 64), page_size=8, pages_per_seq=2,
+    ...                  max_num_batched_tokens=8)
+    >>> toy = Chip("toy", hbm_bytes_per_s=1e10, peak_flops_per_s=1e11)
+    >>> rows = run_bench([tiny], ["jnp"], reps=1, chip=toy, log=lambda *a, **k: 0)
+    >>> save_times_plot(rows, Path(tempfile.mkdtemp()) / "bench.png").exists()
+    True
+    """
     from minilib.viz import bench_times_figure  # matplotlib: not on a TPU VM without plots
 
     timings: dict[str, dict[str, Timing]] = {}
@@ -353,7 +381,13 @@ def memory_sweep(
 
 
 def format_memory_table(points: list[MemoryPoint], notes: list[str]) -> str:
-    """The sweep as a text table, then the notes."""
+    """The sweep as a text table, then the notes.
+
+    >>> print(format_memory_table([MemoryPoint("jnp", 256, 2**21, 2**20)], ["kernel: skipped"]))
+    impl         max_kv_len   temp_MiB kv_cache_MiB
+    jnp                 256        2.0          1.0
+      (kernel: skipped)
+    """
     lines = [f"{'impl':12s} {'max_kv_len':>10s} {'temp_MiB':>10s} {'kv_cache_MiB':>12s}"]
     for p in points:
         lines.append(
@@ -364,7 +398,13 @@ def format_memory_table(points: list[MemoryPoint], notes: list[str]) -> str:
 
 
 def save_memory_plot(points: list[MemoryPoint], path: Path) -> Path:
-    """`viz.working_memory_figure` of the sweep, saved."""
+    """`viz.working_memory_figure` of the sweep, saved.
+
+    >>> import tempfile
+    >>> points = [MemoryPoint("jnp", n, 2 * n * 2**10, n * 2**10) for n in (256, 1024)]
+    >>> save_memory_plot(points, Path(tempfile.mkdtemp()) / "memory.png").exists()
+    True
+    """
     from minilib.viz import working_memory_figure  # matplotlib, as above
 
     temp_bytes: dict[str, dict[int, float]] = {}
@@ -379,7 +419,11 @@ def save_memory_plot(points: list[MemoryPoint], path: Path) -> Path:
 
 
 def parse_heads(text: str) -> tuple[int, int, int]:
-    """'gqa', 'mqa', or 'num_q_heads/num_kv_heads/head_dim' such as '4/2/64'."""
+    """An argparse type: 'gqa', 'mqa', or 'num_q_heads/num_kv_heads/head_dim' such as '4/2/64'.
+
+    >>> parse_heads("gqa"), parse_heads("4/2/64")
+    ((32, 8, 128), (4, 2, 64))
+    """
     if text in HEAD_CONFIGS:
         return HEAD_CONFIGS[text]
     try:
@@ -397,7 +441,11 @@ def parse_heads(text: str) -> tuple[int, int, int]:
 
 
 def positive_int(text: str) -> int:
-    """An argparse type: a whole number >= 1."""
+    """An argparse type: a whole number >= 1.
+
+    >>> positive_int("3")
+    3
+    """
     try:
         value = int(text)
     except ValueError:
@@ -408,7 +456,11 @@ def positive_int(text: str) -> int:
 
 
 def float_dtype(text: str) -> str:
-    """An argparse type: the name of a float dtype for q and the KV cache."""
+    """An argparse type: the name of a float dtype for q and the KV cache.
+
+    >>> float_dtype("bfloat16")
+    'bfloat16'
+    """
     try:
         ok = jnp.issubdtype(jnp.dtype(text), jnp.floating) and jnp.dtype(text).itemsize >= 2
     except TypeError:
@@ -419,7 +471,11 @@ def float_dtype(text: str) -> str:
 
 
 def choice_of(names):
-    """An argparse type: one of `names`."""
+    """An argparse type: one of `names`.
+
+    >>> choice_of(["jnp", "blockwise"])("jnp")
+    'jnp'
+    """
 
     def parse(text: str) -> str:
         if text not in names:
@@ -430,7 +486,11 @@ def choice_of(names):
 
 
 def comma_list(kind):
-    """An argparse type: a comma-separated, non-empty list of `kind`."""
+    """An argparse type: a comma-separated, non-empty list of `kind`.
+
+    >>> comma_list(positive_int)("8, 32,128")
+    [8, 32, 128]
+    """
 
     def parse(text: str) -> list:
         items = [kind(x.strip()) for x in text.split(",") if x.strip()]
@@ -442,7 +502,13 @@ def comma_list(kind):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of `python -m minilib bench`."""
+    """The flags of `python -m minilib bench`.
+
+    >>> parser = argparse.ArgumentParser()
+    >>> add_arguments(parser)
+    >>> parser.parse_args(["--num-seqs", "8,32"]).num_seqs
+    [8, 32]
+    """
     p.add_argument("--quick", action="store_true", help="one small mixed case, 8 sequences")
     p.add_argument(
         "--workload", type=comma_list(choice_of(list(WORKLOADS))), default=list(WORKLOADS),
@@ -483,12 +549,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def default_dtype() -> str:
-    """The dtype served on this backend: bfloat16 on a TPU, float32 elsewhere."""
+    """The dtype served on this backend: bfloat16 on a TPU, float32 elsewhere.
+
+    >>> default_dtype() == ("bfloat16" if jax.default_backend() == "tpu" else "float32")
+    True
+    """
     return "bfloat16" if jax.default_backend() == "tpu" else "float32"
 
 
 def cases_from_args(args) -> list[BenchCase]:
-    """Every case the flags name: head configs x workloads x numbers of sequences."""
+    """Every case the flags name: head configs x workloads x numbers of sequences.
+
+    >>> parser = argparse.ArgumentParser()
+    >>> add_arguments(parser)
+    >>> args = parser.parse_args(["--workload", "mixed", "--num-seqs", "8,32", "--heads", "mqa"])
+    >>> [case.label() for case in cases_from_args(args)]
+    ['mixed 8 seqs 32/1/128', 'mixed 32 seqs 32/1/128']
+    """
     dtype = args.dtype or default_dtype()
     heads = [HEAD_CONFIGS[h] if isinstance(h, str) else h for h in args.heads]
     return [
@@ -500,7 +577,13 @@ def cases_from_args(args) -> list[BenchCase]:
 
 
 def apply_quick(args) -> None:
-    """--quick: one small case (mixed, 8 sequences, GQA, max kv_len 256), short sweep."""
+    """--quick: one small case (mixed, 8 sequences, GQA, max kv_len 256), short sweep.
+
+    >>> args = argparse.Namespace()
+    >>> apply_quick(args)
+    >>> args.num_seqs, args.pages_per_seq * 16, args.max_kv_lens
+    ([8], 256, [256, 1024, 4096])
+    """
     args.workload, args.num_seqs, args.heads = ["mixed"], [8], ["gqa"]
     args.pages_per_seq, args.max_num_batched_tokens, args.reps = 16, 256, 3
     args.max_kv_lens = [256, 1024, 4096]

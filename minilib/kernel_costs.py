@@ -155,7 +155,13 @@ COMMAND_DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `python -m minilib compile`: the chip, the shapes and the kernel options."""
+    """The flags of `python -m minilib compile`: the chip, the shapes and the kernel options.
+
+    >>> parser = argparse.ArgumentParser()
+    >>> add_arguments(parser)
+    >>> parser.parse_args(["--chip", "v6e"]).chip
+    'v6e'
+    """
     parser.add_argument("--chip", choices=CHIPS, default="v5e")
     parser.add_argument("--num-q-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
