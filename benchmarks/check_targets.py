@@ -24,6 +24,7 @@ import jax
 
 from minilib.bench import (
     TARGET_CASE,
+    BenchRow,
     default_dtype,
     float_dtype,
     format_table,
@@ -54,75 +55,90 @@ def check_targets(case: BenchCase = TARGET_CASE, *, reps: int = 5, log=print):
     3. jnp warm no slower than JAX's reference warm;
     4. blockwise warm >= 3x faster than JAX's reference warm;
     and, reported: how far blockwise's warm time is above the useful-FLOP bound of this device
-    (useful FLOPs / a big matmul's FLOP/s, measured in the same run).
+    (useful FLOPs / a big matmul's FLOP/s, measured in the same run). Then the TPU targets and
+    the static targets.
     """
     chip = device_chip(case.dtype)
     log(describe_chip(chip))
     rows = run_bench([case], ["jax-ref", "jnp", "blockwise"], reps=reps, chip=chip, log=log)
     log(format_table(rows))
-    by_name = {r.impl: r for r in rows}
-    results = []
+    ref, jnp_row, blockwise = rows
+    return [
+        speedup(
+            "jnp first call >= 5x faster than JAX's reference (compile included)",
+            ref,
+            jnp_row,
+            "first_s",
+            at_least=5,
+        ),  # fmt: skip
+        no_retrace(jnp_row),
+        no_retrace(blockwise),
+        speedup(
+            "jnp warm no slower than JAX's reference warm", ref, jnp_row, "warm_s", at_least=1
+        ),  # fmt: skip
+        speedup(
+            "blockwise warm >= 3x faster than JAX's reference warm",
+            ref,
+            blockwise,
+            "warm_s",
+            at_least=3,
+        ),  # fmt: skip
+        *flop_bound(blockwise),
+        *check_tpu_targets(case, reps=reps, log=log),
+        *check_static_targets(),
+    ]
 
-    def judge(name, needs, ok, detail):
-        missing = [n for n in needs if not by_name[n].ok]
-        if missing:
-            notes = "; ".join(f"{n}: {by_name[n].note}" for n in missing)
-            results.append(TargetResult(name, False, f"could not measure ({notes})"))
-        else:
-            results.append(TargetResult(name, ok(), detail()))
 
-    t = {n: r.timing for n, r in by_name.items()}
-    judge(
-        "jnp first call >= 5x faster than JAX's reference (compile included)",
-        ["jax-ref", "jnp"],
-        lambda: t["jax-ref"].first_s / t["jnp"].first_s >= 5,
-        lambda: (
-            f"{t['jax-ref'].first_s / t['jnp'].first_s:.1f}x "
-            f"(jax-ref {t['jax-ref'].first_s:.2f} s, jnp {t['jnp'].first_s:.2f} s)"
-        ),
+def not_measured(name: str, *rows: BenchRow) -> TargetResult | None:
+    """A FAIL naming the rows that did not run, or None when all of them ran."""
+    missing = [f"{r.impl}: {r.note}" for r in rows if not r.ok]
+    return (
+        TargetResult(name, False, f"could not measure ({'; '.join(missing)})") if missing else None
     )
-    for name in ("jnp", "blockwise"):
-        judge(
-            f"{name}: no retrace on new lengths (new-lengths call <= 3x warm call)",
-            [name],
-            lambda n=name: t[n].new_over_warm <= 3,
-            lambda n=name: (
-                f"{t[n].new_over_warm:.2f}x (first call on new lengths "
-                f"{t[n].new_s * 1e3:.1f} ms, warm call on them {t[n].new_warm_s * 1e3:.1f} ms, "
-                f"{t[n].new_compiles} XLA compiles on new lengths)"
-            ),
+
+
+def speedup(name: str, slow: BenchRow, fast: BenchRow, field: str, *, at_least: float):
+    """`fast` at least `at_least` times faster than `slow` in `field` (first_s or warm_s)."""
+    if failed := not_measured(name, slow, fast):
+        return failed
+    slow_s, fast_s = getattr(slow.timing, field), getattr(fast.timing, field)
+    scale, unit = (1, "s") if field == "first_s" else (1e3, "ms")
+    return TargetResult(
+        name,
+        slow_s / fast_s >= at_least,
+        f"{slow_s / fast_s:.2f}x ({slow.impl} {slow_s * scale:.2f} {unit}, "
+        f"{fast.impl} {fast_s * scale:.2f} {unit})",
+    )
+
+
+def no_retrace(row: BenchRow) -> TargetResult:
+    """The first call on new lengths (same shapes) costs at most 3x a warm call on them."""
+    name = f"{row.impl}: no retrace on new lengths (new-lengths call <= 3x warm call)"
+    if failed := not_measured(name, row):
+        return failed
+    t = row.timing
+    return TargetResult(
+        name,
+        t.new_over_warm <= 3,
+        f"{t.new_over_warm:.2f}x (first call on new lengths {t.new_s * 1e3:.1f} ms, warm call "
+        f"on them {t.new_warm_s * 1e3:.1f} ms, {t.new_compiles} XLA compiles on new lengths)",
+    )
+
+
+def flop_bound(row: BenchRow) -> list[TargetResult]:
+    """Reported, not judged: the warm time over the useful-FLOP bound of this device."""
+    if not row.ok:
+        return []
+    bound_s = row.cost.flops / row.chip.peak_flops_per_s
+    return [
+        TargetResult(
+            f"{row.impl} against the useful-FLOP bound of this device",
+            None,
+            f"{row.flop_bound_multiple:.1f}x the bound (warm {row.timing.warm_s * 1e3:.1f} "
+            f"ms; bound {bound_s * 1e3:.1f} ms = {row.cost.flops / 1e9:.2f} useful GFLOP / "
+            f"{row.chip.peak_flops_per_s / 1e9:.1f} GFLOP/s measured matmul)",
         )
-    judge(
-        "jnp warm no slower than JAX's reference warm",
-        ["jax-ref", "jnp"],
-        lambda: t["jax-ref"].warm_s / t["jnp"].warm_s >= 1,
-        lambda: (
-            f"{t['jax-ref'].warm_s / t['jnp'].warm_s:.2f}x "
-            f"(jax-ref {t['jax-ref'].warm_s * 1e3:.1f} ms, jnp {t['jnp'].warm_s * 1e3:.1f} ms)"
-        ),
-    )
-    judge(
-        "blockwise warm >= 3x faster than JAX's reference warm",
-        ["jax-ref", "blockwise"],
-        lambda: t["jax-ref"].warm_s / t["blockwise"].warm_s >= 3,
-        lambda: (
-            f"{t['jax-ref'].warm_s / t['blockwise'].warm_s:.2f}x (jax-ref "
-            f"{t['jax-ref'].warm_s * 1e3:.1f} ms, blockwise {t['blockwise'].warm_s * 1e3:.1f} ms)"
-        ),
-    )
-    if by_name["blockwise"].ok:
-        row = by_name["blockwise"]
-        bound_s = row.cost.flops / chip.peak_flops_per_s
-        results.append(
-            TargetResult(
-                "blockwise against the useful-FLOP bound of this device",
-                None,
-                f"{row.flop_bound_multiple:.1f}x the bound (warm {row.timing.warm_s * 1e3:.1f} "
-                f"ms; bound {bound_s * 1e3:.1f} ms = {row.cost.flops / 1e9:.2f} useful GFLOP / "
-                f"{chip.peak_flops_per_s / 1e9:.1f} GFLOP/s measured matmul)",
-            )
-        )
-    return results + check_tpu_targets(case, reps=reps, log=log) + check_static_targets()
+    ]
 
 
 def check_static_targets() -> list[TargetResult]:
@@ -156,31 +172,28 @@ def check_tpu_targets(case: BenchCase = TARGET_CASE, *, reps: int = 5, log=print
     rows += run_bench([TPU_DECODE_CASE], ["kernel"], reps=reps, chip=chip, log=log)
     log(format_table(rows))
     ours, theirs, decode = rows
-    results = []
-    if ours.ok and theirs.ok:
-        ratio = ours.tokens_per_s / theirs.tokens_per_s
-        results.append(
-            TargetResult(
-                names[0],
-                ratio >= 0.9,
-                f"{ratio:.1%} ({ours.tokens_per_s:,.0f} against {theirs.tokens_per_s:,.0f} tok/s)",
-            )
-        )
-    else:
-        results.append(TargetResult(names[0], False, f"{ours.note or theirs.note}"))
-    if decode.ok:
-        fraction = decode.roofline_fraction
-        results.append(
-            TargetResult(
-                names[1],
-                fraction >= 0.7,
-                f"{fraction:.1%} of the roofline ({decode.achieved_bytes_per_s / 1e9:.0f} GB/s "
-                f"of {chip.hbm_bytes_per_s / 1e9:.0f} GB/s on {chip.name})",
-            )
-        )
-    else:
-        results.append(TargetResult(names[1], False, decode.note))
-    return results
+    return [throughput_against(names[0], ours, theirs), share_of_roofline(names[1], decode)]
+
+
+def throughput_against(name: str, ours: BenchRow, theirs: BenchRow) -> TargetResult:
+    """Our kernel's tokens per second at least 90% of JAX's kernel's, on the same batches."""
+    if failed := not_measured(name, ours, theirs):
+        return failed
+    ratio = ours.tokens_per_s / theirs.tokens_per_s
+    detail = f"{ratio:.1%} ({ours.tokens_per_s:,.0f} against {theirs.tokens_per_s:,.0f} tok/s)"
+    return TargetResult(name, ratio >= 0.9, detail)
+
+
+def share_of_roofline(name: str, row: BenchRow) -> TargetResult:
+    """At least 70% of the chip's HBM roofline."""
+    if failed := not_measured(name, row):
+        return failed
+    chip = row.chip
+    detail = (
+        f"{row.roofline_fraction:.1%} of the roofline ({row.achieved_bytes_per_s / 1e9:.0f} "
+        f"GB/s of {chip.hbm_bytes_per_s / 1e9:.0f} GB/s on {chip.name})"
+    )
+    return TargetResult(name, row.roofline_fraction >= 0.7, detail)
 
 
 def main(argv: list[str] | None = None) -> int:

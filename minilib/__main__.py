@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor_parser = commands.add_parser(
         "doctor",
         help="where you are running (cpu or tpu), versions, interpreted or compiled kernel, "
-        "and a one-second parity check",
+        "and a parity check against JAX's reference",
         description="Where you are running and whether the kernel agrees with the reference.",
     )
     doctor_parser.set_defaults(run=run_doctor)

@@ -27,7 +27,8 @@ separate, labelled table). JAX's own kernel only runs on a TPU. On a TPU both ke
 the same batches in the same run.
 
 The memory sweep compiles (without running) the gather-all jnp version and the blockwise one
-for growing max_kv_len and reads XLA's `memory_analysis().temp_size_in_bytes`.
+(and the kernels, on a TPU) for growing max_kv_len and reads XLA's
+`memory_analysis().temp_size_in_bytes`.
 
 Results: a table on stdout, and plots in `--out-dir` (default benchmarks/results/). The speed
 targets, judged PASS/FAIL from these rows, are `benchmarks/check_targets.py`.

@@ -16,7 +16,8 @@ import pytest
 
 from minilib import bench, workloads
 from minilib.__main__ import main
-from minilib.roofline import Chip
+from minilib.roofline import Chip, roofline
+from minilib.timing import Timing
 from minilib.workloads import BenchCase
 
 TINY = BenchCase("mixed", 3, (4, 2, 64), page_size=8, pages_per_seq=4, max_num_batched_tokens=16)
@@ -255,6 +256,30 @@ def test_tpu_targets_are_not_judged_off_a_tpu():
     assert [r.passed for r in results] == [None, None]
     assert all("not measured: needs a TPU (backend here: cpu)" in r.detail for r in results)
     assert "90% of JAX's kernel" in results[0].name and "70% of the HBM" in results[1].name
+
+
+def test_targets_judge_made_up_rows(tiny_rows):
+    targets = load_check_targets()
+    base = tiny_rows[0]
+
+    def row(warm_s, new_s=None, impl="x"):
+        new_s = warm_s if new_s is None else new_s
+        timing = Timing(1.0, 1, 0.5, warm_s, 3, new_s, 0, warm_s)
+        return dataclasses.replace(base, impl=impl, timing=timing, note="")
+
+    assert targets.speedup("t", row(3.0), row(1.0), "warm_s", at_least=3).passed is True
+    assert targets.speedup("t", row(2.9), row(1.0), "warm_s", at_least=3).passed is False
+    missing = targets.speedup("t", tiny_rows[3], row(1.0), "warm_s", at_least=3)
+    assert missing.passed is False and "could not measure (jax-kernel:" in missing.detail
+    assert targets.no_retrace(row(1.0, new_s=3.0)).passed is True
+    assert targets.no_retrace(row(1.0, new_s=3.1)).passed is False
+    assert targets.throughput_against("t", row(1.0), row(0.95)).passed is True
+    assert targets.throughput_against("t", row(1.2), row(1.0)).passed is False
+    floor_s = roofline(base.cost, base.chip).time_s
+    assert targets.share_of_roofline("t", row(floor_s / 0.75)).passed is True
+    assert targets.share_of_roofline("t", row(floor_s / 0.65)).passed is False
+    (reported,) = targets.flop_bound(row(1.0, impl="blockwise"))
+    assert reported.passed is None and "x the bound" in reported.detail
 
 
 def test_check_targets_rejects_a_bad_flag(capsys):
