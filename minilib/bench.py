@@ -272,7 +272,7 @@ def format_row(r: BenchRow) -> str:
     mixed 2 seqs 4/2/64              jax-kernel    needs a TPU
     """
     columns = COLUMNS if r.ok else COLUMNS[:NAME_COLUMNS]
-    return " ".join(f"{cell(r):{spec}}" for _, spec, cell in columns) + f"  {r.note}"
+    return (" ".join(f"{cell(r):{spec}}" for _, spec, cell in columns) + f"  {r.note}").rstrip()
 
 
 def format_table(rows: list[BenchRow]) -> str:

@@ -192,13 +192,14 @@ def test_table_has_a_line_per_row(tiny_rows):
 
 
 def test_table_columns_line_up_with_the_header(tiny_rows):
-    header, rule, jnp_line = bench.format_table(tiny_rows).splitlines()[:3]
+    header, rule, _, line = bench.format_table(tiny_rows).splitlines()[:4]
     assert set(rule) == {"-"} and len(rule) == len(header)
+    assert " blockwise " in line and line.endswith("err vs jnp")
     start = 0
     for name, spec, _ in bench.COLUMNS:
         end = start + int(spec[1:])
-        assert header[start:end].strip() == name and jnp_line[start:end].strip(), name
-        assert header[end] == jnp_line[end] == " ", (name, header, jnp_line)
+        assert header[start:end].strip() == name and line[start:end].strip(), name
+        assert header[end] == line[end] == " ", (name, header, line)
         start = end + 1
 
 
