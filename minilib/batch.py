@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minilib.validation import RPAInputError
+from minilib.errors import RPAInputError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +227,7 @@ def check_seq_lens(seq_lens) -> tuple[tuple[int, int], ...]:
     >>> check_seq_lens([(2.7, 5.9)])
     Traceback (most recent call last):
     ...
-    minilib.validation.RPAInputError: seq_lens[0] = (2.7, 5.9): q_len=2.7 must be a whole number.
+    minilib.errors.RPAInputError: seq_lens[0] = (2.7, 5.9): q_len=2.7 must be a whole number.
     Hint: ...
     """
     hint = "pass a list of (q_len, kv_len) pairs of ints, e.g. [(5, 5), (1, 20)]."

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from minilib.kv_cache import gather_kv
 from minilib.validation import static_options, validate_inputs
 
 # The value a masked score is set to: very negative, but finite, so exp() gives 0, not NaN.
@@ -93,24 +94,6 @@ def ref_ragged_paged_attention(
     # The padding rows past the last sequence are zeros.
     padding = jnp.zeros((q.shape[0] - sum(o.shape[0] for o in outputs), *q.shape[1:]), q.dtype)
     return jnp.concatenate([*outputs, padding])
-
-
-def gather_kv(
-    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
-    pages,  # i32[pages_per_seq], this sequence's row of page_indices
-    kv_len: int,
-) -> tuple[jax.Array, jax.Array]:  # k, v: [kv_len, num_kv_heads, head_dim]
-    """Read one sequence's K and V out of the paged cache, token by token.
-
-    Token t of the sequence lives in page `pages[t // page_size]`, slot `t % page_size`. Only
-    the first `ceil(kv_len / page_size)` pages are read, and the slots past `kv_len` in the last
-    page are cut off: they hold whatever was there before (NaN in our tests).
-    """
-    _, page_size, combined, head_dim = kv_pages.shape
-    num_pages = -(-kv_len // page_size)
-    seq_pages = kv_pages[pages[:num_pages]]  # [num_pages, page_size, 2*num_kv_heads, head_dim]
-    tokens = seq_pages.reshape(num_pages * page_size, combined, head_dim)[:kv_len]
-    return tokens[:, 0::2], tokens[:, 1::2]  # K in even head slots, V in odd ones
 
 
 def dequantize(x: jax.Array, scale: float | None, dtype) -> jax.Array:

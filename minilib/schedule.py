@@ -57,6 +57,7 @@ import dataclasses
 import numpy as np
 
 from minilib import kernel
+from minilib.errors import ScheduleTooBig
 from minilib.validation import dynamic_validate_inputs
 
 KINDS = {kernel.TRACE_START: "start", kernel.TRACE_WAIT: "wait", kernel.TRACE_COMPUTE: "compute"}
@@ -205,10 +206,6 @@ def plan_schedule(
         events.append(("wait", step, heads_blk, seq, kv_blk, i % 2))
         events.append(("compute", step, heads_blk, seq, kv_blk, i % 2))
     return _schedule(q, config, table, events)
-
-
-class ScheduleTooBig(ValueError):
-    """The schedule has more work than the caller asked to handle (`max_computes`)."""
 
 
 def work_list(table: _Table, config: kernel.KernelConfig, num_q_blocks: int):

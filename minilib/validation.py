@@ -8,8 +8,8 @@
 
 Every check that JAX makes raises with JAX's own text, word for word, so a learner can search
 for it. Then comes a `Hint:` line that says how to fix it. Some mistakes JAX lets through, or
-meets with a bare `assert`; these get a message of our own. All of them raise `RPAInputError`,
-a `ValueError` that carries the hint as `.hint`.
+meets with a bare `assert`; these get a message of our own. All of them raise `RPAInputError`
+(`minilib.errors`), a `ValueError` that carries the hint as `.hint`.
 
 Only the live sequences, the first `num_seqs`, are checked: the padding slots past them may
 hold anything.
@@ -28,22 +28,8 @@ import operator
 import jax
 import numpy as np
 
-from minilib.heads import nearest_valid_num_kv_heads, valid_num_kv_heads
-
-
-class RPAInputError(ValueError):
-    """A bad input to ragged paged attention. `str(err)` is the message, then the hint.
-
-    Attributes:
-      message: what is wrong, with the values (JAX's own text where JAX checks it).
-      hint: how to fix it.
-    """
-
-    def __init__(self, message: str, hint: str):
-        self.message = message
-        self.hint = hint
-        super().__init__(f"{message}\nHint: {hint}")
-
+from minilib.errors import RPAInputError
+from minilib.heads import check_head_counts
 
 SHAPES = (
     "q: [max_num_batched_tokens, num_q_heads, head_dim]; "
@@ -51,33 +37,6 @@ SHAPES = (
     "kv_lens: i32[max_num_seqs]; page_indices: i32[max_num_seqs, pages_per_seq]; "
     "cu_q_lens: i32[max_num_seqs + 1]; num_seqs: i32[1]"
 )
-
-
-def check_head_counts(num_q_heads: int, num_kv_heads: int) -> None:
-    """Raise unless every KV head serves the same number of q heads.
-
-    >>> check_head_counts(32, 8)   # GQA, 4 q heads per KV head: fine
-    """
-    if num_kv_heads < 1:
-        raise RPAInputError(
-            f"{num_kv_heads=} must be positive.",
-            "kv_pages needs at least one K and one V head: its head axis is 2*num_kv_heads.",
-        )
-    if num_q_heads % num_kv_heads != 0:
-        valid = valid_num_kv_heads(num_q_heads)
-        nearest = " or ".join(map(str, nearest_valid_num_kv_heads(num_q_heads, num_kv_heads)))
-        raise RPAInputError(
-            f"{num_q_heads=} must be divisible by {num_kv_heads=}",
-            f"each KV head must serve the same number of q heads. "
-            f"Valid num_kv_heads for num_q_heads={num_q_heads}: {valid} "
-            f"(nearest to {num_kv_heads}: {nearest}).\n"
-            f"  - To run shared KV heads as one KV head per q head (MHA), repeat them: "
-            f"jnp.repeat(k, num_q_heads // num_kv_heads, axis=head_axis) "
-            f"(minilib.repeat_kv), starting from a valid num_kv_heads.\n"
-            f"  - Check that q/k/v were not transposed: num_q_heads is q.shape[1] of "
-            f"q[max_num_batched_tokens, num_q_heads, head_dim], and num_kv_heads is "
-            f"kv_pages.shape[2] // 2.",
-        )
 
 
 def check_dtypes(
@@ -130,7 +89,7 @@ def check_options(
     >>> check_options(sm_scale=0.125, mask_value=float("-inf"))
     Traceback (most recent call last):
     ...
-    minilib.validation.RPAInputError: mask_value=-inf must be a finite negative number.
+    minilib.errors.RPAInputError: mask_value=-inf must be a finite negative number.
     Hint: ...
     """
     for name, value in (("sm_scale", sm_scale), ("soft_cap", soft_cap)):
@@ -245,7 +204,7 @@ def validate_inputs(
     >>> validate_inputs(*args)
     Traceback (most recent call last):
     ...
-    minilib.validation.RPAInputError: q_len=3 must be less or equal to kv_len=2 at sequence 0.
+    minilib.errors.RPAInputError: q_len=3 must be less or equal to kv_len=2 at sequence 0.
     Hint: ...
     >>> jax.jit(lambda *a: validate_inputs(*a))(*args)  # traced: static checks only
     """
@@ -284,7 +243,7 @@ def static_validate_inputs(
     ...     jnp.zeros(1, jnp.int32))
     Traceback (most recent call last):
     ...
-    minilib.validation.RPAInputError: num_q_heads=12 must be divisible by num_kv_heads=8
+    minilib.errors.RPAInputError: num_q_heads=12 must be divisible by num_kv_heads=8
     Hint: ...
     """
     _check_ranks(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
@@ -407,7 +366,7 @@ def dynamic_validate_inputs(
     ...     jnp.array([0, 5, 5], jnp.int32), jnp.array([1], jnp.int32))
     Traceback (most recent call last):
     ...
-    minilib.validation.RPAInputError: q_len=5 must be less or equal to kv_len=3 at sequence 0.
+    minilib.errors.RPAInputError: q_len=5 must be less or equal to kv_len=3 at sequence 0.
     Hint: ...
     """
     static_validate_inputs(

@@ -17,7 +17,7 @@ from minilib.exercises.checking import (
     diagnose,
     run_check,
 )
-from minilib.reference import gather_kv
+from minilib.kv_cache import gather_kv
 
 
 def _write_new_tokens(kv_pages, pages, kv_len, new_k, new_v):
@@ -157,7 +157,7 @@ def check_gather_kv(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Che
     The cache comes from `make_batch`: unused slots and pages hold NaN, so reading past
     kv_len shows.
 
-    >>> from minilib.reference import gather_kv
+    >>> from minilib.kv_cache import gather_kv
     >>> check_gather_kv(gather_kv)
     Passed: gather_kv matches the reference on all 5 cases.
     CheckResult('gather_kv', status='passed')
