@@ -26,8 +26,9 @@ from minilib.kv_cache import (
     pages_needed,
     write_tokens,
 )
+from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.pallas_basics import add_vectors, ragged_paged_attention_pallas_basic
-from minilib.reference import DEFAULT_MASK_VALUE, ref_ragged_paged_attention
+from minilib.reference import ref_ragged_paged_attention
 from minilib.schedule import Schedule, plan_schedule, record_schedule
 from minilib.validation import (
     dynamic_validate_inputs,
@@ -37,6 +38,7 @@ from minilib.validation import (
 from minilib.vectorized import ragged_paged_attention_jnp
 
 __all__ = [
+    "AttentionOptions",
     "DEFAULT_MASK_VALUE",
     "KVCacheError",
     "PageAllocator",

@@ -58,6 +58,7 @@ import numpy as np
 
 from minilib import kernel
 from minilib.errors import ScheduleTooBig
+from minilib.options import AttentionOptions
 from minilib.validation import dynamic_validate_inputs
 
 KINDS = {kernel.TRACE_START: "start", kernel.TRACE_WAIT: "wait", kernel.TRACE_COMPUTE: "compute"}
@@ -178,7 +179,12 @@ def plan_schedule(
     ['start', 'wait', 'compute']
     """
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    config = _config(*args, sliding_window, num_kv_pages_per_block, num_queries_per_block)
+    options = AttentionOptions(
+        sliding_window=sliding_window,
+        num_kv_pages_per_block=num_kv_pages_per_block,
+        num_queries_per_block=num_queries_per_block,
+    )
+    config = _config(*args, options)
     table = _Table(kv_lens, page_indices, cu_q_lens, num_seqs)
     num_q_blocks = -(-q.shape[0] // config.num_queries_per_block)
     grid_steps = config.num_heads_blocks * num_q_blocks
@@ -303,7 +309,12 @@ def record_schedule(
     """Run the kernel (TPU interpret mode unless `interpret` says otherwise) and return the
     schedule it recorded. q and kv_pages must be real arrays here."""
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    config = _config(*args, sliding_window, num_kv_pages_per_block, num_queries_per_block)
+    options = AttentionOptions(
+        sliding_window=sliding_window,
+        num_kv_pages_per_block=num_kv_pages_per_block,
+        num_queries_per_block=num_queries_per_block,
+    )
+    config = _config(*args, options)
     table = _Table(kv_lens, page_indices, cu_q_lens, num_seqs)
     _, rows = kernel.record_trace(
         *args, config=config, capacity=_trace_capacity(q, table, config), interpret=interpret
@@ -326,27 +337,12 @@ def _trace_capacity(q, table: _Table, config: kernel.KernelConfig) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _config(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window,
-            num_kv_pages_per_block, num_queries_per_block) -> kernel.KernelConfig:  # fmt: skip
-    dynamic_validate_inputs(
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        sliding_window=sliding_window,
-        num_kv_pages_per_block=num_kv_pages_per_block,
-        num_queries_per_block=num_queries_per_block,
-    )
-    return kernel.kernel_config(
-        q,
-        kv_pages,
-        page_indices,
-        sliding_window=sliding_window,
-        num_kv_pages_per_block=num_kv_pages_per_block,
-        num_queries_per_block=num_queries_per_block,
-    )
+def _config(
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: AttentionOptions
+) -> kernel.KernelConfig:
+    """The kernel's config for this batch, once the batch and the options are validated."""
+    dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options)
+    return kernel.kernel_config(q, kv_pages, page_indices, options)
 
 
 def _schedule(q, config: kernel.KernelConfig, table: _Table, raw_events) -> Schedule:

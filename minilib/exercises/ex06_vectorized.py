@@ -11,7 +11,7 @@ import numpy as np
 
 from minilib.batch import make_batch
 from minilib.exercises.checking import Case, CheckResult, compare_arrays, diagnose, run_check
-from minilib.reference import DEFAULT_MASK_VALUE
+from minilib.options import DEFAULT_MASK_VALUE
 
 SM_SCALE = 0.5
 # Errors JAX raises when Python asks a traced value for a concrete number.
