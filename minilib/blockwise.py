@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.reference import dequantize
-from minilib.validation import validate_inputs
+from minilib.validation import cdiv, validate_inputs
 
 # Default block sizes, chosen by timing minilib.bench's 32-sequence cases (GQA 32/8/128, pages
 # of 16, 1024 q rows; mixed, decode-heavy, prefill-heavy) on a 2-core CPU, among 32, 64, 128
@@ -216,7 +216,7 @@ def attend_sequence(
     options: AttentionOptions,
 ) -> jax.Array:  # out, with this sequence's rows written
     """Cut one sequence's q rows into blocks of num_queries_per_block rows; attend each."""
-    num_q_blocks = -(-(q_end - q_start) // num_queries_per_block)  # 0 for an idle sequence
+    num_q_blocks = cdiv(q_end - q_start, num_queries_per_block)  # 0 for an idle sequence
 
     def one_q_block(i, out):
         block_start = q_start + i * num_queries_per_block
@@ -352,7 +352,7 @@ def kv_blocks_to_visit(
     >>> [int(b) for b in kv_blocks_to_visit(jnp.int32(40), jnp.int32(40), jnp.int32(41), 16, 8)]
     [2, 3]
     """
-    end_block = -(-(jnp.minimum(last_q_pos + 1, kv_len)) // block_len)
+    end_block = cdiv(jnp.minimum(last_q_pos + 1, kv_len), block_len)
     if sliding_window is None:
         return jnp.int32(0), end_block
     first_key = jnp.maximum(first_q_pos - sliding_window + 1, 0)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minilib.errors import KVCacheError
+from minilib.validation import cdiv
 
 
 def pages_needed(seq_len: int, page_size: int) -> int:
@@ -43,7 +44,7 @@ def pages_needed(seq_len: int, page_size: int) -> int:
     """
     _check_int("seq_len", seq_len, minimum=0)
     _check_positive_int("page_size", page_size)
-    return -(-seq_len // page_size)
+    return cdiv(seq_len, page_size)
 
 
 def bucket_size(n: int) -> int:

@@ -58,8 +58,9 @@ import numpy as np
 
 from minilib import kernel
 from minilib.errors import ScheduleTooBig
+from minilib.kv_cache import pages_needed
 from minilib.options import AttentionOptions
-from minilib.validation import dynamic_validate_inputs
+from minilib.validation import cdiv, dynamic_validate_inputs
 
 KINDS = {kernel.TRACE_START: "start", kernel.TRACE_WAIT: "wait", kernel.TRACE_COMPUTE: "compute"}
 
@@ -186,7 +187,7 @@ def plan_schedule(
     )
     config = _config(*args, options)
     table = _Table(kv_lens, page_indices, cu_q_lens, num_seqs)
-    num_q_blocks = -(-q.shape[0] // config.num_queries_per_block)
+    num_q_blocks = cdiv(q.shape[0], config.num_queries_per_block)
     grid_steps = config.num_heads_blocks * num_q_blocks
     if max_grid_steps is not None and grid_steps > max_grid_steps:
         raise ScheduleTooBig(
@@ -239,7 +240,7 @@ def _seq_blocks(table: _Table, config: kernel.KernelConfig, num_q_blocks: int):
     seqs_of_block = [[] for _ in range(num_q_blocks)]
     for seq in range(table.num_seqs):
         start, end = table.q_rows(seq)
-        for q_blk in range(start // bq, min(-(-end // bq), num_q_blocks)):
+        for q_blk in range(start // bq, min(cdiv(end, bq), num_q_blocks)):
             seqs_of_block[q_blk].append(seq)
     return [
         (q_blk, seq, *table.kv_block_range(seq, (q_blk * bq, (q_blk + 1) * bq), config))
@@ -278,11 +279,11 @@ class _Table:
             first_key = max(first_key - config.sliding_window + 1, 0)  # ... or its window
         last_key = kv_len - q_end + last_row  # the last row sees up to its own position
         tokens = config.kv_tokens_per_block
-        num_kv_blocks = -(-config.pages_per_seq // config.num_kv_pages_per_block)
+        num_kv_blocks = cdiv(config.pages_per_seq, config.num_kv_pages_per_block)
         return max(first_key // tokens, 0), min(last_key // tokens + 1, num_kv_blocks)
 
     def pages(self, seq, kv_blk, config) -> tuple[int, ...]:
-        num_pages = -(-int(self.kv_lens[seq]) // config.page_size)
+        num_pages = pages_needed(int(self.kv_lens[seq]), config.page_size)
         first = kv_blk * config.num_kv_pages_per_block
         end = min(first + config.num_kv_pages_per_block, num_pages)
         return tuple(int(p) for p in self.page_indices[seq, first:end])
@@ -326,8 +327,8 @@ def record_schedule(
 def _trace_capacity(q, table: _Table, config: kernel.KernelConfig) -> int:
     """An upper bound on the events: 3 per piece of work, plus the first start. Each (seq, q
     block) pair is at most num_q_blocks + num_seqs, each with at most all of its KV blocks."""
-    num_q_blocks = -(-q.shape[0] // config.num_queries_per_block)
-    kv_blocks = -(-config.pages_per_seq // config.num_kv_pages_per_block)
+    num_q_blocks = cdiv(q.shape[0], config.num_queries_per_block)
+    kv_blocks = cdiv(config.pages_per_seq, config.num_kv_pages_per_block)
     pairs = num_q_blocks + max(table.num_seqs, 1)
     return 3 * config.num_heads_blocks * pairs * kv_blocks + 1
 
@@ -370,7 +371,7 @@ def _schedule(q, config: kernel.KernelConfig, table: _Table, raw_events) -> Sche
             )
         )
     return Schedule(
-        grid=(config.num_heads_blocks, -(-q.shape[0] // bq)),
+        grid=(config.num_heads_blocks, cdiv(q.shape[0], bq)),
         num_queries_per_block=bq,
         num_kv_pages_per_block=config.num_kv_pages_per_block,
         page_size=config.page_size,

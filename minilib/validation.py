@@ -30,6 +30,17 @@ from minilib.errors import RPAInputError
 from minilib.heads import check_head_counts
 from minilib.options import AttentionOptions, attention_options
 
+
+def cdiv(a, b):
+    """ceil(a / b) for whole numbers a >= 0 and b > 0, Python ints or JAX integer arrays: how
+    many blocks of b things hold a things.
+
+    >>> cdiv(17, 16), cdiv(16, 16), cdiv(0, 16)
+    (2, 1, 0)
+    """
+    return -(-a // b)
+
+
 SHAPES = (
     "q: [max_num_batched_tokens, num_q_heads, head_dim]; "
     "kv_pages: [total_num_pages, page_size, 2*num_kv_heads, head_dim]; "
@@ -260,7 +271,7 @@ def dynamic_validate_inputs(
             "np.concatenate([[0], np.cumsum(q_lens)]).",
         )
     max_kv_len = int(live_kv_lens.max()) if n else 0
-    min_pages_per_seq = -(-max_kv_len // page_size)
+    min_pages_per_seq = cdiv(max_kv_len, page_size)
     if pages_per_seq < min_pages_per_seq:
         raise RPAInputError(
             f"{pages_per_seq=} must be greater or equal to"
@@ -286,7 +297,7 @@ def dynamic_validate_inputs(
                 "write the new K/V into the cache before attention; q_len <= kv_len always.",
             )
     for i in range(n):
-        used = page_indices[i, : -(-int(live_kv_lens[i]) // page_size)]
+        used = page_indices[i, : cdiv(int(live_kv_lens[i]), page_size)]
         bad = (used < 0) | (used >= total_num_pages)
         if bad.any():
             j = int(np.argmax(bad))

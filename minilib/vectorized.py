@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.reference import dequantize
-from minilib.validation import validate_inputs
+from minilib.validation import cdiv, validate_inputs
 
 TILE = 16  # q rows per tile: bigger tiles waste more rows on decodes, smaller ones re-read K/V
 
@@ -156,7 +156,7 @@ def q_tiles(
     """
     max_num_seqs = q_lens.shape[0]
     num_tiles = max_num_batched_tokens // TILE + max_num_seqs
-    tiles_per_seq = -(-q_lens // TILE)
+    tiles_per_seq = cdiv(q_lens, TILE)
     first_tile = jnp.cumsum(tiles_per_seq) - tiles_per_seq  # exclusive prefix sum
     tile = jnp.arange(num_tiles)
     # The sequence owning tile j: the last one whose first tile is <= j (searchsorted).
