@@ -5,8 +5,10 @@ Each notebook builds one idea; from then on the course imports the tested versio
 
 from minilib.batch import RaggedBatch, make_batch, random_seq_lens, seq_kind
 from minilib.blockwise import ragged_paged_attention_blockwise
+from minilib.errors import KVCacheError, RPAInputError
 from minilib.heads import (
     attention_kind,
+    check_head_counts,
     combined_head_slots,
     head_groups,
     kv_head_for_q_head,
@@ -18,19 +20,17 @@ from minilib.heads import (
 )
 from minilib.kernel import default_block_sizes, ragged_paged_attention
 from minilib.kv_cache import (
-    KVCacheError,
     PageAllocator,
     PagedKVCache,
     bucket_size,
     pages_needed,
     write_tokens,
 )
+from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.pallas_basics import add_vectors, ragged_paged_attention_pallas_basic
-from minilib.reference import DEFAULT_MASK_VALUE, ref_ragged_paged_attention
+from minilib.reference import ref_ragged_paged_attention
 from minilib.schedule import Schedule, plan_schedule, record_schedule
 from minilib.validation import (
-    RPAInputError,
-    check_head_counts,
     dynamic_validate_inputs,
     static_validate_inputs,
     validate_inputs,
@@ -38,6 +38,7 @@ from minilib.validation import (
 from minilib.vectorized import ragged_paged_attention_jnp
 
 __all__ = [
+    "AttentionOptions",
     "DEFAULT_MASK_VALUE",
     "KVCacheError",
     "PageAllocator",

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minilib.validation import RPAInputError
+from minilib.errors import RPAInputError
+from minilib.kv_cache import pages_needed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +73,7 @@ class RaggedBatch:
         cu = np.asarray(self.cu_q_lens)
         table = np.asarray(self.page_indices)
         for i, ((q_len, kv_len), kind) in enumerate(zip(self.seq_lens, kinds, strict=True)):
-            pages = table[i, : -(-kv_len // page_size)].tolist()
+            pages = table[i, : pages_needed(kv_len, page_size)].tolist()
             rows = f"[{cu[i]}, {cu[i + 1]})"
             lines.append(f"  {i:3d}  {q_len:5d}  {kv_len:6d}  {kind:7s}  {rows:12s}  {pages}")
         lines += [
@@ -143,14 +144,14 @@ def make_batch(
     _count("seed", seed, minimum=0)
     for name, value in (("dtype", dtype), ("kv_dtype", kv_dtype)):
         _check_float_dtype(name, value)
-    pages_needed = [-(-kv // page_size) for _, kv in seq_lens]
+    seq_pages = [pages_needed(kv, page_size) for _, kv in seq_lens]  # pages of each sequence
     num_tokens = sum(q for q, _ in seq_lens)
     max_num_batched_tokens = _size(
         "max_num_batched_tokens", max_num_batched_tokens, max(num_tokens, 1)
     )
     max_num_seqs = _size("max_num_seqs", max_num_seqs, max(len(seq_lens), 1))
-    pages_per_seq = _size("pages_per_seq", pages_per_seq, max(pages_needed, default=0) or 1)
-    total_num_pages = _size("total_num_pages", total_num_pages, sum(pages_needed) + 3)
+    pages_per_seq = _size("pages_per_seq", pages_per_seq, max(seq_pages, default=0) or 1)
+    total_num_pages = _size("total_num_pages", total_num_pages, sum(seq_pages) + 3)
 
     rng = np.random.default_rng(seed)
     kv_dtype = dtype if kv_dtype is None else kv_dtype
@@ -162,11 +163,11 @@ def make_batch(
     # Page table: hand out pool pages (shuffled, as after many allocs and frees). The unused
     # columns of a live sequence point at unused pages, which hold NaN.
     pool = rng.permutation(total_num_pages) if shuffle_pages else np.arange(total_num_pages)
-    used, spare = pool[: sum(pages_needed)], pool[sum(pages_needed) :]
+    used, spare = pool[: sum(seq_pages)], pool[sum(seq_pages) :]
     page_indices = np.empty((max_num_seqs, pages_per_seq), np.int32)
     kv = np.full((total_num_pages, page_size, 2 * num_kv_heads, head_dim), np.nan, np.float32)
     start = 0
-    for i, (need, (_, kv_len)) in enumerate(zip(pages_needed, seq_lens, strict=True)):
+    for i, (need, (_, kv_len)) in enumerate(zip(seq_pages, seq_lens, strict=True)):
         mine = used[start : start + need]
         start += need
         filler = spare if len(spare) else mine
@@ -227,7 +228,7 @@ def check_seq_lens(seq_lens) -> tuple[tuple[int, int], ...]:
     >>> check_seq_lens([(2.7, 5.9)])
     Traceback (most recent call last):
     ...
-    minilib.validation.RPAInputError: seq_lens[0] = (2.7, 5.9): q_len=2.7 must be a whole number.
+    minilib.errors.RPAInputError: seq_lens[0] = (2.7, 5.9): q_len=2.7 must be a whole number.
     Hint: ...
     """
     hint = "pass a list of (q_len, kv_len) pairs of ints, e.g. [(5, 5), (1, 20)]."

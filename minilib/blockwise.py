@@ -37,14 +37,16 @@ at most SHORT_Q_BLOCK q rows take blocks of that size, and longer ones num_queri
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from minilib.reference import DEFAULT_MASK_VALUE, dequantize
-from minilib.validation import static_options, validate_inputs
+from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
+from minilib.reference import dequantize
+from minilib.validation import cdiv, validate_inputs
 
 # Default block sizes, chosen by timing minilib.bench's 32-sequence cases (GQA 32/8/128, pages
 # of 16, 1024 q rows; mixed, decode-heavy, prefill-heavy) on a 2-core CPU, among 32, 64, 128
@@ -107,14 +109,7 @@ def ragged_paged_attention_blockwise(
     >>> out.shape
     (4, 4, 64)
     """
-    validate_inputs(
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        validate=validate,
+    options = AttentionOptions(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -124,44 +119,27 @@ def ragged_paged_attention_blockwise(
         num_kv_pages_per_block=num_kv_pages_per_block,
         num_queries_per_block=num_queries_per_block,
     )
+    args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    validate_inputs(*args, options, validate=validate)
     max_num_batched_tokens = q.shape[0]
     pages_per_seq = page_indices.shape[1]
-    if num_kv_pages_per_block is None:
-        num_kv_pages_per_block = min(DEFAULT_NUM_KV_PAGES_PER_BLOCK, pages_per_seq)
-    if num_queries_per_block is None:
-        num_queries_per_block = DEFAULT_NUM_QUERIES_PER_BLOCK
-    # A q block is a window of q's rows, so it can't be longer than q.
-    num_queries_per_block = min(num_queries_per_block, max_num_batched_tokens)
-    options = static_options(
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        num_kv_pages_per_block=num_kv_pages_per_block,
-        num_queries_per_block=num_queries_per_block,
+    # The default block sizes. A q block is a window of q's rows, so it can't be longer than q.
+    num_kv_pages = options.num_kv_pages_per_block or min(
+        DEFAULT_NUM_KV_PAGES_PER_BLOCK, pages_per_seq
     )
-    return _rpa_blockwise(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
+    num_queries = options.num_queries_per_block or DEFAULT_NUM_QUERIES_PER_BLOCK
+    options = dataclasses.replace(
+        options,
+        num_kv_pages_per_block=num_kv_pages,
+        num_queries_per_block=min(num_queries, max_num_batched_tokens),
+    )
+    return _rpa_blockwise(*args, options)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "sm_scale",
-        "sliding_window",
-        "soft_cap",
-        "mask_value",
-        "k_scale",
-        "v_scale",
-        "num_kv_pages_per_block",
-        "num_queries_per_block",
-    ),
-)
+@functools.partial(jax.jit, static_argnames="options")
 def _rpa_blockwise(
-    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, num_queries_per_block,
-    **options
-):  # fmt: skip
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: AttentionOptions
+):
     """The outer loop, over the live sequences; each writes its own q rows of `out`.
 
     The loop bound num_seqs[0] is a traced value, so this is a `while` loop in the compiled
@@ -171,6 +149,7 @@ def _rpa_blockwise(
     shapes allow (`clamp_lengths`): a garbage num_seqs or kv_len costs at most the work of a
     full batch, and never hangs.
     """
+    num_queries_per_block = options.num_queries_per_block
     short_block = min(SHORT_Q_BLOCK, num_queries_per_block)
     max_num_seqs, pages_per_seq = page_indices.shape
     num_seqs, kv_lens, q_starts, q_ends = clamp_lengths(
@@ -183,7 +162,7 @@ def _rpa_blockwise(
 
         def in_blocks_of(rows):
             return lambda out: attend_sequence(
-                out, *seq_args, num_queries_per_block=rows, **options
+                out, *seq_args, num_queries_per_block=rows, options=options
             )
 
         if short_block == num_queries_per_block:
@@ -234,16 +213,16 @@ def attend_sequence(
     q_end: jax.Array,  # i32[], cu_q_lens[seq + 1]
     *,
     num_queries_per_block: int,
-    **options,
+    options: AttentionOptions,
 ) -> jax.Array:  # out, with this sequence's rows written
     """Cut one sequence's q rows into blocks of num_queries_per_block rows; attend each."""
-    num_q_blocks = -(-(q_end - q_start) // num_queries_per_block)  # 0 for an idle sequence
+    num_q_blocks = cdiv(q_end - q_start, num_queries_per_block)  # 0 for an idle sequence
 
     def one_q_block(i, out):
         block_start = q_start + i * num_queries_per_block
         return attend_q_block(
             out, q, kv_pages, page_row, kv_len, q_end, block_start,
-            num_queries_per_block=num_queries_per_block, **options,
+            num_queries_per_block=num_queries_per_block, options=options,
         )  # fmt: skip
 
     return jax.lax.fori_loop(0, num_q_blocks, one_q_block, out)
@@ -258,16 +237,11 @@ def attend_q_block(
     q_end: jax.Array,  # i32[], one past the sequence's last q row
     block_start: jax.Array,  # i32[], the block's first q row
     *,
-    num_queries_per_block: int,
-    num_kv_pages_per_block: int,
-    sm_scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-    mask_value: float,
-    k_scale: float | None,
-    v_scale: float | None,
+    num_queries_per_block: int,  # this block's size (short sequences take short blocks)
+    options: AttentionOptions,  # with its num_kv_pages_per_block filled in
 ) -> jax.Array:  # out, with this block's live rows written
     """Attend one q block over the KV blocks it can see, then write its live rows to `out`."""
+    num_kv_pages_per_block, sliding_window = options.num_kv_pages_per_block, options.sliding_window
     num_kv_heads = kv_pages.shape[2] // 2
     rows, live = q_block_window(block_start, q_end, num_queries_per_block, q.shape[0])
     q_block = jax.lax.dynamic_slice_in_dim(q, rows[0], num_queries_per_block)
@@ -290,12 +264,13 @@ def attend_q_block(
         k, v = gather_kv_block(kv_pages, page_row, kv_len, j, num_kv_pages_per_block)
         # Dequantize to q's dtype, as the reference does, then compute in float32 (exact for
         # bf16 values, and far faster than bf16 matmuls on CPU).
-        k = dequantize(k, k_scale, q.dtype).astype(jnp.float32)
-        v = dequantize(v, v_scale, q.dtype).astype(jnp.float32)
+        k = dequantize(k, options.k_scale, q.dtype).astype(jnp.float32)
+        v = dequantize(v, options.v_scale, q.dtype).astype(jnp.float32)
         k_pos = j * block_len + jnp.arange(block_len)  # each key's position in the sequence
         scores = block_scores(
-            q_folded, k, q_pos, k_pos, kv_len, sm_scale=sm_scale,
-            sliding_window=sliding_window, soft_cap=soft_cap, mask_value=mask_value,
+            q_folded, k, q_pos, k_pos, kv_len, sm_scale=options.sm_scale,
+            sliding_window=sliding_window, soft_cap=options.soft_cap,
+            mask_value=options.mask_value,
         )  # fmt: skip
         return online_softmax_update(state, scores, v)
 
@@ -377,7 +352,7 @@ def kv_blocks_to_visit(
     >>> [int(b) for b in kv_blocks_to_visit(jnp.int32(40), jnp.int32(40), jnp.int32(41), 16, 8)]
     [2, 3]
     """
-    end_block = -(-(jnp.minimum(last_q_pos + 1, kv_len)) // block_len)
+    end_block = cdiv(jnp.minimum(last_q_pos + 1, kv_len), block_len)
     if sliding_window is None:
         return jnp.int32(0), end_block
     first_key = jnp.maximum(first_q_pos - sliding_window + 1, 0)

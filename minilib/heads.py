@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from minilib.errors import RPAInputError
+
 
 def valid_num_kv_heads(num_q_heads: int) -> list[int]:
     """Every `num_kv_heads` that works with `num_q_heads`: the divisors of `num_q_heads`.
@@ -41,13 +43,40 @@ def nearest_valid_num_kv_heads(num_q_heads: int, num_kv_heads: int) -> list[int]
     return [n for n in valid if abs(n - num_kv_heads) == best]
 
 
+def check_head_counts(num_q_heads: int, num_kv_heads: int) -> None:
+    """Raise unless every KV head serves the same number of q heads.
+
+    >>> check_head_counts(32, 8)   # GQA, 4 q heads per KV head: fine
+    """
+    if num_kv_heads < 1:
+        raise RPAInputError(
+            f"{num_kv_heads=} must be positive.",
+            "kv_pages needs at least one K and one V head: its head axis is 2*num_kv_heads.",
+        )
+    if num_q_heads % num_kv_heads != 0:
+        valid = valid_num_kv_heads(num_q_heads)
+        nearest = " or ".join(map(str, nearest_valid_num_kv_heads(num_q_heads, num_kv_heads)))
+        raise RPAInputError(
+            f"{num_q_heads=} must be divisible by {num_kv_heads=}",
+            f"each KV head must serve the same number of q heads. "
+            f"Valid num_kv_heads for num_q_heads={num_q_heads}: {valid} "
+            f"(nearest to {num_kv_heads}: {nearest}).\n"
+            f"  - To run shared KV heads as one KV head per q head (MHA), repeat them: "
+            f"jnp.repeat(k, num_q_heads // num_kv_heads, axis=head_axis) "
+            f"(minilib.repeat_kv), starting from a valid num_kv_heads.\n"
+            f"  - Check that q/k/v were not transposed: num_q_heads is q.shape[1] of "
+            f"q[max_num_batched_tokens, num_q_heads, head_dim], and num_kv_heads is "
+            f"kv_pages.shape[2] // 2.",
+        )
+
+
 def attention_kind(num_q_heads: int, num_kv_heads: int) -> str:
     """'MHA', 'GQA' or 'MQA' for a valid head configuration.
 
     >>> attention_kind(32, 8)
     'GQA'
     """
-    _check_divisible(num_q_heads, num_kv_heads)
+    check_head_counts(num_q_heads, num_kv_heads)
     if num_kv_heads == num_q_heads:
         return "MHA"
     if num_kv_heads == 1:
@@ -61,7 +90,7 @@ def kv_head_for_q_head(q_head: int, num_q_heads: int, num_kv_heads: int) -> int:
     >>> kv_head_for_q_head(5, num_q_heads=8, num_kv_heads=2)
     1
     """
-    _check_divisible(num_q_heads, num_kv_heads)
+    check_head_counts(num_q_heads, num_kv_heads)
     if not 0 <= q_head < num_q_heads:
         raise ValueError(f"{q_head=} must be in [0, {num_q_heads}) for {num_q_heads=}.")
     return q_head // (num_q_heads // num_kv_heads)
@@ -73,7 +102,7 @@ def head_groups(num_q_heads: int, num_kv_heads: int) -> list[list[int]]:
     >>> head_groups(8, 2)
     [[0, 1, 2, 3], [4, 5, 6, 7]]
     """
-    _check_divisible(num_q_heads, num_kv_heads)
+    check_head_counts(num_q_heads, num_kv_heads)
     group = num_q_heads // num_kv_heads
     return [list(range(h * group, (h + 1) * group)) for h in range(num_kv_heads)]
 
@@ -97,7 +126,7 @@ def repeat_kv(x: jax.Array, num_q_heads: int, *, axis: int = -2) -> jax.Array:
     (5, 8, 64)
     """
     num_kv_heads = x.shape[axis]
-    _check_divisible(num_q_heads, num_kv_heads)
+    check_head_counts(num_q_heads, num_kv_heads)
     return jnp.repeat(x, num_q_heads // num_kv_heads, axis=axis)
 
 
@@ -134,10 +163,3 @@ def merge_kv_pages(k_pages: jax.Array, v_pages: jax.Array) -> jax.Array:
     total, page_size, num_kv_heads, head_dim = k_pages.shape
     both = jnp.stack([k_pages, v_pages], axis=3)
     return both.reshape(total, page_size, 2 * num_kv_heads, head_dim)
-
-
-def _check_divisible(num_q_heads: int, num_kv_heads: int) -> None:
-    # The same check and message as the validators, for helpers that take head counts.
-    from minilib.validation import check_head_counts
-
-    check_head_counts(num_q_heads, num_kv_heads)

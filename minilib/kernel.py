@@ -84,8 +84,9 @@ from minilib.block_sizes import (  # noqa: F401  (re-exported: the policy's old 
     num_kv_heads_per_block,
     packing,
 )
-from minilib.reference import DEFAULT_MASK_VALUE, dequantize
-from minilib.validation import static_options, validate_inputs
+from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions, attention_options
+from minilib.reference import dequantize
+from minilib.validation import validate_inputs
 
 # The m and l scratch rows are 128 lanes wide, one vector register row: TPU vector memory is
 # laid out in (8, 128) tiles, so a [rows, 1] array would take the same space anyway.
@@ -137,14 +138,7 @@ def ragged_paged_attention(
     >>> ragged_paged_attention(*batch.args(), sm_scale=0.125).shape
     (4, 4, 64)
     """
-    validate_inputs(
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        validate=validate,
+    options = AttentionOptions(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -155,28 +149,11 @@ def ragged_paged_attention(
         num_queries_per_block=num_queries_per_block,
         vmem_limit_bytes=vmem_limit_bytes,
     )
-    options = static_options(
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        num_kv_pages_per_block=num_kv_pages_per_block,
-        num_queries_per_block=num_queries_per_block,
-    )
-    config = kernel_config(q, kv_pages, page_indices, **options)
+    args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    validate_inputs(*args, options, validate=validate)
+    config = kernel_config(q, kv_pages, page_indices, options)
     out, _ = _rpa_jit(
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        config=config,
-        vmem_limit_bytes=vmem_limit_bytes,
-        interpret=resolve_interpret(interpret),
-        trace_capacity=0,
+        *args, config=config, interpret=resolve_interpret(interpret), trace_capacity=0
     )
     return out
 
@@ -199,9 +176,10 @@ def resolve_interpret(interpret):
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-    """The static shape of the computation: block sizes and attention options."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelConfig(AttentionOptions):
+    """The static shape of the computation: the attention options, with the block sizes
+    filled in, and the shapes and head blocks they were chosen for."""
 
     num_queries_per_block: int  # q rows per grid step
     num_kv_pages_per_block: int  # pages per KV block (one DMA batch, one softmax update)
@@ -213,12 +191,6 @@ class KernelConfig:
     num_kv_heads_per_block: int
     num_q_heads_per_kv_head: int  # the GQA group size
     head_dim: int
-    sm_scale: float
-    sliding_window: int | None
-    soft_cap: float | None
-    mask_value: float
-    k_scale: float | None
-    v_scale: float | None
     # Read each KV head with one strided load through a flat view of the slot (see
     # `load_kv_head`); set by `rpa_pallas_call` where refs can be viewed (not in TPU interpret).
     strided_kv_loads: bool = False
@@ -241,17 +213,14 @@ def kernel_config(
     q,  # [max_num_batched_tokens, num_q_heads, head_dim]; only shape and dtype are used
     kv_pages,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]; shape and dtype
     page_indices,  # i32[max_num_seqs, pages_per_seq]; shape
-    *,
-    sm_scale: float = 1.0,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float = DEFAULT_MASK_VALUE,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    num_kv_pages_per_block: int | None = None,
-    num_queries_per_block: int | None = None,
+    options: AttentionOptions | None = None,
+    **option_values,
 ) -> KernelConfig:
-    """Choose the heads blocks and fill in default block sizes. Inputs must be validated."""
+    """Choose the heads blocks and fill in default block sizes. Inputs must be validated.
+
+    The options come as one `AttentionOptions`, or as keywords (`num_queries_per_block=8`).
+    """
+    options = attention_options(options, **option_values)
     max_num_batched_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_combined_kv_heads, _ = kv_pages.shape
     num_kv_heads = num_combined_kv_heads // 2
@@ -264,9 +233,13 @@ def kernel_config(
         bytes_per_page=page_size * 2 * kv_heads_per_block * head_dim * kv_pages.dtype.itemsize,
         head_dim=head_dim,
     )
+    options = dataclasses.replace(
+        options,
+        num_queries_per_block=options.num_queries_per_block or default_queries,
+        num_kv_pages_per_block=options.num_kv_pages_per_block or default_pages,
+    )
     return KernelConfig(
-        num_queries_per_block=num_queries_per_block or default_queries,
-        num_kv_pages_per_block=num_kv_pages_per_block or default_pages,
+        **dataclasses.asdict(options),
         page_size=page_size,
         pages_per_seq=pages_per_seq,
         max_num_seqs=max_num_seqs,
@@ -275,12 +248,6 @@ def kernel_config(
         num_kv_heads_per_block=kv_heads_per_block,
         num_q_heads_per_kv_head=num_q_heads // num_kv_heads,
         head_dim=head_dim,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        mask_value=mask_value,
-        k_scale=k_scale,
-        v_scale=v_scale,
     )
 
 
@@ -289,20 +256,12 @@ def kernel_config(
 # ---------------------------------------------------------------------------------------------
 
 
-@functools.partial(
-    jax.jit, static_argnames=("config", "vmem_limit_bytes", "interpret", "trace_capacity")
-)
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "trace_capacity"))
 def _rpa_jit(
-    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, config, vmem_limit_bytes,
-    interpret, trace_capacity
-):  # fmt: skip
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, config, interpret, trace_capacity
+):
     call = rpa_pallas_call(
-        q,
-        kv_pages,
-        config=config,
-        vmem_limit_bytes=vmem_limit_bytes,
-        interpret=interpret,
-        trace_capacity=trace_capacity,
+        q, kv_pages, config=config, interpret=interpret, trace_capacity=trace_capacity
     )
     outs = call(kv_lens, page_indices, cu_q_lens, num_seqs, q, kv_pages)
     return (outs[0], outs[1]) if trace_capacity else (outs[0], None)
@@ -313,7 +272,6 @@ def rpa_pallas_call(
     kv_pages,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]; shape and dtype
     *,
     config: KernelConfig,
-    vmem_limit_bytes: int | None = None,
     interpret=False,
     trace_capacity: int = 0,
     copier_class: type[KVBlockCopier] | None = None,
@@ -378,7 +336,7 @@ def rpa_pallas_call(
             # "arbitrary": the grid runs in order on one core, because each step starts the
             # copy that the next step waits for.
             dimension_semantics=("arbitrary", "arbitrary"),
-            vmem_limit_bytes=vmem_limit_bytes,
+            vmem_limit_bytes=c.vmem_limit_bytes,
         ),
         out_shape=out_shape,
         interpret=interpret,
@@ -1015,7 +973,6 @@ def record_trace(
         cu_q_lens,
         num_seqs,
         config=config,
-        vmem_limit_bytes=None,
         interpret=interpret,
         trace_capacity=capacity,
     )

@@ -16,9 +16,12 @@ Two classes, one idea each:
   and writes the new tokens with one jitted scatter; `batch_metadata` turns the page lists into
   the `kv_lens`, `page_indices`, `cu_q_lens` and `num_seqs` that ragged paged attention reads.
 
+And two functions on the pages themselves: `write_tokens` scatters new tokens in, and
+`gather_kv` reads one sequence's K and V back out, in token order.
+
 Every mistake (out of pages, a double free, an unknown sequence, a wrong shape) raises
-`KVCacheError`, an `RPAInputError` with the values and a hint, *before* anything changes: a
-failed call leaves the cache as it was.
+`KVCacheError` (`minilib.errors`), a `ValueError` with the values and a hint, *before* anything
+changes: a failed call leaves the cache as it was.
 """
 
 from __future__ import annotations
@@ -29,12 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minilib.reference import gather_kv
-from minilib.validation import RPAInputError
-
-
-class KVCacheError(RPAInputError):
-    """A bad use of `PageAllocator` or `PagedKVCache`. The state was left unchanged."""
+from minilib.errors import KVCacheError
+from minilib.validation import cdiv
 
 
 def pages_needed(seq_len: int, page_size: int) -> int:
@@ -45,7 +44,7 @@ def pages_needed(seq_len: int, page_size: int) -> int:
     """
     _check_int("seq_len", seq_len, minimum=0)
     _check_positive_int("page_size", page_size)
-    return -(-seq_len // page_size)
+    return cdiv(seq_len, page_size)
 
 
 def bucket_size(n: int) -> int:
@@ -194,6 +193,29 @@ def write_tokens(
     # Interleave K and V heads into the combined layout K0 V0 K1 V1 ... (as merge_kv_pages).
     kv = jnp.stack([k, v], axis=2).reshape(n, 2 * num_kv_heads, head_dim)
     return kv_pages.at[page_ids, slot_ids].set(kv.astype(kv_pages.dtype), mode="drop")
+
+
+def gather_kv(
+    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+    pages,  # i32[pages_per_seq], this sequence's row of page_indices
+    kv_len: int,
+) -> tuple[jax.Array, jax.Array]:  # k, v: [kv_len, num_kv_heads, head_dim]
+    """Read one sequence's K and V out of the paged cache, token by token.
+
+    Token t of the sequence lives in page `pages[t // page_size]`, slot `t % page_size`. Only
+    the first `ceil(kv_len / page_size)` pages are read, and the slots past `kv_len` in the last
+    page are cut off: they hold whatever was there before (NaN in our tests).
+
+    >>> kv_pages = jnp.arange(4 * 2 * 2.0).reshape(4, 2, 2, 1)  # K and V of 1 KV head
+    >>> k, v = gather_kv(kv_pages, jnp.array([3, 1]), kv_len=3)  # pages 3, then 1
+    >>> k.ravel().tolist(), v.ravel().tolist()
+    ([12.0, 14.0, 4.0], [13.0, 15.0, 5.0])
+    """
+    _, page_size, combined, head_dim = kv_pages.shape
+    num_pages = pages_needed(kv_len, page_size)
+    seq_pages = kv_pages[pages[:num_pages]]  # [num_pages, page_size, 2*num_kv_heads, head_dim]
+    tokens = seq_pages.reshape(num_pages * page_size, combined, head_dim)[:kv_len]
+    return tokens[:, 0::2], tokens[:, 1::2]  # K in even head slots, V in odd ones
 
 
 class PagedKVCache:

@@ -34,8 +34,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from minilib.blockwise import clamp_lengths
-from minilib.reference import DEFAULT_MASK_VALUE, dequantize
-from minilib.validation import static_options, validate_inputs
+from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
+from minilib.reference import dequantize
+from minilib.validation import validate_inputs
 from minilib.vectorized import gather_all_kv
 
 DEFAULT_NUM_QUERIES_PER_BLOCK = 8
@@ -78,7 +79,7 @@ def add_vectors(
     if n % block_size != 0:
         raise ValueError(
             f"n={n} must be a multiple of {block_size=}.\n"
-            f"Hint: pad the vectors to {-(-n // block_size) * block_size} elements, or pick "
+            f"Hint: pad the vectors to {pl.cdiv(n, block_size) * block_size} elements, or pick "
             f"a block_size that divides {n}."
         )
     block = pl.BlockSpec((block_size,), lambda i: (i,))  # program i sees block i
@@ -137,14 +138,7 @@ def ragged_paged_attention_pallas_basic(
     >>> ragged_paged_attention_pallas_basic(*batch.args()).shape
     (4, 4, 64)
     """
-    validate_inputs(
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        validate=validate,
+    options = AttentionOptions(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -153,37 +147,15 @@ def ragged_paged_attention_pallas_basic(
         v_scale=v_scale,
         num_queries_per_block=num_queries_per_block,
     )
-    options = static_options(
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        num_queries_per_block=num_queries_per_block,
-    )
-    return _rpa_pallas_basic(
-        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, interpret=interpret, **options
-    )
+    args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    validate_inputs(*args, options, validate=validate)
+    return _rpa_pallas_basic(*args, options, interpret=interpret)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "sm_scale",
-        "sliding_window",
-        "soft_cap",
-        "mask_value",
-        "k_scale",
-        "v_scale",
-        "num_queries_per_block",
-        "interpret",
-    ),
-)
+@functools.partial(jax.jit, static_argnames=("options", "interpret"))
 def _rpa_pallas_basic(
-    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
-    soft_cap, mask_value, k_scale, v_scale, num_queries_per_block, interpret
-):  # fmt: skip
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: AttentionOptions, *, interpret
+):
     """jnp rearranges the batch into dense blocks, the kernel attends, jnp packs the rows back."""
     max_num_seqs, pages_per_seq = page_indices.shape
     # Unchecked values (under jit) are clamped into the ranges the shapes allow ...
@@ -198,11 +170,12 @@ def _rpa_pallas_basic(
 
     # A sequence has at most min(max_num_batched_tokens, max kv_len) q rows (q_len <= kv_len),
     # rounded up to whole q blocks.
+    num_queries_per_block = options.num_queries_per_block or DEFAULT_NUM_QUERIES_PER_BLOCK
     max_q_len = min(q.shape[0], pages_per_seq * kv_pages.shape[1])
-    max_q_len = -(-max_q_len // num_queries_per_block) * num_queries_per_block
+    max_q_len = pl.cdiv(max_q_len, num_queries_per_block) * num_queries_per_block
     q_seq = q_by_sequence(q, q_starts, q_lens, max_q_len)
     k, v = gather_all_kv(kv_pages, page_indices, kv_lens)
-    k, v = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype)
+    k, v = dequantize(k, options.k_scale, q.dtype), dequantize(v, options.v_scale, q.dtype)
 
     out_seq = attention_pallas_call(
         q_seq,
@@ -210,10 +183,10 @@ def _rpa_pallas_basic(
         v,
         q_lens,
         kv_lens,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        mask_value=mask_value,
+        sm_scale=options.sm_scale,
+        sliding_window=options.sliding_window,
+        soft_cap=options.soft_cap,
+        mask_value=options.mask_value,
         num_queries_per_block=num_queries_per_block,
         interpret=interpret,
     )

@@ -22,10 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minilib.validation import static_options, validate_inputs
-
-# The value a masked score is set to: very negative, but finite, so exp() gives 0, not NaN.
-DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+from minilib.kv_cache import gather_kv
+from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
+from minilib.validation import validate_inputs
 
 
 def ref_ragged_paged_attention(
@@ -58,14 +57,7 @@ def ref_ragged_paged_attention(
     >>> ref_ragged_paged_attention(*batch.args(), sm_scale=0.125).shape
     (4, 4, 64)
     """
-    validate_inputs(
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        validate=validate,
+    options = AttentionOptions(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -73,11 +65,9 @@ def ref_ragged_paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    options = static_options(
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, mask_value=mask_value
+    validate_inputs(
+        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options, validate=validate
     )
-    if options["mask_value"] is None:
-        options["mask_value"] = DEFAULT_MASK_VALUE
     # The lengths steer a Python loop, so read their values once, on the host.
     kv_lens, page_indices, cu_q_lens = (np.asarray(a) for a in (kv_lens, page_indices, cu_q_lens))
     outputs = []
@@ -87,30 +77,22 @@ def ref_ragged_paged_attention(
         seq_q = q[q_start:q_end]  # [q_len, num_q_heads, head_dim]
         # 2-3. Its keys and values, in token order.
         k, v = gather_kv(kv_pages, page_indices[i], int(kv_lens[i]))
-        k, v = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype)
+        k, v = dequantize(k, options.k_scale, q.dtype), dequantize(v, options.v_scale, q.dtype)
         # 4-7.
-        outputs.append(attend(seq_q, k, v, **options))
+        outputs.append(
+            attend(
+                seq_q,
+                k,
+                v,
+                sm_scale=options.sm_scale,
+                sliding_window=options.sliding_window,
+                soft_cap=options.soft_cap,
+                mask_value=options.mask_value,
+            )
+        )
     # The padding rows past the last sequence are zeros.
     padding = jnp.zeros((q.shape[0] - sum(o.shape[0] for o in outputs), *q.shape[1:]), q.dtype)
     return jnp.concatenate([*outputs, padding])
-
-
-def gather_kv(
-    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
-    pages,  # i32[pages_per_seq], this sequence's row of page_indices
-    kv_len: int,
-) -> tuple[jax.Array, jax.Array]:  # k, v: [kv_len, num_kv_heads, head_dim]
-    """Read one sequence's K and V out of the paged cache, token by token.
-
-    Token t of the sequence lives in page `pages[t // page_size]`, slot `t % page_size`. Only
-    the first `ceil(kv_len / page_size)` pages are read, and the slots past `kv_len` in the last
-    page are cut off: they hold whatever was there before (NaN in our tests).
-    """
-    _, page_size, combined, head_dim = kv_pages.shape
-    num_pages = -(-kv_len // page_size)
-    seq_pages = kv_pages[pages[:num_pages]]  # [num_pages, page_size, 2*num_kv_heads, head_dim]
-    tokens = seq_pages.reshape(num_pages * page_size, combined, head_dim)[:kv_len]
-    return tokens[:, 0::2], tokens[:, 1::2]  # K in even head slots, V in odd ones
 
 
 def dequantize(x: jax.Array, scale: float | None, dtype) -> jax.Array:

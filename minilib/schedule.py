@@ -57,7 +57,10 @@ import dataclasses
 import numpy as np
 
 from minilib import kernel
-from minilib.validation import dynamic_validate_inputs
+from minilib.errors import ScheduleTooBig
+from minilib.kv_cache import pages_needed
+from minilib.options import AttentionOptions
+from minilib.validation import cdiv, dynamic_validate_inputs
 
 KINDS = {kernel.TRACE_START: "start", kernel.TRACE_WAIT: "wait", kernel.TRACE_COMPUTE: "compute"}
 
@@ -177,9 +180,14 @@ def plan_schedule(
     ['start', 'wait', 'compute']
     """
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    config = _config(*args, sliding_window, num_kv_pages_per_block, num_queries_per_block)
+    options = AttentionOptions(
+        sliding_window=sliding_window,
+        num_kv_pages_per_block=num_kv_pages_per_block,
+        num_queries_per_block=num_queries_per_block,
+    )
+    config = _config(*args, options)
     table = _Table(kv_lens, page_indices, cu_q_lens, num_seqs)
-    num_q_blocks = -(-q.shape[0] // config.num_queries_per_block)
+    num_q_blocks = cdiv(q.shape[0], config.num_queries_per_block)
     grid_steps = config.num_heads_blocks * num_q_blocks
     if max_grid_steps is not None and grid_steps > max_grid_steps:
         raise ScheduleTooBig(
@@ -207,10 +215,6 @@ def plan_schedule(
     return _schedule(q, config, table, events)
 
 
-class ScheduleTooBig(ValueError):
-    """The schedule has more work than the caller asked to handle (`max_computes`)."""
-
-
 def work_list(table: _Table, config: kernel.KernelConfig, num_q_blocks: int):
     """[(step, heads_blk, seq, kv_blk)] in the kernel's order: grid steps in row-major order;
     in each, the sequences with rows in the q block, in order; for each, the KV blocks its rows
@@ -236,7 +240,7 @@ def _seq_blocks(table: _Table, config: kernel.KernelConfig, num_q_blocks: int):
     seqs_of_block = [[] for _ in range(num_q_blocks)]
     for seq in range(table.num_seqs):
         start, end = table.q_rows(seq)
-        for q_blk in range(start // bq, min(-(-end // bq), num_q_blocks)):
+        for q_blk in range(start // bq, min(cdiv(end, bq), num_q_blocks)):
             seqs_of_block[q_blk].append(seq)
     return [
         (q_blk, seq, *table.kv_block_range(seq, (q_blk * bq, (q_blk + 1) * bq), config))
@@ -275,11 +279,11 @@ class _Table:
             first_key = max(first_key - config.sliding_window + 1, 0)  # ... or its window
         last_key = kv_len - q_end + last_row  # the last row sees up to its own position
         tokens = config.kv_tokens_per_block
-        num_kv_blocks = -(-config.pages_per_seq // config.num_kv_pages_per_block)
+        num_kv_blocks = cdiv(config.pages_per_seq, config.num_kv_pages_per_block)
         return max(first_key // tokens, 0), min(last_key // tokens + 1, num_kv_blocks)
 
     def pages(self, seq, kv_blk, config) -> tuple[int, ...]:
-        num_pages = -(-int(self.kv_lens[seq]) // config.page_size)
+        num_pages = pages_needed(int(self.kv_lens[seq]), config.page_size)
         first = kv_blk * config.num_kv_pages_per_block
         end = min(first + config.num_kv_pages_per_block, num_pages)
         return tuple(int(p) for p in self.page_indices[seq, first:end])
@@ -306,7 +310,12 @@ def record_schedule(
     """Run the kernel (TPU interpret mode unless `interpret` says otherwise) and return the
     schedule it recorded. q and kv_pages must be real arrays here."""
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    config = _config(*args, sliding_window, num_kv_pages_per_block, num_queries_per_block)
+    options = AttentionOptions(
+        sliding_window=sliding_window,
+        num_kv_pages_per_block=num_kv_pages_per_block,
+        num_queries_per_block=num_queries_per_block,
+    )
+    config = _config(*args, options)
     table = _Table(kv_lens, page_indices, cu_q_lens, num_seqs)
     _, rows = kernel.record_trace(
         *args, config=config, capacity=_trace_capacity(q, table, config), interpret=interpret
@@ -318,8 +327,8 @@ def record_schedule(
 def _trace_capacity(q, table: _Table, config: kernel.KernelConfig) -> int:
     """An upper bound on the events: 3 per piece of work, plus the first start. Each (seq, q
     block) pair is at most num_q_blocks + num_seqs, each with at most all of its KV blocks."""
-    num_q_blocks = -(-q.shape[0] // config.num_queries_per_block)
-    kv_blocks = -(-config.pages_per_seq // config.num_kv_pages_per_block)
+    num_q_blocks = cdiv(q.shape[0], config.num_queries_per_block)
+    kv_blocks = cdiv(config.pages_per_seq, config.num_kv_pages_per_block)
     pairs = num_q_blocks + max(table.num_seqs, 1)
     return 3 * config.num_heads_blocks * pairs * kv_blocks + 1
 
@@ -329,27 +338,12 @@ def _trace_capacity(q, table: _Table, config: kernel.KernelConfig) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _config(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sliding_window,
-            num_kv_pages_per_block, num_queries_per_block) -> kernel.KernelConfig:  # fmt: skip
-    dynamic_validate_inputs(
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        sliding_window=sliding_window,
-        num_kv_pages_per_block=num_kv_pages_per_block,
-        num_queries_per_block=num_queries_per_block,
-    )
-    return kernel.kernel_config(
-        q,
-        kv_pages,
-        page_indices,
-        sliding_window=sliding_window,
-        num_kv_pages_per_block=num_kv_pages_per_block,
-        num_queries_per_block=num_queries_per_block,
-    )
+def _config(
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: AttentionOptions
+) -> kernel.KernelConfig:
+    """The kernel's config for this batch, once the batch and the options are validated."""
+    dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options)
+    return kernel.kernel_config(q, kv_pages, page_indices, options)
 
 
 def _schedule(q, config: kernel.KernelConfig, table: _Table, raw_events) -> Schedule:
@@ -377,7 +371,7 @@ def _schedule(q, config: kernel.KernelConfig, table: _Table, raw_events) -> Sche
             )
         )
     return Schedule(
-        grid=(config.num_heads_blocks, -(-q.shape[0] // bq)),
+        grid=(config.num_heads_blocks, cdiv(q.shape[0], bq)),
         num_queries_per_block=bq,
         num_kv_pages_per_block=config.num_kv_pages_per_block,
         page_size=config.page_size,

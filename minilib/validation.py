@@ -8,41 +8,37 @@
 
 Every check that JAX makes raises with JAX's own text, word for word, so a learner can search
 for it. Then comes a `Hint:` line that says how to fix it. Some mistakes JAX lets through, or
-meets with a bare `assert`; these get a message of our own. All of them raise `RPAInputError`,
-a `ValueError` that carries the hint as `.hint`.
+meets with a bare `assert`; these get a message of our own. All of them raise `RPAInputError`
+(`minilib.errors`), a `ValueError` that carries the hint as `.hint`.
 
 Only the live sequences, the first `num_seqs`, are checked: the padding slots past them may
 hold anything.
 
 Every attention function in minilib starts with `validate_inputs`: the dynamic checks when it
 is called eagerly on concrete arrays, only the static ones under `jax.jit` (validate outside
-jit, as JAX does), and `validate=False` to skip the value checks.
+jit, as JAX does), and `validate=False` to skip the value checks. It passes its options as one
+`AttentionOptions` (`minilib.options`), which checked each option when it was built; the
+validators also take JAX's keywords (`sliding_window=...`) and build the options themselves.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
-import operator
-
 import jax
 import numpy as np
 
-from minilib.heads import nearest_valid_num_kv_heads, valid_num_kv_heads
+from minilib.errors import RPAInputError
+from minilib.heads import check_head_counts
+from minilib.options import AttentionOptions, attention_options
 
 
-class RPAInputError(ValueError):
-    """A bad input to ragged paged attention. `str(err)` is the message, then the hint.
+def cdiv(a, b):
+    """ceil(a / b) for whole numbers a >= 0 and b > 0, Python ints or JAX integer arrays: how
+    many blocks of b things hold a things.
 
-    Attributes:
-      message: what is wrong, with the values (JAX's own text where JAX checks it).
-      hint: how to fix it.
+    >>> cdiv(17, 16), cdiv(16, 16), cdiv(0, 16)
+    (2, 1, 0)
     """
-
-    def __init__(self, message: str, hint: str):
-        self.message = message
-        self.hint = hint
-        super().__init__(f"{message}\nHint: {hint}")
+    return -(-a // b)
 
 
 SHAPES = (
@@ -51,33 +47,6 @@ SHAPES = (
     "kv_lens: i32[max_num_seqs]; page_indices: i32[max_num_seqs, pages_per_seq]; "
     "cu_q_lens: i32[max_num_seqs + 1]; num_seqs: i32[1]"
 )
-
-
-def check_head_counts(num_q_heads: int, num_kv_heads: int) -> None:
-    """Raise unless every KV head serves the same number of q heads.
-
-    >>> check_head_counts(32, 8)   # GQA, 4 q heads per KV head: fine
-    """
-    if num_kv_heads < 1:
-        raise RPAInputError(
-            f"{num_kv_heads=} must be positive.",
-            "kv_pages needs at least one K and one V head: its head axis is 2*num_kv_heads.",
-        )
-    if num_q_heads % num_kv_heads != 0:
-        valid = valid_num_kv_heads(num_q_heads)
-        nearest = " or ".join(map(str, nearest_valid_num_kv_heads(num_q_heads, num_kv_heads)))
-        raise RPAInputError(
-            f"{num_q_heads=} must be divisible by {num_kv_heads=}",
-            f"each KV head must serve the same number of q heads. "
-            f"Valid num_kv_heads for num_q_heads={num_q_heads}: {valid} "
-            f"(nearest to {num_kv_heads}: {nearest}).\n"
-            f"  - To run shared KV heads as one KV head per q head (MHA), repeat them: "
-            f"jnp.repeat(k, num_q_heads // num_kv_heads, axis=head_axis) "
-            f"(minilib.repeat_kv), starting from a valid num_kv_heads.\n"
-            f"  - Check that q/k/v were not transposed: num_q_heads is q.shape[1] of "
-            f"q[max_num_batched_tokens, num_q_heads, head_dim], and num_kv_heads is "
-            f"kv_pages.shape[2] // 2.",
-        )
 
 
 def check_dtypes(
@@ -107,118 +76,6 @@ def check_dtypes(
         )
 
 
-def check_options(
-    *,
-    sm_scale=None,
-    sliding_window=None,
-    soft_cap=None,
-    mask_value=None,
-    k_scale=None,
-    v_scale=None,
-    num_kv_pages_per_block=None,
-    num_queries_per_block=None,
-    vmem_limit_bytes=None,
-) -> None:
-    """Raise unless every option has a usable type and value. These are compile-time
-    constants, so each must be a concrete scalar: a Python, NumPy or concrete JAX number.
-
-      sm_scale, soft_cap: any finite real number (JAX checks soft_cap != 0 itself, below);
-      mask_value: finite and negative, so that masked scores become exp() = 0 and never NaN;
-      k_scale, v_scale: positive, finite Python floats (JAX's kernel asserts the float);
-      sliding_window and the block sizes: whole numbers (JAX checks that they are positive).
-
-    >>> check_options(sm_scale=0.125, mask_value=float("-inf"))
-    Traceback (most recent call last):
-    ...
-    minilib.validation.RPAInputError: mask_value=-inf must be a finite negative number.
-    Hint: ...
-    """
-    for name, value in (("sm_scale", sm_scale), ("soft_cap", soft_cap)):
-        if value is not None and not math.isfinite(_real(name, value)):
-            raise RPAInputError(
-                f"{name}={value!r} must be finite.",
-                f"{name} scales or caps the scores; an infinite or NaN value makes the outputs "
-                "NaN. Use a finite float (soft_cap=None turns soft capping off).",
-            )
-    if mask_value is not None and not -math.inf < _real("mask_value", mask_value) < 0:
-        raise RPAInputError(
-            f"mask_value={mask_value!r} must be a finite negative number.",
-            "masked scores are set to mask_value before the softmax: it must be very negative "
-            "(so that exp() gives 0 and rows never see future keys) and finite (-inf gives "
-            "NaN on a fully masked block). Use None for the default, -0.7 * float32 max.",
-        )
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if scale is None:
-            continue
-        if not isinstance(scale, float):
-            raise RPAInputError(
-                f"{name}={scale!r} must be a Python float or None.",
-                f"pass {name}=float(...); the scale is a compile-time constant, not an array.",
-            )
-        if not (math.isfinite(scale) and scale > 0):
-            raise RPAInputError(
-                f"{name}={scale!r} must be positive and finite.",
-                f"{name} multiplies the fp8 cache values back to their real size: the scale "
-                "the cache was quantized with, such as 0.5. Use None for an unquantized cache.",
-            )
-    for name, value in (
-        ("sliding_window", sliding_window),
-        ("num_kv_pages_per_block", num_kv_pages_per_block),
-        ("num_queries_per_block", num_queries_per_block),
-        ("vmem_limit_bytes", vmem_limit_bytes),
-    ):
-        if value is not None:
-            _whole_number(name, value)
-
-
-def _real(name: str, value) -> float:
-    """`value` as a Python float, or raise: it must be a concrete real scalar."""
-    if isinstance(value, jax.core.Tracer):
-        raise RPAInputError(
-            f"{name} is a traced value ({type(value).__name__}); it must be a concrete number.",
-            f"{name} is a compile-time constant: pass a Python float computed outside jit, "
-            "or mark it static (jax.jit(..., static_argnames=...)).",
-        )
-    is_real_array = np.ndim(value) == 0 and np.dtype(getattr(value, "dtype", object)).kind in "iuf"
-    if isinstance(value, bool | np.bool_) or not (isinstance(value, numbers.Real) or is_real_array):
-        raise RPAInputError(
-            f"{name}={value!r} must be a real number.",
-            f"pass a Python float such as {name}=0.125 (a NumPy or JAX scalar works too).",
-        )
-    return float(value)
-
-
-def _whole_number(name: str, value) -> int:
-    """`value` as a Python int, or raise: 2.5 and True are not window or block sizes."""
-    try:
-        if isinstance(value, bool | np.bool_) or isinstance(value, jax.core.Tracer):
-            raise TypeError
-        return operator.index(value)
-    except TypeError:
-        raise RPAInputError(
-            f"{name}={value!r} must be a whole number (an int).",
-            f"{name} counts tokens, pages or bytes: pass an int such as int(...), or None "
-            "for the default.",
-        ) from None
-
-
-def static_options(**options) -> dict:
-    """The options as plain Python numbers, ready to be `jax.jit` static arguments (which
-    must be hashable: a JAX scalar such as `1 / jnp.sqrt(8.0)` is not). Run the validators
-    first; None stays None.
-
-    >>> import jax.numpy as jnp
-    >>> static_options(sm_scale=1 / jnp.sqrt(4.0), sliding_window=None)
-    {'sm_scale': 0.5, 'sliding_window': None}
-    """
-    whole = ("sliding_window", "num_kv_pages_per_block", "num_queries_per_block",
-             "vmem_limit_bytes")  # fmt: skip
-    return {
-        name: None if value is None else int(value) if name in whole else float(value)
-        for name, value in options.items()
-    }
-
-
 def validate_inputs(
     q,  # [max_num_batched_tokens, num_q_heads, head_dim]
     kv_pages,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
@@ -226,9 +83,10 @@ def validate_inputs(
     page_indices,  # i32[max_num_seqs, pages_per_seq]
     cu_q_lens,  # i32[max_num_seqs + 1]
     num_seqs,  # i32[1]
+    options: AttentionOptions | None = None,
     *,
     validate: bool = True,
-    **options,
+    **option_values,
 ) -> None:
     """What every attention function runs first: all the checks the inputs allow.
 
@@ -245,15 +103,16 @@ def validate_inputs(
     >>> validate_inputs(*args)
     Traceback (most recent call last):
     ...
-    minilib.validation.RPAInputError: q_len=3 must be less or equal to kv_len=2 at sequence 0.
+    minilib.errors.RPAInputError: q_len=3 must be less or equal to kv_len=2 at sequence 0.
     Hint: ...
     >>> jax.jit(lambda *a: validate_inputs(*a))(*args)  # traced: static checks only
     """
+    options = attention_options(options, **option_values)
     arrays = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     if validate and not any(isinstance(a, jax.core.Tracer) for a in arrays[2:]):
-        dynamic_validate_inputs(*arrays, **options)
+        dynamic_validate_inputs(*arrays, options)
     else:
-        static_validate_inputs(*arrays, **options)
+        static_validate_inputs(*arrays, options)
 
 
 def static_validate_inputs(
@@ -263,18 +122,13 @@ def static_validate_inputs(
     page_indices,  # i32[max_num_seqs, pages_per_seq]
     cu_q_lens,  # i32[max_num_seqs + 1]
     num_seqs,  # i32[1]
-    *,
-    sm_scale: float | None = None,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    num_kv_pages_per_block: int | None = None,
-    num_queries_per_block: int | None = None,
-    vmem_limit_bytes: int | None = None,
+    options: AttentionOptions | None = None,
+    **option_values,
 ) -> None:
     """Check shapes, dtypes and options. Works on tracers, so it is safe inside `jax.jit`.
+
+    The options come as one `AttentionOptions`, or as JAX's keywords (`sliding_window=...`),
+    from which one is built; building it checks the options that need no array.
 
     Raises `RPAInputError` (a `ValueError`) with JAX's text and a hint.
 
@@ -284,9 +138,10 @@ def static_validate_inputs(
     ...     jnp.zeros(1, jnp.int32))
     Traceback (most recent call last):
     ...
-    minilib.validation.RPAInputError: num_q_heads=12 must be divisible by num_kv_heads=8
+    minilib.errors.RPAInputError: num_q_heads=12 must be divisible by num_kv_heads=8
     Hint: ...
     """
+    options = attention_options(options, **option_values)
     _check_ranks(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     _, num_q_heads, head_dim = q.shape
     _, page_size, num_combined_kv_heads, head_dim_k = kv_pages.shape
@@ -297,17 +152,6 @@ def static_validate_inputs(
             "2*h+1. Build it with minilib.merge_kv_pages(k_pages, v_pages).",
         )
     check_dtypes(q, kv_pages)
-    check_options(
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        mask_value=mask_value,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        num_kv_pages_per_block=num_kv_pages_per_block,
-        num_queries_per_block=num_queries_per_block,
-        vmem_limit_bytes=vmem_limit_bytes,
-    )
     num_kv_heads = num_combined_kv_heads // 2
     max_num_seqs, pages_per_seq = page_indices.shape
     if num_seqs.shape != (1,):
@@ -348,33 +192,13 @@ def static_validate_inputs(
             "build it with jnp.array([n], dtype=jnp.int32).",
         )
     check_head_counts(num_q_heads, num_kv_heads)
-    if sliding_window is not None and sliding_window <= 0:
-        raise RPAInputError(
-            f"{sliding_window=} must be positive.",
-            "sliding_window=w lets each query see its last w keys, itself included; "
-            "use None for no window.",
-        )
-    if soft_cap is not None and soft_cap == 0.0:
-        raise RPAInputError(
-            f"{soft_cap=} must not be 0.0.",
-            "soft capping computes soft_cap * tanh(scores / soft_cap); use None to turn it "
-            "off (Gemma 2 uses 50.0).",
-        )
+    # The options were checked when they were built; the block size must also fit the pages.
+    num_kv_pages_per_block = options.num_kv_pages_per_block
     if num_kv_pages_per_block is not None and not 0 < num_kv_pages_per_block <= pages_per_seq:
         raise RPAInputError(
             f"{num_kv_pages_per_block=} must be in range (0, {pages_per_seq}].",
             f"a KV block is a number of whole pages, at least 1 and at most "
             f"pages_per_seq={pages_per_seq}; or pass None for the default.",
-        )
-    if num_queries_per_block is not None and num_queries_per_block <= 0:
-        raise RPAInputError(
-            f"{num_queries_per_block=} must be positive.",
-            "use a positive number of q rows per block, or None for the default.",
-        )
-    if vmem_limit_bytes is not None and vmem_limit_bytes <= 0:
-        raise RPAInputError(
-            f"{vmem_limit_bytes=} must be positive.",
-            "pass a byte count (e.g. 32 * 1024 * 1024), or None for the compiler's default.",
         )
 
 
@@ -385,16 +209,8 @@ def dynamic_validate_inputs(
     page_indices,  # i32[max_num_seqs, pages_per_seq]
     cu_q_lens,  # i32[max_num_seqs + 1]
     num_seqs,  # i32[1]
-    *,
-    sm_scale: float | None = None,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    num_kv_pages_per_block: int | None = None,
-    num_queries_per_block: int | None = None,
-    vmem_limit_bytes: int | None = None,
+    options: AttentionOptions | None = None,
+    **option_values,
 ) -> None:
     """All of `static_validate_inputs`, then the checks that need the values of the arrays.
 
@@ -407,26 +223,11 @@ def dynamic_validate_inputs(
     ...     jnp.array([0, 5, 5], jnp.int32), jnp.array([1], jnp.int32))
     Traceback (most recent call last):
     ...
-    minilib.validation.RPAInputError: q_len=5 must be less or equal to kv_len=3 at sequence 0.
+    minilib.errors.RPAInputError: q_len=5 must be less or equal to kv_len=3 at sequence 0.
     Hint: ...
     """
-    static_validate_inputs(
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        mask_value=mask_value,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        num_kv_pages_per_block=num_kv_pages_per_block,
-        num_queries_per_block=num_queries_per_block,
-        vmem_limit_bytes=vmem_limit_bytes,
-    )
+    options = attention_options(options, **option_values)
+    static_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options)
     kv_lens, page_indices, cu_q_lens, num_seqs = _concrete(
         kv_lens, page_indices, cu_q_lens, num_seqs
     )
@@ -470,7 +271,7 @@ def dynamic_validate_inputs(
             "np.concatenate([[0], np.cumsum(q_lens)]).",
         )
     max_kv_len = int(live_kv_lens.max()) if n else 0
-    min_pages_per_seq = -(-max_kv_len // page_size)
+    min_pages_per_seq = cdiv(max_kv_len, page_size)
     if pages_per_seq < min_pages_per_seq:
         raise RPAInputError(
             f"{pages_per_seq=} must be greater or equal to"
@@ -496,7 +297,7 @@ def dynamic_validate_inputs(
                 "write the new K/V into the cache before attention; q_len <= kv_len always.",
             )
     for i in range(n):
-        used = page_indices[i, : -(-int(live_kv_lens[i]) // page_size)]
+        used = page_indices[i, : cdiv(int(live_kv_lens[i]), page_size)]
         bad = (used < 0) | (used >= total_num_pages)
         if bad.any():
             j = int(np.argmax(bad))

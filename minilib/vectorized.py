@@ -28,8 +28,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from minilib.reference import DEFAULT_MASK_VALUE, dequantize
-from minilib.validation import static_options, validate_inputs
+from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
+from minilib.reference import dequantize
+from minilib.validation import cdiv, validate_inputs
 
 TILE = 16  # q rows per tile: bigger tiles waste more rows on decodes, smaller ones re-read K/V
 
@@ -63,14 +64,7 @@ def ragged_paged_attention_jnp(
     >>> ragged_paged_attention_jnp(*batch.args()).shape
     (4, 4, 64)
     """
-    validate_inputs(
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        validate=validate,
+    options = AttentionOptions(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -78,25 +72,13 @@ def ragged_paged_attention_jnp(
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    options = static_options(
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
-    return _rpa_jnp(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
+    args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    validate_inputs(*args, options, validate=validate)
+    return _rpa_jnp(*args, options)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "soft_cap", "mask_value", "k_scale", "v_scale"),
-)
-def _rpa_jnp(
-    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
-    soft_cap, mask_value, k_scale, v_scale
-):  # fmt: skip
+@functools.partial(jax.jit, static_argnames="options")
+def _rpa_jnp(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: AttentionOptions):
     max_num_batched_tokens = q.shape[0]
     max_num_seqs = page_indices.shape[0]
     # Padding sequence slots may hold garbage: give them no q rows and no keys.
@@ -106,8 +88,8 @@ def _rpa_jnp(
     q_starts = jnp.where(live, cu_q_lens[:-1], 0)
 
     k, v = gather_all_kv(kv_pages, page_indices, kv_lens)
-    k = dequantize(k, k_scale, q.dtype)
-    v = dequantize(v, v_scale, q.dtype)
+    k = dequantize(k, options.k_scale, q.dtype)
+    v = dequantize(v, options.v_scale, q.dtype)
 
     tile_seq, tile_rows = q_tiles(q_starts, q_lens, max_num_batched_tokens)
 
@@ -121,10 +103,10 @@ def _rpa_jnp(
                 v[seq],
                 kv_lens[seq] - q_lens[seq] + (rows - q_starts[seq]),  # positions in the sequence
                 kv_lens[seq],
-                sm_scale=sm_scale,
-                sliding_window=sliding_window,
-                soft_cap=soft_cap,
-                mask_value=mask_value,
+                sm_scale=options.sm_scale,
+                sliding_window=options.sliding_window,
+                soft_cap=options.soft_cap,
+                mask_value=options.mask_value,
             ),
             lambda: jnp.zeros((TILE, *q.shape[1:]), jnp.float32),  # ... costs nothing
         )
@@ -174,7 +156,7 @@ def q_tiles(
     """
     max_num_seqs = q_lens.shape[0]
     num_tiles = max_num_batched_tokens // TILE + max_num_seqs
-    tiles_per_seq = -(-q_lens // TILE)
+    tiles_per_seq = cdiv(q_lens, TILE)
     first_tile = jnp.cumsum(tiles_per_seq) - tiles_per_seq  # exclusive prefix sum
     tile = jnp.arange(num_tiles)
     # The sequence owning tile j: the last one whose first tile is <= j (searchsorted).

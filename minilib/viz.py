@@ -36,6 +36,8 @@ from matplotlib.patches import Patch, Rectangle
 
 from minilib.batch import RaggedBatch, seq_kind
 from minilib.heads import attention_kind, head_groups
+from minilib.kv_cache import pages_needed
+from minilib.validation import cdiv
 
 # Okabe & Ito (2008), "Color Universal Design". Black is left out of the fills: text on it and
 # on its neighbours would be hard to read.
@@ -201,7 +203,7 @@ def slot_usage(seq_lens: Sequence[int], page_size: int) -> SlotUsage:
     >>> u.paged_slots, u.paged_wasted, u.contiguous_slots, u.contiguous_wasted
     (192, 30, 360, 198)
     """
-    pages = sum(-(-n // page_size) for n in seq_lens)
+    pages = sum(pages_needed(n, page_size) for n in seq_lens)
     longest = max(seq_lens, default=0)
     return SlotUsage(
         tokens=sum(seq_lens),
@@ -236,7 +238,7 @@ def page_table_figure(cache, seq_ids: Sequence[Hashable] | None = None) -> Figur
     index = {s: i for i, s in enumerate(seq_ids)}
 
     cols = min(total, 16 if total <= 128 else 32)
-    pool_rows = -(-total // cols)
+    pool_rows = cdiv(total, cols)
     table_rows = max(len(seq_ids), 1)
     fig = _new_figure(11, 2.2 + 0.42 * pool_rows + 0.42 * table_rows + 1.5)
     grid = fig.add_gridspec(
@@ -415,7 +417,7 @@ def ragged_batch_figure(batch: RaggedBatch, sliding_window: int | None = None) -
     max_tokens = batch.q.shape[0]
     shown = min(num_seqs, MAX_MASKS)
     cols = min(max(shown, 1), 4)
-    mask_rows = -(-shown // cols) if shown else 0
+    mask_rows = cdiv(shown, cols)
 
     fig = _new_figure(11, 2.0 + 2.7 * mask_rows)
     grid = fig.add_gridspec(1 + mask_rows, cols, height_ratios=[0.8] + [2.0] * mask_rows)

@@ -35,22 +35,20 @@ import numpy as np
 
 from minilib import viz
 from minilib.batch import RaggedBatch, make_batch, seq_kind
+from minilib.errors import InputProblem, KVCacheError, RPAInputError, ScheduleTooBig
 from minilib.heads import (
     attention_kind,
+    check_head_counts,
     combined_head_slots,
     head_groups,
     split_kv_pages,
     valid_num_kv_heads,
 )
-from minilib.kv_cache import KVCacheError, PagedKVCache, pages_needed
-from minilib.validation import RPAInputError, check_head_counts, dynamic_validate_inputs
+from minilib.kv_cache import PagedKVCache, pages_needed
+from minilib.validation import dynamic_validate_inputs
 
 # Colours of the message box (Okabe-Ito): problems in vermillion, all-clear in bluish green.
 _PROBLEM, _OK = viz.OKABE_ITO["vermillion"], viz.OKABE_ITO["bluish green"]
-
-
-class InputProblem(ValueError):
-    """Typed input the explorer cannot use (not a number, too big to draw, ...)."""
 
 
 class Explorer(widgets.VBox):
@@ -793,7 +791,7 @@ HEAD_DIM = 128
 
 
 def _plan(values: dict):
-    from minilib.schedule import ScheduleTooBig, plan_schedule  # imports the Pallas kernel
+    from minilib.schedule import plan_schedule  # imports the Pallas kernel
 
     q_lens = parse_ints(values["q_lens"], "q_lens")
     kv_lens = parse_ints(values["kv_lens"], "kv_lens")

@@ -32,6 +32,7 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
 )
 
 from minilib.batch import make_batch, random_seq_lens
+from minilib.errors import RPAInputError
 from minilib.kernel import (
     KVBlockCopier,
     can_load_kv_strided,
@@ -42,7 +43,6 @@ from minilib.kernel import (
     resolve_interpret,
     rpa_pallas_call,
 )
-from minilib.validation import RPAInputError
 
 # Fresh VMEM and SMEM scratch is NaN, so a kernel that reads memory it never wrote fails.
 INTERPRET = pltpu.InterpretParams(uninitialized_memory="nan")

@@ -15,8 +15,8 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
     ref_ragged_paged_attention as jax_ref_ragged_paged_attention,
 )
 
+from minilib.errors import HintedError, KVCacheError, RPAInputError
 from minilib.kv_cache import (
-    KVCacheError,
     PageAllocator,
     PagedKVCache,
     bucket_size,
@@ -24,7 +24,6 @@ from minilib.kv_cache import (
     write_tokens,
 )
 from minilib.reference import ref_ragged_paged_attention
-from minilib.validation import RPAInputError
 from minilib.vectorized import ragged_paged_attention_jnp
 
 
@@ -143,10 +142,12 @@ def test_allocator_rejects_bad_size(total):
         PageAllocator(total)
 
 
-def test_errors_are_rpa_input_errors_with_hints():
+def test_errors_are_value_errors_with_hints_not_attention_input_errors():
     with pytest.raises(ValueError) as err:
         PageAllocator(1).allocate(2)
-    assert isinstance(err.value, RPAInputError) and err.value.hint
+    assert isinstance(err.value, HintedError) and err.value.message and err.value.hint
+    # A misuse of the cache is not a bad input to an attention call.
+    assert not isinstance(err.value, RPAInputError)
 
 
 # --- PagedKVCache: growing, freeing, reading back ---------------------------------------------

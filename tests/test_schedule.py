@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from minilib.batch import make_batch, random_seq_lens
+from minilib.errors import RPAInputError
 from minilib.schedule import Event, Schedule, plan_schedule, record_schedule
-from minilib.validation import RPAInputError
 
 MIXED = [(5, 5), (1, 20), (0, 7), (12, 40)]  # prefill, decode, idle, chunk
 

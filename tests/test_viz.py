@@ -21,7 +21,7 @@ from matplotlib.text import Text  # noqa: E402
 
 from minilib import viz  # noqa: E402
 from minilib.batch import make_batch  # noqa: E402
-from minilib.validation import RPAInputError  # noqa: E402
+from minilib.errors import RPAInputError  # noqa: E402
 
 # --- what every figure must satisfy --------------------------------------------------------
 

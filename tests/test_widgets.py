@@ -20,12 +20,9 @@ from ipywidgets.embed import embed_data  # noqa: E402
 
 from minilib import widgets as w  # noqa: E402
 from minilib.batch import make_batch  # noqa: E402
-from minilib.kv_cache import KVCacheError  # noqa: E402
-from minilib.validation import (  # noqa: E402
-    RPAInputError,
-    check_head_counts,
-    dynamic_validate_inputs,
-)
+from minilib.errors import KVCacheError, RPAInputError  # noqa: E402
+from minilib.heads import check_head_counts  # noqa: E402
+from minilib.validation import dynamic_validate_inputs  # noqa: E402
 
 # ipywidgets 7 (Colab's) makes its comms with a class that ipykernel has deprecated.
 pytestmark = pytest.mark.filterwarnings("ignore:The `ipykernel.comm.Comm`:DeprecationWarning")

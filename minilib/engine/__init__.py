@@ -11,6 +11,7 @@ throughput.py  `python -m minilib bench --engine`: the engine against dense_gene
 """
 
 from minilib.engine.engine import Engine, StepStats
-from minilib.engine.model import EngineError, ModelConfig, dense_generate, init_params
+from minilib.engine.model import ModelConfig, dense_generate, init_params
+from minilib.errors import EngineError
 
 __all__ = ["Engine", "EngineError", "ModelConfig", "StepStats", "dense_generate", "init_params"]

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from minilib.engine.model import (
-    EngineError,
     ModelConfig,
     attention_inputs,
     attention_output_and_mlp,
@@ -34,6 +33,7 @@ from minilib.engine.model import (
 )
 from minilib.engine.scheduler import Request, Scheduler, StepPlan
 from minilib.engine.sharding import shard_attention, shard_kv_pages, shard_params
+from minilib.errors import EngineError
 from minilib.kv_cache import pages_needed, write_tokens
 from minilib.reference import ref_ragged_paged_attention
 

@@ -26,15 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from minilib.errors import EngineError
+from minilib.heads import check_head_counts
 from minilib.kv_cache import bucket_size
-from minilib.validation import RPAInputError, check_head_counts
 
 DTYPES = ("float32", "bfloat16")
 MIN_DENSE_LEN = 64  # dense_generate's shortest cache: short requests share compiled programs
-
-
-class EngineError(RPAInputError):
-    """A bad model config, engine setting or request. Nothing was changed."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,8 @@ try:  # jax >= 0.7 has it at the top level; older versions in jax.experimental
 except ImportError:  # pragma: no cover - depends on the installed jax
     from jax.experimental.shard_map import shard_map
 
-from minilib.engine.model import EngineError, ModelConfig
+from minilib.engine.model import ModelConfig
+from minilib.errors import EngineError
 
 AXIS = "kv_heads"
 Q_SPEC = PartitionSpec(None, AXIS, None)  # q and the output: q heads split

@@ -18,7 +18,8 @@ from minilib.exercises.checking import (
     run_check,
 )
 from minilib.heads import attention_kind, merge_kv_pages, repeat_kv, split_kv_pages
-from minilib.reference import DEFAULT_MASK_VALUE, attend
+from minilib.options import DEFAULT_MASK_VALUE
+from minilib.reference import attend
 
 # (num_tokens, num_q_heads, num_kv_heads, head_dim): GQA first, since MHA and MQA forgive
 # the grouping mistakes. Few shapes: every new shape costs a learner's eager code compiles.

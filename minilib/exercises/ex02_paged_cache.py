@@ -17,7 +17,7 @@ from minilib.exercises.checking import (
     diagnose,
     run_check,
 )
-from minilib.reference import gather_kv
+from minilib.kv_cache import gather_kv, pages_needed
 
 
 def _write_new_tokens(kv_pages, pages, kv_len, new_k, new_v):
@@ -157,7 +157,7 @@ def check_gather_kv(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Che
     The cache comes from `make_batch`: unused slots and pages hold NaN, so reading past
     kv_len shows.
 
-    >>> from minilib.reference import gather_kv
+    >>> from minilib.kv_cache import gather_kv, pages_needed
     >>> check_gather_kv(gather_kv)
     Passed: gather_kv matches the reference on all 5 cases.
     CheckResult('gather_kv', status='passed')
@@ -205,7 +205,9 @@ def check_gather_kv(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Che
         "2*h + 1. Take [:, 0::2] and [:, 1::2].": slots_0_to_n,
         "the last page is only partly used: keep the first kv_len tokens, not whole pages.": (
             lambda kv_pages, pages, kv_len: _split(
-                _all_tokens(kv_pages, pages)[: -(-kv_len // kv_pages.shape[1]) * kv_pages.shape[1]]
+                _all_tokens(kv_pages, pages)[
+                    : pages_needed(kv_len, kv_pages.shape[1]) * kv_pages.shape[1]
+                ]
             )
         ),
     }

@@ -10,7 +10,8 @@ import numpy as np
 
 from minilib.exercises.checking import Case, CheckResult, compare_arrays, diagnose, run_check
 from minilib.exercises.ex03_ragged import describe_seq
-from minilib.reference import DEFAULT_MASK_VALUE, attend, causal_mask
+from minilib.options import DEFAULT_MASK_VALUE
+from minilib.reference import attend, causal_mask
 
 
 def _attend_soft_cap(q, k, v, *, sm_scale, soft_cap):

@@ -9,6 +9,7 @@ import numpy as np
 
 from minilib.batch import make_batch
 from minilib.exercises.checking import Case, CheckResult, Mismatch, diagnose, run_check
+from minilib.kv_cache import pages_needed
 
 RETURNED = "returned"
 
@@ -30,7 +31,7 @@ def _first_bad_page(
     The keywords switch on the mistakes the checker recognises."""
     total_num_pages, page_size = kv_pages.shape[:2]
     kv_lens, table = np.asarray(kv_lens), np.asarray(page_indices)
-    pages_of = pages_of or (lambda kv_len, page_size: -(-kv_len // page_size))
+    pages_of = pages_of or pages_needed
     n = int(np.asarray(num_seqs)[0]) if live_only else table.shape[0]
     for i in range(n):
         used = pages_of(int(kv_lens[i]), page_size) if used_only else table.shape[1]
@@ -135,7 +136,7 @@ def check_validate_page_indices(
     kv_lens = [int(x) for x in rng.integers(1, 17, size=3)]
     b4 = batch([(1, kv) for kv in kv_lens], max_num_seqs=4, k=3)
     i = int(rng.integers(0, 3))
-    j = int(rng.integers(0, -(-kv_lens[i] // 4)))
+    j = int(rng.integers(0, pages_needed(kv_lens[i], 4)))
     add("random lengths, one bad page", b4, [((i, j), int(rng.choice([-2, 100])))])
     add("random lengths, valid", b4)
 

@@ -16,7 +16,7 @@ from minilib.exercises.checking import (
     diagnose,
     run_check,
 )
-from minilib.reference import DEFAULT_MASK_VALUE
+from minilib.options import DEFAULT_MASK_VALUE
 
 
 def _update(m, l, acc, scores, v):

@@ -11,7 +11,8 @@ import numpy as np
 
 from minilib.batch import make_batch
 from minilib.exercises.checking import Case, CheckResult, compare_arrays, diagnose, run_check
-from minilib.reference import DEFAULT_MASK_VALUE
+from minilib.kv_cache import pages_needed
+from minilib.options import DEFAULT_MASK_VALUE
 
 SM_SCALE = 0.5
 # Errors JAX raises when Python asks a traced value for a concrete number.
@@ -37,7 +38,7 @@ def _reference(q, kv_pages, kv_lens, page_indices, *, sm_scale):
     out = np.zeros_like(q)
     for i in range(num_seqs):
         kv_len = int(kv_lens[i])
-        pages = np.asarray(page_indices[i])[: -(-kv_len // page_size)]
+        pages = np.asarray(page_indices[i])[: pages_needed(kv_len, page_size)]
         slots = kv_pages[pages].reshape(-1, combined, head_dim)[:kv_len]
         k = np.repeat(slots[:, 0::2], group, axis=1)  # [kv_len, num_q_heads, head_dim]
         v = np.repeat(slots[:, 1::2], group, axis=1)

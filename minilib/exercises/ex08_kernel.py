@@ -15,6 +15,7 @@ from minilib.exercises.checking import (
     diagnose,
     run_check,
 )
+from minilib.validation import cdiv
 
 
 def _reference(first_q_pos, last_q_pos, kv_len, block_len, sliding_window):
@@ -79,7 +80,7 @@ def check_kv_blocks_to_visit(fn: Callable, *, seed: int = 0, verbose: bool = Tru
         )
 
     def every_block(first_q_pos, last_q_pos, kv_len, block_len, sliding_window):
-        return 0, -(-kv_len // block_len)
+        return 0, cdiv(kv_len, block_len)
 
     def window_off_by_one(first_q_pos, last_q_pos, kv_len, block_len, sliding_window):
         end = last_q_pos // block_len + 1
@@ -89,7 +90,7 @@ def check_kv_blocks_to_visit(fn: Callable, *, seed: int = 0, verbose: bool = Tru
 
     def end_exclusive_wrong(first_q_pos, last_q_pos, kv_len, block_len, sliding_window):
         first, _ = _reference(first_q_pos, last_q_pos, kv_len, block_len, sliding_window)
-        return first, -(-last_q_pos // block_len)
+        return first, cdiv(last_q_pos, block_len)
 
     mistakes = {
         "causality: no row of the block sees past last_q_pos, so the blocks after the one "

@@ -17,6 +17,7 @@ from minilib.exercises.checking import (
     run_check,
 )
 from minilib.kernel import LANES
+from minilib.kv_cache import pages_needed
 from minilib.roofline import rpa_cost
 
 # --- 9.1: arithmetic intensity --------------------------------------------------------------
@@ -50,7 +51,7 @@ def _visible(q_len, kv_len):
 
 
 def _page_slots(kv_len, page_size):
-    return -(-kv_len // page_size) * page_size
+    return pages_needed(kv_len, page_size) * page_size
 
 
 def check_arithmetic_intensity(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:

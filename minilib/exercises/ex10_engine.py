@@ -24,7 +24,7 @@ from minilib.exercises.checking import (
     diagnose,
     run_check,
 )
-from minilib.kv_cache import PageAllocator
+from minilib.kv_cache import PageAllocator, pages_needed
 
 
 @functools.cache
@@ -131,13 +131,16 @@ def check_can_admit(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Che
         ),
         "only the first chunk needs pages now: min(num_prompt_tokens, token_budget_left) "
         "tokens, not the whole prompt (later chunks get pages in later steps).": call(
-            lambda n, **k: can_admit(n, **k) and -(-n // k["page_size"]) <= k["num_free_pages"]
+            lambda n, **k: (
+                can_admit(n, **k) and pages_needed(n, k["page_size"]) <= k["num_free_pages"]
+            )
         ),
         "with no token budget left (token_budget_left == 0) nothing more fits in this step.": (
             call(
                 lambda n, **k: (
                     k["num_running"] < k["max_num_seqs"]
-                    and -(-min(n, k["token_budget_left"]) // k["page_size"]) <= k["num_free_pages"]
+                    and pages_needed(min(n, k["token_budget_left"]), k["page_size"])
+                    <= k["num_free_pages"]
                 )
             )
         ),
@@ -158,7 +161,7 @@ def _situation(rng, num_pages: int):
     output = rng.integers(0, 32, int(rng.integers(0, 4))).tolist()
     request = Request(3, prompt, max_new_tokens=8, output=output)
     request.num_computed = len(prompt) + len(output) - 1 if output else len(prompt)
-    request.pages = allocator.allocate(-(-request.num_computed // 4), owner=3)
+    request.pages = allocator.allocate(pages_needed(request.num_computed, 4), owner=3)
     allocator.allocate(int(rng.integers(0, 2)), owner="other")
     return request, allocator
 

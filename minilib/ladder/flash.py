@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from minilib.reference import DEFAULT_MASK_VALUE
+from minilib.options import DEFAULT_MASK_VALUE
 
 
 def flash_attention_reference(

@@ -33,6 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from minilib.kv_cache import pages_needed
 from minilib.ladder.flash import init_online_softmax
 from minilib.ladder.scalar_prefetch import attend_kv_block, softmax_scratch, write_output
 
@@ -45,7 +46,7 @@ def next_work(seq: int, page: int, kv_lens, num_seqs: int, page_size: int):
     ...  next_work(1, 0, [20, 5], 2, 8)]
     [(0, 1), (1, 0), None]
     """
-    if page + 1 < -(-int(kv_lens[seq]) // page_size):
+    if page + 1 < pages_needed(int(kv_lens[seq]), page_size):
         return seq, page + 1
     if seq + 1 < num_seqs:
         return seq + 1, 0
@@ -64,7 +65,7 @@ def decode_schedule(next_work_fn, kv_lens, page_size: int) -> list[tuple]:
     """
     num_seqs = len(kv_lens)
     events, here, slot = [("start", 0, 0, 0)], (0, 0), 0
-    limit = 2 + sum(-(-int(n) // page_size) for n in kv_lens)  # work items, and some slack
+    limit = 2 + sum(pages_needed(int(n), page_size) for n in kv_lens)  # work items, and some slack
     while here is not None and len(events) < 3 * limit:
         nxt = next_work_fn(*here, kv_lens, num_seqs, page_size)
         if nxt is not None:

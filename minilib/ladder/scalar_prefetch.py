@@ -24,6 +24,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from minilib.kv_cache import pages_needed
 from minilib.ladder.flash import init_online_softmax, online_softmax_update, zero_rows_past
 
 
@@ -48,7 +49,7 @@ def paged_decode_reference(
     out = []
     for seq in range(num_seqs):
         kv_len = int(kv_lens[seq])
-        pages = np.asarray(page_indices[seq, : -(-kv_len // page_size)])
+        pages = np.asarray(page_indices[seq, : pages_needed(kv_len, page_size)])
         kv = kv_pages[pages].reshape(-1, 2 * num_kv_heads, head_dim)[:kv_len]
         k = jnp.repeat(kv[:, 0::2], num_q_heads // num_kv_heads, axis=1).astype(jnp.float32)
         v = jnp.repeat(kv[:, 1::2], num_q_heads // num_kv_heads, axis=1).astype(jnp.float32)

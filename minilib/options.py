@@ -1,0 +1,207 @@
+"""The attention options: the compile-time constants of ragged paged attention, checked once.
+
+JAX's attention functions take their options as keywords: `sm_scale`, `sliding_window`,
+`soft_cap`, `mask_value`, `k_scale`, `v_scale`, and the kernel's `num_kv_pages_per_block`,
+`num_queries_per_block` and `vmem_limit_bytes`. Each minilib entry point keeps that signature,
+and gathers the keywords into one frozen `AttentionOptions`. Building it checks every option
+(the checks that need no array) and turns each into a plain Python number, so the object is
+hashable: the validators read it, and the jitted body takes it as one static argument.
+
+`DEFAULT_MASK_VALUE` is the score a masked key gets; `mask_value=None` means it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import operator
+
+import jax
+import numpy as np
+
+from minilib.errors import RPAInputError
+
+__all__ = ["DEFAULT_MASK_VALUE", "AttentionOptions", "attention_options"]
+
+# The value a masked score is set to: very negative, but finite, so exp() gives 0, not NaN.
+DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionOptions:
+    """The options of one attention call, checked, as plain Python numbers.
+
+    Each must be a concrete scalar (a Python, NumPy or concrete JAX number), as jit needs:
+      sm_scale, soft_cap: finite real numbers; soft_cap not 0 (None turns soft capping off);
+      mask_value: finite and negative, so that masked scores become exp() = 0 and never NaN
+        (None means DEFAULT_MASK_VALUE);
+      k_scale, v_scale: positive, finite Python floats (JAX's kernel asserts the float);
+      sliding_window and the kernel's num_kv_pages_per_block, num_queries_per_block and
+        vmem_limit_bytes: positive whole numbers, or None for the default.
+    Whether the block sizes fit the arrays is for `static_validate_inputs` to say.
+
+    Raises `RPAInputError` (JAX's text where JAX makes the same check, and a hint).
+
+    >>> import jax.numpy as jnp
+    >>> options = AttentionOptions(sm_scale=1 / jnp.sqrt(4.0), mask_value=None)
+    >>> options.sm_scale, options.mask_value == DEFAULT_MASK_VALUE, hash(options) is not None
+    (0.5, True, True)
+    >>> AttentionOptions(sliding_window=0)
+    Traceback (most recent call last):
+    ...
+    minilib.errors.RPAInputError: sliding_window=0 must be positive.
+    Hint: ...
+    """
+
+    sm_scale: float = 1.0
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    mask_value: float | None = DEFAULT_MASK_VALUE
+    k_scale: float | None = None
+    v_scale: float | None = None
+    num_kv_pages_per_block: int | None = None
+    num_queries_per_block: int | None = None
+    vmem_limit_bytes: int | None = None
+
+    def __post_init__(self):
+        checked = dict(
+            sm_scale=_finite("sm_scale", self.sm_scale),
+            soft_cap=_soft_cap(self.soft_cap),
+            mask_value=_mask_value(self.mask_value),
+            k_scale=_scale("k_scale", self.k_scale),
+            v_scale=_scale("v_scale", self.v_scale),
+            sliding_window=_whole_number("sliding_window", self.sliding_window),
+            num_kv_pages_per_block=_whole_number(
+                "num_kv_pages_per_block", self.num_kv_pages_per_block
+            ),
+            num_queries_per_block=_whole_number(
+                "num_queries_per_block", self.num_queries_per_block
+            ),
+            vmem_limit_bytes=_whole_number("vmem_limit_bytes", self.vmem_limit_bytes),
+        )
+        _check_positive(**checked)
+        for name, value in checked.items():  # frozen: set as dataclasses' own __init__ does
+            object.__setattr__(self, name, value)
+
+
+def attention_options(options: AttentionOptions | None = None, **values) -> AttentionOptions:
+    """`options` as given, or the options built from keywords: the two ways to call a
+    validator, `validate_inputs(*arrays, options)` and `validate_inputs(*arrays, sm_scale=...)`.
+
+    >>> attention_options(sliding_window=8).sliding_window
+    8
+    """
+    if options is None:
+        return AttentionOptions(**values)
+    if values:
+        raise TypeError(f"pass options or keyword options, not both: got options and {values}")
+    return options
+
+
+def _finite(name: str, value) -> float:
+    if not math.isfinite(_real(name, value)):
+        raise RPAInputError(
+            f"{name}={value!r} must be finite.",
+            f"{name} scales or caps the scores; an infinite or NaN value makes the outputs "
+            "NaN. Use a finite float (soft_cap=None turns soft capping off).",
+        )
+    return float(value)
+
+
+def _soft_cap(soft_cap) -> float | None:
+    if soft_cap is None:
+        return None
+    soft_cap = _finite("soft_cap", soft_cap)
+    if soft_cap == 0.0:
+        raise RPAInputError(
+            f"{soft_cap=} must not be 0.0.",
+            "soft capping computes soft_cap * tanh(scores / soft_cap); use None to turn it "
+            "off (Gemma 2 uses 50.0).",
+        )
+    return soft_cap
+
+
+def _mask_value(mask_value) -> float:
+    if mask_value is None:
+        return DEFAULT_MASK_VALUE
+    if not -math.inf < _real("mask_value", mask_value) < 0:
+        raise RPAInputError(
+            f"mask_value={mask_value!r} must be a finite negative number.",
+            "masked scores are set to mask_value before the softmax: it must be very negative "
+            "(so that exp() gives 0 and rows never see future keys) and finite (-inf gives "
+            "NaN on a fully masked block). Use None for the default, -0.7 * float32 max.",
+        )
+    return float(mask_value)
+
+
+def _scale(name: str, scale) -> float | None:
+    if scale is None:
+        return None
+    if not isinstance(scale, float):
+        raise RPAInputError(
+            f"{name}={scale!r} must be a Python float or None.",
+            f"pass {name}=float(...); the scale is a compile-time constant, not an array.",
+        )
+    if not (math.isfinite(scale) and scale > 0):
+        raise RPAInputError(
+            f"{name}={scale!r} must be positive and finite.",
+            f"{name} multiplies the fp8 cache values back to their real size: the scale "
+            "the cache was quantized with, such as 0.5. Use None for an unquantized cache.",
+        )
+    return float(scale)
+
+
+def _check_positive(*, sliding_window, num_queries_per_block, vmem_limit_bytes, **_) -> None:
+    # JAX's checks, in JAX's words. num_kv_pages_per_block is checked against pages_per_seq,
+    # by static_validate_inputs.
+    if sliding_window is not None and sliding_window <= 0:
+        raise RPAInputError(
+            f"{sliding_window=} must be positive.",
+            "sliding_window=w lets each query see its last w keys, itself included; "
+            "use None for no window.",
+        )
+    if num_queries_per_block is not None and num_queries_per_block <= 0:
+        raise RPAInputError(
+            f"{num_queries_per_block=} must be positive.",
+            "use a positive number of q rows per block, or None for the default.",
+        )
+    if vmem_limit_bytes is not None and vmem_limit_bytes <= 0:
+        raise RPAInputError(
+            f"{vmem_limit_bytes=} must be positive.",
+            "pass a byte count (e.g. 32 * 1024 * 1024), or None for the compiler's default.",
+        )
+
+
+def _real(name: str, value) -> float:
+    """`value` as a Python float, or raise: it must be a concrete real scalar."""
+    if isinstance(value, jax.core.Tracer):
+        raise RPAInputError(
+            f"{name} is a traced value ({type(value).__name__}); it must be a concrete number.",
+            f"{name} is a compile-time constant: pass a Python float computed outside jit, "
+            "or mark it static (jax.jit(..., static_argnames=...)).",
+        )
+    is_real_array = np.ndim(value) == 0 and np.dtype(getattr(value, "dtype", object)).kind in "iuf"
+    if isinstance(value, bool | np.bool_) or not (isinstance(value, numbers.Real) or is_real_array):
+        raise RPAInputError(
+            f"{name}={value!r} must be a real number.",
+            f"pass a Python float such as {name}=0.125 (a NumPy or JAX scalar works too).",
+        )
+    return float(value)
+
+
+def _whole_number(name: str, value) -> int | None:
+    """`value` as a Python int (None stays None), or raise: 2.5 and True are not window or
+    block sizes."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool | np.bool_) or isinstance(value, jax.core.Tracer):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise RPAInputError(
+            f"{name}={value!r} must be a whole number (an int).",
+            f"{name} counts tokens, pages or bytes: pass an int such as int(...), or None "
+            "for the default.",
+        ) from None
