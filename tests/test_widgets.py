@@ -310,6 +310,7 @@ def test_ragged_batch_bad_lengths(ragged):
 
 # --- the validation playground -----------------------------------------------------------------
 
+
 def test_playground_offers_every_mistake_of_the_catalogue():
     # What each mistake makes the validators say is tested in test_validation.py.
     ex = w.validation_playground()
