@@ -22,6 +22,7 @@ Errors are shown inside the explorer, never raised: the validators' own messages
 
 from __future__ import annotations
 
+import functools
 import html
 import inspect
 import re
@@ -57,6 +58,11 @@ class InputProblem(ValueError):
 class Explorer(widgets.VBox):
     """An explorer: a row of controls, then what they show.
 
+    Data flows one way: the control values go to `render(values)`, which returns what the
+    views show, `(status, figure, details)`, and never writes a control. (A control whose
+    choices depend on others, like the schedule's grid_step, is updated by an observer of
+    those controls, before the render.)
+
     Attributes:
       controls: name -> input widget. Set `.value` and the explorer redraws.
       views: what is shown, all in widget state:
@@ -68,7 +74,7 @@ class Explorer(widgets.VBox):
     def __init__(self, title: str, controls: dict, render: Callable, note: str = ""):
         self.controls = controls
         self._render = render
-        self._refreshing = False
+        self._drawn: dict | None = None  # the control values the views show
         self.views = {
             "message": widgets.HTML(),
             "figure": widgets.Image(
@@ -88,19 +94,15 @@ class Explorer(widgets.VBox):
 
     def refresh(self) -> None:
         """Redraw from the current control values. Never raises: problems are shown."""
-        if self._refreshing:  # a render that updates a control (e.g. its options) lands here
-            return
         message, figure, details = self.views.values()
-        self._refreshing = True
+        self._drawn = self.values()
         try:
-            status, fig, table = self._render({k: c.value for k, c in self.controls.items()})
+            status, fig, table = self._render(dict(self._drawn))
         except Exception as err:  # shown, so the explorer keeps working
             message.value = _error_html(err)
             figure.value, figure.layout.display = b"", "none"
             details.value = ""
             return
-        finally:
-            self._refreshing = False
         # A render may report a problem it found (the playground's caught error) as its status.
         message.value = _error_html(status) if isinstance(status, Exception) else _box(status, _OK)
         if fig is None:
@@ -108,6 +110,10 @@ class Explorer(widgets.VBox):
         else:
             figure.value, figure.layout.display = viz.figure_png(fig), None
         details.value = table
+
+    def values(self) -> dict:
+        """name -> value of each control."""
+        return {name: control.value for name, control in self.controls.items()}
 
     @property
     def text(self) -> str:
@@ -118,7 +124,11 @@ class Explorer(widgets.VBox):
         return html.unescape(re.sub(r"<[^>]+>", "", text))
 
     def _on_change(self, change) -> None:
-        self.refresh()
+        # One change can reach here twice: a control whose options follow another control
+        # (the schedule's grid_step) is updated by its own observer before this one runs,
+        # and both report. The views are drawn once per new set of values.
+        if self.values() != self._drawn:
+            self.refresh()
 
 
 # --- head grouping -------------------------------------------------------------------------
@@ -355,14 +365,8 @@ def ragged_batch_explorer(
 
 
 def _render_ragged_batch(values: dict):
-    q_lens = parse_ints(values["q_lens"], "q_lens")
-    kv_lens = parse_ints(values["kv_lens"], "kv_lens")
+    q_lens, kv_lens = _q_and_kv_lens(values["q_lens"], values["kv_lens"])
     window = parse_optional_int(values["sliding_window"], "sliding_window")
-    if len(q_lens) != len(kv_lens):
-        raise InputProblem(
-            f"q_lens has {len(q_lens)} entries but kv_lens has {len(kv_lens)}: give one q_len "
-            "and one kv_len per sequence."
-        )
     if len(q_lens) > MAX_SEQS or sum(q_lens) > MAX_TOKENS or max(kv_lens, default=0) > MAX_KV_LEN:
         raise InputProblem(
             f"this explorer draws at most {MAX_SEQS} sequences, {MAX_TOKENS} q rows in all, "
@@ -516,19 +520,34 @@ def kernel_schedule_explorer(
             options=[ALL_STEPS], value=ALL_STEPS, description="grid_step", style=_STYLE
         ),
     }
+    plan = functools.lru_cache(maxsize=1)(_plan)  # the menu and the view need the same plan
+
+    def list_grid_steps(change=None) -> None:
+        """The grid_step menu offers the steps of the planned grid, keeping the choice if the
+        step still exists. It runs before the view is drawn, as the first observer of the
+        controls the plan is made from."""
+        try:
+            steps = [ALL_STEPS] + [str(step) for step in plan(*_plan_inputs(controls)).steps()]
+        except Exception:  # no plan: the view shows why
+            steps = [ALL_STEPS]
+        menu = controls["grid_step"]
+        if list(menu.options) != steps:
+            chosen = menu.value if menu.value in steps else ALL_STEPS
+            menu.options = steps  # resets the choice to the first option ...
+            menu.value = chosen  # ... so it is set back
+
+    list_grid_steps()
+    for name in PLAN_INPUTS:
+        controls[name].observe(list_grid_steps, names="value")
 
     def render(values: dict):
-        schedule = _plan(values)
-        # The grid steps to choose from change with the grid; keep the choice if it still exists.
-        steps = [ALL_STEPS] + [f"{step}" for step in schedule.steps()]
-        chosen = values["grid_step"] if values["grid_step"] in steps else ALL_STEPS
-        controls["grid_step"].options = steps
-        controls["grid_step"].value = chosen
+        schedule = plan(*(values[name] for name in PLAN_INPUTS))
+        chosen = values["grid_step"]
         step = None if chosen == ALL_STEPS else tuple(int(x) for x in chosen.strip("()").split(","))
         return (
             _schedule_status(schedule),
             viz.kernel_schedule_figure(schedule, step),
-            (_schedule_details(schedule, step)),
+            _schedule_details(schedule, step),
         )
 
     return Explorer(
@@ -542,29 +561,49 @@ def kernel_schedule_explorer(
 
 ALL_STEPS = "all grid steps"
 HEAD_DIM = 128
+# The controls the schedule is planned from (all but grid_step, which picks a step to show).
+PLAN_INPUTS = (
+    "q_lens",
+    "kv_lens",
+    "num_q_heads",
+    "num_kv_heads",
+    "page_size",
+    "num_kv_pages_per_block",
+    "num_queries_per_block",
+    "sliding_window",
+)
 
 
-def _plan(values: dict):
+def _plan_inputs(controls: dict) -> tuple:
+    return tuple(controls[name].value for name in PLAN_INPUTS)
+
+
+def _plan(
+    q_lens: str,
+    kv_lens: str,
+    num_q_heads: int,
+    num_kv_heads: int,
+    page_size: int,
+    num_kv_pages_per_block: str,
+    num_queries_per_block: str,
+    sliding_window: str,
+):
+    """The schedule of the typed batch and block sizes. The limits are checked first, so that
+    nothing big is built, planned or drawn."""
     from minilib.schedule import ScheduleTooBig, plan_schedule  # imports the Pallas kernel
 
-    q_lens = parse_ints(values["q_lens"], "q_lens")
-    kv_lens = parse_ints(values["kv_lens"], "kv_lens")
-    if len(q_lens) != len(kv_lens):
-        raise InputProblem(
-            f"q_lens has {len(q_lens)} entries but kv_lens has {len(kv_lens)}: give one q_len "
-            "and one kv_len per sequence."
-        )
-    if len(q_lens) > MAX_SEQS or sum(q_lens) > MAX_TOKENS or values["num_q_heads"] > MAX_HEADS:
+    q_lens, kv_lens = _q_and_kv_lens(q_lens, kv_lens)
+    if len(q_lens) > MAX_SEQS or sum(q_lens) > MAX_TOKENS or num_q_heads > MAX_HEADS:
         raise InputProblem(
             f"this explorer draws at most {MAX_SEQS} sequences, {MAX_TOKENS} q rows in all and "
             f"{MAX_HEADS} q heads."
         )
-    valid_num_kv_heads(values["num_q_heads"])  # raises for num_q_heads < 1
-    if values["page_size"] < 1:
+    valid_num_kv_heads(num_q_heads)  # raises for num_q_heads < 1
+    if page_size < 1:
         raise InputProblem(
-            f"page_size={values['page_size']} must be positive: a page holds at least one token."
+            f"page_size={page_size} must be positive: a page holds at least one token."
         )
-    if values["page_size"] > MAX_PAGE_SIZE or max(kv_lens, default=0) > MAX_KV_LEN:
+    if page_size > MAX_PAGE_SIZE or max(kv_lens, default=0) > MAX_KV_LEN:
         raise InputProblem(
             f"this explorer draws page_size up to {MAX_PAGE_SIZE} and kv_len up to {MAX_KV_LEN}."
         )
@@ -575,24 +614,24 @@ def _plan(values: dict):
         num_q_heads=1,
         num_kv_heads=1,
         head_dim=1,
-        page_size=values["page_size"],
+        page_size=page_size,
     )
     num_tokens, total_num_pages = batch.q.shape[0], batch.kv_pages.shape[0]
-    q = jax.ShapeDtypeStruct((num_tokens, values["num_q_heads"], HEAD_DIM), jnp.float32)
+    q = jax.ShapeDtypeStruct((num_tokens, num_q_heads, HEAD_DIM), jnp.float32)
     kv_pages = jax.ShapeDtypeStruct(
-        (total_num_pages, values["page_size"], 2 * values["num_kv_heads"], HEAD_DIM), jnp.float32
+        (total_num_pages, page_size, 2 * num_kv_heads, HEAD_DIM), jnp.float32
     )
     try:
         return plan_schedule(  # validates with dynamic_validate_inputs
             q,
             kv_pages,
             *batch.args()[2:],
-            sliding_window=parse_optional_int(values["sliding_window"], "sliding_window"),
+            sliding_window=parse_optional_int(sliding_window, "sliding_window"),
             num_kv_pages_per_block=parse_optional_int(
-                values["num_kv_pages_per_block"], "num_kv_pages_per_block"
+                num_kv_pages_per_block, "num_kv_pages_per_block"
             ),
             num_queries_per_block=parse_optional_int(
-                values["num_queries_per_block"], "num_queries_per_block"
+                num_queries_per_block, "num_queries_per_block"
             ),
             max_computes=MAX_COMPUTES,  # counted before anything is planned or drawn
             max_grid_steps=MAX_GRID_STEPS,
@@ -670,6 +709,17 @@ def parse_ints(text: str, name: str) -> list[int]:
                 f"separated by commas, e.g. 37, 5, 120."
             ) from None
     return numbers
+
+
+def _q_and_kv_lens(q_text: str, kv_text: str) -> tuple[list[int], list[int]]:
+    """The typed q_lens and kv_lens: one of each per sequence."""
+    q_lens, kv_lens = parse_ints(q_text, "q_lens"), parse_ints(kv_text, "kv_lens")
+    if len(q_lens) != len(kv_lens):
+        raise InputProblem(
+            f"q_lens has {len(q_lens)} entries but kv_lens has {len(kv_lens)}: give one q_len "
+            "and one kv_len per sequence."
+        )
+    return q_lens, kv_lens
 
 
 def parse_optional_int(text: str, name: str) -> int | None:
