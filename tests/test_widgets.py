@@ -391,6 +391,18 @@ def test_schedule_block_sizes(schedule):
     assert shows_figure(schedule) and "= 6 grid steps" in schedule.text
 
 
+def test_schedule_grid_step_menu_follows_the_grid():
+    ex = w.kernel_schedule_explorer()
+    ex.controls["grid_step"].value = "(0, 1)"
+    ex.controls["num_queries_per_block"].value = "16"  # a smaller grid that still has (0, 1)
+    _, plan = _plan(num_queries_per_block=16)
+    assert list(ex.controls["grid_step"].options) == [w.ALL_STEPS] + [str(s) for s in plan.steps()]
+    assert ex.controls["grid_step"].value == "(0, 1)" and "grid step (0, 1):" in ex.text
+    ex.controls["num_kv_heads"].value = 6  # no plan: the menu offers all steps, the view why
+    assert list(ex.controls["grid_step"].options) == [w.ALL_STEPS]
+    assert shows_error(ex, raised(check_head_counts, 16, 6))
+
+
 def test_schedule_caption_names_a_tile_it_draws():
     from minilib.viz import kernel_schedule_figure
 
