@@ -539,3 +539,81 @@ def _cache_dtype(dtype) -> np.dtype:
             "use jnp.float32 (64-bit floats need jax.config.update('jax_enable_x64', True)).",
         )
     return dtype
+
+
+# --- a cache filled for a picture ---------------------------------------------------------
+
+# How the pool was used before and while the sequences were written (see `fill_cache`).
+FILL_ORDERS = ("in order", "shuffled", "after some frees")
+
+
+def pool_pages_needed(kv_lens, page_size: int) -> int:
+    """Pages of the pool that sequences of `kv_lens` tokens take.
+
+    >>> pool_pages_needed([37, 5, 120], page_size=16)
+    12
+    """
+    return sum(pages_needed(n, page_size) for n in kv_lens)
+
+
+def fill_cache(
+    kv_lens, *, page_size: int, total_num_pages: int, order: str = "in order", seed: int = 0
+) -> tuple[PagedKVCache, list[int]]:
+    """A `PagedKVCache` holding sequences 0, 1, ... of `kv_lens` tokens, written in `order`.
+
+    `order` is how the pool was used before and while they were written:
+      "in order":         each sequence written whole, one after another: neighbouring pages;
+      "shuffled":         the sequences grow together, a page at a time in random turns (as
+                          in a server decoding them all): their pages interleave;
+      "after some frees": the pool was full of one-page sequences and every other one has
+                          finished: ours get the scattered holes, among pages still in use.
+
+    Returns the cache and our sequence ids. Raises `KVCacheError` (for instance, out of pages)
+    as the cache does. (K and V are zeros of head_dim=1: only where they go matters here.)
+
+    >>> cache, ids = fill_cache([37, 5], page_size=16, total_num_pages=8)
+    >>> [cache.pages(s) for s in ids]
+    [(0, 1, 2), (3,)]
+    """
+    if order not in FILL_ORDERS:
+        raise ValueError(f"order={order!r} must be one of {FILL_ORDERS}.")
+    kv_lens = [int(n) for n in kv_lens]
+    earlier = total_num_pages if order == "after some frees" else 0
+    longest = max([pages_needed(n, page_size) for n in kv_lens] + [1]) if page_size > 0 else 1
+    cache = PagedKVCache(  # checks the sizes itself: a bad page_size gets the cache's message
+        total_num_pages=total_num_pages,
+        page_size=page_size,
+        num_kv_heads=1,
+        head_dim=1,
+        max_num_seqs=max(len(kv_lens) + max(earlier, 0), 1),
+        pages_per_seq=longest,
+    )
+
+    def write(seq_id, n: int) -> None:
+        cache.append(seq_id, np.zeros((n, 1, 1), np.float32), np.zeros((n, 1, 1), np.float32))
+
+    if order == "after some frees":
+        for k in range(earlier):  # fill the pool with one-page sequences ...
+            cache.add_sequence(f"earlier {k}")
+            write(f"earlier {k}", 1)
+        need = pool_pages_needed(kv_lens, page_size)
+        for k in [*range(0, earlier, 2), *range(1, earlier, 2)]:  # ... and free every other
+            if cache.allocator.num_free >= need:
+                break
+            cache.free(f"earlier {k}")
+    ids = list(range(len(kv_lens)))
+    for s in ids:
+        cache.add_sequence(s)
+    if order == "shuffled":
+        rng = np.random.default_rng(seed)
+        left = list(kv_lens)
+        while any(left):  # a round: each unfinished sequence, in random order, fills a page
+            for s in rng.permutation([i for i in ids if left[i]]).tolist():
+                n = min(page_size, left[s])
+                write(s, n)
+                left[s] -= n
+    else:
+        for s, n in zip(ids, kv_lens, strict=True):
+            if n:
+                write(s, n)
+    return cache, ids

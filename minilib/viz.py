@@ -36,7 +36,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from minilib.batch import RaggedBatch, seq_kind
 from minilib.heads import attention_kind, head_groups
-from minilib.kv_cache import pages_needed
+from minilib.kv_cache import pool_pages_needed
 from minilib.validation import cdiv
 
 # Okabe & Ito (2008), "Color Universal Design". Black is left out of the fills: text on it and
@@ -66,6 +66,25 @@ def hatch(i: int) -> str:
     """The hatching of item `i`: none for the first 7, then a new pattern each time the
     colours repeat."""
     return REPEAT_HATCHES[(i // len(FILLS)) % len(REPEAT_HATCHES)]
+
+
+def plural(n: int, noun: str) -> str:
+    """`n` and `noun`, with an s unless `n` is 1: how figures and explorers count things.
+
+    >>> plural(1, "page"), plural(3, "page")
+    ('1 page', '3 pages')
+    """
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def span(items: Sequence[int]) -> str:
+    """The first and last of consecutive numbers, both included, as "first..last": how figures
+    and explorers name a run of heads, pages or keys.
+
+    >>> span([3, 4, 5]), span(range(16, 32)), span([7])
+    ('3..5', '16..31', '7')
+    """
+    return str(items[0]) if len(items) == 1 else f"{items[0]}..{items[-1]}"
 
 
 def figure_png(fig: Figure, dpi: int = 100) -> bytes:
@@ -125,9 +144,9 @@ def head_grouping_figure(num_q_heads: int, num_kv_heads: int) -> Figure:
     ax.set_xticks([q + 0.5 for q in range(0, num_q_heads, step)], range(0, num_q_heads, step))
     ax.set_xlabel("q head index (each KV head sits under the q heads it serves)")
     ax.set_title(
-        f"{kind}: {_plural(num_q_heads, 'q head')} {'share' if num_q_heads > 1 else 'uses'} "
-        f"{_plural(num_kv_heads, 'KV head')}, "
-        f"{_plural(group, 'q head')} per KV head"
+        f"{kind}: {plural(num_q_heads, 'q head')} {'share' if num_q_heads > 1 else 'uses'} "
+        f"{plural(num_kv_heads, 'KV head')}, "
+        f"{plural(group, 'q head')} per KV head"
     )
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
@@ -149,7 +168,7 @@ def _group_handles(groups: list[list[int]]) -> list[Patch]:
             facecolor=color(h),
             hatch=hatch(h),
             edgecolor="white",
-            label=f"KV head {h}: q head{'s' if len(q_heads) > 1 else ''} {_span(q_heads)}",
+            label=f"KV head {h}: q head{'s' if len(q_heads) > 1 else ''} {span(q_heads)}",
         )
         for h, q_heads in enumerate(shown)
     ]
@@ -164,14 +183,6 @@ def _group_handles(groups: list[list[int]]) -> list[Patch]:
     return handles
 
 
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
-def _span(items: Sequence[int]) -> str:
-    return str(items[0]) if len(items) == 1 else f"{items[0]}-{items[-1]}"
-
-
 # --- the paged KV cache ---------------------------------------------------------------------
 
 
@@ -180,7 +191,7 @@ class SlotUsage:
     """KV slots (one slot holds one token's K and V) reserved by a paged and by a contiguous
     cache for the same sequences."""
 
-    tokens: int  # tokens actually stored: sum(seq_lens)
+    tokens: int  # tokens actually stored: sum(kv_lens)
     paged_slots: int  # pages used * page_size
     contiguous_slots: int  # num_seqs * longest sequence
 
@@ -195,20 +206,19 @@ class SlotUsage:
         return self.contiguous_slots - self.tokens
 
 
-def slot_usage(seq_lens: Sequence[int], page_size: int) -> SlotUsage:
+def slot_usage(kv_lens: Sequence[int], page_size: int) -> SlotUsage:
     """Slots a paged cache and a contiguous cache (one buffer per sequence, sized to the
-    longest) reserve for sequences of `seq_lens` tokens.
+    longest) reserve for sequences of `kv_lens` tokens.
 
     >>> u = slot_usage([37, 5, 120], page_size=16)
     >>> u.paged_slots, u.paged_wasted, u.contiguous_slots, u.contiguous_wasted
     (192, 30, 360, 198)
     """
-    pages = sum(pages_needed(n, page_size) for n in seq_lens)
-    longest = max(seq_lens, default=0)
+    longest = max(kv_lens, default=0)
     return SlotUsage(
-        tokens=sum(seq_lens),
-        paged_slots=pages * page_size,
-        contiguous_slots=len(seq_lens) * longest,
+        tokens=sum(kv_lens),
+        paged_slots=pool_pages_needed(kv_lens, page_size) * page_size,
+        contiguous_slots=len(kv_lens) * longest,
     )
 
 
@@ -286,13 +296,13 @@ def page_table_figure(cache, seq_ids: Sequence[Hashable] | None = None) -> Figur
     pool_ax.set_xticks([c + 0.5 for c in range(cols)], range(cols))
     pool_ax.set_yticks(
         [-r for r in range(pool_rows)],
-        [f"{r * cols}-{min(total, (r + 1) * cols) - 1}" for r in range(pool_rows)],
+        [span(range(r * cols, min(total, (r + 1) * cols))) for r in range(pool_rows)],
     )
     pool_ax.set_xlabel("column: page number = first page of the row + column")
     pool_ax.set_ylabel("pages")
     pool_ax.set_title(
         f"The page pool: {cache.allocator.num_used} of total_num_pages={total} pages in use "
-        f"(page_size={_plural(page_size, 'slot')} each)",
+        f"(page_size={plural(page_size, 'slot')} each)",
         fontsize=10,
     )
     _clean(pool_ax)
@@ -578,8 +588,8 @@ def kernel_schedule_figure(schedule, step: tuple[int, int] | None = None) -> Fig
     ]
     grid_ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.suptitle(
-        f"Kernel schedule: grid = {_plural(num_heads_blocks, 'heads block')} x "
-        f"{_plural(num_q_blocks, 'q block')}, "
+        f"Kernel schedule: grid = {plural(num_heads_blocks, 'heads block')} x "
+        f"{plural(num_q_blocks, 'q block')}, "
         f"{len(schedule.computes())} KV blocks computed"
     )
     _fit_labels(fig, labels, [(grid_ax, "x"), (time_ax, "x")])
@@ -622,8 +632,8 @@ def _draw_grid(ax, schedule, selected) -> list:
         [0] + [-(h + 1) for h in range(num_heads_blocks)],
         ["q rows"]
         + [
-            f"heads block {h}\nq heads {_span(range(h * q_heads, (h + 1) * q_heads))}, "
-            f"KV heads {_span(range(h * kv_heads, (h + 1) * kv_heads))}"
+            f"heads block {h}\nq heads {span(range(h * q_heads, (h + 1) * q_heads))}, "
+            f"KV heads {span(range(h * kv_heads, (h + 1) * kv_heads))}"
             for h in range(num_heads_blocks)
         ],
         fontsize=8,
@@ -639,7 +649,7 @@ def _draw_grid(ax, schedule, selected) -> list:
     )
     ax.set_title(
         f"The grid: a tile per KV block computed (num_kv_pages_per_block="
-        f"{schedule.num_kv_pages_per_block}: {_plural(schedule.kv_tokens_per_block, 'token')})",
+        f"{schedule.num_kv_pages_per_block}: {plural(schedule.kv_tokens_per_block, 'token')})",
         fontsize=10,
     )
     _clean(ax)

@@ -22,6 +22,7 @@ Errors are shown inside the explorer, never raised: the validators' own messages
 
 from __future__ import annotations
 
+import functools
 import html
 import inspect
 import re
@@ -41,11 +42,12 @@ from minilib.heads import (
     check_head_counts,
     combined_head_slots,
     head_groups,
-    split_kv_pages,
     valid_num_kv_heads,
 )
-from minilib.kv_cache import PagedKVCache, pages_needed
+from minilib.kv_cache import FILL_ORDERS, fill_cache, pool_pages_needed
+from minilib.mistakes import MISTAKES, SEQ_LENS, base_batch, run_mistake
 from minilib.validation import dynamic_validate_inputs
+from minilib.viz import plural, span
 
 # Colours of the message box (Okabe-Ito): problems in vermillion, all-clear in bluish green.
 _PROBLEM, _OK = viz.OKABE_ITO["vermillion"], viz.OKABE_ITO["bluish green"]
@@ -53,6 +55,11 @@ _PROBLEM, _OK = viz.OKABE_ITO["vermillion"], viz.OKABE_ITO["bluish green"]
 
 class Explorer(widgets.VBox):
     """An explorer: a row of controls, then what they show.
+
+    Data flows one way: the control values go to `render(values)`, which returns what the
+    views show, `(status, figure, details)`, and never writes a control. (A control whose
+    choices depend on others, like the schedule's grid_step, is updated by an observer of
+    those controls, before the render.)
 
     Attributes:
       controls: name -> input widget. Set `.value` and the explorer redraws.
@@ -65,7 +72,7 @@ class Explorer(widgets.VBox):
     def __init__(self, title: str, controls: dict, render: Callable, note: str = ""):
         self.controls = controls
         self._render = render
-        self._refreshing = False
+        self._drawn: dict | None = None  # the control values the views show
         self.views = {
             "message": widgets.HTML(),
             "figure": widgets.Image(
@@ -85,19 +92,15 @@ class Explorer(widgets.VBox):
 
     def refresh(self) -> None:
         """Redraw from the current control values. Never raises: problems are shown."""
-        if self._refreshing:  # a render that updates a control (e.g. its options) lands here
-            return
         message, figure, details = self.views.values()
-        self._refreshing = True
+        self._drawn = self.values()
         try:
-            status, fig, table = self._render({k: c.value for k, c in self.controls.items()})
+            status, fig, table = self._render(dict(self._drawn))
         except Exception as err:  # shown, so the explorer keeps working
             message.value = _error_html(err)
             figure.value, figure.layout.display = b"", "none"
             details.value = ""
             return
-        finally:
-            self._refreshing = False
         # A render may report a problem it found (the playground's caught error) as its status.
         message.value = _error_html(status) if isinstance(status, Exception) else _box(status, _OK)
         if fig is None:
@@ -105,6 +108,10 @@ class Explorer(widgets.VBox):
         else:
             figure.value, figure.layout.display = viz.figure_png(fig), None
         details.value = table
+
+    def values(self) -> dict:
+        """name -> value of each control."""
+        return {name: control.value for name, control in self.controls.items()}
 
     @property
     def text(self) -> str:
@@ -115,7 +122,11 @@ class Explorer(widgets.VBox):
         return html.unescape(re.sub(r"<[^>]+>", "", text))
 
     def _on_change(self, change) -> None:
-        self.refresh()
+        # One change can reach here twice: a control whose options follow another control
+        # (the schedule's grid_step) is updated by its own observer before this one runs,
+        # and both report. The views are drawn once per new set of values.
+        if self.values() != self._drawn:
+            self.refresh()
 
 
 # --- head grouping -------------------------------------------------------------------------
@@ -161,7 +172,7 @@ def _render_head_grouping(values: dict):
     rows = [
         (
             f"KV head {h}",
-            _span(q_heads),
+            span(q_heads),
             f"{slots.index(('K', h))}",
             f"{slots.index(('V', h))}",
         )
@@ -177,76 +188,12 @@ def _render_head_grouping(values: dict):
 
 # --- the paged KV cache ---------------------------------------------------------------------
 
-ORDERS = ("in order", "shuffled", "after some frees")
 # Drawing is the slow part (matplotlib, a box per page): these keep every figure to seconds.
 MAX_PAGES, MAX_PAGE_SIZE, MAX_SEQS, MAX_SEQ_LEN = 256, 4096, 16, 1_000_000
 
 
-def fill_cache(
-    seq_lens, *, page_size: int, total_num_pages: int, order: str = "in order", seed: int = 0
-) -> tuple[PagedKVCache, list[int]]:
-    """A real `PagedKVCache` holding sequences 0, 1, ... of `seq_lens` tokens.
-
-    `order` is how the pool was used before and while they were written:
-      "in order":         each sequence written whole, one after another: neighbouring pages;
-      "shuffled":         the sequences grow together, a page at a time in random turns (as
-                          in a server decoding them all): their pages interleave;
-      "after some frees": the pool was full of one-page sequences and every other one has
-                          finished: ours get the scattered holes, among pages still in use.
-
-    Returns the cache and our sequence ids. Raises `KVCacheError` (for instance, out of pages)
-    as the cache does. (K and V are zeros of head_dim=1: only where they go matters here.)
-
-    >>> cache, ids = fill_cache([37, 5], page_size=16, total_num_pages=8)
-    >>> [cache.pages(s) for s in ids]
-    [(0, 1, 2), (3,)]
-    """
-    if order not in ORDERS:
-        raise ValueError(f"order={order!r} must be one of {ORDERS}.")
-    seq_lens = [int(n) for n in seq_lens]
-    earlier = total_num_pages if order == "after some frees" else 0
-    longest = max([pages_needed(n, page_size) for n in seq_lens] + [1]) if page_size > 0 else 1
-    cache = PagedKVCache(  # checks the sizes itself: a bad page_size gets the cache's message
-        total_num_pages=total_num_pages,
-        page_size=page_size,
-        num_kv_heads=1,
-        head_dim=1,
-        max_num_seqs=max(len(seq_lens) + max(earlier, 0), 1),
-        pages_per_seq=longest,
-    )
-
-    def write(seq_id, n: int) -> None:
-        cache.append(seq_id, np.zeros((n, 1, 1), np.float32), np.zeros((n, 1, 1), np.float32))
-
-    if order == "after some frees":
-        for k in range(earlier):  # fill the pool with one-page sequences ...
-            cache.add_sequence(f"earlier {k}")
-            write(f"earlier {k}", 1)
-        need = sum(pages_needed(n, page_size) for n in seq_lens)
-        for k in [*range(0, earlier, 2), *range(1, earlier, 2)]:  # ... and free every other
-            if cache.allocator.num_free >= need:
-                break
-            cache.free(f"earlier {k}")
-    ids = list(range(len(seq_lens)))
-    for s in ids:
-        cache.add_sequence(s)
-    if order == "shuffled":
-        rng = np.random.default_rng(seed)
-        left = list(seq_lens)
-        while any(left):  # a round: each unfinished sequence, in random order, fills a page
-            for s in rng.permutation([i for i in ids if left[i]]).tolist():
-                n = min(page_size, left[s])
-                write(s, n)
-                left[s] -= n
-    else:
-        for s, n in zip(ids, seq_lens, strict=True):
-            if n:
-                write(s, n)
-    return cache, ids
-
-
 def page_table_explorer(
-    seq_lens: str = "37, 5, 120",
+    kv_lens: str = "37, 5, 120",
     page_size: int = 16,
     total_num_pages: int = 24,
     order: str = "in order",
@@ -255,11 +202,11 @@ def page_table_explorer(
     the page table, the slots wasted against a contiguous cache sized to the longest
     sequence, and the `kv_lens` and `page_indices` arrays that attention reads."""
     controls = {
-        "seq_lens": _text("seq_lens", seq_lens, "e.g. 37, 5, 120"),
+        "kv_lens": _text("kv_lens", kv_lens, "e.g. 37, 5, 120"),
         "page_size": _int_text("page_size", page_size),
         "total_num_pages": _int_text("total_num_pages", total_num_pages),
         "order": widgets.Dropdown(
-            options=list(ORDERS), value=order, description="order", style=_STYLE
+            options=list(FILL_ORDERS), value=order, description="order", style=_STYLE
         ),
     }
     return Explorer(
@@ -267,72 +214,63 @@ def page_table_explorer(
         controls,
         _render_page_table,
         "Sequence lengths in tokens, separated by commas. "
-        + _page_size_suggestions(parse_ints(seq_lens, "seq_lens"), page_size, total_num_pages),
+        + _page_size_suggestions(parse_ints(kv_lens, "kv_lens"), page_size, total_num_pages),
     )
 
 
 PAGE_SIZES_TO_TRY = (1, 2, 4, 8, 16, 32, 64)
 
 
-def pool_pages_needed(seq_lens, page_size: int) -> int:
-    """Pages of the pool that sequences of `seq_lens` tokens take.
-
-    >>> pool_pages_needed([37, 5, 120], page_size=16)
-    12
-    """
-    return sum(pages_needed(n, page_size) for n in seq_lens)
-
-
-def _page_size_suggestions(seq_lens, page_size: int, total_num_pages: int) -> str:
+def _page_size_suggestions(kv_lens, page_size: int, total_num_pages: int) -> str:
     """What to try, computed so that each suggestion does what it says."""
-    fits = [p for p in PAGE_SIZES_TO_TRY if pool_pages_needed(seq_lens, p) <= total_num_pages]
+    fits = [p for p in PAGE_SIZES_TO_TRY if pool_pages_needed(kv_lens, p) <= total_num_pages]
     if not fits:
         return ""
     sizes = list(dict.fromkeys([fits[0], *([page_size] if page_size in fits else []), fits[-1]]))
     text = f"Try page_size {_and(sizes)}: the pool of {total_num_pages} pages holds them. "
     smaller = [p for p in PAGE_SIZES_TO_TRY if p < fits[0]]
-    if smaller and pool_pages_needed(seq_lens, smaller[0]) <= MAX_PAGES:
-        need = pool_pages_needed(seq_lens, smaller[0])
+    if smaller and pool_pages_needed(kv_lens, smaller[0]) <= MAX_PAGES:
+        need = pool_pages_needed(kv_lens, smaller[0])
         text += f"page_size {smaller[0]} needs {need} pages: set total_num_pages to {need} first. "
-    need = pool_pages_needed(seq_lens, page_size)
+    need = pool_pages_needed(kv_lens, page_size)
     if need > 1:
         text += f"With page_size {page_size}, see a pool of fewer than {need} pages run out."
     return text
 
 
-def _pool_hint(seq_lens, page_size: int, total_num_pages: int) -> str:
+def _pool_hint(kv_lens, page_size: int, total_num_pages: int) -> str:
     """How to make these sequences fit, with the explorer's own controls."""
-    need = pool_pages_needed(seq_lens, page_size)
+    need = pool_pages_needed(kv_lens, page_size)
     fixes = []
     if need <= MAX_PAGES:
         fixes.append(f"set total_num_pages to {need}")
     bigger = [
         p
         for p in (*PAGE_SIZES_TO_TRY, 128, 256, 512, 1024, 2048, MAX_PAGE_SIZE)
-        if p > page_size and pool_pages_needed(seq_lens, p) <= total_num_pages
+        if p > page_size and pool_pages_needed(kv_lens, p) <= total_num_pages
     ]
     if bigger:
         fixes.append(f"use page_size {bigger[0]} (or bigger)")
     if not fixes:
         return "these sequences need more pages than this explorer draws: use fewer tokens."
     return (
-        f"these sequences need {need} pages of {_plural(page_size, 'slot')}; the pool has "
+        f"these sequences need {need} pages of {plural(page_size, 'slot')}; the pool has "
         f"{total_num_pages}. In this explorer, {', or '.join(fixes)}."
     )
 
 
 def _render_page_table(values: dict):
-    lens = parse_ints(values["seq_lens"], "seq_lens")
+    kv_lens = parse_ints(values["kv_lens"], "kv_lens")
     page_size, total = values["page_size"], values["total_num_pages"]
-    for i, n in enumerate(lens):
+    for i, n in enumerate(kv_lens):
         if n < 0:
-            raise InputProblem(f"seq_lens[{i}]={n} is negative: a sequence holds 0 or more tokens.")
+            raise InputProblem(f"kv_lens[{i}]={n} is negative: a sequence holds 0 or more tokens.")
         if n > MAX_SEQ_LEN:
             raise InputProblem(
-                f"seq_lens[{i}]={n} is longer than this explorer handles ({MAX_SEQ_LEN})."
+                f"kv_lens[{i}]={n} is longer than this explorer handles ({MAX_SEQ_LEN})."
             )
-    if len(lens) > MAX_SEQS:
-        raise InputProblem(f"{len(lens)} sequences: this explorer draws at most {MAX_SEQS}.")
+    if len(kv_lens) > MAX_SEQS:
+        raise InputProblem(f"{len(kv_lens)} sequences: this explorer draws at most {MAX_SEQS}.")
     if total > MAX_PAGES or page_size > MAX_PAGE_SIZE:
         raise InputProblem(
             f"total_num_pages={total}, page_size={page_size}: this explorer draws at most "
@@ -340,27 +278,27 @@ def _render_page_table(values: dict):
         )
     try:
         cache, ids = fill_cache(
-            lens, page_size=page_size, total_num_pages=total, order=values["order"]
+            kv_lens, page_size=page_size, total_num_pages=total, order=values["order"]
         )
     except KVCacheError as err:  # the cache's message; a hint that works in the explorer
         if not err.message.startswith("Out of pages"):
             raise
-        raise KVCacheError(err.message, _pool_hint(lens, page_size, total)) from None
-    kv_lens, page_indices, _, num_seqs = cache.batch_metadata([(s, 0) for s in ids])
+        raise KVCacheError(err.message, _pool_hint(kv_lens, page_size, total)) from None
+    cache_kv_lens, page_indices, _, num_seqs = cache.batch_metadata([(s, 0) for s in ids])
     n = int(num_seqs[0])
-    usage = viz.slot_usage(lens, page_size)
+    usage = viz.slot_usage(kv_lens, page_size)
     ours = sum(len(cache.pages(s)) for s in ids)
     status = (
-        f"{_plural(len(ids), 'sequence')} hold{'s' if len(ids) == 1 else ''} "
-        f"{_plural(usage.tokens, 'token')} in {_plural(ours, 'page')} of "
-        f"{_plural(page_size, 'slot')}; "
+        f"{plural(len(ids), 'sequence')} hold{'s' if len(ids) == 1 else ''} "
+        f"{plural(usage.tokens, 'token')} in {plural(ours, 'page')} of "
+        f"{plural(page_size, 'slot')}; "
         f"the pool has {total} pages: {ours} ours, {cache.allocator.num_used - ours} of other "
         f"sequences, {cache.allocator.num_free} free. Paged: {usage.paged_wasted} of "
         f"{usage.paged_slots} slots wasted; contiguous (each sequence sized to the longest): "
         f"{usage.contiguous_wasted} of {usage.contiguous_slots}."
     )
     rows = []
-    for s, length in zip(ids, lens, strict=True):
+    for s, length in zip(ids, kv_lens, strict=True):
         pages = cache.pages(s)
         rows.append(
             (
@@ -383,10 +321,10 @@ def _render_page_table(values: dict):
         ),
         rows,
     )
-    kv_lens, page_indices = np.asarray(kv_lens), np.asarray(page_indices)
+    cache_kv_lens, page_indices = np.asarray(cache_kv_lens), np.asarray(page_indices)
     max_num_seqs, pages_per_seq = page_indices.shape
     arrays = (
-        f"kv_lens[:num_seqs]      = {kv_lens[:n].tolist()}\n"
+        f"kv_lens[:num_seqs]      = {cache_kv_lens[:n].tolist()}\n"
         f"page_indices[:num_seqs] = {_rows(page_indices[:n])}\n"
         f"num_seqs                = {np.asarray(num_seqs).tolist()}\n\n"
         f"(from cache.batch_metadata: kv_lens is i32[max_num_seqs={max_num_seqs}] and "
@@ -425,14 +363,8 @@ def ragged_batch_explorer(
 
 
 def _render_ragged_batch(values: dict):
-    q_lens = parse_ints(values["q_lens"], "q_lens")
-    kv_lens = parse_ints(values["kv_lens"], "kv_lens")
+    q_lens, kv_lens = _q_and_kv_lens(values["q_lens"], values["kv_lens"])
     window = parse_optional_int(values["sliding_window"], "sliding_window")
-    if len(q_lens) != len(kv_lens):
-        raise InputProblem(
-            f"q_lens has {len(q_lens)} entries but kv_lens has {len(kv_lens)}: give one q_len "
-            "and one kv_len per sequence."
-        )
     if len(q_lens) > MAX_SEQS or sum(q_lens) > MAX_TOKENS or max(kv_lens, default=0) > MAX_KV_LEN:
         raise InputProblem(
             f"this explorer draws at most {MAX_SEQS} sequences, {MAX_TOKENS} q rows in all, "
@@ -491,181 +423,10 @@ def _ragged_details(batch: RaggedBatch, window: int | None) -> str:
 
 def _keys_seen(position: int, window: int | None) -> str:
     first = 0 if window is None else max(0, position - window + 1)
-    return f"keys {first}..{position}"
+    return f"keys {span(range(first, position + 1))}"
 
 
 # --- the validation playground --------------------------------------------------------------
-# Each mistake is a function: it gets a correct batch (SEQ_LENS, 4 q heads, 2 KV heads,
-# page_size 8) and returns the positional arguments and options it breaks them into. The
-# playground shows the function's source, then what `dynamic_validate_inputs` says.
-
-SEQ_LENS = [(5, 5), (1, 20), (3, 12)]  # a prefill, a decode, a prefill chunk
-
-
-def correct(b):
-    """Nothing wrong: the batch make_batch built."""
-    return b.args(), {}
-
-
-def twelve_q_heads_eight_kv_heads(b):
-    """A model config with 12 q heads and 8 KV heads: 8 does not divide 12."""
-    b = make_batch(SEQ_LENS, num_q_heads=12, num_kv_heads=8, head_dim=8, page_size=8)
-    return b.args(), {}
-
-
-def q_transposed(b):
-    """q as [num_q_heads, tokens, head_dim], the layout of many attention codes."""
-    q = jnp.swapaxes(b.q, 0, 1)
-    return (q, *b.args()[1:]), {}
-
-
-def int64_lengths(b):
-    """kv_lens built with NumPy, whose integers are int64 by default."""
-    kv_lens = np.array([5, 20, 12])
-    return (b.q, b.kv_pages, kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs), {}
-
-
-def float_lengths(b):
-    """kv_lens computed with a division, so it came out as floats."""
-    kv_lens = b.kv_lens.astype(jnp.float32)
-    return (b.q, b.kv_pages, kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs), {}
-
-
-def pages_per_seq_too_small(b):
-    """A page table with one column, too few for the 20-token sequence (3 pages of 8)."""
-    page_indices = b.page_indices[:, :1]
-    return (b.q, b.kv_pages, b.kv_lens, page_indices, b.cu_q_lens, b.num_seqs), {}
-
-
-def q_len_greater_than_kv_len(b):
-    """kv_lens taken before this step's 3 new tokens were written to the cache."""
-    kv_lens = b.kv_lens.at[2].set(2)
-    return (b.q, b.kv_pages, kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs), {}
-
-
-def soft_cap_zero(b):
-    """soft_cap=0.0, meant as 'no soft capping'."""
-    return b.args(), {"soft_cap": 0.0}
-
-
-def sliding_window_zero(b):
-    """sliding_window=0, meant as 'no window'."""
-    return b.args(), {"sliding_window": 0}
-
-
-def page_index_out_of_range(b):
-    """A page number past the end of kv_pages, e.g. from another cache."""
-    total_num_pages = b.kv_pages.shape[0]
-    page_indices = b.page_indices.at[1, 0].set(total_num_pages)
-    return (b.q, b.kv_pages, b.kv_lens, page_indices, b.cu_q_lens, b.num_seqs), {}
-
-
-def cu_q_lens_decreasing(b):
-    """cu_q_lens of two sequences swapped by hand: [0, 5, 4, 9]."""
-    cu_q_lens = b.cu_q_lens.at[2].set(4)
-    return (b.q, b.kv_pages, b.kv_lens, b.page_indices, cu_q_lens, b.num_seqs), {}
-
-
-def cu_q_lens_without_leading_zero(b):
-    """cu_q_lens as np.cumsum(q_lens), without the leading 0."""
-    cu_q_lens = jnp.array([5, 6, 9, 9], jnp.int32)
-    return (b.q, b.kv_pages, b.kv_lens, b.page_indices, cu_q_lens, b.num_seqs), {}
-
-
-def negative_kv_len(b):
-    """-1 as 'no sequence here', in a slot that num_seqs still counts."""
-    kv_lens = b.kv_lens.at[1].set(-1)
-    return (b.q, b.kv_pages, kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs), {}
-
-
-def num_seqs_too_big(b):
-    """num_seqs counting one more sequence than there are slots."""
-    num_seqs = jnp.array([4], jnp.int32)
-    return (*b.args()[:5], num_seqs), {}
-
-
-def num_seqs_scalar(b):
-    """num_seqs as a plain scalar instead of a one-element array."""
-    num_seqs = jnp.int32(3)
-    return (*b.args()[:5], num_seqs), {}
-
-
-def k_pages_instead_of_kv_pages(b):
-    """Only the K pages, not K and V merged into kv_pages (an MQA model: one KV head)."""
-    b = make_batch(SEQ_LENS, num_q_heads=4, num_kv_heads=1, head_dim=8, page_size=8)
-    k_pages, v_pages = split_kv_pages(b.kv_pages)
-    return (b.q, k_pages, *b.args()[2:]), {}
-
-
-def q_too_short(b):
-    """q cut to 8 rows while cu_q_lens packs 9 tokens."""
-    return (b.q[:8], *b.args()[1:]), {}
-
-
-def k_scale_as_array(b):
-    """k_scale passed as a JAX scalar instead of a Python float."""
-    return b.args(), {"k_scale": jnp.float32(0.5), "v_scale": 0.5}
-
-
-def mask_value_minus_inf(b):
-    """mask_value=-inf, the textbook mask: NaN wherever a row sees no key in a block."""
-    return b.args(), {"mask_value": float("-inf")}
-
-
-def sliding_window_from_a_division(b):
-    """A sliding window computed as a fraction of the context, so it came out a float."""
-    return b.args(), {"sliding_window": 20 / 8}
-
-
-def q_as_integers(b):
-    """q cast to integers, as the token ids it was computed from."""
-    return (b.q.astype(jnp.int32), *b.args()[1:]), {}
-
-
-def kv_block_too_big(b):
-    """num_kv_pages_per_block=4 when each sequence has only pages_per_seq=3 columns."""
-    return b.args(), {"num_kv_pages_per_block": 4}
-
-
-MISTAKES: dict[str, Callable] = {
-    "correct: a valid mixed batch": correct,
-    "12 q heads with 8 KV heads": twelve_q_heads_eight_kv_heads,
-    "q transposed to [num_q_heads, tokens, head_dim]": q_transposed,
-    "kv_lens as int64 (NumPy's default)": int64_lengths,
-    "kv_lens as floats": float_lengths,
-    "pages_per_seq too small": pages_per_seq_too_small,
-    "q_len > kv_len": q_len_greater_than_kv_len,
-    "soft_cap=0.0 to turn it off": soft_cap_zero,
-    "sliding_window=0 to turn it off": sliding_window_zero,
-    "a page index out of range": page_index_out_of_range,
-    "cu_q_lens decreasing": cu_q_lens_decreasing,
-    "cu_q_lens without its leading 0": cu_q_lens_without_leading_zero,
-    "a negative kv_len": negative_kv_len,
-    "num_seqs > max_num_seqs": num_seqs_too_big,
-    "num_seqs as a scalar": num_seqs_scalar,
-    "K pages only, not kv_pages": k_pages_instead_of_kv_pages,
-    "q shorter than the packed tokens": q_too_short,
-    "k_scale as an array": k_scale_as_array,
-    "num_kv_pages_per_block > pages_per_seq": kv_block_too_big,
-    "mask_value=-inf": mask_value_minus_inf,
-    "sliding_window as a float": sliding_window_from_a_division,
-    "q as integers": q_as_integers,
-}
-
-
-def run_mistake(name: str) -> RPAInputError | None:
-    """Build the batch of mistake `name` and run `dynamic_validate_inputs` on it. Returns the
-    error it raised, or None if the inputs are valid.
-
-    >>> print(run_mistake("12 q heads with 8 KV heads").message)
-    num_q_heads=12 must be divisible by num_kv_heads=8
-    """
-    args, options = MISTAKES[name](_base_batch())
-    try:
-        dynamic_validate_inputs(*args, **options)
-    except RPAInputError as err:
-        return err
-    return None
 
 
 def validation_playground(mistake: str = "12 q heads with 8 KV heads") -> Explorer:
@@ -691,7 +452,7 @@ def validation_playground(mistake: str = "12 q heads with 8 KV heads") -> Explor
 
 def _render_mistake(values: dict):
     fn = MISTAKES[values["mistake"]]
-    args, options = fn(_base_batch())
+    args, options = fn(base_batch())
     code = textwrap.dedent(inspect.getsource(fn))
     shapes = "\n".join(
         f"{name:13s}: {_describe_array(a)}"
@@ -708,15 +469,10 @@ def _render_mistake(values: dict):
         + "<b>What reaches dynamic_validate_inputs(*args, **options)</b>:"
         + _pre(shapes)
     )
-    try:
-        dynamic_validate_inputs(*args, **options)
-    except RPAInputError as err:
+    err = run_mistake(values["mistake"])  # the real validator on the same inputs
+    if err is not None:
         return err, None, details
     return "Valid: dynamic_validate_inputs accepts these inputs.", None, details
-
-
-def _base_batch() -> RaggedBatch:
-    return make_batch(SEQ_LENS, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=8)
 
 
 def _describe_array(a) -> str:
@@ -762,19 +518,34 @@ def kernel_schedule_explorer(
             options=[ALL_STEPS], value=ALL_STEPS, description="grid_step", style=_STYLE
         ),
     }
+    plan = functools.lru_cache(maxsize=1)(_plan)  # the menu and the view need the same plan
+
+    def list_grid_steps(change=None) -> None:
+        """The grid_step menu offers the steps of the planned grid, keeping the choice if the
+        step still exists. It runs before the view is drawn, as the first observer of the
+        controls the plan is made from."""
+        try:
+            steps = [ALL_STEPS] + [str(step) for step in plan(*_plan_inputs(controls)).steps()]
+        except Exception:  # no plan: the view shows why
+            steps = [ALL_STEPS]
+        menu = controls["grid_step"]
+        if list(menu.options) != steps:
+            chosen = menu.value if menu.value in steps else ALL_STEPS
+            menu.options = steps  # resets the choice to the first option ...
+            menu.value = chosen  # ... so it is set back
+
+    list_grid_steps()
+    for name in PLAN_INPUTS:
+        controls[name].observe(list_grid_steps, names="value")
 
     def render(values: dict):
-        schedule = _plan(values)
-        # The grid steps to choose from change with the grid; keep the choice if it still exists.
-        steps = [ALL_STEPS] + [f"{step}" for step in schedule.steps()]
-        chosen = values["grid_step"] if values["grid_step"] in steps else ALL_STEPS
-        controls["grid_step"].options = steps
-        controls["grid_step"].value = chosen
+        schedule = plan(*(values[name] for name in PLAN_INPUTS))
+        chosen = values["grid_step"]
         step = None if chosen == ALL_STEPS else tuple(int(x) for x in chosen.strip("()").split(","))
         return (
             _schedule_status(schedule),
             viz.kernel_schedule_figure(schedule, step),
-            (_schedule_details(schedule, step)),
+            _schedule_details(schedule, step),
         )
 
     return Explorer(
@@ -788,29 +559,49 @@ def kernel_schedule_explorer(
 
 ALL_STEPS = "all grid steps"
 HEAD_DIM = 128
+# The controls the schedule is planned from (all but grid_step, which picks a step to show).
+PLAN_INPUTS = (
+    "q_lens",
+    "kv_lens",
+    "num_q_heads",
+    "num_kv_heads",
+    "page_size",
+    "num_kv_pages_per_block",
+    "num_queries_per_block",
+    "sliding_window",
+)
 
 
-def _plan(values: dict):
+def _plan_inputs(controls: dict) -> tuple:
+    return tuple(controls[name].value for name in PLAN_INPUTS)
+
+
+def _plan(
+    q_lens: str,
+    kv_lens: str,
+    num_q_heads: int,
+    num_kv_heads: int,
+    page_size: int,
+    num_kv_pages_per_block: str,
+    num_queries_per_block: str,
+    sliding_window: str,
+):
+    """The schedule of the typed batch and block sizes. The limits are checked first, so that
+    nothing big is built, planned or drawn."""
     from minilib.schedule import plan_schedule  # imports the Pallas kernel
 
-    q_lens = parse_ints(values["q_lens"], "q_lens")
-    kv_lens = parse_ints(values["kv_lens"], "kv_lens")
-    if len(q_lens) != len(kv_lens):
-        raise InputProblem(
-            f"q_lens has {len(q_lens)} entries but kv_lens has {len(kv_lens)}: give one q_len "
-            "and one kv_len per sequence."
-        )
-    if len(q_lens) > MAX_SEQS or sum(q_lens) > MAX_TOKENS or values["num_q_heads"] > MAX_HEADS:
+    q_lens, kv_lens = _q_and_kv_lens(q_lens, kv_lens)
+    if len(q_lens) > MAX_SEQS or sum(q_lens) > MAX_TOKENS or num_q_heads > MAX_HEADS:
         raise InputProblem(
             f"this explorer draws at most {MAX_SEQS} sequences, {MAX_TOKENS} q rows in all and "
             f"{MAX_HEADS} q heads."
         )
-    valid_num_kv_heads(values["num_q_heads"])  # raises for num_q_heads < 1
-    if values["page_size"] < 1:
+    valid_num_kv_heads(num_q_heads)  # raises for num_q_heads < 1
+    if page_size < 1:
         raise InputProblem(
-            f"page_size={values['page_size']} must be positive: a page holds at least one token."
+            f"page_size={page_size} must be positive: a page holds at least one token."
         )
-    if values["page_size"] > MAX_PAGE_SIZE or max(kv_lens, default=0) > MAX_KV_LEN:
+    if page_size > MAX_PAGE_SIZE or max(kv_lens, default=0) > MAX_KV_LEN:
         raise InputProblem(
             f"this explorer draws page_size up to {MAX_PAGE_SIZE} and kv_len up to {MAX_KV_LEN}."
         )
@@ -821,24 +612,24 @@ def _plan(values: dict):
         num_q_heads=1,
         num_kv_heads=1,
         head_dim=1,
-        page_size=values["page_size"],
+        page_size=page_size,
     )
     num_tokens, total_num_pages = batch.q.shape[0], batch.kv_pages.shape[0]
-    q = jax.ShapeDtypeStruct((num_tokens, values["num_q_heads"], HEAD_DIM), jnp.float32)
+    q = jax.ShapeDtypeStruct((num_tokens, num_q_heads, HEAD_DIM), jnp.float32)
     kv_pages = jax.ShapeDtypeStruct(
-        (total_num_pages, values["page_size"], 2 * values["num_kv_heads"], HEAD_DIM), jnp.float32
+        (total_num_pages, page_size, 2 * num_kv_heads, HEAD_DIM), jnp.float32
     )
     try:
         return plan_schedule(  # validates with dynamic_validate_inputs
             q,
             kv_pages,
             *batch.args()[2:],
-            sliding_window=parse_optional_int(values["sliding_window"], "sliding_window"),
+            sliding_window=parse_optional_int(sliding_window, "sliding_window"),
             num_kv_pages_per_block=parse_optional_int(
-                values["num_kv_pages_per_block"], "num_kv_pages_per_block"
+                num_kv_pages_per_block, "num_kv_pages_per_block"
             ),
             num_queries_per_block=parse_optional_int(
-                values["num_queries_per_block"], "num_queries_per_block"
+                num_queries_per_block, "num_queries_per_block"
             ),
             max_computes=MAX_COMPUTES,  # counted before anything is planned or drawn
             max_grid_steps=MAX_GRID_STEPS,
@@ -855,8 +646,8 @@ def _schedule_status(schedule) -> str:
     again = len(fetched) - len(set(fetched))
     heads, q_blocks = schedule.grid
     return (
-        f"grid = ({_plural(heads, 'heads block')}, {_plural(q_blocks, 'q block')}) = "
-        f"{_plural(heads * q_blocks, 'grid step')}; "
+        f"grid = ({plural(heads, 'heads block')}, {plural(q_blocks, 'q block')}) = "
+        f"{plural(heads * q_blocks, 'grid step')}; "
         f"{len(computes)} KV blocks computed, {len(starts)} DMAs. {again} DMAs copy a KV block "
         f"already copied for another q block of the same sequence. "
         f"num_queries_per_block={schedule.num_queries_per_block}, "
@@ -916,6 +707,17 @@ def parse_ints(text: str, name: str) -> list[int]:
                 f"separated by commas, e.g. 37, 5, 120."
             ) from None
     return numbers
+
+
+def _q_and_kv_lens(q_text: str, kv_text: str) -> tuple[list[int], list[int]]:
+    """The typed q_lens and kv_lens: one of each per sequence."""
+    q_lens, kv_lens = parse_ints(q_text, "q_lens"), parse_ints(kv_text, "kv_lens")
+    if len(q_lens) != len(kv_lens):
+        raise InputProblem(
+            f"q_lens has {len(q_lens)} entries but kv_lens has {len(kv_lens)}: give one q_len "
+            "and one kv_len per sequence."
+        )
+    return q_lens, kv_lens
 
 
 def parse_optional_int(text: str, name: str) -> int | None:
@@ -999,14 +801,6 @@ def _rows(array: np.ndarray) -> str:
     return "[" + ",\n                           ".join(str(r) for r in array.tolist()) + "]"
 
 
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
 def _and(items) -> str:
     items = [str(i) for i in items]
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
-
-
-def _span(items) -> str:
-    return str(items[0]) if len(items) == 1 else f"{items[0]}..{items[-1]}"

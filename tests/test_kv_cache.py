@@ -17,9 +17,11 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
 
 from minilib.errors import HintedError, KVCacheError, RPAInputError
 from minilib.kv_cache import (
+    FILL_ORDERS,
     PageAllocator,
     PagedKVCache,
     bucket_size,
+    fill_cache,
     pages_needed,
     write_tokens,
 )
@@ -615,3 +617,13 @@ def test_append_refuses_strings_and_complex_values():
             cache.append("a", bad, np.ones((1, 2, 3)))
     assert cache.seq_len("a") == 0 and cache.allocator.num_used == 0
     np.testing.assert_array_equal(np.asarray(cache.kv_pages), before)
+
+
+def test_fill_cache_orders_differ():
+    lists = []
+    for order in FILL_ORDERS:
+        cache, ids = fill_cache([37, 5, 120], page_size=16, total_num_pages=24, order=order)
+        lists.append([cache.pages(s) for s in ids])
+    assert lists[0] == [(0, 1, 2), (3,), tuple(range(4, 12))]
+    assert lists[1] != lists[0] and lists[2] != lists[0]
+    assert all(p % 2 == 0 for seq in lists[2] for p in seq)  # the holes of the freed ones

@@ -17,6 +17,7 @@ from minilib import (
     ref_ragged_paged_attention,
     static_validate_inputs,
 )
+from minilib.mistakes import MISTAKES, base_batch, run_mistake
 
 
 def good_batch(**kw):
@@ -46,39 +47,142 @@ def raises_ours(validator, args, **options) -> RPAInputError:
     return err
 
 
-# Static checks that JAX makes itself: our message must contain JAX's text word for word.
-STATIC_JAX_CASES = {
-    "heads 12/8": lambda b: (
-        args_with(b, q=jnp.zeros((8, 12, 64)), kv_pages=jnp.zeros((40, 4, 16, 64))),
-        {},
+# The one catalogue of mistakes (minilib.mistakes), each with what the validators must say.
+# Static mistakes (shapes, dtypes, options): static_validate_inputs raises, and
+# dynamic_validate_inputs, which runs the static checks first, raises the same error.
+# Where JAX's own validator checks the same thing, our message is JAX's, word for word:
+JAX_CHECKS = [
+    "12 q heads with 8 KV heads",
+    "q transposed to [num_q_heads, tokens, head_dim]",
+    "q's head_dim differs from kv_pages'",
+    "kv_lens longer than page_indices",
+    "cu_q_lens one entry short",
+    "num_seqs with two entries",
+    "kv_lens as int64 (NumPy's default)",
+    "page_indices as int64 (NumPy's default)",
+    "kv_lens as floats",
+    "soft_cap=0.0 to turn it off",
+    "sliding_window=0 to turn it off",
+    "num_kv_pages_per_block > pages_per_seq",
+    "num_kv_pages_per_block=0",
+    "num_queries_per_block=-1",
+    "vmem_limit_bytes=0",
+]
+# The checks JAX does not make (or makes with a bare assert or an unpacking error): our
+# message, word for word.
+STATIC = {
+    "q without its head axis": "q.shape=(9, 32) must have 3 dimensions.",
+    "K pages only, not kv_pages": "num_combined_kv_heads=1 (kv_pages.shape[2]) must be even.",
+    "K and V stacked on an axis of their own": (
+        "kv_pages.shape=(9, 8, 2, 2, 8) must have 4 dimensions."
     ),
-    "num_seqs shape": lambda b: (args_with(b, num_seqs=jnp.array([1, 2], jnp.int32)), {}),
-    "head_dim": lambda b: (args_with(b, q=jnp.zeros((8, 8, 32))), {}),
-    "kv_lens shape": lambda b: (args_with(b, kv_lens=jnp.zeros(4, jnp.int32)), {}),
-    "cu_q_lens shape": lambda b: (args_with(b, cu_q_lens=jnp.zeros(9, jnp.int32)), {}),
-    "float kv_lens": lambda b: (args_with(b, kv_lens=b.kv_lens.astype(jnp.float32)), {}),
-    "int64 page_indices": lambda b: (
-        args_with(b, page_indices=np.asarray(b.page_indices, np.int64)),
-        {},
-    ),  # noqa: E501
-    "sliding_window=0": lambda b: (args_with(b), {"sliding_window": 0}),
-    "soft_cap=0": lambda b: (args_with(b), {"soft_cap": 0.0}),
-    "kv pages per block 0": lambda b: (args_with(b), {"num_kv_pages_per_block": 0}),
-    "kv pages per block too big": lambda b: (args_with(b), {"num_kv_pages_per_block": 99}),
-    "queries per block": lambda b: (args_with(b), {"num_queries_per_block": -1}),
-    "vmem": lambda b: (args_with(b), {"vmem_limit_bytes": 0}),
+    "kv_lens as a column": "kv_lens.shape=(3, 1) must have 1 dimensions.",
+    "page_indices flattened": "page_indices.shape=(9,) must have 2 dimensions.",
+    "cu_q_lens as a column": "cu_q_lens.shape=(4, 1) must have 1 dimensions.",
+    "num_seqs as a scalar": "num_seqs.shape=() must have 1 dimensions.",
+    "k_scale as an array": "k_scale=Array(0.5, dtype=float32) must be a Python float or None.",
+    "k_scale as an int": "k_scale=2 must be a Python float or None.",
 }
+# Bad options and dtypes: the validators and every attention function reject them.
+OPTIONS = {
+    "q as integers": (
+        "q.dtype=dtype('int32') must be a float dtype of 16 bits or more "
+        "(float32, bfloat16, float16)."
+    ),
+    "q in fp8": (
+        "q.dtype=dtype(float8_e4m3fn) must be a float dtype of 16 bits or more "
+        "(float32, bfloat16, float16)."
+    ),
+    "kv_pages as int8": (
+        "kv_pages.dtype=dtype('int8') must be a float dtype (float32, bfloat16, or an fp8 "
+        "type such as float8_e4m3fn with k_scale and v_scale)."
+    ),
+    "kv_pages as bool": (
+        "kv_pages.dtype=dtype('bool') must be a float dtype (float32, bfloat16, or an fp8 "
+        "type such as float8_e4m3fn with k_scale and v_scale)."
+    ),
+    "soft_cap=inf to turn it off": "soft_cap=inf must be finite.",
+    "sliding_window negative": "sliding_window=-3 must be positive.",
+    "sliding_window as a float": "sliding_window=2.5 must be a whole number (an int).",
+    "sliding_window=True": "sliding_window=True must be a whole number (an int).",
+    "mask_value=-inf": "mask_value=-inf must be a finite negative number.",
+    "mask_value=nan": "mask_value=nan must be a finite negative number.",
+    "mask_value=0.0": "mask_value=0.0 must be a finite negative number.",
+    "mask_value positive": "mask_value=1e+30 must be a finite negative number.",
+    "mask_value as a string": "mask_value='-1e9' must be a real number.",
+    "sm_scale=nan": "sm_scale=nan must be finite.",
+    "sm_scale as an array": "sm_scale=Array([1., 1.], dtype=float32) must be a real number.",
+    "sm_scale as a string": "sm_scale='0.125' must be a real number.",
+    "k_scale=0.0": "k_scale=0.0 must be positive and finite.",
+    "v_scale negative": "v_scale=-0.5 must be positive and finite.",
+    "v_scale=inf": "v_scale=inf must be positive and finite.",
+}
+# Dynamic mistakes: shapes, dtypes and options are fine, only the values are wrong. The
+# static validator lets them through; the dynamic one says:
+DYNAMIC = {
+    "pages_per_seq too small": (
+        "pages_per_seq=1 must be greater or equal to min_pages_per_seq=3 given max_kv_len=20 "
+        "and page_size=8."
+    ),
+    "q_len > kv_len": "q_len=3 must be less or equal to kv_len=2 at sequence 2.",
+    "a negative kv_len": "kv_lens[1]=-1 must be non-negative.",
+    "a page index out of range": (
+        "page_indices[1, 0]=9 is outside [0, 9), the pages of kv_pages, for sequence 1 with "
+        "kv_len=20."
+    ),
+    "a negative page index": (
+        "page_indices[0, 0]=-1 is outside [0, 9), the pages of kv_pages, for sequence 0 with "
+        "kv_len=5."
+    ),
+    "cu_q_lens decreasing": "cu_q_lens must not decrease: cu_q_lens[2]=4 < cu_q_lens[1]=5.",
+    "cu_q_lens without its leading 0": "cu_q_lens[0]=5 must be 0.",
+    "q shorter than the packed tokens": (
+        "Total q tokens 9 must be less or equal to max_num_batched_tokens=8."
+    ),
+    "num_seqs > max_num_seqs": "num_seqs[0]=4 must be less or equal to max_num_seqs=3",
+    "num_seqs negative": "num_seqs[0]=-1 must be non-negative.",
+}
+VALID = ["correct: a valid mixed batch"]
 
 
-@pytest.mark.parametrize("case", STATIC_JAX_CASES)
+def test_every_mistake_has_its_expected_message():
+    named = [*VALID, *JAX_CHECKS, *STATIC, *OPTIONS, *DYNAMIC]
+    assert len(named) == len(set(named)), "each mistake in one group"
+    assert set(named) == set(MISTAKES)
+
+
+@pytest.mark.parametrize("name", JAX_CHECKS)
 @pytest.mark.parametrize("validator", ["static", "dynamic"])
-def test_static_checks_carry_jax_text(case, validator):
-    args, options = STATIC_JAX_CASES[case](good_batch())
+def test_static_checks_carry_jax_text(name, validator):
+    args, options = MISTAKES[name](base_batch())
     expected = jax_message(jax_kernel.static_validate_inputs, args, **options)
     ours = {"static": static_validate_inputs, "dynamic": dynamic_validate_inputs}[validator]
     err = raises_ours(ours, args, **options)
     assert err.message == expected
     assert str(err).startswith(expected + "\nHint: ")
+
+
+@pytest.mark.parametrize("name", [*STATIC, *OPTIONS])
+@pytest.mark.parametrize("validator", ["static", "dynamic"])
+def test_static_mistakes_raise_our_message(name, validator):
+    args, options = MISTAKES[name](base_batch())
+    ours = {"static": static_validate_inputs, "dynamic": dynamic_validate_inputs}[validator]
+    err = raises_ours(ours, args, **options)
+    assert err.message == {**STATIC, **OPTIONS}[name]
+
+
+@pytest.mark.parametrize("name", DYNAMIC)
+def test_dynamic_mistakes_raise_only_in_the_dynamic_check(name):
+    args, options = MISTAKES[name](base_batch())
+    static_validate_inputs(*args, **options)  # shapes, dtypes and options are fine
+    err = raises_ours(dynamic_validate_inputs, args, **options)
+    assert err.message == DYNAMIC[name]
+
+
+@pytest.mark.parametrize("name", VALID)
+def test_valid_entries_pass_both_validators(name):
+    assert run_mistake(name, static_validate_inputs) is None
+    assert run_mistake(name) is None
 
 
 def test_heads_message_and_hint():
@@ -100,116 +204,10 @@ def test_attention_functions_validate_too():
             fn(*args)
 
 
-# Checks JAX makes at run time. JAX formats values with repr (np.int32(5), Array(...)), so
-# the expected text here is written out, with plain integers.
-def test_num_seqs_too_big():
-    b = good_batch()
-    err = raises_ours(dynamic_validate_inputs, args_with(b, num_seqs=jnp.array([6], jnp.int32)))
-    assert err.message == "num_seqs[0]=6 must be less or equal to max_num_seqs=5"
-
-
-def test_pages_per_seq_too_small():
-    b = make_batch([(1, 20)], page_size=4)  # needs 5 pages
-    args = args_with(b, page_indices=b.page_indices[:, :3])
-    err = raises_ours(dynamic_validate_inputs, args)
-    assert err.message == (
-        "pages_per_seq=3 must be greater or equal to min_pages_per_seq=5 given "
-        "max_kv_len=20 and page_size=4."
-    )
-
-
-def test_too_many_q_tokens():
-    b = good_batch()
-    cu = np.asarray(b.cu_q_lens).copy()
-    cu[3] = 50  # q has 8 rows
-    err = raises_ours(dynamic_validate_inputs, args_with(b, cu_q_lens=jnp.asarray(cu)))
-    assert err.message == "Total q tokens 50 must be less or equal to max_num_batched_tokens=8."
-
-
-def test_q_len_above_kv_len():
-    b = good_batch()
-    kv = np.asarray(b.kv_lens).copy()
-    kv[0] = 2  # sequence 0 has 3 new tokens
-    err = raises_ours(dynamic_validate_inputs, args_with(b, kv_lens=jnp.asarray(kv)))
-    assert err.message == "q_len=3 must be less or equal to kv_len=2 at sequence 0."
-
-
-# Mistakes JAX lets through or meets with a bare assert.
-def test_page_index_out_of_range():
-    b = good_batch()
-    table = np.asarray(b.page_indices).copy()
-    table[1, 2] = b.kv_pages.shape[0]  # one past the last page
-    err = raises_ours(dynamic_validate_inputs, args_with(b, page_indices=jnp.asarray(table)))
-    total = b.kv_pages.shape[0]
-    assert err.message.startswith(f"page_indices[1, 2]={total} is outside [0, {total})")
-
-
-def test_negative_page_index():
-    b = good_batch()
-    table = np.asarray(b.page_indices).copy()
-    table[0, 0] = -1
-    err = raises_ours(dynamic_validate_inputs, args_with(b, page_indices=jnp.asarray(table)))
-    assert "page_indices[0, 0]=-1 is outside" in err.message
-
-
-def test_cu_q_lens_must_start_at_zero():
-    b = good_batch()
-    cu = np.asarray(b.cu_q_lens).copy()
-    cu[0] = 1
-    err = raises_ours(dynamic_validate_inputs, args_with(b, cu_q_lens=jnp.asarray(cu)))
-    assert err.message == "cu_q_lens[0]=1 must be 0."
-
-
-def test_cu_q_lens_must_not_decrease():
-    b = good_batch()
-    cu = np.asarray(b.cu_q_lens).copy()  # [0, 3, 4, 8, ...]
-    cu[2] = 2
-    err = raises_ours(dynamic_validate_inputs, args_with(b, cu_q_lens=jnp.asarray(cu)))
-    assert err.message == "cu_q_lens must not decrease: cu_q_lens[2]=2 < cu_q_lens[1]=3."
-
-
-def test_negative_kv_len():
-    b = good_batch()
-    kv = np.asarray(b.kv_lens).copy()
-    kv[1] = -4
-    err = raises_ours(dynamic_validate_inputs, args_with(b, kv_lens=jnp.asarray(kv)))
-    assert err.message == "kv_lens[1]=-4 must be non-negative."
-
-
-def test_negative_num_seqs():
-    b = good_batch()
-    err = raises_ours(dynamic_validate_inputs, args_with(b, num_seqs=jnp.array([-1], jnp.int32)))
-    assert err.message == "num_seqs[0]=-1 must be non-negative."
-
-
-def test_odd_combined_heads():
-    b = good_batch()
-    err = raises_ours(static_validate_inputs, args_with(b, kv_pages=jnp.zeros((40, 4, 3, 64))))
-    assert err.message == "num_combined_kv_heads=3 (kv_pages.shape[2]) must be even."
-    # JAX itself only asserts here.
+def test_jax_only_asserts_odd_combined_heads():
+    args, options = MISTAKES["K pages only, not kv_pages"](base_batch())
     with pytest.raises(AssertionError):
-        jax_kernel.static_validate_inputs(*args_with(b, kv_pages=jnp.zeros((40, 4, 3, 64))))
-
-
-@pytest.mark.parametrize(
-    "name, bad, rank",
-    [
-        ("q", jnp.zeros((8, 512)), 3),
-        ("kv_pages", jnp.zeros((40, 4, 4, 16, 64)), 4),
-        ("kv_lens", jnp.zeros((5, 1), jnp.int32), 1),
-        ("page_indices", jnp.zeros(5, jnp.int32), 2),
-        ("cu_q_lens", jnp.zeros((6, 1), jnp.int32), 1),
-        ("num_seqs", jnp.array(3, jnp.int32), 1),
-    ],
-)
-def test_wrong_rank(name, bad, rank):
-    err = raises_ours(static_validate_inputs, args_with(good_batch(), **{name: bad}))
-    assert err.message == f"{name}.shape={tuple(bad.shape)} must have {rank} dimensions."
-
-
-def test_scale_must_be_float():
-    err = raises_ours(static_validate_inputs, args_with(good_batch()), k_scale=2)
-    assert err.message == "k_scale=2 must be a Python float or None."
+        jax_kernel.static_validate_inputs(*args, **options)
 
 
 def test_dynamic_refuses_traced_values_clearly():
@@ -253,59 +251,15 @@ def test_unused_page_table_columns_may_hold_garbage():
     dynamic_validate_inputs(*args_with(b, page_indices=jnp.asarray(table)))
 
 
-# Options: every bad one raises, from the validators and from every attention function.
-BAD_OPTIONS = {
-    "mask_value=nan": ({"mask_value": float("nan")}, "mask_value=nan must be a finite negative"),
-    "mask_value=-inf": (
-        {"mask_value": float("-inf")},
-        "mask_value=-inf must be a finite negative",
-    ),
-    "mask_value=0": ({"mask_value": 0.0}, "mask_value=0.0 must be a finite negative"),
-    "mask_value=1e30": ({"mask_value": 1e30}, "must be a finite negative"),
-    "mask_value str": ({"mask_value": "-1e9"}, "mask_value='-1e9' must be a real number"),
-    "sm_scale=nan": ({"sm_scale": float("nan")}, "sm_scale=nan must be finite"),
-    "sm_scale array": ({"sm_scale": jnp.ones(2)}, "must be a real number"),
-    "sm_scale str": ({"sm_scale": "0.125"}, "sm_scale='0.125' must be a real number"),
-    "soft_cap=inf": ({"soft_cap": float("inf")}, "soft_cap=inf must be finite"),
-    "sliding_window=2.5": ({"sliding_window": 2.5}, "sliding_window=2.5 must be a whole number"),
-    "sliding_window=True": ({"sliding_window": True}, "must be a whole number"),
-    "sliding_window=-3": ({"sliding_window": -3}, "sliding_window=-3 must be positive."),
-    "k_scale=0": ({"k_scale": 0.0}, "k_scale=0.0 must be positive and finite"),
-    "v_scale<0": ({"v_scale": -0.5}, "v_scale=-0.5 must be positive and finite"),
-    "v_scale=inf": ({"v_scale": float("inf")}, "v_scale=inf must be positive and finite"),
-    "q int32": ({"q": "int32"}, "q.dtype=dtype('int32') must be a float dtype"),
-    "q fp8": ({"q": "float8_e4m3fn"}, "must be a float dtype of 16 bits or more"),
-    "kv_pages int8": ({"kv_pages": "int8"}, "kv_pages.dtype=dtype('int8') must be a float"),
-    "kv_pages bool": ({"kv_pages": "bool"}, "must be a float dtype"),
-}
-
-
-def split_case(batch, case):
-    """(args, options) of a BAD_OPTIONS case: dtype entries recast an array."""
-    changes, message = BAD_OPTIONS[case]
-    arrays = {k: getattr(batch, k).astype(v) for k, v in changes.items() if k in ("q", "kv_pages")}
-    options = {k: v for k, v in changes.items() if k not in ("q", "kv_pages")}
-    return args_with(batch, **arrays), options, message
-
-
-@pytest.mark.parametrize("case", BAD_OPTIONS)
-@pytest.mark.parametrize("validator", ["static", "dynamic"])
-def test_bad_options_raise(case, validator):
-    args, options, message = split_case(good_batch(), case)
-    ours = {"static": static_validate_inputs, "dynamic": dynamic_validate_inputs}[validator]
-    err = raises_ours(ours, args, **options)
-    assert message in err.message
-
-
-@pytest.mark.parametrize("case", BAD_OPTIONS)
-def test_every_attention_function_rejects_bad_options(case):
+@pytest.mark.parametrize("name", OPTIONS)
+def test_every_attention_function_rejects_bad_options(name):
     from minilib import (
         ragged_paged_attention,
         ragged_paged_attention_blockwise,
         ragged_paged_attention_pallas_basic,
     )
 
-    args, options, message = split_case(good_batch(), case)
+    args, options = MISTAKES[name](base_batch())
     for fn in (
         ref_ragged_paged_attention,
         ragged_paged_attention_jnp,
@@ -315,7 +269,7 @@ def test_every_attention_function_rejects_bad_options(case):
     ):
         with pytest.raises(RPAInputError) as info:
             fn(*args, **options)
-        assert message in info.value.message, fn.__name__
+        assert info.value.message == OPTIONS[name], fn.__name__
 
 
 @pytest.mark.parametrize(

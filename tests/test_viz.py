@@ -137,7 +137,7 @@ def test_slot_usage():
 
 
 @pytest.mark.parametrize(
-    "seq_lens, page_size, total, order",
+    "kv_lens, page_size, total, order",
     [
         ([37, 5, 120], 16, 24, "in order"),
         ([37, 5, 120, 64], 16, 30, "shuffled"),
@@ -146,13 +146,13 @@ def test_slot_usage():
         ([0, 3], 1, 4, "in order"),
     ],
 )
-def test_page_table_figure(seq_lens, page_size, total, order):
-    from minilib.widgets import fill_cache
+def test_page_table_figure(kv_lens, page_size, total, order):
+    from minilib.kv_cache import fill_cache
 
-    cache, ids = fill_cache(seq_lens, page_size=page_size, total_num_pages=total, order=order)
+    cache, ids = fill_cache(kv_lens, page_size=page_size, total_num_pages=total, order=order)
     fig = draw(
         lambda: viz.page_table_figure(cache, ids),
-        f"pages_{order.replace(' ', '_')}_{len(seq_lens)}_{total}",
+        f"pages_{order.replace(' ', '_')}_{len(kv_lens)}_{total}",
     )
     assert_reads_well(fig)
     assert f"total_num_pages={total}" in fig.axes[0].get_title()

@@ -22,6 +22,8 @@ from minilib import widgets as w  # noqa: E402
 from minilib.batch import make_batch  # noqa: E402
 from minilib.errors import KVCacheError, RPAInputError  # noqa: E402
 from minilib.heads import check_head_counts  # noqa: E402
+from minilib.kv_cache import FILL_ORDERS, fill_cache  # noqa: E402
+from minilib.mistakes import MISTAKES, base_batch  # noqa: E402
 from minilib.validation import dynamic_validate_inputs  # noqa: E402
 
 # ipywidgets 7 (Colab's) makes its comms with a class that ipykernel has deprecated.
@@ -145,7 +147,7 @@ def test_head_grouping_too_many_heads_to_draw(heads):
 
 @pytest.fixture(scope="module")
 def pages():
-    return w.page_table_explorer(seq_lens="37, 5, 120", page_size=16, total_num_pages=24)
+    return w.page_table_explorer(kv_lens="37, 5, 120", page_size=16, total_num_pages=24)
 
 
 def test_page_table_shows_the_real_cache(pages):
@@ -157,24 +159,14 @@ def test_page_table_shows_the_real_cache(pages):
     assert "contiguous (each sequence sized to the longest): 198 of 360" in text
 
 
-@pytest.mark.parametrize("order", w.ORDERS)
+@pytest.mark.parametrize("order", FILL_ORDERS)
 def test_page_table_orders_match_the_cache(pages, order):
     pages.controls["order"].value = order
-    cache, ids = w.fill_cache([37, 5, 120], page_size=16, total_num_pages=24, order=order)
+    cache, ids = fill_cache([37, 5, 120], page_size=16, total_num_pages=24, order=order)
     for s in ids:
         assert str(list(cache.pages(s))) in pages.text
     assert shows_figure(pages)
     pages.controls["order"].value = "in order"
-
-
-def test_page_table_orders_differ():
-    lists = []
-    for order in w.ORDERS:
-        cache, ids = w.fill_cache([37, 5, 120], page_size=16, total_num_pages=24, order=order)
-        lists.append([cache.pages(s) for s in ids])
-    assert lists[0] == [(0, 1, 2), (3,), tuple(range(4, 12))]
-    assert lists[1] != lists[0] and lists[2] != lists[0]
-    assert all(p % 2 == 0 for seq in lists[2] for p in seq)  # the holes of the freed ones
 
 
 @pytest.mark.parametrize(
@@ -182,20 +174,20 @@ def test_page_table_orders_differ():
     [
         ("37, abc, 5", "'abc' (entry 1) is not a whole number"),
         ("37, 5.5", "'5.5' (entry 1) is not a whole number"),
-        ("37, -5", "seq_lens[1]=-5 is negative"),
+        ("37, -5", "kv_lens[1]=-5 is negative"),
         (",".join(["1"] * 17), "at most 16"),
     ],
 )
 def test_page_table_bad_lengths(pages, text, expected):
-    pages.controls["seq_lens"].value = text
+    pages.controls["kv_lens"].value = text
     assert expected in pages.text and not shows_figure(pages)
-    pages.controls["seq_lens"].value = "37, 5, 120"
+    pages.controls["kv_lens"].value = "37, 5, 120"
     assert shows_figure(pages)
 
 
 def test_page_table_more_pages_than_the_pool_shows_the_caches_message(pages):
-    pages.controls["seq_lens"].value = "370, 300, 5"
-    err = raised(w.fill_cache, [370, 300, 5], page_size=16, total_num_pages=24)
+    pages.controls["kv_lens"].value = "370, 300, 5"
+    err = raised(fill_cache, [370, 300, 5], page_size=16, total_num_pages=24)
     assert isinstance(err, KVCacheError) and err.message.startswith("Out of pages")
     assert err.message in pages.text and not shows_figure(pages)
     # The hint is one the explorer can follow: no free(seq_id), which it cannot do.
@@ -207,16 +199,16 @@ def test_page_table_more_pages_than_the_pool_shows_the_caches_message(pages):
     assert err.message.split(":")[0] in pages.text and not shows_figure(pages)
     pages.controls["total_num_pages"].value, pages.controls["page_size"].value = 24, 32
     assert shows_figure(pages)  # and so does its second
-    pages.controls["seq_lens"].value, pages.controls["page_size"].value = "37, 5, 120", 16
+    pages.controls["kv_lens"].value, pages.controls["page_size"].value = "37, 5, 120", 16
 
 
 @pytest.mark.parametrize(
-    "seq_lens, page_size, total",
+    "kv_lens, page_size, total",
     [("37, 5, 120", 16, 24), ("37, 5, 120", 1, 24), ("1000, 3", 4, 100), ("5, 5, 5", 8, 3)],
 )
-def test_page_table_suggestions_do_what_they_say(seq_lens, page_size, total):
+def test_page_table_suggestions_do_what_they_say(kv_lens, page_size, total):
     """Every setting the note and the out-of-pages hint suggest does what they say it does."""
-    ex = w.page_table_explorer(seq_lens=seq_lens, page_size=page_size, total_num_pages=total)
+    ex = w.page_table_explorer(kv_lens=kv_lens, page_size=page_size, total_num_pages=total)
     note = ex.children[0].value
     tried = re.search(r"Try page_size ([\d, and]+):", note)
     for size in re.findall(r"\d+", tried.group(1)) if tried else []:  # "each fits the pool"
@@ -251,9 +243,9 @@ def test_page_table_suggestions_do_what_they_say(seq_lens, page_size, total):
 
 
 def test_page_table_counts_read_in_the_singular_too(pages):
-    pages.controls["seq_lens"].value, pages.controls["page_size"].value = "1", 1
+    pages.controls["kv_lens"].value, pages.controls["page_size"].value = "1", 1
     assert "1 sequence holds 1 token in 1 page of 1 slot;" in pages.text
-    pages.controls["seq_lens"].value, pages.controls["page_size"].value = "37, 5, 120", 16
+    pages.controls["kv_lens"].value, pages.controls["page_size"].value = "37, 5, 120", 16
     assert "3 sequences hold 162 tokens in 12 pages of 16 slots;" in pages.text
 
 
@@ -263,7 +255,7 @@ def test_page_table_bad_sizes(pages, page_size, total):
     pages.controls["total_num_pages"].value = total
     assert not shows_figure(pages)
     if total <= w.MAX_PAGES:
-        err = raised(w.fill_cache, [37, 5, 120], page_size=page_size, total_num_pages=total)
+        err = raised(fill_cache, [37, 5, 120], page_size=page_size, total_num_pages=total)
         assert shows_error(pages, err) and "must be a positive int" in err.message
     else:
         assert f"draws at most {w.MAX_PAGES} pages" in pages.text
@@ -316,43 +308,22 @@ def test_ragged_batch_bad_lengths(ragged):
 
 # --- the validation playground -----------------------------------------------------------------
 
-REQUIRED_MISTAKES = {
-    "correct: a valid mixed batch": None,
-    "12 q heads with 8 KV heads": "num_q_heads=12 must be divisible by num_kv_heads=8",
-    "q transposed to [num_q_heads, tokens, head_dim]": "must be divisible",
-    "kv_lens as int64 (NumPy's default)": "kv_lens.dtype=dtype('int64')",
-    "kv_lens as floats": "kv_lens.dtype=dtype('float32')",
-    "pages_per_seq too small": "pages_per_seq=1 must be greater or equal to min_pages_per_seq=3",
-    "q_len > kv_len": "q_len=3 must be less or equal to kv_len=2 at sequence 2.",
-    "soft_cap=0.0 to turn it off": "soft_cap=0.0 must not be 0.0.",
-    "sliding_window=0 to turn it off": "sliding_window=0 must be positive.",
-    "a page index out of range": "page_indices[1, 0]=9 is outside [0, 9)",
-    "cu_q_lens decreasing": "cu_q_lens must not decrease",
-    "mask_value=-inf": "mask_value=-inf must be a finite negative number.",
-    "sliding_window as a float": "sliding_window=2.5 must be a whole number (an int).",
-    "q as integers": "q.dtype=dtype('int32') must be a float dtype",
-}
+
+def test_playground_offers_every_mistake_of_the_catalogue():
+    # What each mistake makes the validators say is tested in test_validation.py.
+    ex = w.validation_playground()
+    assert list(ex.controls["mistake"].options) == list(MISTAKES)
 
 
-def test_playground_offers_the_common_mistakes():
-    assert len(w.MISTAKES) >= 12
-    assert set(REQUIRED_MISTAKES) <= set(w.MISTAKES)
-    for name, expected in REQUIRED_MISTAKES.items():
-        err = w.run_mistake(name)
-        if expected is None:
-            assert err is None, f"{name} should be valid"
-        else:
-            assert expected in err.message, name
-    assert all(w.run_mistake(n) for n in w.MISTAKES if not n.startswith("correct")), (
-        "every mistake but the correct batch is caught"
-    )
+VALID = "correct: a valid mixed batch"
 
 
 def test_playground_shows_each_validators_message_and_the_code():
     ex = w.validation_playground()
-    for name in w.MISTAKES:
+    for name in MISTAKES:
         ex.controls["mistake"].value = name
-        err = w.run_mistake(name)
+        args, options = MISTAKES[name](base_batch())
+        err = raised(dynamic_validate_inputs, *args, **options) if name != VALID else None
         message = ex.views["message"].value
         if err is None:
             assert "Valid: dynamic_validate_inputs accepts these inputs." in ex.text
@@ -362,7 +333,7 @@ def test_playground_shows_each_validators_message_and_the_code():
             assert "Hint: " in ex.text
             # the error is the status, in the problem colour: no green "all clear" above it
             assert w._PROBLEM in message and w._OK not in message, name
-        assert f"def {w.MISTAKES[name].__name__}(b):" in ex.text  # the code that ran
+        assert f"def {MISTAKES[name].__name__}(b):" in ex.text  # the code that ran
 
 
 # --- the kernel schedule -----------------------------------------------------------------------
@@ -416,6 +387,18 @@ def test_schedule_block_sizes(schedule):
     schedule.controls["num_kv_pages_per_block"].value = "2"
     schedule.controls["num_queries_per_block"].value = "8"
     assert shows_figure(schedule) and "= 6 grid steps" in schedule.text
+
+
+def test_schedule_grid_step_menu_follows_the_grid():
+    ex = w.kernel_schedule_explorer()
+    ex.controls["grid_step"].value = "(0, 1)"
+    ex.controls["num_queries_per_block"].value = "16"  # a smaller grid that still has (0, 1)
+    _, plan = _plan(num_queries_per_block=16)
+    assert list(ex.controls["grid_step"].options) == [w.ALL_STEPS] + [str(s) for s in plan.steps()]
+    assert ex.controls["grid_step"].value == "(0, 1)" and "grid step (0, 1):" in ex.text
+    ex.controls["num_kv_heads"].value = 6  # no plan: the menu offers all steps, the view why
+    assert list(ex.controls["grid_step"].options) == [w.ALL_STEPS]
+    assert shows_error(ex, raised(check_head_counts, 16, 6))
 
 
 def test_schedule_caption_names_a_tile_it_draws():
@@ -488,7 +471,7 @@ EXTREMES = {
     ),
     "page table, pool far too small, after frees": (
         lambda: w.page_table_explorer(
-            seq_lens="1000000", page_size=1, total_num_pages=256, order="after some frees"
+            kv_lens="1000000", page_size=1, total_num_pages=256, order="after some frees"
         ),
         "Out of pages",
     ),
