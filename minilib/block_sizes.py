@@ -33,6 +33,15 @@ import math
 import jax
 import jax.numpy as jnp
 
+__all__ = [
+    "current_chip",
+    "default_block_sizes",
+    "hbm_bytes_per_s",
+    "modelled_seconds",
+    "num_kv_heads_per_block",
+    "packing",
+]
+
 # Chip-independent defaults: a KV block of about this many tokens keeps the MXU busy, ...
 TARGET_KV_TOKENS_PER_BLOCK = 512
 # ... with at most this many page copies per block (each is a DMA descriptor, issued by the
@@ -173,7 +182,11 @@ def default_block_sizes(
 
 
 def hbm_bytes_per_s(chip: str) -> float:
-    """The chip's HBM bandwidth: JAX's own table when it has one (jax >= 0.8), else ours."""
+    """The chip's HBM bandwidth: JAX's own table when it has one (jax >= 0.8), else ours.
+
+    >>> hbm_bytes_per_s("v6e") / 1e9   # GB/s
+    1640.0
+    """
     try:
         from jax.experimental.pallas import tpu as pltpu
 
