@@ -37,6 +37,8 @@ from minilib.engine.sharding import shard_attention, shard_kv_pages, shard_param
 from minilib.kv_cache import pages_needed, write_tokens
 from minilib.reference import ref_ragged_paged_attention
 
+__all__ = ["Engine", "PackedBatch", "StepStats", "pack_batch"]
+
 
 @dataclasses.dataclass(frozen=True)
 class StepStats:
@@ -45,6 +47,18 @@ class StepStats:
     `batch` lists the step's sequences in batch order as (request_id, kind, num_tokens),
     kind 'prefill' or 'decode'; `page_owners` gives, page by page, the request that owns it
     (None: free).
+
+    >>> from minilib import ragged_paged_attention_jnp
+    >>> from minilib.engine import init_params
+    >>> config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
+    ...                      head_dim=32)
+    >>> engine = Engine(init_params(config), config, num_pages=8, page_size=4,
+    ...                 max_num_batched_tokens=8, max_num_seqs=2,
+    ...                 attention=ragged_paged_attention_jnp)
+    >>> _ = engine.add_request([1, 2, 3, 4, 5], max_new_tokens=2)
+    >>> stats = engine.step()   # the prompt: 5 tokens, 2 pages, and the first token sampled
+    >>> stats.batch, stats.num_tokens, stats.num_pages_used, stats.page_owners
+    (((0, 'prefill', 5),), 5, 2, (0, 0, None, None, None, None, None, None))
     """
 
     step: int
@@ -70,7 +84,21 @@ class StepStats:
 
 @dataclasses.dataclass(frozen=True)
 class PackedBatch:
-    """One step's inputs, padded to fixed sizes.  T = max_num_batched_tokens."""
+    """One step's inputs, padded to fixed sizes.  T = max_num_batched_tokens.
+
+    >>> from minilib import ragged_paged_attention_jnp
+    >>> from minilib.engine import init_params
+    >>> config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
+    ...                      head_dim=32)
+    >>> engine = Engine(init_params(config), config, num_pages=8, page_size=4,
+    ...                 max_num_batched_tokens=8, max_num_seqs=2,
+    ...                 attention=ragged_paged_attention_jnp)
+    >>> _ = engine.add_request([1, 2, 3], max_new_tokens=1)
+    >>> _ = engine.step()
+    >>> batch = engine.last_batch      # what the model saw
+    >>> batch.tokens.tolist(), batch.cu_q_lens.tolist(), batch.sample_rows.tolist()
+    ([1, 2, 3, 0, 0, 0, 0, 0], [0, 3, 3], [2, 0])
+    """
 
     tokens: np.ndarray  # i32[T]
     positions: np.ndarray  # i32[T], each row's position in its sequence
