@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from minilib.tpu_compile import CHIPS, CompileReport, compile_for_tpu, kib
 
-__all__ = ["compile_rpa", "main", "rpa_kernel", "rpa_specs", "side_by_side", "static_targets"]
+# The command line (`main`) is `python -m minilib compile`'s, not part of the library.
+__all__ = ["compile_rpa", "rpa_kernel", "rpa_specs", "side_by_side", "static_targets"]
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32, "fp8": jnp.float8_e4m3fn}
 
@@ -191,17 +192,6 @@ def static_targets() -> list[tuple[str, bool | None, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m minilib compile`: print `side_by_side` for the shapes of `argv`. Returns the
-    exit status: 0 when our kernel compiled, 1 when it did not or libtpu is missing.
-
-    It compiles two kernels (needs libtpu), so the example is not run:
-
-    >>> main(["--chip", "v5e"])  # doctest: +SKIP
-    TPU v5e: static estimates from the compiled programs (libtpu 0.0.42.1), not timings.
-                                        ours               JAX  ours / JAX
-    bundles per KV block ...
-    0
-    """
     parser = argparse.ArgumentParser(
         prog="python -m minilib compile",
         description="Compile our RPA kernel and JAX's for a TPU chip (needs libtpu, not a "
