@@ -150,9 +150,10 @@ def default_block_sizes(
 
     The budgets are set for head_dim 128. A wider head widens q, the output and acc too, and
     head_dim 256 takes the kernel's general K/V load, which spills more: the budget shrinks in
-    proportion. (Measured with `minilib.tpu_compile`: on v4, GQA in bf16 with head_dim 256,
-    16 pages per block needed 12.4 MiB of v4's 16 MiB of VMEM, 4.2 MiB of it spills; 8 pages
-    leave a quarter free, as `tests/test_tpu_compile.py` asks.)
+    proportion. (Measured with `python -m minilib compile --chip v4 --head-dim 256
+    --num-kv-pages-per-block 16`: GQA in bf16 with head_dim 256 and 16 pages per block needed
+    12.2 MiB of v4's 16 MiB of VMEM, 4.1 MiB of it spills; 8 pages leave a quarter free, as
+    `tests/test_tpu_compile.py` asks.)
 
     >>> default_block_sizes(page_size=16, pages_per_seq=64, max_num_batched_tokens=512,
     ...                     bytes_per_page=16 * 16 * 128 * 2)   # chip unknown

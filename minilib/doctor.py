@@ -42,7 +42,8 @@ def parity_smoke_check() -> tuple[dict[str, float], float]:
     interpreted elsewhere) against JAX's own reference on one small NaN-padded batch.
     Returns ({name: max abs error}, seconds).
 
-    The first call compiles both implementations (seconds on a CPU), so the example is not run:
+    It compiles and runs both implementations (`doctor` prints how long that took), so the
+    example is not run:
 
     >>> errors, seconds = parity_smoke_check()  # doctest: +SKIP
     >>> errors  # doctest: +SKIP
@@ -75,8 +76,8 @@ def parity_smoke_check() -> tuple[dict[str, float], float]:
 def doctor() -> bool:
     """Print the environment report. Returns True when the parity check passes.
 
-    It runs `parity_smoke_check` (seconds on a CPU), so the example is not run; on a CPU
-    without libtpu it prints:
+    It runs `parity_smoke_check`, and compiles the kernel for v5e where libtpu is installed,
+    so the example is not run; on a CPU without libtpu it printed:
 
     >>> doctor()  # doctest: +SKIP
     backend:      cpu (cpu)
@@ -84,7 +85,7 @@ def doctor() -> bool:
     jaxlib:       0.10.2
     libtpu:       not installed
     Pallas kernel: interpreted (TPU interpret mode on cpu: right answers, not TPU speed)
-    parity check: PASS: max |minilib - jax reference|: jnp 1.2e-06, kernel 4.8e-07 (4.2 s)
+    parity check: PASS: max |minilib - jax reference|: jnp 1.2e-06, kernel 4.8e-07 (6.5 s)
     TPU compile:  not available: libtpu is not installed (jax 0.10.2). Install it with: ...
     True
     """
@@ -107,7 +108,7 @@ def tpu_compile_check() -> bool:
     compile the kernel for v5e and print what the compiler made of it. Returns False only
     when libtpu is there and the kernel does not compile.
 
-    With libtpu it compiles the kernel (seconds), so the example is not run; with libtpu
+    With libtpu it compiles the kernel for v5e, so the example is not run; with libtpu
     0.0.42.1 it printed:
 
     >>> tpu_compile_check()  # doctest: +SKIP

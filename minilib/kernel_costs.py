@@ -158,7 +158,8 @@ def static_targets() -> list[tuple[str, bool | None, str]]:
     on v5e and v6e at 32 and 8 queries per block. Static estimates from the compiled
     programs, not timings. Without libtpu, one entry with passed None says how to get it.
 
-    It compiles eight kernels (about a minute on a busy 2-core host), so the example is not run:
+    With libtpu it compiles eight kernels (ours and JAX's, per chip and q block size), so the
+    example is not run:
 
     >>> for target, passed, detail in static_targets():  # doctest: +SKIP
     ...     print(passed, target, detail)

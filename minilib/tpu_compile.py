@@ -46,16 +46,15 @@ process, and never again. Two cases:
   or in a notebook that used JAX only on the CPU (`JAX_PLATFORMS=cpu`, or no libtpu at the
   time). Then the first compile sets the flags, with one dump folder for the whole process,
   and starts libtpu; every compile reads the files that appeared in that folder and deletes
-  them. This costs nothing beyond the compile itself (1 to 4 s).
+  them. This costs nothing beyond the compile itself (`CompileReport.seconds`).
 * libtpu already started without these flags (on a TPU host, where JAX's TPU backend starts it
   at the first JAX call). Then each compile runs in a fresh Python process (`python -m
-  minilib.tpu_compile`), which costs several seconds more per compile for starting Python,
-  importing JAX and starting libtpu: on a busy 2-core host, 11.6 s for a compile that took
-  3.3 s in-process. `fn` must then be picklable: a
+  minilib.tpu_compile`), which adds to every compile the start of Python, of JAX and of
+  libtpu (`CompileReport.seconds` counts the compile alone). `fn` must then be picklable: a
   module-level function, or a `functools.partial` of one.
 
-A subprocess for every compile would have been simpler, but would make the hundred compiles
-of the test matrix several times slower, and would not work for the lambdas a learner writes.
+A subprocess for every compile would have been simpler, but would add those starts to each of
+the hundred compiles of the test matrix, and would not work for the lambdas a learner writes.
 
 libtpu also logs a few lines about host discovery; `TPU_ACCELERATOR_TYPE` and
 `TPU_WORKER_HOSTNAMES` (set only when unset) quiet them. `ALLOW_MULTIPLE_LIBTPU_LOAD=1` lets

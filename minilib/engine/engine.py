@@ -48,17 +48,12 @@ class StepStats:
     kind 'prefill' or 'decode'; `page_owners` gives, page by page, the request that owns it
     (None: free).
 
-    >>> from minilib import ragged_paged_attention_jnp
-    >>> from minilib.engine import init_params
-    >>> config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
-    ...                      head_dim=32)
-    >>> engine = Engine(init_params(config), config, num_pages=8, page_size=4,
-    ...                 max_num_batched_tokens=8, max_num_seqs=2,
-    ...                 attention=ragged_paged_attention_jnp)
-    >>> _ = engine.add_request([1, 2, 3, 4, 5], max_new_tokens=2)
-    >>> stats = engine.step()   # the prompt: 5 tokens, 2 pages, and the first token sampled
-    >>> stats.batch, stats.num_tokens, stats.num_pages_used, stats.page_owners
-    (((0, 'prefill', 5),), 5, 2, (0, 0, None, None, None, None, None, None))
+    >>> stats = StepStats(step=3, num_prefill_tokens=5, num_decode_tokens=2, num_pages_used=4,
+    ...                   num_waiting=0, num_running=3, preempted=(), admitted=(2,),
+    ...                   finished=(), batch=((0, "decode", 1), (1, "decode", 1),
+    ...                   (2, "prefill", 5)), page_owners=(0, 1, 2, 2, None))
+    >>> stats.num_tokens, stats.num_preempted    # a step of two decodes and one prefill
+    (7, 0)
     """
 
     step: int
@@ -86,18 +81,11 @@ class StepStats:
 class PackedBatch:
     """One step's inputs, padded to fixed sizes.  T = max_num_batched_tokens.
 
-    >>> from minilib import ragged_paged_attention_jnp
-    >>> from minilib.engine import init_params
-    >>> config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
-    ...                      head_dim=32)
-    >>> engine = Engine(init_params(config), config, num_pages=8, page_size=4,
-    ...                 max_num_batched_tokens=8, max_num_seqs=2,
-    ...                 attention=ragged_paged_attention_jnp)
-    >>> _ = engine.add_request([1, 2, 3], max_new_tokens=1)
-    >>> _ = engine.step()
-    >>> batch = engine.last_batch      # what the model saw
-    >>> batch.tokens.tolist(), batch.cu_q_lens.tolist(), batch.sample_rows.tolist()
-    ([1, 2, 3, 0, 0, 0, 0, 0], [0, 3, 3], [2, 0])
+    >>> from minilib.engine.scheduler import StepPlan
+    >>> empty = pack_batch(StepPlan((), (), ()), max_num_batched_tokens=4, max_num_seqs=2,
+    ...                    num_pages=3, page_size=4)
+    >>> empty.page_ids.tolist(), empty.cu_q_lens.tolist(), empty.num_seqs.tolist()  # all padding
+    ([3, 3, 3, 3], [0, 0, 0], [0])
     """
 
     tokens: np.ndarray  # i32[T]

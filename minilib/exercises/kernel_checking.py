@@ -94,15 +94,11 @@ def run_in_strict_interpret_mode(fn: Callable, timeout: float | None = None):
     `timeout` defaults to KERNEL_TIMEOUT_SECONDS.
 
     >>> import jax.numpy as jnp
-    >>> from jax.experimental import pallas as pl
-    >>> def double_kernel(x_ref, o_ref):
-    ...     o_ref[...] = 2 * x_ref[...]
-    >>> def double(x, *, interpret=False):   # [8, 128] -> [8, 128]
-    ...     out_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    ...     return pl.pallas_call(double_kernel, out_shape=out_shape, interpret=interpret)(x)
-    >>> run = run_in_strict_interpret_mode(double)(jnp.ones((8, 128)))
-    >>> float(run.out[0, 0]), run.raced, run.hung
-    (2.0, False, False)
+    >>> from minilib.pallas_basics import add_vectors
+    >>> x = jnp.arange(8.0)
+    >>> run = run_in_strict_interpret_mode(add_vectors)(x, x, block_size=8)
+    >>> run.out.tolist(), run.raced, run.hung
+    ([0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0], False, False)
     """
 
     def run(*args, **kwargs):
