@@ -4,7 +4,7 @@ default for an eager call) against validate=False, on the bench's mixed workload
     JAX_PLATFORMS=cpu python benchmarks/validation_overhead.py [num_seqs ...]   # default 8 32 128
 
 For each case: `dynamic_validate_inputs` alone, then each function both ways, interleaved call
-by call so that both see the same machine load. Medians of `--reps` calls; the difference is
+by call so that both see the same machine load. Medians of `REPS` calls; the difference is
 the overhead (within the noise when it is far smaller than the call).
 """
 
@@ -12,27 +12,25 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
-import jax
-
-from minilib import bench, dynamic_validate_inputs
+from minilib import dynamic_validate_inputs
 from minilib.blockwise import ragged_paged_attention_blockwise
+from minilib.timing import timed_call
 from minilib.vectorized import ragged_paged_attention_jnp
+from minilib.workloads import HEAD_CONFIGS, BenchCase, case_batches
 
 REPS = 5
 
 
 def seconds(fn, *args, **kwargs) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args, **kwargs))
-    return time.perf_counter() - start
+    """The seconds of one call, run to completion."""
+    return timed_call(fn, *args, **kwargs)[1]
 
 
 def main(num_seqs=(8, 32, 128)) -> None:
     for n in num_seqs:
-        case = bench.BenchCase("mixed", n, bench.HEAD_CONFIGS["gqa"])
-        batch, _ = bench.case_batches(case)
+        case = BenchCase("mixed", n, HEAD_CONFIGS["gqa"])
+        batch, _ = case_batches(case)
         args, sm_scale = batch.args(), case.heads[2] ** -0.5
         checks = statistics.median(
             seconds(dynamic_validate_inputs, *args, sm_scale=sm_scale) for _ in range(30)

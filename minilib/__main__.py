@@ -1,45 +1,68 @@
-"""Command line: `python -m minilib doctor`, `... bench [options]`, `... compile [options]`."""
+"""Command line: `python -m minilib doctor`, `... bench [options]`, `... compile [options]`.
+
+Exit codes: 0 when all went well; 1 when the doctor's check, a benchmark row or a compile
+failed; 2 for a usage error (an unknown command, a bad flag), with a one-line message.
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-USAGE = """usage: python -m minilib COMMAND
+from minilib import bench, kernel_costs
+from minilib.doctor import doctor
 
-commands:
-  doctor   where you are running (cpu or tpu), versions, interpreted or compiled kernel,
-           and a one-second parity check
-  bench    the benchmark harness (python -m minilib bench --help)
-  compile  compile our kernel and JAX's for a TPU chip, without a TPU (needs libtpu), and
-           compare bundles per KV block, VMEM and spills (python -m minilib compile --help)
-"""
+
+class CommandLineParser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (the usage is long): which flag, what is wrong."""
+
+    def error(self, message: str):
+        # argparse calls an unknown command "an invalid choice" of the COMMAND argument.
+        message = message.replace("argument COMMAND: invalid choice", "unknown command")
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def run_doctor(args) -> int:
+    """`python -m minilib doctor`: 0 when the parity check passes, else 1."""
+    return 0 if doctor() else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of `python -m minilib`: one subparser per command, with its own flags."""
+    parser = CommandLineParser(prog="python -m minilib")
+    commands = parser.add_subparsers(
+        title="commands", dest="command", metavar="COMMAND", required=True
+    )
+    doctor_parser = commands.add_parser(
+        "doctor",
+        help="where you are running (cpu or tpu), versions, interpreted or compiled kernel, "
+        "and a parity check against JAX's reference",
+        description="Where you are running and whether the kernel agrees with the reference.",
+    )
+    doctor_parser.set_defaults(run=run_doctor)
+    bench_parser = commands.add_parser(
+        "bench",
+        help="time the ragged paged attention implementations on the same batches",
+        description="Time the ragged paged attention implementations; see minilib/bench.py.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(run=bench.run, parser=bench_parser)
+    compile_parser = commands.add_parser(
+        "compile",
+        help="compile our kernel and JAX's for a TPU chip, without a TPU (needs libtpu), and "
+        "compare bundles per KV block, VMEM and spills",
+        description=kernel_costs.COMMAND_DESCRIPTION,
+    )
+    kernel_costs.add_arguments(compile_parser)
+    compile_parser.set_defaults(run=kernel_costs.run)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "doctor":
-        from minilib.doctor import doctor
-
-        if rest:
-            print(f"python -m minilib doctor: error: it takes no arguments, got {rest}",
-                  file=sys.stderr)  # fmt: skip
-            return 2
-
-        return 0 if doctor() else 1
-    if command == "bench":
-        from minilib.bench import main as bench_main
-
-        return bench_main(rest)
-    if command == "compile":
-        from minilib.kernel_costs import main as compile_main
-
-        return compile_main(rest)
-    print(f"python -m minilib: error: unknown command {command!r} (see --help)", file=sys.stderr)
-    return 2
+    """Parse the command line and run the command. Returns the exit code."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    return args.run(args)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from minilib.tpu_compile import CHIPS, CompileReport, compile_for_tpu, kib
 
-# The command line (`main`) is `python -m minilib compile`'s, not part of the library.
+# `add_arguments` and `run` are `python -m minilib compile`'s command line, not the library's.
 __all__ = ["compile_rpa", "rpa_kernel", "rpa_specs", "side_by_side", "static_targets"]
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32, "fp8": jnp.float8_e4m3fn}
@@ -192,13 +192,21 @@ def static_targets() -> list[tuple[str, bool | None, str]]:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m minilib compile",
-        description="Compile our RPA kernel and JAX's for a TPU chip (needs libtpu, not a "
-        "TPU) and compare them: bundles per KV block, VMEM, spills. Static estimates from the "
-        "compiled programs, not timings.",
-    )
+COMMAND_DESCRIPTION = (
+    "Compile our RPA kernel and JAX's for a TPU chip (needs libtpu, not a TPU) and compare "
+    "them: bundles per KV block, VMEM, spills. Static estimates from the compiled programs, "
+    "not timings."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `python -m minilib compile`: the chip, the shapes and the kernel options.
+
+    >>> parser = argparse.ArgumentParser()
+    >>> add_arguments(parser)
+    >>> parser.parse_args(["--chip", "v6e"]).chip
+    'v6e'
+    """
     parser.add_argument("--chip", choices=CHIPS, default="v5e")
     parser.add_argument("--num-q-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
@@ -213,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-queries-per-block", type=int, default=32)
     parser.add_argument("--sliding-window", type=int, default=None)
     parser.add_argument("--soft-cap", type=float, default=None)
-    args = parser.parse_args(argv)
+
+
+def run(args) -> int:
+    """Run `python -m minilib compile` with parsed flags. Returns the exit code: 0, or 1 when
+    this host cannot compile for a TPU or our kernel did not compile."""
     from minilib.tpu_compile import tpu_compile_available
 
     ok, reason = tpu_compile_available()

@@ -207,7 +207,7 @@ def test_default_kv_block_is_the_cost_models_choice(chip):
 
 def test_bundles_ours_against_jax_are_reported(capsys):
     """Both kernels' bundles per KV block are read and positive; the ratio table is printed.
-    (Judging ours <= JAX's is `python -m minilib bench --targets`, not a test.)"""
+    (Judging ours <= JAX's is `python benchmarks/check_targets.py`, not a test.)"""
     specs = rpa_specs(**TARGET_CASE)
     lines = [
         "bundles per KV block (static estimates, bf16, 32 q / 8 KV heads, head_dim 128, "

@@ -14,13 +14,13 @@ model's size, which is why the benchmark's model is larger than the tests'.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy as np
 
 from minilib.blockwise import ragged_paged_attention_blockwise
 from minilib.engine.engine import Engine
 from minilib.engine.model import ModelConfig, dense_generate, init_params
+from minilib.timing import timed_call
 
 __all__ = ["BENCH_CONFIG", "EngineBench", "engine_bench"]
 
@@ -130,8 +130,8 @@ def engine_bench(
 
     engine_tokens, steps = run_engine()  # the first runs compile everything both need
     dense_tokens = run_dense()
-    engine_seconds = min(_seconds(run_engine) for _ in range(reps))
-    dense_seconds = min(_seconds(run_dense) for _ in range(reps))
+    engine_seconds = min(timed_call(run_engine)[1] for _ in range(reps))
+    dense_seconds = min(timed_call(run_dense)[1] for _ in range(reps))
     return EngineBench(
         num_requests=num_requests,
         max_new_tokens=max_new_tokens,
@@ -142,9 +142,3 @@ def engine_bench(
         same_tokens=engine_tokens == dense_tokens,
         config=config,
     )
-
-
-def _seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
