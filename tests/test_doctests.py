@@ -50,6 +50,7 @@ PUBLIC_API_MODULES = [
     "minilib.roofline",
     "minilib.tpu_compile",
     "minilib.tpu_memory",
+    "minilib.workloads",
 ]
 
 
