@@ -24,7 +24,8 @@ MODULES = sorted(
 )
 
 # The modules whose `__all__` is checked: every public name has an example. A module joins
-# this list, one line, once it declares `__all__` and each name there has an example.
+# this list, one line, once it declares `__all__` and each name there has an example; once
+# every module has joined, the list is MODULES.
 PUBLIC_API_MODULES = [
     "minilib.block_sizes",
     "minilib.doctor",
