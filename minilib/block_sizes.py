@@ -33,6 +33,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from minilib.roofline import CHIPS, DEVICE_KINDS
+
 __all__ = [
     "current_chip",
     "default_block_sizes",
@@ -69,16 +71,6 @@ CHIP_DEFAULTS: dict[str, tuple[int, int, int, int]] = {
 # Core clock, for the model's compute term: peak bf16 FLOP/s = 2 * MXUs * MXU size^2 * clock
 # for v4 (1.05 GHz), v5e (1.5 GHz) and v5p (1.75 GHz); v6e's 1.75 GHz is an assumption.
 CLOCK_HZ = {"v4": 1.05e9, "v5e": 1.5e9, "v5p": 1.75e9, "v6e": 1.75e9}
-
-DEVICE_KINDS = {
-    "TPU v4": "v4",
-    "TPU v5 lite": "v5e",
-    "TPU v5e": "v5e",
-    "TPU v5": "v5p",
-    "TPU v5p": "v5p",
-    "TPU v6 lite": "v6e",
-    "TPU v6e": "v6e",
-}
 
 
 def current_chip() -> str | None:
@@ -194,8 +186,6 @@ def hbm_bytes_per_s(chip: str) -> float:
         info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(chip), 1)
         return float(info.mem_bw_bytes_per_second)
     except (AttributeError, ValueError):
-        from minilib.roofline import CHIPS
-
         return CHIPS[chip].hbm_bytes_per_s
 
 
