@@ -33,6 +33,17 @@ import math
 import jax
 import jax.numpy as jnp
 
+from minilib.roofline import CHIPS, DEVICE_KINDS
+
+__all__ = [
+    "current_chip",
+    "default_block_sizes",
+    "hbm_bytes_per_s",
+    "modelled_seconds",
+    "num_kv_heads_per_block",
+    "packing",
+]
+
 # Chip-independent defaults: a KV block of about this many tokens keeps the MXU busy, ...
 TARGET_KV_TOKENS_PER_BLOCK = 512
 # ... with at most this many page copies per block (each is a DMA descriptor, issued by the
@@ -60,16 +71,6 @@ CHIP_DEFAULTS: dict[str, tuple[int, int, int, int]] = {
 # Core clock, for the model's compute term: peak bf16 FLOP/s = 2 * MXUs * MXU size^2 * clock
 # for v4 (1.05 GHz), v5e (1.5 GHz) and v5p (1.75 GHz); v6e's 1.75 GHz is an assumption.
 CLOCK_HZ = {"v4": 1.05e9, "v5e": 1.5e9, "v5p": 1.75e9, "v6e": 1.75e9}
-
-DEVICE_KINDS = {
-    "TPU v4": "v4",
-    "TPU v5 lite": "v5e",
-    "TPU v5e": "v5e",
-    "TPU v5": "v5p",
-    "TPU v5p": "v5p",
-    "TPU v6 lite": "v6e",
-    "TPU v6e": "v6e",
-}
 
 
 def current_chip() -> str | None:
@@ -141,9 +142,10 @@ def default_block_sizes(
 
     The budgets are set for head_dim 128. A wider head widens q, the output and acc too, and
     head_dim 256 takes the kernel's general K/V load, which spills more: the budget shrinks in
-    proportion. (Measured with `minilib.tpu_compile`: on v4, GQA in bf16 with head_dim 256,
-    16 pages per block needed 12.4 MiB of v4's 16 MiB of VMEM, 4.2 MiB of it spills; 8 pages
-    leave a quarter free, as `tests/test_tpu_compile.py` asks.)
+    proportion. (Measured with `python -m minilib compile --chip v4 --head-dim 256
+    --num-kv-pages-per-block 16`: GQA in bf16 with head_dim 256 and 16 pages per block needed
+    12.2 MiB of v4's 16 MiB of VMEM, 4.1 MiB of it spills; 8 pages leave a quarter free, as
+    `tests/test_tpu_compile.py` asks.)
 
     >>> default_block_sizes(page_size=16, pages_per_seq=64, max_num_batched_tokens=512,
     ...                     bytes_per_page=16 * 16 * 128 * 2)   # chip unknown
@@ -173,15 +175,17 @@ def default_block_sizes(
 
 
 def hbm_bytes_per_s(chip: str) -> float:
-    """The chip's HBM bandwidth: JAX's own table when it has one (jax >= 0.8), else ours."""
+    """The chip's HBM bandwidth: JAX's own table when it has one (jax >= 0.8), else ours.
+
+    >>> hbm_bytes_per_s("v6e") / 1e9   # GB/s
+    1640.0
+    """
     try:
         from jax.experimental.pallas import tpu as pltpu
 
         info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(chip), 1)
         return float(info.mem_bw_bytes_per_second)
     except (AttributeError, ValueError):
-        from minilib.roofline import CHIPS
-
         return CHIPS[chip].hbm_bytes_per_s
 
 

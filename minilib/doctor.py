@@ -8,9 +8,15 @@ import time
 import jax
 import numpy as np
 
+__all__ = ["doctor", "kernel_mode", "package_version", "parity_smoke_check", "tpu_compile_check"]
+
 
 def package_version(name: str) -> str:
-    """The installed version of a distribution, or 'not installed'."""
+    """The installed version of a distribution, or 'not installed'.
+
+    >>> package_version("jax") == jax.__version__, package_version("no-such-package")
+    (True, 'not installed')
+    """
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
@@ -18,7 +24,13 @@ def package_version(name: str) -> str:
 
 
 def kernel_mode(backend: str | None = None) -> str:
-    """How minilib's Pallas kernel runs here: compiled on a TPU, TPU interpret mode elsewhere."""
+    """How minilib's Pallas kernel runs here: compiled on a TPU, TPU interpret mode elsewhere.
+
+    >>> kernel_mode("tpu")
+    'compiled (Mosaic, on the TPU)'
+    >>> kernel_mode("cpu")
+    'interpreted (TPU interpret mode on cpu: right answers, not TPU speed)'
+    """
     backend = jax.default_backend() if backend is None else backend
     if backend == "tpu":
         return "compiled (Mosaic, on the TPU)"
@@ -28,7 +40,15 @@ def kernel_mode(backend: str | None = None) -> str:
 def parity_smoke_check() -> tuple[dict[str, float], float]:
     """Run minilib's vectorized attention and its Pallas kernel (compiled on a TPU,
     interpreted elsewhere) against JAX's own reference on one small NaN-padded batch.
-    Returns ({name: max abs error}, seconds)."""
+    Returns ({name: max abs error}, seconds).
+
+    It compiles and runs both implementations (`doctor` prints how long that took), so the
+    example is not run:
+
+    >>> errors, seconds = parity_smoke_check()  # doctest: +SKIP
+    >>> errors  # doctest: +SKIP
+    {'jnp': 1.1920928955078125e-06, 'kernel': 4.76837158203125e-07}
+    """
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
         ref_ragged_paged_attention as jax_reference,
     )
@@ -54,7 +74,21 @@ def parity_smoke_check() -> tuple[dict[str, float], float]:
 
 
 def doctor() -> bool:
-    """Print the environment report. Returns True when the parity check passes."""
+    """Print the environment report. Returns True when the parity check passes.
+
+    It runs `parity_smoke_check`, and compiles the kernel for v5e where libtpu is installed,
+    so the example is not run; on a CPU without libtpu it printed:
+
+    >>> doctor()  # doctest: +SKIP
+    backend:      cpu (cpu)
+    jax:          0.10.2
+    jaxlib:       0.10.2
+    libtpu:       not installed
+    Pallas kernel: interpreted (TPU interpret mode on cpu: right answers, not TPU speed)
+    parity check: PASS: max |minilib - jax reference|: jnp 1.2e-06, kernel 4.8e-07 (6.5 s)
+    TPU compile:  not available: libtpu is not installed (jax 0.10.2). Install it with: ...
+    True
+    """
     backend = jax.default_backend()
     print(f"backend:      {backend} ({jax.devices()[0].device_kind})")
     print(f"jax:          {jax.__version__}")
@@ -72,7 +106,16 @@ def doctor() -> bool:
 def tpu_compile_check() -> bool:
     """Report whether a TPU compile is available here (libtpu, no TPU needed); when it is,
     compile the kernel for v5e and print what the compiler made of it. Returns False only
-    when libtpu is there and the kernel does not compile."""
+    when libtpu is there and the kernel does not compile.
+
+    With libtpu it compiles the kernel for v5e, so the example is not run; with libtpu
+    0.0.42.1 it printed:
+
+    >>> tpu_compile_check()  # doctest: +SKIP
+    TPU compile:  PASS: libtpu 0.0.42.1 with jax 0.10.2; the kernel compiles for v5e: 4,560
+    bundles per KV block, VMEM 9,172 KiB (static estimates, not timings; ...)
+    True
+    """
     from minilib.tpu_compile import tpu_compile_available
 
     ok, reason = tpu_compile_available()

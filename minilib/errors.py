@@ -47,20 +47,64 @@ class HintedError(ValueError):
 
 class RPAInputError(HintedError):
     """A bad input to ragged paged attention. The message is JAX's own text where JAX makes
-    the same check."""
+    the same check.
+
+    >>> from minilib.heads import check_head_counts
+    >>> try:
+    ...     check_head_counts(12, 8)
+    ... except RPAInputError as err:
+    ...     print(err.message)
+    num_q_heads=12 must be divisible by num_kv_heads=8
+    """
 
 
 class KVCacheError(HintedError):
-    """A bad use of `PageAllocator` or `PagedKVCache`. The state was left unchanged."""
+    """A bad use of `PageAllocator` or `PagedKVCache`. The state was left unchanged.
+
+    >>> from minilib.kv_cache import PageAllocator
+    >>> pool = PageAllocator(total_num_pages=1)
+    >>> try:
+    ...     pool.allocate(2)
+    ... except KVCacheError as err:
+    ...     print(type(err).__name__, isinstance(err, ValueError), pool.num_free)
+    KVCacheError True 1
+    """
 
 
 class EngineError(HintedError):
-    """A bad model config, engine setting or request. Nothing was changed."""
+    """A bad model config, engine setting or request. Nothing was changed.
+
+    >>> from minilib.engine import ModelConfig
+    >>> try:
+    ...     ModelConfig(vocab_size=64, num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=7)
+    ... except EngineError as err:
+    ...     print(err)
+    ModelConfig: head_dim=7 must be even.
+    Hint: rotary positions rotate pairs of dimensions; use an even head_dim.
+    """
 
 
 class ScheduleTooBig(ValueError):
-    """The schedule has more work than the caller asked to handle (`max_computes`)."""
+    """The schedule has more work than the caller asked to handle (`max_computes`).
+
+    >>> from minilib.batch import make_batch
+    >>> from minilib.schedule import plan_schedule
+    >>> try:
+    ...     plan_schedule(*make_batch([(1, 64)]).args(), num_kv_pages_per_block=1,
+    ...                   max_computes=2)
+    ... except ScheduleTooBig as err:
+    ...     print(type(err).__name__)
+    ScheduleTooBig
+    """
 
 
 class InputProblem(ValueError):
-    """Typed input the explorer cannot use (not a number, too big to draw, ...)."""
+    """Typed input the explorer cannot use (not a number, too big to draw, ...).
+
+    >>> from minilib.widgets import parse_ints
+    >>> try:
+    ...     parse_ints("3, x", "kv_lens")
+    ... except InputProblem as err:
+    ...     print(type(err).__name__, isinstance(err, ValueError))
+    InputProblem True
+    """

@@ -19,6 +19,9 @@ import jax.numpy as jnp
 
 from minilib.tpu_compile import CHIPS, CompileReport, compile_for_tpu, kib
 
+# `add_arguments` and `run` are `python -m minilib compile`'s command line, not the library's.
+__all__ = ["compile_rpa", "rpa_kernel", "rpa_specs", "side_by_side", "static_targets"]
+
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32, "fp8": jnp.float8_e4m3fn}
 
 # The case of the static targets: a GQA model in bfloat16, 8 pages of 16 tokens per KV block.
@@ -60,7 +63,11 @@ def rpa_specs(
 
 
 def rpa_kernel(which: str):
-    """`ours`: minilib's kernel, compiled (not interpreted); `jax`: JAX's own."""
+    """`ours`: minilib's kernel, compiled (not interpreted); `jax`: JAX's own.
+
+    >>> rpa_kernel("ours").keywords, rpa_kernel("jax").__module__
+    ({'interpret': False}, 'jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel')
+    """
     if which == "ours":
         from minilib.kernel import ragged_paged_attention
 
@@ -75,13 +82,42 @@ def rpa_kernel(which: str):
 
 
 def compile_rpa(which: str, specs, *, chip: str = "v5e", **options) -> CompileReport:
-    """Compile one RPA kernel (`ours` or `jax`) for `chip`; options as for the kernel."""
+    """Compile one RPA kernel (`ours` or `jax`) for `chip`; options as for the kernel.
+
+    Needs libtpu (not a TPU): the example compiles only where libtpu is installed.
+
+    >>> from minilib.tpu_compile import tpu_compile_available
+    >>> specs = rpa_specs(num_q_heads=4, num_kv_heads=2, pages_per_seq=8, max_num_seqs=4,
+    ...                   max_num_batched_tokens=64)
+    >>> ok, _ = tpu_compile_available()
+    >>> report = compile_rpa("ours", specs, chip="v5e", num_kv_pages_per_block=4,
+    ...                      num_queries_per_block=16) if ok else None  # needs libtpu
+    >>> report is None or report.bundles_per_kv_block > 0
+    True
+    """
     options.setdefault("sm_scale", specs[0].shape[-1] ** -0.5)
     return compile_for_tpu(functools.partial(rpa_kernel(which), **options), *specs, chip=chip)
 
 
 def side_by_side(ours: CompileReport, theirs: CompileReport) -> str:
-    """A table of ours against JAX's kernel, then each one's top source lines."""
+    """A table of ours against JAX's kernel, then each one's top source lines.
+
+    >>> from minilib.tpu_compile import KernelStats
+    >>> def report(bundles, spills):
+    ...     stats = KernelStats("rpa.1", 5000, bundles, 9 << 20, spills, ())
+    ...     return CompileReport("v5e", compiled=True, kernels=(stats,), libtpu_version="0.0.42.1")
+    >>> print(side_by_side(report(860, 0), report(1000, 4096)))
+    TPU v5e: static estimates from the compiled programs (libtpu 0.0.42.1), not timings.
+                                        ours               JAX  ours / JAX
+    bundles per KV block                 860             1,000       0.86x
+    total bundles                      5,000             5,000       1.00x
+    peak VMEM                      9,216 KiB         9,216 KiB       1.00x
+    VMEM spills                        0 KiB             4 KiB
+    <BLANKLINE>
+    ours: ops per source line in the KV-block loop
+    <BLANKLINE>
+    JAX's: ops per source line in the KV-block loop
+    """
 
     def cell(report: CompileReport, field: str):
         if not report.compiled:
@@ -120,7 +156,16 @@ def side_by_side(ours: CompileReport, theirs: CompileReport) -> str:
 def static_targets() -> list[tuple[str, bool | None, str]]:
     """[(target, passed, detail)]: ours <= JAX's in bundles per KV block and in spill bytes,
     on v5e and v6e at 32 and 8 queries per block. Static estimates from the compiled
-    programs, not timings. Without libtpu, one entry with passed None says how to get it."""
+    programs, not timings. Without libtpu, one entry with passed None says how to get it.
+
+    With libtpu it compiles eight kernels (ours and JAX's, per chip and q block size), so the
+    example is not run:
+
+    >>> for target, passed, detail in static_targets():  # doctest: +SKIP
+    ...     print(passed, target, detail)
+    True static: bundles per KV block <= JAX's (v5e, 32 q/block) ours ... vs JAX ...
+    ...
+    """
     from minilib.tpu_compile import tpu_compile_available
 
     ok, reason = tpu_compile_available()

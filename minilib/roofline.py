@@ -41,10 +41,29 @@ import dataclasses
 
 import numpy as np
 
+__all__ = [
+    "CHIPS",
+    "Chip",
+    "RPACost",
+    "RooflinePoint",
+    "batch_cost",
+    "detect_chip",
+    "explain",
+    "kv_pages_read",
+    "roofline",
+    "rpa_cost",
+    "visible_keys",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """One accelerator's two roofline figures, per device (one chip, or one core in split mode)."""
+    """One accelerator's two roofline figures, per device (one chip, or one core in split mode).
+
+    >>> chip = Chip("my chip", hbm_bytes_per_s=1e12, peak_flops_per_s=200e12)
+    >>> chip.ridge_point   # FLOP/byte
+    200.0
+    """
 
     name: str
     hbm_bytes_per_s: float  # HBM bandwidth
@@ -80,7 +99,12 @@ DEVICE_KINDS: dict[str, str] = {
 
 @dataclasses.dataclass(frozen=True)
 class RPACost:
-    """The bytes and useful FLOPs one ragged paged attention call cannot avoid."""
+    """The bytes and useful FLOPs one ragged paged attention call cannot avoid.
+
+    >>> cost = rpa_cost([(1, 32)], num_q_heads=4, num_kv_heads=2, head_dim=128, page_size=16)
+    >>> cost.bytes, cost.flops, round(cost.intensity, 2), cost.rows_per_kv_token  # decode, bf16
+    (34816, 65536, 1.88, 1.0)
+    """
 
     num_q_heads: int
     num_kv_heads: int
@@ -202,7 +226,14 @@ def batch_cost(batch, sliding_window: int | None = None) -> RPACost:
 
 @dataclasses.dataclass(frozen=True)
 class RooflinePoint:
-    """Where one batch sits on one chip's roofline."""
+    """Where one batch sits on one chip's roofline.
+
+    >>> cost = rpa_cost([(1024, 1024)], num_q_heads=32, num_kv_heads=8, head_dim=128,
+    ...                 page_size=16)                  # one prefill of 1024 tokens
+    >>> point = roofline(cost, CHIPS["v5e"])
+    >>> point.bound, point.time_s == point.compute_s
+    ('compute', True)
+    """
 
     chip: Chip
     cost: RPACost
@@ -221,7 +252,13 @@ class RooflinePoint:
 
 
 def roofline(cost: RPACost, chip: Chip) -> RooflinePoint:
-    """Place `cost` on `chip`'s roofline (see `RooflinePoint.time_s`, `.bound`)."""
+    """Place `cost` on `chip`'s roofline (see `RooflinePoint.time_s`, `.bound`).
+
+    >>> cost = rpa_cost([(1, 1024)], num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+    >>> point = roofline(cost, CHIPS["v6e"])
+    >>> point.bound, round(point.memory_s * 1e6, 2), round(point.compute_s * 1e6, 3)  # us
+    ('memory', 2.57, 0.018)
+    """
     return RooflinePoint(
         chip=chip,
         cost=cost,
@@ -257,6 +294,11 @@ def detect_chip() -> Chip | None:
     On a TPU, JAX's own table is used when this JAX has it (`pltpu.get_tpu_info()`, jax >= 0.8:
     its figures are per TensorCore, so they are multiplied by the device's `num_cores`);
     otherwise, as in jax 0.7.2, the device kind is looked up in CHIPS.
+
+    >>> import jax
+    >>> chip = detect_chip()
+    >>> chip is None if jax.default_backend() != "tpu" else chip.ridge_point > 0
+    True
     """
     import jax
 

@@ -46,16 +46,15 @@ process, and never again. Two cases:
   or in a notebook that used JAX only on the CPU (`JAX_PLATFORMS=cpu`, or no libtpu at the
   time). Then the first compile sets the flags, with one dump folder for the whole process,
   and starts libtpu; every compile reads the files that appeared in that folder and deletes
-  them. This costs nothing beyond the compile itself (1 to 4 s).
+  them. This costs nothing beyond the compile itself (`CompileReport.seconds`).
 * libtpu already started without these flags (on a TPU host, where JAX's TPU backend starts it
   at the first JAX call). Then each compile runs in a fresh Python process (`python -m
-  minilib.tpu_compile`), which costs several seconds more per compile for starting Python,
-  importing JAX and starting libtpu: on a busy 2-core host, 11.6 s for a compile that took
-  3.3 s in-process. `fn` must then be picklable: a
+  minilib.tpu_compile`), which adds to every compile the start of Python, of JAX and of
+  libtpu (`CompileReport.seconds` counts the compile alone). `fn` must then be picklable: a
   module-level function, or a `functools.partial` of one.
 
-A subprocess for every compile would have been simpler, but would make the hundred compiles
-of the test matrix several times slower, and would not work for the lambdas a learner writes.
+A subprocess for every compile would have been simpler, but would add those starts to each of
+the hundred compiles of the test matrix, and would not work for the lambdas a learner writes.
 
 libtpu also logs a few lines about host discovery; `TPU_ACCELERATOR_TYPE` and
 `TPU_WORKER_HOSTNAMES` (set only when unset) quiet them. `ALLOW_MULTIPLE_LIBTPU_LOAD=1` lets
@@ -84,6 +83,22 @@ from pathlib import Path
 import jax
 import numpy as np
 
+# The module's public names: compiling, its report, and the dump reader's rules. The other
+# functions are the steps of compiling and reading, documented where they are defined.
+__all__ = [
+    "CHIPS",
+    "CompileReport",
+    "KernelStats",
+    "TPUCompileUnavailable",
+    "compile_for_tpu",
+    "kv_block_loop",
+    "loop_extents",
+    "parse_bundles",
+    "require_libtpu",
+    "tpu_compile_available",
+    "vmem_usage",
+]
+
 CHIPS = ("v4", "v5e", "v5p", "v6e")
 TOPOLOGY_NAMES = {"v4": "v4:1x1x1", "v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1"}
 
@@ -106,7 +121,17 @@ NON_KERNEL_PROGRAMS = ("TLP", "<late-initialization>", "<late-finalization>")
 
 
 class TPUCompileUnavailable(RuntimeError):
-    """libtpu is not installed here, so nothing can be compiled for a TPU."""
+    """libtpu is not installed here, so nothing can be compiled for a TPU.
+
+    >>> ok, reason = tpu_compile_available()
+    >>> try:
+    ...     require_libtpu()
+    ... except TPUCompileUnavailable as err:  # without libtpu: the reason, with the fix
+    ...     print(str(err) == reason)
+    ... else:
+    ...     print(ok)
+    True
+    """
 
 
 def install_hint() -> str:
@@ -145,6 +170,15 @@ def tpu_compile_available() -> tuple[bool, str]:
 
 
 def require_libtpu() -> None:
+    """Raise `TPUCompileUnavailable`, saying how to install libtpu, when it is missing.
+
+    >>> try:
+    ...     require_libtpu()
+    ...     print(tpu_compile_available()[0])       # with libtpu: nothing raised
+    ... except TPUCompileUnavailable as err:
+    ...     print("Install it with" in str(err))    # without: how to install it
+    True
+    """
     ok, reason = tpu_compile_available()
     if not ok:
         raise TPUCompileUnavailable(reason)
@@ -157,7 +191,13 @@ def require_libtpu() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class KernelStats:
-    """What the bundle dump says about one compiled Pallas kernel (static estimates)."""
+    """What the bundle dump says about one compiled Pallas kernel (static estimates).
+
+    >>> stats = KernelStats("rpa.1", total_bundles=900, bundles_per_kv_block=120,
+    ...                     vmem_bytes=3 << 20, spill_bytes=0, top_source_lines=())
+    >>> CompileReport("v5e", compiled=True, kernels=(stats,)).bundles_per_kv_block
+    120
+    """
 
     name: str
     total_bundles: int
@@ -175,6 +215,14 @@ class CompileReport:
     The figures are those of the largest Pallas kernel in the program (`kernels` has them all),
     or None when there is none, when compiling failed, or when the dump was not recognised
     (then `notes` says why).
+
+    >>> report = CompileReport("v5e", compiled=False, libtpu_version="0.0.42.1",
+    ...                        error="RESOURCE_EXHAUSTED: Ran out of memory in memory space vmem")
+    >>> report.vmem_overflow, report.bundles_per_kv_block
+    (True, None)
+    >>> print(report)
+    TPU compile for v5e (libtpu 0.0.42.1): FAILED
+      RESOURCE_EXHAUSTED: Ran out of memory in memory space vmem
     """
 
     chip: str
@@ -458,6 +506,20 @@ VMEM_ALLOCATION = re.compile(
 )
 DUMP_FILE = re.compile(r"^\d+-(.+)-\d\d-(final_bundles|post-delay-converter)\.txt$")
 
+# Excerpts in libtpu 0.0.42.1's format, for the examples below: a loop (`LB:` opens it, `>`
+# marks its depth) holding a matmul, and one VMEM allocation plus one spilled vector register.
+EXAMPLE_BUNDLES = "\n".join([
+    "   0x0   :  { %s1 = smov 0 }",
+    "   0x1 LB: > { %v2 = vld [vmem:[#allocation2]] }",
+    "   0x2   : > { %v3 = vmatmul.bf16 %v2 }",
+    "   0x3 PF:  { %s4 = shalt }",
+])  # fmt: skip
+EXAMPLE_ALLOCATIONS = "\n".join([
+    "#allocation2 [shape = 'f32[8,128]', space=vmem, size = 0x1000, offset = 0x0, scoped]",
+    "#allocation7_spill [shape = 'u32[8,128]', space=vmem, size = 0x1000, offset = 0x1000, "
+    "scoped]",
+])  # fmt: skip
+
 
 @dataclasses.dataclass(frozen=True)
 class Bundle:
@@ -471,7 +533,17 @@ class Bundle:
 
 
 def parse_bundles(text: str) -> list[Bundle]:
-    """The bundles of a `*-final_bundles.txt`, in order (comments may span several lines)."""
+    """The bundles of a `*-final_bundles.txt`, in order (comments may span several lines).
+
+    >>> text = EXAMPLE_BUNDLES
+    >>> print(text)
+       0x0   :  { %s1 = smov 0 }
+       0x1 LB: > { %v2 = vld [vmem:[#allocation2]] }
+       0x2   : > { %v3 = vmatmul.bf16 %v2 }
+       0x3 PF:  { %s4 = shalt }
+    >>> [(b.tag, b.depth) for b in parse_bundles(text)]
+    [(None, 0), ('LB', 1), (None, 1), ('PF', 0)]
+    """
     bundles: list[list] = []
     for line in text.splitlines():
         m = BUNDLE_LINE.match(line)
@@ -489,6 +561,9 @@ def loop_extents(bundles: list[Bundle]) -> list[tuple[int, int]]:
     Only marked bundles end a loop: the scheduler may move predicated ops of an outer loop into
     an inner loop's body, and those bundles show the outer loop's smaller depth in the middle
     of the inner loop.
+
+    >>> loop_extents(parse_bundles(EXAMPLE_BUNDLES))   # the loop: bundles 1 and 2
+    [(1, 3)]
     """
     extents = []
     for start, bundle in enumerate(bundles):
@@ -507,7 +582,11 @@ def loop_extents(bundles: list[Bundle]) -> list[tuple[int, int]]:
 
 
 def kv_block_loop(bundles: list[Bundle]) -> tuple[int, int] | None:
-    """The deepest loop that holds a vmatmul (the longest, if several are as deep)."""
+    """The deepest loop that holds a vmatmul (the longest, if several are as deep).
+
+    >>> kv_block_loop(parse_bundles(EXAMPLE_BUNDLES))
+    (1, 3)
+    """
     holding = [
         (bundles[s].depth, e - s, (s, e))
         for s, e in loop_extents(bundles)
@@ -537,7 +616,14 @@ def short_path(path: str) -> str:
 
 
 def vmem_usage(text: str) -> tuple[int, int] | None:
-    """(peak VMEM bytes, spill bytes) from a `*-post-delay-converter.txt`."""
+    """(peak VMEM bytes, spill bytes) from a `*-post-delay-converter.txt`.
+
+    >>> print(EXAMPLE_ALLOCATIONS)
+    #allocation2 [shape = 'f32[8,128]', space=vmem, size = 0x1000, offset = 0x0, scoped]
+    #allocation7_spill [shape = 'u32[8,128]', space=vmem, size = 0x1000, offset = 0x1000, scoped]
+    >>> vmem_usage(EXAMPLE_ALLOCATIONS)
+    (8192, 4096)
+    """
     peak = spills = 0
     found = False
     for m in VMEM_ALLOCATION.finditer(text):

@@ -13,12 +13,20 @@ import dataclasses
 
 from jax.experimental.pallas import tpu as pltpu
 
+__all__ = ["CHIPS", "ChipMemories", "chip_memories", "why_unavailable"]
+
 CHIPS = ("v4", "v5e", "v5p", "v6e")
 
 
 @dataclasses.dataclass(frozen=True)
 class ChipMemories:
-    """One TensorCore of a chip: memory capacities in bytes, and its compute units."""
+    """One TensorCore of a chip: memory capacities in bytes, and its compute units.
+
+    >>> print(ChipMemories("v5e", hbm_bytes=16 << 30, vmem_bytes=128 << 20, smem_bytes=1 << 20,
+    ...                    sublanes=8, lanes=128, num_mxus=4, mxu_size=128).row())
+    v5e   HBM  16.0 GiB   VMEM  128 MiB   SMEM  1024 KiB
+    vector register 8x128   4 MXU(s) of 128x128
+    """
 
     chip: str
     hbm_bytes: int
@@ -69,6 +77,11 @@ def chip_memories(chips=CHIPS) -> list[ChipMemories] | None:
 
 
 def why_unavailable() -> str:
+    """Why `chip_memories()` returned None: this JAX has no table of TPU chips.
+
+    >>> print(why_unavailable())
+    jax ... has no table of TPU chips (pltpu.get_tpu_info_for_chip; jax 0.10.2 has it): ...
+    """
     import jax
 
     return (

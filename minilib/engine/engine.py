@@ -37,6 +37,8 @@ from minilib.errors import EngineError
 from minilib.kv_cache import pages_needed, write_tokens
 from minilib.reference import ref_ragged_paged_attention
 
+__all__ = ["Engine", "PackedBatch", "StepStats", "pack_batch"]
+
 
 @dataclasses.dataclass(frozen=True)
 class StepStats:
@@ -45,6 +47,13 @@ class StepStats:
     `batch` lists the step's sequences in batch order as (request_id, kind, num_tokens),
     kind 'prefill' or 'decode'; `page_owners` gives, page by page, the request that owns it
     (None: free).
+
+    >>> stats = StepStats(step=3, num_prefill_tokens=5, num_decode_tokens=2, num_pages_used=4,
+    ...                   num_waiting=0, num_running=3, preempted=(), admitted=(2,),
+    ...                   finished=(), batch=((0, "decode", 1), (1, "decode", 1),
+    ...                   (2, "prefill", 5)), page_owners=(0, 1, 2, 2, None))
+    >>> stats.num_tokens, stats.num_preempted    # a step of two decodes and one prefill
+    (7, 0)
     """
 
     step: int
@@ -70,7 +79,14 @@ class StepStats:
 
 @dataclasses.dataclass(frozen=True)
 class PackedBatch:
-    """One step's inputs, padded to fixed sizes.  T = max_num_batched_tokens."""
+    """One step's inputs, padded to fixed sizes.  T = max_num_batched_tokens.
+
+    >>> from minilib.engine.scheduler import StepPlan
+    >>> empty = pack_batch(StepPlan((), (), ()), max_num_batched_tokens=4, max_num_seqs=2,
+    ...                    num_pages=3, page_size=4)
+    >>> empty.page_ids.tolist(), empty.cu_q_lens.tolist(), empty.num_seqs.tolist()  # all padding
+    ([3, 3, 3, 3], [0, 0, 0], [0])
+    """
 
     tokens: np.ndarray  # i32[T]
     positions: np.ndarray  # i32[T], each row's position in its sequence

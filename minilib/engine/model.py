@@ -31,6 +31,23 @@ from minilib.heads import check_head_counts
 from minilib.kv_cache import bucket_size
 
 DTYPES = ("float32", "bfloat16")
+__all__ = [
+    "EngineError",
+    "ModelConfig",
+    "attention_inputs",
+    "attention_output_and_mlp",
+    "check_request",
+    "dense_attention",
+    "dense_forward",
+    "dense_generate",
+    "dense_generate_with_margins",
+    "embed_tokens",
+    "final_logits",
+    "init_params",
+    "rms_norm",
+    "rotary",
+]
+
 MIN_DENSE_LEN = 64  # dense_generate's shortest cache: short requests share compiled programs
 
 
@@ -141,7 +158,11 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict:
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """x / rms(x) * weight, computed in float32.  x: [n, embed_dim]."""
+    """x / rms(x) * weight, computed in float32.  x: [n, embed_dim].
+
+    >>> rms_norm(jnp.array([[2.0, -2.0]]), jnp.array([1.0, 3.0])).round(4).tolist()  # rms 2
+    [[1.0, -3.0]]
+    """
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
@@ -152,6 +173,12 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
     x: [n, num_heads, head_dim], positions: i32[n]. Token order enters attention only here:
     a token's K is rotated by its position once, when it is written to the cache.
+
+    >>> x = jnp.array([[[1.0, 0.0]]])                 # one token, one head, head_dim 2
+    >>> rotary(x, jnp.array([0]), theta=10000.0).tolist()   # position 0: unchanged
+    [[[1.0, 0.0]]]
+    >>> print(rotary(x, jnp.array([1]), theta=10000.0).round(4))  # rotated by 1 radian
+    [[[0.5403 0.8415]]]
     """
     half = x.shape[-1] // 2
     freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [half]
@@ -164,7 +191,14 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 @jax.jit
 def embed_tokens(params: dict, tokens: jax.Array) -> jax.Array:  # [n, embed_dim]
-    """Step 1: one embedding row per token id.  tokens: i32[n]."""
+    """Step 1: one embedding row per token id.  tokens: i32[n].
+
+    >>> config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
+    ...                      head_dim=32)
+    >>> params = init_params(config)
+    >>> embed_tokens(params, jnp.array([5, 6, 7])).shape
+    (3, 64)
+    """
     return params["embed"][tokens]
 
 
@@ -173,6 +207,14 @@ def attention_inputs(layer: dict, config: ModelConfig, x: jax.Array, positions: 
     """Step 2: q [n, num_q_heads, head_dim], k and v [n, num_kv_heads, head_dim] of every row.
 
     x: [n, embed_dim], positions: i32[n] (each row's position in its own sequence).
+
+    >>> config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
+    ...                      head_dim=32)
+    >>> params = init_params(config)
+    >>> x = embed_tokens(params, jnp.array([5, 6, 7]))
+    >>> q, k, v = attention_inputs(params["layers"][0], config, x, jnp.arange(3))
+    >>> q.shape, k.shape, v.shape
+    ((3, 4, 32), (3, 2, 32), (3, 2, 32))
     """
     h = rms_norm(x, layer["attn_norm"])
     q = jnp.einsum("nd,dhk->nhk", h, layer["wq"])
@@ -183,7 +225,15 @@ def attention_inputs(layer: dict, config: ModelConfig, x: jax.Array, positions: 
 
 @jax.jit
 def attention_output_and_mlp(layer: dict, x: jax.Array, attn: jax.Array) -> jax.Array:
-    """Step 4: x + attn @ wo, then x + MLP(RMSNorm(x)).  attn: [n, num_q_heads, head_dim]."""
+    """Step 4: x + attn @ wo, then x + MLP(RMSNorm(x)).  attn: [n, num_q_heads, head_dim].
+
+    >>> config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
+    ...                      head_dim=32)
+    >>> params = init_params(config)
+    >>> x = embed_tokens(params, jnp.array([5, 6, 7]))
+    >>> attention_output_and_mlp(params["layers"][0], x, jnp.zeros((3, 4, 32))).shape
+    (3, 64)
+    """
     x = x + jnp.einsum("nhk,hkd->nd", attn.astype(x.dtype), layer["wo"])
     h = rms_norm(x, layer["mlp_norm"])
     return x + jax.nn.gelu(h @ layer["w_in"]) @ layer["w_out"]
@@ -192,7 +242,15 @@ def attention_output_and_mlp(layer: dict, x: jax.Array, attn: jax.Array) -> jax.
 @jax.jit
 def final_logits(params: dict, x: jax.Array) -> jax.Array:  # f32[n, vocab_size]
     """RMSNorm, then the unembedding: one row of logits per token row, accumulated and kept
-    in float32 (bf16 logits would tie too often for a greedy argmax)."""
+    in float32 (bf16 logits would tie too often for a greedy argmax).
+
+    >>> config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
+    ...                      head_dim=32)
+    >>> params = init_params(config)
+    >>> logits = final_logits(params, embed_tokens(params, jnp.array([5, 6, 7])))
+    >>> logits.shape, logits.dtype
+    ((3, 64), dtype('float32'))
+    """
     h = rms_norm(x, params["final_norm"])
     return jnp.dot(h, params["unembed"], preferred_element_type=jnp.float32)
 
@@ -207,7 +265,13 @@ def dense_attention(
     positions: jax.Array,  # i32[n]
     sm_scale: float,
 ) -> jax.Array:  # [n, num_q_heads, head_dim]
-    """Causal attention over a contiguous cache: row at position p sees keys 0..p."""
+    """Causal attention over a contiguous cache: row at position p sees keys 0..p.
+
+    >>> q, k = jnp.ones((2, 2, 4)), jnp.ones((3, 1, 4))   # equal scores: a plain average
+    >>> v = jnp.arange(12.0).reshape(3, 1, 4)
+    >>> dense_attention(q, k, v, positions=jnp.array([0, 1]), sm_scale=0.5)[:, 0].tolist()
+    [[0.0, 1.0, 2.0, 3.0], [2.0, 3.0, 4.0, 5.0]]
+    """
     group = q.shape[1] // k.shape[1]
     k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
     scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * sm_scale
@@ -223,6 +287,16 @@ def dense_forward(params, config: ModelConfig, tokens, start, k_cache, v_cache):
     cache per layer, k_cache and v_cache [num_layers, max_len, num_kv_heads, head_dim].
 
     Returns (logits f32[n, vocab_size], k_cache, v_cache) with the new K/V written in.
+
+    >>> config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
+    ...                      head_dim=32)
+    >>> params = init_params(config)
+    >>> cache = jnp.zeros((2, 64, 2, 32))      # [num_layers, max_len, num_kv_heads, head_dim]
+    >>> prompt = np.zeros(64, np.int32)        # padded to the cache, as dense_generate does
+    >>> prompt[:3] = [5, 6, 7]
+    >>> logits, k_cache, v_cache = dense_forward(params, config, prompt, 0, cache, cache)
+    >>> logits.shape, bool((k_cache != 0).any())   # 64 rows of logits; K written
+    ((64, 64), True)
     """
     positions = start + jnp.arange(tokens.shape[0])
     x = embed_tokens(params, tokens)
@@ -290,7 +364,18 @@ def dense_generate_with_margins(params, config: ModelConfig, prompt, max_new_tok
 
 def check_request(prompt, max_new_tokens, config: ModelConfig) -> None:
     """Raise `EngineError` unless `prompt` is a non-empty list of token ids in the vocabulary
-    and `max_new_tokens` a non-negative int."""
+    and `max_new_tokens` a non-negative int.
+
+    >>> config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
+    ...                      head_dim=32)
+    >>> check_request([1, 2, 3], 4, config)               # a good request: nothing happens
+    >>> try:
+    ...     check_request([1, 99], 4, config)
+    ... except EngineError as err:
+    ...     print(err)
+    prompt=[1, 99] holds token ids [99] outside the vocabulary [0, vocab_size=64).
+    Hint: token ids index the embedding table: keep them in 0 .. vocab_size - 1.
+    """
     if (
         isinstance(max_new_tokens, bool)
         or not isinstance(max_new_tokens, int | np.integer)

@@ -29,10 +29,25 @@ import dataclasses
 
 from minilib.kv_cache import PageAllocator, pages_needed
 
+__all__ = [
+    "Request",
+    "ScheduledSeq",
+    "Scheduler",
+    "StepPlan",
+    "can_admit",
+    "preempt",
+    "schedule_tokens",
+]
+
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """One generation request and how far it has got."""
+    """One generation request and how far it has got.
+
+    >>> r = Request(0, prompt=[5, 6, 7], max_new_tokens=2, output=[9], num_computed=3)
+    >>> r.tokens, r.num_uncomputed, r.finished   # 9 was sampled, not yet in the cache
+    ([5, 6, 7, 9], 1, False)
+    """
 
     request_id: int
     prompt: list[int]
@@ -65,6 +80,11 @@ class ScheduledSeq:
       chunk, or a recompute after preemption).
     samples: whether the step reaches the sequence's last token, so that the logits of its
       last row give the next token.
+
+    >>> r = Request(0, prompt=[5, 6, 7, 8, 9], max_new_tokens=1)
+    >>> seq = schedule_tokens(r, 2)     # the first chunk of the prompt
+    >>> seq.start, seq.num_tokens, seq.kind, seq.samples   # no token to sample yet
+    (0, 2, 'prefill', False)
     """
 
     request: Request
@@ -75,7 +95,13 @@ class ScheduledSeq:
 
 
 def schedule_tokens(request: Request, num_tokens: int) -> ScheduledSeq:
-    """`request`'s next `num_tokens` uncomputed tokens, as one sequence of the step."""
+    """`request`'s next `num_tokens` uncomputed tokens, as one sequence of the step.
+
+    >>> r = Request(0, prompt=[5, 6, 7], max_new_tokens=2, output=[9], num_computed=3)
+    >>> seq = schedule_tokens(r, 1)     # the token sampled last step
+    >>> seq.start, seq.kind, seq.samples
+    (3, 'decode', True)
+    """
     start, total = request.num_computed, len(request.prompt) + len(request.output)
     is_decode = bool(request.output) and num_tokens == 1 and start == total - 1
     return ScheduledSeq(
@@ -89,7 +115,15 @@ def schedule_tokens(request: Request, num_tokens: int) -> ScheduledSeq:
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """What one step runs: the sequences in batch order, and who was admitted or preempted."""
+    """What one step runs: the sequences in batch order, and who was admitted or preempted.
+
+    >>> s = Scheduler(num_pages=4, page_size=4, max_num_batched_tokens=8, max_num_seqs=2)
+    >>> s.add(Request(0, prompt=[1] * 3, max_new_tokens=1))
+    >>> s.add(Request(1, prompt=[2] * 3, max_new_tokens=1))
+    >>> plan = s.schedule()
+    >>> [seq.request.request_id for seq in plan.seqs], plan.admitted, plan.preempted
+    ([0, 1], (0, 1), ())
+    """
 
     seqs: tuple[ScheduledSeq, ...]
     admitted: tuple[int, ...]
@@ -128,7 +162,15 @@ def can_admit(
 
 def preempt(request: Request, allocator: PageAllocator) -> None:
     """Evict `request` from the cache: its pages go back to the pool and it forgets its
-    cached tokens, so that it recomputes them all when it runs again. Its output is kept."""
+    cached tokens, so that it recomputes them all when it runs again. Its output is kept.
+
+    >>> allocator = PageAllocator(4)
+    >>> r = Request(0, prompt=[5, 6, 7], max_new_tokens=3, output=[9], num_computed=3)
+    >>> r.pages = allocator.allocate(1, owner=0)
+    >>> preempt(r, allocator)
+    >>> r.pages, r.num_computed, r.output, allocator.num_free
+    ([], 0, [9], 4)
+    """
     allocator.free(request.pages)
     request.pages = []
     request.num_computed = 0

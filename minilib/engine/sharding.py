@@ -38,6 +38,8 @@ except ImportError:  # pragma: no cover - depends on the installed jax
 from minilib.engine.model import ModelConfig
 from minilib.errors import EngineError
 
+__all__ = ["check_mesh", "shard_attention", "shard_kv_pages", "shard_params"]
+
 AXIS = "kv_heads"
 Q_SPEC = PartitionSpec(None, AXIS, None)  # q and the output: q heads split
 KV_SPEC = PartitionSpec(None, None, AXIS, None)  # kv_pages: combined K/V heads split
@@ -84,7 +86,13 @@ def check_mesh(mesh, config: ModelConfig) -> int:
 
 
 def shard_kv_pages(kv_pages: jax.Array, mesh: Mesh) -> jax.Array:
-    """Place `kv_pages` on the mesh, each device holding its KV heads' K and V."""
+    """Place `kv_pages` on the mesh, each device holding its KV heads' K and V.
+
+    >>> import jax.numpy as jnp
+    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("kv_heads",))
+    >>> shard_kv_pages(jnp.zeros((2, 4, 4, 8)), mesh).sharding.spec == KV_SPEC  # axis 2 split
+    True
+    """
     return jax.device_put(kv_pages, NamedSharding(mesh, KV_SPEC))
 
 
@@ -95,6 +103,16 @@ def shard_params(params: dict, mesh: Mesh) -> dict:
     Then the jitted layers run split too (XLA partitions them from the weights' placement):
     each device computes q, k and v of its own heads only, which are exactly the heads its
     attention reads, and the output projection ends with one sum over devices.
+
+    >>> from minilib.engine.model import init_params
+    >>> config = ModelConfig(vocab_size=8, num_layers=1, num_q_heads=4, num_kv_heads=2,
+    ...                      head_dim=8)
+    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("kv_heads",))
+    >>> params = shard_params(init_params(config), mesh)
+    >>> [params["layers"][0][name].sharding.spec == KV_HEAD_AXIS_1 for name in ("wq", "wk")]
+    [True, True]
+    >>> params["embed"].sharding.spec == SAME
+    True
     """
     by_head = {
         "wq": KV_HEAD_AXIS_1,
@@ -121,6 +139,19 @@ def shard_attention(attention, mesh: Mesh, config: ModelConfig):
     set of options (the index arrays are arguments). The references read the lengths on the
     host; for them the index arrays are baked in as constants, which runs the sharded call
     op by op, and compiles anew each step: right, but slow.
+
+    >>> import jax.numpy as jnp
+    >>> def scale_q(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale):
+    ...     return q * sm_scale                       # a stand-in with attention's signature
+    >>> config = ModelConfig(vocab_size=8, num_layers=1, num_q_heads=4, num_kv_heads=2,
+    ...                      head_dim=8)
+    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("kv_heads",))
+    >>> sharded = shard_attention(scale_q, mesh, config)
+    >>> lengths = (jnp.zeros(2, jnp.int32), jnp.zeros((2, 1), jnp.int32),
+    ...            jnp.zeros(3, jnp.int32), jnp.zeros(1, jnp.int32))
+    >>> out = sharded(jnp.ones((4, 4, 8)), jnp.zeros((2, 4, 4, 8)), *lengths, sm_scale=0.5)
+    >>> out.shape, float(out[0, 0, 0])
+    ((4, 4, 8), 0.5)
     """
     check_mesh(mesh, config)
     compiled = {}  # options -> the jitted sharded function

@@ -36,11 +36,28 @@ import ipywidgets as widgets
 from minilib.engine.engine import Engine, StepStats
 from minilib.viz import FILLS, LIGHT_GREY
 
+__all__ = ["EngineView", "colour"]
+
 CELL = "display:inline-block;box-sizing:border-box;text-align:center;font:11px monospace;"
 
 
 class EngineView(widgets.VBox):
-    """A live view of `engine`: call `view.run()` (or `view.show(engine.step())`)."""
+    """A live view of `engine`: call `view.run()` (or `view.show(engine.step())`).
+
+    >>> from minilib import ragged_paged_attention_jnp
+    >>> from minilib.engine import ModelConfig, init_params
+    >>> config = ModelConfig(vocab_size=32, num_layers=1, num_q_heads=2, num_kv_heads=1,
+    ...                      head_dim=8)
+    >>> engine = Engine(init_params(config), config, num_pages=6, page_size=4,
+    ...                 max_num_batched_tokens=8, max_num_seqs=2,
+    ...                 attention=ragged_paged_attention_jnp)
+    >>> view = EngineView(engine, title="one request")
+    >>> _ = engine.add_request([1, 2, 3], max_new_tokens=1)
+    >>> view.show(engine.step())
+    >>> print(view.text.splitlines()[0])
+    step 0 of 1: 3 prefill + 0 decode tokens (budget 8); pages in use: 0 of 6; waiting: 0;
+    running: 0; preempted: none; finished: r0
+    """
 
     def __init__(self, engine: Engine, title: str = "Engine"):
         self.engine = engine
@@ -89,7 +106,11 @@ class EngineView(widgets.VBox):
 
 
 def colour(request_id: int) -> str:
-    """The colour of a request: the Okabe-Ito palette, in turn."""
+    """The colour of a request: the Okabe-Ito palette, in turn.
+
+    >>> colour(0), colour(1), colour(7) == colour(0)    # 7 colours, then they repeat
+    ('#E69F00', '#56B4E9', True)
+    """
     return FILLS[request_id % len(FILLS)]
 
 

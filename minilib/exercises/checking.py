@@ -37,6 +37,22 @@ from typing import Any
 import jax
 import numpy as np
 
+__all__ = [
+    "TIME_LIMIT_SECONDS",
+    "Case",
+    "CheckResult",
+    "Mismatch",
+    "answer_type_problem",
+    "as_array",
+    "as_int",
+    "call_with_time_limit",
+    "compare_arrays",
+    "compare_values",
+    "diagnose",
+    "expected_vs_got",
+    "run_check",
+]
+
 MINILIB_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
 
 PASSED, FAILED, NOT_ATTEMPTED = "passed", "failed", "not attempted"
@@ -56,6 +72,10 @@ class CheckResult:
       status: "passed", "failed" or "not attempted".
       report: the text the checker printed.
       cases_run: how many cases ran before the verdict.
+
+    >>> result = CheckResult("add", status="passed", report="Passed: ...", cases_run=2)
+    >>> result, bool(result)
+    (CheckResult('add', status='passed'), True)
     """
 
     name: str
@@ -80,7 +100,12 @@ class CheckResult:
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One input to try: a description for the report, and the arguments."""
+    """One input to try: a description for the report, and the arguments.
+
+    >>> case = Case("one decode over 5 keys", args=(1, 5))
+    >>> case.args, case.kwargs
+    ((1, 5), {})
+    """
 
     description: str
     args: tuple
@@ -88,7 +113,14 @@ class Case:
 
 
 class Mismatch(Exception):
-    """Raised by a comparison: `str()` says which output differs, and how."""
+    """Raised by a comparison: `str()` says which output differs, and how.
+
+    >>> try:
+    ...     compare_values(3, 4, "num_pages")
+    ... except Mismatch as diff:
+    ...     print(diff)
+    num_pages: expected 3, got 4
+    """
 
 
 # A comparison takes (expected, got, case) and raises Mismatch when they differ.
@@ -115,6 +147,19 @@ def run_check(
     SLOWER_THAN_REFERENCE times the reference's time if that is longer. `check_answer_type`
     off leaves the answer's type to `compare` (for checkers whose `fn` wraps the learner's
     answer, such as the kernel checkers).
+
+    >>> cases = [Case("two small ints", (2, 3)), Case("a negative one", (-1, 4))]
+    >>> def compare(expected, got, case):
+    ...     compare_values(expected, got, "sum")
+    >>> def add(a, b):
+    ...     return a + b
+    >>> result = run_check("add", add, add, cases, compare)
+    Passed: add matches the reference on all 2 cases.
+    >>> result = run_check("add", lambda a, b: a - b, add, cases, compare)
+    FAILED: add, case 1 of 2: two small ints
+      sum: expected 5, got -1
+    >>> result.status, result.cases_run
+    ('failed', 1)
     """
     cases = list(cases)
     for i, case in enumerate(cases):
@@ -267,7 +312,16 @@ def _indent(text: str, prefix: str = "  ") -> str:
 
 def as_array(x, name: str) -> np.ndarray:
     """Turn the learner's output (jax array, NumPy array, list, scalar) into NumPy, or raise
-    Mismatch saying what came back instead."""
+    Mismatch saying what came back instead.
+
+    >>> as_array([1, 2], "kv_lens")
+    array([1, 2])
+    >>> try:
+    ...     as_array(None, "kv_lens")
+    ... except Mismatch as diff:
+    ...     print(diff)
+    kv_lens: got None. Did you forget to `return` it?
+    """
     if x is None:
         raise Mismatch(f"{name}: got None. Did you forget to `return` it?")
     if isinstance(x, str | bytes | dict | set):
@@ -296,6 +350,20 @@ def compare_arrays(
     differing elements and, for small 1-D and 2-D arrays (at most `show` elements), prints
     both in full.
     Booleans and integers must match exactly; floats within atol + rtol * |expected|.
+
+    >>> compare_arrays([1.0, 2.0], np.array([1.0, 2.0000001]))   # within tolerance: silent
+    >>> try:
+    ...     compare_arrays([[True, False], [True, True]], [[True, True], [True, True]], "mask")
+    ... except Mismatch as diff:
+    ...     print(diff)
+    mask: 1 of 4 elements differ; the first at index (0, 1):
+      expected False, got True
+    expected:
+      [[1 0]
+       [1 1]]
+    got:
+      [[1 1]
+       [1 1]]
     """
     want = np.asarray(expected)
     have = as_array(got, name)
@@ -339,7 +407,15 @@ def compare_arrays(
 
 
 def compare_values(expected, got, name: str = "output") -> None:
-    """Exact comparison of small Python values (ints, tuples of ints)."""
+    """Exact comparison of small Python values (ints, tuples of ints).
+
+    >>> compare_values((0, 2), (np.int32(0), 2))     # NumPy ints are ints: silent
+    >>> try:
+    ...     compare_values((0, 2), (0, 3), "kv block range")
+    ... except Mismatch as diff:
+    ...     print(diff)
+    kv block range: expected (0, 2), got (0, 3)
+    """
     try:
         same = _same_values(_plain(expected), _plain(got))
     except Exception:
@@ -350,7 +426,11 @@ def compare_values(expected, got, name: str = "output") -> None:
 
 def as_int(x):
     """`int(x)` for ints, NumPy/jax integer scalars and integral floats; anything else is
-    returned as it is, so that the comparison can show it ("expected 3, got None")."""
+    returned as it is, so that the comparison can show it ("expected 3, got None").
+
+    >>> as_int(np.int32(3)), as_int(3.0), as_int(3.5), as_int(True), as_int("3")
+    (3, 3, 3.5, True, '3')
+    """
     if isinstance(x, bool | np.bool_ | str | bytes) or np.ndim(x) != 0:
         return x  # True is not 1, "3" is not 3, [3] is not 3
     try:
@@ -480,7 +560,18 @@ def _format(a: np.ndarray) -> str:
 def diagnose(compare: Compare, mistakes: dict[str, Callable]) -> Compare:
     """Wrap `compare` so that a failure also says which known mistake, if any, the output
     matches: `mistakes` maps an explanation to a function that makes that mistake (same
-    arguments as the exercise)."""
+    arguments as the exercise).
+
+    >>> def compare(expected, got, case):
+    ...     compare_values(expected, got, "pages")
+    >>> mistakes = {"floor division: a partial page needs a page too.": lambda n, size: n // size}
+    >>> try:
+    ...     diagnose(compare, mistakes)(3, 2, Case("10 tokens, pages of 4", (10, 4)))
+    ... except Mismatch as diff:
+    ...     print(diff)
+    pages: expected 3, got 2
+    Likely cause: floor division: a partial page needs a page too.
+    """
 
     def compare_and_diagnose(expected, got, case: Case) -> None:
         try:
@@ -498,6 +589,11 @@ def diagnose(compare: Compare, mistakes: dict[str, Callable]) -> Compare:
 
 
 def expected_vs_got(label: str, expected, got) -> str:
-    """Two aligned lines: '<label>, expected: <expected>' over 'got: <got>'."""
+    """Two aligned lines: '<label>, expected: <expected>' over 'got: <got>'.
+
+    >>> print(expected_vs_got("row 3", (1, 0), (0, 3)))
+    row 3, expected: (1, 0)
+                got: (0, 3)
+    """
     head = f"{label}, expected: "
     return f"{head}{expected}\n{'got: '.rjust(len(head))}{got}"

@@ -36,6 +36,17 @@ from minilib.exercises.checking import (
 )
 from minilib.ladder.interpret import MISSING_OPTIONS, races_found, strict_interpret_params
 
+# `check_kernel` is what the checkers of notebooks 07 and 08 call; the others listed are its
+# steps. `compile_on_tpu` and the two functions after it, its last step, are left out: what
+# they do depends on whether libtpu is installed, and check_kernel's example runs them.
+__all__ = [
+    "KernelRun",
+    "check_kernel",
+    "compare_kernel_output",
+    "likely_cause",
+    "run_in_strict_interpret_mode",
+]
+
 COMPILE_CHIP = "v5e"
 MOSAIC_MESSAGE_LINES = 25
 KERNEL_TIMEOUT_SECONDS = 60.0
@@ -62,7 +73,12 @@ DEADLOCK_CAUSE = (
 
 @dataclasses.dataclass(frozen=True)
 class KernelRun:
-    """What one run of the learner's kernel produced, and whether it raced."""
+    """What one run of the learner's kernel produced, and whether it raced.
+
+    >>> run = KernelRun(out=None, raced=False, hung=True)   # stopped at its time limit
+    >>> run.out is None and not run.raced
+    True
+    """
 
     out: object
     raced: bool
@@ -76,6 +92,13 @@ def run_in_strict_interpret_mode(fn: Callable, timeout: float | None = None):
     The run happens in a worker thread (`call_with_time_limit`); after `timeout` seconds the
     check gives up on it, stops it where Python can, and reports a likely deadlock.
     `timeout` defaults to KERNEL_TIMEOUT_SECONDS.
+
+    >>> import jax.numpy as jnp
+    >>> from minilib.pallas_basics import add_vectors
+    >>> x = jnp.arange(8.0)
+    >>> run = run_in_strict_interpret_mode(add_vectors)(x, x, block_size=8)
+    >>> run.out.tolist(), run.raced, run.hung
+    ([0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0], False, False)
     """
 
     def run(*args, **kwargs):
@@ -99,7 +122,16 @@ def compare_kernel_output(mistakes: dict[str, Callable], atol: float, rtol: floa
     """Compare a KernelRun with the reference; on a difference, name the likely cause.
 
     `mistakes` maps an explanation to a jnp function that makes that mistake (the kernel's
-    arguments, no `interpret`)."""
+    arguments, no `interpret`).
+
+    >>> compare = compare_kernel_output(mistakes={}, atol=1e-5, rtol=1e-5)
+    >>> try:
+    ...     compare(np.ones(2), KernelRun(np.array([1.0, np.nan]), raced=False), Case("x", ()))
+    ... except Mismatch as diff:
+    ...     print(diff)
+    output: got nan at index (1,) (expected 1); 1 of 2 elements are not finite.
+    Likely cause: NaN in the output. In this interpret mode scratch memory starts as NaN, ...
+    """
 
     def compare(expected, got: KernelRun, case: Case) -> None:
         if got.hung:
@@ -123,6 +155,15 @@ def compare_kernel_output(mistakes: dict[str, Callable], atol: float, rtol: floa
 
 
 def likely_cause(out, case: Case, mistakes: dict[str, Callable]) -> str:
+    """The explanation of the first mistake in `mistakes` whose output `out` matches; else
+    what NaN in the output usually means; else advice to compare row by row.
+
+    >>> case = Case("x = 1", (np.array([1.0]),))
+    >>> likely_cause(np.array([2.0]), case, {"x was doubled.": lambda x: 2 * x})
+    'x was doubled.'
+    >>> likely_cause(np.array([np.nan]), case, {}) == NAN_CAUSES
+    True
+    """
     for explanation, mistaken in mistakes.items():
         try:
             compare_arrays(mistaken(*case.args, **case.kwargs), out, "output", atol=1e-3)
@@ -157,6 +198,19 @@ def check_kernel(
 
     Prints (unless `verbose=False`) and returns a CheckResult; never raises for the learner's
     mistakes.
+
+    >>> import jax.numpy as jnp
+    >>> from jax.experimental import pallas as pl
+    >>> def double_kernel(x_ref, o_ref):
+    ...     o_ref[...] = 2 * x_ref[...]
+    >>> def double(x, *, interpret=False):   # [8, 128] -> [8, 128]
+    ...     out_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    ...     return pl.pallas_call(double_kernel, out_shape=out_shape, interpret=interpret)(x)
+    >>> cases = [Case("8 x 128 ones", (jnp.ones((8, 128)),))]
+    >>> result = check_kernel("double", double, lambda x: 2 * x, cases,
+    ...                       compile_case=cases[0], mistakes={}, verbose=False)
+    >>> result.status, result.report.splitlines()[0]
+    ('passed', 'Passed: double matches the reference on all 1 cases.')
     """
     compare = compare_kernel_output(mistakes, atol, rtol)
     # The kernel run has its own time limit (a deadlock is reported as such); the check's

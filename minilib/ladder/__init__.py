@@ -14,4 +14,12 @@ written it:
                      kernel, the step from these rungs to `minilib.kernel`.
   `interpret`        the strict TPU interpret mode the checkers run them in, and the race
                      detector's verdict.
+
+Each rung's `__all__` names what runs outside a kernel: the `pallas_call` wrapper, its
+reference, the Python plans. The kernel bodies (`*_kernel`) and their inner steps
+(`init_online_softmax`, `attend_kv_block`, `write_output`, `page_index_map`, ...) run only
+inside a Pallas kernel; their docstrings and comments document them, and the wrappers' examples
+run them.
 """
+
+__all__: list[str] = []  # the rungs are modules: `from minilib.ladder.flash import ...`

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+__all__ = ["attention_pallas_call_aligned"]
+
 
 def attention_pallas_call_aligned(
     q_seq: jax.Array,  # [max_num_seqs, max_q_len, num_q_heads, head_dim]

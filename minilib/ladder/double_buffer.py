@@ -29,6 +29,8 @@ from jax.experimental.pallas import tpu as pltpu
 from minilib.ladder.flash import init_online_softmax
 from minilib.ladder.scalar_prefetch import attend_kv_block, softmax_scratch, write_output
 
+__all__ = ["paged_decode_attention_double_buffered"]
+
 
 def paged_decode_attention_double_buffered(
     q: jax.Array,  # [num_seqs, num_q_heads, head_dim]

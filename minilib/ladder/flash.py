@@ -25,6 +25,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from minilib.options import DEFAULT_MASK_VALUE
 
+__all__ = ["flash_attention", "flash_attention_reference"]
+
 
 def flash_attention_reference(
     q: jax.Array,  # [num_heads, q_len, head_dim]

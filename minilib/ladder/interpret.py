@@ -20,6 +20,8 @@ import importlib
 
 from jax.experimental.pallas import tpu as pltpu
 
+__all__ = ["MISSING_OPTIONS", "STRICT_OPTIONS", "races_found", "strict_interpret_params"]
+
 STRICT_OPTIONS = {
     "detect_races": True,
     "uninitialized_memory": "nan",
@@ -44,6 +46,14 @@ def races_found() -> bool:
 
     The race detector keeps its verdict in a module global, whose module moved between JAX
     versions. Raises RuntimeError if this JAX has no race detector.
+
+    >>> import jax.numpy as jnp
+    >>> from minilib.pallas_basics import add_vectors
+    >>> x = jnp.arange(8.0)
+    >>> add_vectors(x, x, block_size=8, interpret=strict_interpret_params()).tolist()
+    [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]
+    >>> races_found()   # no DMA in that kernel, so no race
+    False
     """
     for name in (
         "jax._src.pallas.mosaic.interpret.interpret_pallas_call",  # jax 0.8 and later

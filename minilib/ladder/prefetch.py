@@ -37,6 +37,13 @@ from minilib.kv_cache import pages_needed
 from minilib.ladder.flash import init_online_softmax
 from minilib.ladder.scalar_prefetch import attend_kv_block, softmax_scratch, write_output
 
+__all__ = [
+    "decode_schedule",
+    "next_work",
+    "paged_decode_attention_prefetch",
+    "planned_decode_schedule",
+]
+
 
 def next_work(seq: int, page: int, kv_lens, num_seqs: int, page_size: int):
     """The (seq, page) the kernel works on after page `page` of sequence `seq`; None after the

@@ -27,6 +27,8 @@ from jax.experimental.pallas import tpu as pltpu
 from minilib.kv_cache import pages_needed
 from minilib.ladder.flash import init_online_softmax, online_softmax_update, zero_rows_past
 
+__all__ = ["paged_decode_attention", "paged_decode_reference", "softmax_scratch"]
+
 
 def paged_decode_reference(
     q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
@@ -119,7 +121,11 @@ def page_index_map(seq, i, kv_lens_ref, page_indices_ref, *, page_size: int):
 
 
 def softmax_scratch(num_kv_heads: int, group: int, head_dim: int) -> list:
-    """m, l and acc for every q head, grouped by the KV head it shares (VMEM scratch)."""
+    """m, l and acc for every q head, grouped by the KV head it shares (VMEM scratch).
+
+    >>> [scratch.shape for scratch in softmax_scratch(num_kv_heads=2, group=4, head_dim=128)]
+    [(2, 4, 1), (2, 4, 1), (2, 4, 128)]
+    """
     return [
         pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),  # m
         pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),  # l
