@@ -1,4 +1,5 @@
-"""Shared test helpers: compare any attention function with JAX's own reference."""
+"""Shared test helpers: the case lists, one tolerance per dtype, and the comparison of any
+attention function with JAX's own reference."""
 
 from __future__ import annotations
 
@@ -12,32 +13,118 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
     ref_ragged_paged_attention as jax_reference,
 )
 
-from minilib.batch import RaggedBatch
+from minilib.batch import RaggedBatch, make_batch
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
-# Absolute tolerance by the dtype of q (the compute dtype).
-TOLERANCE = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 3e-2}
+# The sequences of the parity tests, as (q_len, kv_len) pairs.
+DECODE = [(1, 17), (1, 5), (1, 40), (1, 1)]
+PREFILL = [(9, 9), (23, 23), (1, 1)]
+MIXED = [(1, 30), (12, 12), (0, 7), (5, 33), (1, 64)]
+ONE_OF_EACH = [(5, 5), (1, 20), (0, 7), (12, 40)]  # prefill, decode, idle, chunk
+
+# (num_q_heads, num_kv_heads): MHA, GQA groups of 2, 4 and 8 (one KV head: MQA), 16 q heads.
+HEAD_CONFIGS = [(4, 4), (8, 4), (8, 2), (8, 1), (16, 2)]
+DTYPES = [jnp.float32, jnp.bfloat16]
+
+# The parity cases of every implementation; each test file picks its cases (a compile of JAX's
+# reference each) and adds its own block sizes.
+# name: (seq_lens, num_q_heads, num_kv_heads, head_dim, page_size, options)
+CASES = {
+    "mha": (MIXED, 4, 4, 64, 16, {}),
+    "gqa2": (MIXED, 8, 4, 64, 8, {}),
+    "gqa4": (MIXED, 8, 2, 64, 8, {}),
+    "gqa4-hd128": (MIXED, 8, 2, 128, 4, {}),
+    "gqa8": (MIXED, 8, 1, 64, 16, {}),  # 8 q heads on 1 kv head is also MQA
+    "gqa8-hd128": (MIXED, 8, 1, 128, 4, {}),
+    "mqa": (DECODE, 4, 1, 128, 32, {}),
+    "mqa-sliding-softcap": (DECODE, 4, 1, 128, 32, {"sliding_window": 9, "soft_cap": 5.0}),
+    "gqa8-16": (PREFILL, 16, 2, 64, 2, {}),
+    "mha-prefill": (PREFILL, 4, 4, 64, 16, {}),
+    "page1": (MIXED, 4, 2, 64, 1, {}),
+    "decode": (DECODE, 8, 2, 128, 16, {}),
+    "prefill": (PREFILL, 8, 2, 64, 8, {}),
+    "sliding": (MIXED, 8, 2, 64, 4, {"sliding_window": 6}),
+    "sliding-page8": (MIXED, 8, 2, 64, 8, {"sliding_window": 6}),
+    "softcap": (MIXED, 8, 2, 64, 8, {"soft_cap": 2.0, "sm_scale": 0.5}),
+    "mask": (MIXED, 4, 2, 64, 8, {"mask_value": -1e4}),
+    "all": (MIXED, 8, 4, 128, 16, {"sliding_window": 9, "soft_cap": 5.0, "sm_scale": 0.1}),
+}
+
+# The largest absolute error allowed against JAX's reference, by the dtype of q (the compute
+# dtype), for every implementation and every comparison.
+# - float32: the implementations add up the same terms in another order (blocks, an online
+#   softmax), which moves a result of size ~1 by a few float32 epsilons (1.2e-7) per term;
+#   1e-5 leaves room for that and still catches any wrong key (an error of order 0.1).
+# - bfloat16 keeps 8 significant bits: rounding an output near 2 moves it by up to 2**-8 =
+#   0.004, and each implementation rounds scores, probabilities and outputs at other steps
+#   than JAX's reference does; 2e-2 is a few such roundings.
+TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}
+
+# Options of the blocked implementations that JAX's reference does not take.
+BLOCK_SIZES = ("num_kv_pages_per_block", "num_queries_per_block")
+
+
+def padded_batch(seq_lens, **options) -> RaggedBatch:
+    """`make_batch` with 5 padding q rows and 2 padding sequence slots, so that any read of the
+    padding shows (make_batch fills it with NaN and garbage)."""
+    return make_batch(
+        seq_lens,
+        max_num_batched_tokens=sum(q for q, _ in seq_lens) + 5,
+        max_num_seqs=len(seq_lens) + 2,
+        **options,
+    )
+
+
+def case_batch(name: str) -> tuple[RaggedBatch, dict]:
+    """The padded batch of CASES[name], and a copy of its attention options."""
+    seq_lens, num_q_heads, num_kv_heads, head_dim, page_size, options = CASES[name]
+    batch = padded_batch(
+        seq_lens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+    )
+    return batch, dict(options)
+
+
+def assert_close(got, want, dtype) -> float:
+    """Check `got` is within TOLERANCE[dtype] of `want` everywhere; return the max abs error."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    error = float(np.max(np.abs(got - want))) if got.size else 0.0
+    if os.environ.get("TOLERANCE_LOG"):  # TEMPORARY
+        with open(os.environ["TOLERANCE_LOG"], "a") as f:
+            f.write(f"{jnp.dtype(dtype)} {error:.3g} {os.environ.get('PYTEST_CURRENT_TEST')}\n")
+    assert error <= TOLERANCE[jnp.dtype(dtype)], f"max abs error {error}"
+    return error
 
 
 def assert_matches_jax(fn, batch: RaggedBatch, **options) -> float:
-    """Run `fn` and JAX's reference on `batch`; check the live rows agree and the padding rows
-    are finite. Returns the max abs error."""
+    """Run `fn` on `batch`; check it against JAX's reference (see `assert_output_matches_jax`).
+    Block sizes in `options` go to `fn` only. Returns the max abs error."""
     out = fn(*batch.args(), **options)
-    if batch.seq_lens:
-        expected = jax_reference_jitted(batch, **options)
-    else:  # JAX's reference cannot concatenate zero sequences
-        expected = jnp.zeros((0, *batch.q.shape[1:]), batch.q.dtype)
+    return assert_output_matches_jax(out, batch, **options)
+
+
+def assert_output_matches_jax(out, batch: RaggedBatch, **options) -> float:
+    """Check an attention output for `batch`: its shape and dtype are q's, it is finite, the
+    live rows agree with JAX's reference and the padding rows are zero. Returns the max abs
+    error."""
     n = batch.num_tokens
     assert out.shape == batch.q.shape
     assert out.dtype == batch.q.dtype
-    got = np.asarray(out[:n], np.float32)
-    want = np.asarray(expected, np.float32)
-    assert np.isfinite(want).all(), "the reference itself produced NaN: bad test batch"
-    assert np.isfinite(np.asarray(out, np.float32)).all(), "NaN/inf leaked into the output"
-    err = float(np.max(np.abs(got - want))) if n else 0.0
-    assert err <= TOLERANCE[jnp.dtype(batch.q.dtype)], f"max abs error {err}"
-    return err
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all(), "NaN/inf leaked into the output"
+    np.testing.assert_array_equal(out[n:], 0.0, err_msg="rows past cu_q_lens[num_seqs]")
+    reference_options = {k: v for k, v in options.items() if k not in BLOCK_SIZES}
+    if batch.seq_lens:
+        expected = np.asarray(jax_reference_jitted(batch, **reference_options), np.float32)
+    else:  # JAX's reference cannot concatenate zero sequences
+        expected = np.zeros((0, *batch.q.shape[1:]), np.float32)
+    assert np.isfinite(expected).all(), "the reference itself produced NaN: bad test batch"
+    return assert_close(out[:n], expected, batch.q.dtype)
 
 
 def jax_reference_jitted(batch: RaggedBatch, **options):
