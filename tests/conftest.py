@@ -8,14 +8,36 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
     ref_ragged_paged_attention as jax_reference,
 )
 
+from minilib import (
+    ragged_paged_attention,
+    ragged_paged_attention_blockwise,
+    ragged_paged_attention_jnp,
+    ragged_paged_attention_pallas_basic,
+    ref_ragged_paged_attention,
+)
 from minilib.batch import RaggedBatch, make_batch
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+
+# The five attention functions, in course order; all take JAX's arguments.
+IMPLEMENTATIONS = {
+    "reference": ref_ragged_paged_attention,
+    "jnp": ragged_paged_attention_jnp,
+    "blockwise": ragged_paged_attention_blockwise,
+    "pallas_basic": ragged_paged_attention_pallas_basic,
+    "kernel": ragged_paged_attention,
+}
+
+# TPU interpret mode with fresh VMEM and SMEM scratch NaN, so a kernel that reads memory it
+# never wrote fails. One object, so that every call hits the same compile.
+INTERPRET = pltpu.InterpretParams(uninitialized_memory="nan")
 
 # The sequences of the parity tests, as (q_len, kv_len) pairs.
 DECODE = [(1, 17), (1, 5), (1, 40), (1, 1)]
@@ -76,6 +98,26 @@ def padded_batch(seq_lens, **options) -> RaggedBatch:
     )
 
 
+def one_of_each_batch() -> RaggedBatch:
+    """ONE_OF_EACH with padding rows and slots, and 7 page columns, which KV blocks of 2 or 3
+    pages do not divide: every edge a kernel's loops have, in one small batch."""
+    return make_batch(
+        ONE_OF_EACH, page_size=8, max_num_batched_tokens=24, max_num_seqs=6, pages_per_seq=7
+    )
+
+
+def schedule_batch() -> RaggedBatch:
+    """The batch of the schedule figure and explorer tests: two heads blocks (16 q heads on 8
+    KV heads), a prefill, two decodes and a chunk."""
+    return make_batch(
+        [(12, 12), (1, 40), (6, 30), (1, 9)],
+        num_q_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=8,
+    )
+
+
 def case_batch(name: str) -> tuple[RaggedBatch, dict]:
     """The padded batch of CASES[name], and a copy of its attention options."""
     seq_lens, num_q_heads, num_kv_heads, head_dim, page_size, options = CASES[name]
@@ -94,9 +136,6 @@ def assert_close(got, want, dtype) -> float:
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert got.shape == want.shape, (got.shape, want.shape)
     error = float(np.max(np.abs(got - want))) if got.size else 0.0
-    if os.environ.get("TOLERANCE_LOG"):  # TEMPORARY
-        with open(os.environ["TOLERANCE_LOG"], "a") as f:
-            f.write(f"{jnp.dtype(dtype)} {error:.3g} {os.environ.get('PYTEST_CURRENT_TEST')}\n")
     assert error <= TOLERANCE[jnp.dtype(dtype)], f"max abs error {error}"
     return error
 
@@ -145,3 +184,12 @@ def property_test(check, strategy, max_examples: int):
         max_examples=max_examples, deadline=None, suppress_health_check=[HealthCheck.too_slow]
     )
     return relaxed(given(strategy)(check))
+
+
+def property_tests(check, strategy, fast: int, slow: int):
+    """`check` as two hypothesis tests: `fast` examples in the fast suite, and a sweep of
+    `slow` examples marked slow (`pytest -m slow`)."""
+    return (
+        property_test(check, strategy, fast),
+        pytest.mark.slow(property_test(check, strategy, slow)),
+    )

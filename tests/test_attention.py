@@ -1,4 +1,5 @@
-"""Parity of minilib's reference and vectorized attention with JAX's own reference.
+"""Parity of minilib's reference and vectorized attention with JAX's own reference, on every
+shared case (what every implementation promises is in tests/test_implementations.py).
 
 Every batch comes from `make_batch`, so every unused page slot, unused page and q padding row
 holds NaN, and the padding sequence slots hold garbage: any leak shows up as NaN.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import CASES, assert_close, assert_matches_jax, case_batch, property_test
+from conftest import CASES, assert_close, assert_matches_jax, case_batch, property_tests
 from hypothesis import strategies as st
 
 import minilib
@@ -98,15 +99,9 @@ def check_reference_matches_jnp(batch_and_options):
 
 # Each example compiles a JAX reference for new shapes, so the fast suite keeps a few examples
 # and the slow suite (pytest -m slow) runs many.
-test_property_jnp_matches_jax_reference = property_test(
-    check_jnp_matches_jax_reference, random_batches(), 12
+test_property_jnp_matches_jax_reference, test_property_jnp_matches_jax_reference_sweep = (
+    property_tests(check_jnp_matches_jax_reference, random_batches(), fast=12, slow=200)
 )
-test_property_reference_matches_jnp = property_test(
-    check_reference_matches_jnp, random_batches(), 5
-)
-test_property_jnp_matches_jax_reference_sweep = pytest.mark.slow(
-    property_test(check_jnp_matches_jax_reference, random_batches(), 200)
-)
-test_property_reference_matches_jnp_sweep = pytest.mark.slow(
-    property_test(check_reference_matches_jnp, random_batches(), 100)
+test_property_reference_matches_jnp, test_property_reference_matches_jnp_sweep = property_tests(
+    check_reference_matches_jnp, random_batches(), fast=5, slow=100
 )

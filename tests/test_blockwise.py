@@ -1,5 +1,6 @@
-"""The blockwise (flash) version: parity with JAX's reference, one compile per shape, and
-working memory that follows the block sizes, not the cache.
+"""The blockwise (flash) version: parity with JAX's reference with block sizes of every kind,
+and working memory that follows the block sizes, not the cache (one compile per shape, bf16
+and fp8: tests/test_implementations.py).
 
 Every batch comes from `make_batch`, so unused page slots, unused pages and q padding rows
 hold NaN, and padding sequence slots hold garbage: any leak shows up as NaN.
@@ -19,7 +20,7 @@ from conftest import (
     assert_matches_jax,
     case_batch,
     padded_batch,
-    property_test,
+    property_tests,
 )
 from hypothesis import strategies as st
 
@@ -180,15 +181,11 @@ def check_blockwise_matches_jax_reference(batch_and_options):
 
 # JAX's reference compiles once per example, the jnp version once for all: many examples
 # against jnp, a few against JAX's reference; the slow suite runs many of both.
-test_property_matches_jnp = property_test(check_blockwise_matches_jnp, random_batches(), 15)
-test_property_matches_jax_reference = property_test(
-    check_blockwise_matches_jax_reference, random_batches(), 4
+test_property_matches_jnp, test_property_matches_jnp_sweep = property_tests(
+    check_blockwise_matches_jnp, random_batches(), fast=15, slow=300
 )
-test_property_matches_jax_reference_sweep = pytest.mark.slow(
-    property_test(check_blockwise_matches_jax_reference, random_batches(), 60)
-)
-test_property_matches_jnp_sweep = pytest.mark.slow(
-    property_test(check_blockwise_matches_jnp, random_batches(), 300)
+test_property_matches_jax_reference, test_property_matches_jax_reference_sweep = property_tests(
+    check_blockwise_matches_jax_reference, random_batches(), fast=4, slow=60
 )
 
 

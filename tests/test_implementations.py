@@ -13,38 +13,45 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DTYPES, MIXED, assert_matches_jax, assert_output_matches_jax, padded_batch
-from jax.experimental.pallas import tpu as pltpu
+from conftest import (
+    DTYPES,
+    IMPLEMENTATIONS,
+    INTERPRET,
+    MIXED,
+    assert_matches_jax,
+    assert_output_matches_jax,
+    padded_batch,
+)
 
-from minilib import make_batch, ragged_paged_attention_jnp, ref_ragged_paged_attention
-from minilib.blockwise import _rpa_blockwise, ragged_paged_attention_blockwise
-from minilib.kernel import _rpa_jit, ragged_paged_attention
-from minilib.pallas_basics import _rpa_pallas_basic, ragged_paged_attention_pallas_basic
+from minilib import make_batch
+from minilib.blockwise import _rpa_blockwise
+from minilib.kernel import _rpa_jit
+from minilib.pallas_basics import _rpa_pallas_basic
 from minilib.vectorized import _rpa_jnp
 
-# TPU interpret mode, with fresh scratch memory NaN: a kernel that reads memory it never wrote
-# fails. One object, so that every call hits the same compile.
-INTERPRET = pltpu.InterpretParams(uninitialized_memory="nan")
-
-# name: (the implementation, its jitted core whose compiles we count, or None if it has none)
-IMPLEMENTATIONS = {
-    # Our reference loops over sequences in Python, like JAX's: it compiles per sequence shape.
-    "reference": (ref_ragged_paged_attention, None),
-    "jnp": (ragged_paged_attention_jnp, _rpa_jnp),
+# Options that make the checks below harder for some implementations.
+HARDER = {
     # 3 KV pages per block do not divide pages_per_seq: the last block is partly past the table.
-    "blockwise": (
-        functools.partial(ragged_paged_attention_blockwise, num_kv_pages_per_block=3),
-        _rpa_blockwise,
-    ),
-    "pallas_basic": (ragged_paged_attention_pallas_basic, _rpa_pallas_basic),
-    "kernel": (functools.partial(ragged_paged_attention, interpret=INTERPRET), _rpa_jit),
+    "blockwise": dict(num_kv_pages_per_block=3),
+    "kernel": dict(interpret=INTERPRET),
 }
-JITTED = [name for name, (_, core) in IMPLEMENTATIONS.items() if core is not None]
+# The jitted core of each implementation, whose compiles we count. Our reference has none: it
+# loops over sequences in Python, like JAX's, and compiles per sequence shape.
+JITTED_CORES = {
+    "jnp": _rpa_jnp,
+    "blockwise": _rpa_blockwise,
+    "pallas_basic": _rpa_pallas_basic,
+    "kernel": _rpa_jit,
+}
+
+
+def implementation(name):
+    return functools.partial(IMPLEMENTATIONS[name], **HARDER.get(name, {}))
 
 
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
 def test_bf16(name):
-    fn, _ = IMPLEMENTATIONS[name]
+    fn = implementation(name)
     batch = padded_batch(MIXED, num_q_heads=8, num_kv_heads=2, page_size=8, dtype=jnp.bfloat16)
     assert_matches_jax(fn, batch, sm_scale=0.125)
 
@@ -52,7 +59,7 @@ def test_bf16(name):
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_fp8_kv_with_scales(name, dtype):
-    fn, _ = IMPLEMENTATIONS[name]
+    fn = implementation(name)
     batch = padded_batch(
         MIXED, num_q_heads=8, num_kv_heads=2, page_size=8, dtype=dtype,
         kv_dtype=jnp.float8_e4m3fn,
@@ -63,7 +70,7 @@ def test_fp8_kv_with_scales(name, dtype):
 
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
 def test_empty_batch_gives_zeros(name):
-    fn, _ = IMPLEMENTATIONS[name]
+    fn = implementation(name)
     batch = make_batch([], max_num_seqs=3, max_num_batched_tokens=8, pages_per_seq=4)
     out = fn(*batch.args())
     assert out.shape == batch.q.shape
@@ -72,16 +79,16 @@ def test_empty_batch_gives_zeros(name):
 
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
 def test_padding_rows_are_zero(name):
-    fn, _ = IMPLEMENTATIONS[name]
+    fn = implementation(name)
     batch = make_batch(MIXED, max_num_batched_tokens=40, max_num_seqs=8)
     out = np.asarray(fn(*batch.args()))
     assert batch.num_tokens < len(out)
     np.testing.assert_array_equal(out[batch.num_tokens :], 0.0)
 
 
-@pytest.mark.parametrize("name", JITTED)
+@pytest.mark.parametrize("name", JITTED_CORES)
 def test_compiles_once_for_new_lengths_and_num_seqs(name):
-    fn, core = IMPLEMENTATIONS[name]
+    fn, core = implementation(name), JITTED_CORES[name]
     shapes = dict(max_num_batched_tokens=48, max_num_seqs=6, pages_per_seq=6, total_num_pages=40)
     first = make_batch([(1, 30), (12, 12)], seed=1, **shapes)
     second = make_batch([(5, 9), (1, 3), (20, 41), (0, 4)], seed=2, **shapes)
@@ -92,9 +99,9 @@ def test_compiles_once_for_new_lengths_and_num_seqs(name):
     assert_output_matches_jax(out, second)
 
 
-@pytest.mark.parametrize("name", JITTED)
+@pytest.mark.parametrize("name", JITTED_CORES)
 def test_accepts_traced_num_seqs(name):
-    fn, _ = IMPLEMENTATIONS[name]
+    fn = implementation(name)
     batch = make_batch(MIXED, max_num_seqs=7, max_num_batched_tokens=60)
     eager = fn(*batch.args(), sm_scale=0.3)
     jitted = jax.jit(lambda *args: fn(*args, sm_scale=0.3))

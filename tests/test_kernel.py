@@ -27,11 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    INTERPRET,
     ONE_OF_EACH,
     TOLERANCE,
     assert_matches_jax,
     assert_output_matches_jax,
     jax_reference_jitted,
+    one_of_each_batch,
     padded_batch,
 )
 from jax.experimental import pallas as pl
@@ -50,8 +52,6 @@ from minilib.kernel import (
 )
 from minilib.validation import RPAInputError
 
-# Fresh VMEM and SMEM scratch is NaN, so a kernel that reads memory it never wrote fails.
-INTERPRET = pltpu.InterpretParams(uninitialized_memory="nan")
 # A DMA runs when it is started: reading a slot that a copy is still filling gets new data.
 EAGER = pltpu.InterpretParams(uninitialized_memory="nan", dma_execution_mode="eager")
 DMA_MODES = {"DMAs on wait": INTERPRET, "DMAs eager": EAGER}
@@ -166,13 +166,6 @@ def races_found() -> bool:
     raise AssertionError("cannot find the Pallas interpret race detector in this JAX")
 
 
-def race_test_batch():
-    """Prefill, decode, idle and chunk with padding slots, KV blocks not dividing pages_per_seq."""
-    return make_batch(
-        ONE_OF_EACH, page_size=8, max_num_batched_tokens=24, max_num_seqs=6, pages_per_seq=7
-    )
-
-
 RACE_TEST_OPTIONS = dict(sm_scale=0.125, num_kv_pages_per_block=3, num_queries_per_block=8)
 
 
@@ -180,7 +173,7 @@ RACE_TEST_OPTIONS = dict(sm_scale=0.125, num_kv_pages_per_block=3, num_queries_p
 def test_mixed_batch_without_races(dma_mode):
     """With the race detector on: a copy into one slot must never touch the slot in use."""
     params = dataclasses.replace(DMA_MODES[dma_mode], detect_races=True)
-    assert_matches_jax(run_kernel(params), race_test_batch(), **RACE_TEST_OPTIONS)
+    assert_matches_jax(run_kernel(params), one_of_each_batch(), **RACE_TEST_OPTIONS)
     assert not races_found()
 
 
@@ -193,7 +186,7 @@ class SingleBufferCopier(KVBlockCopier):
 
 
 def run_single_buffered(interpret):
-    batch = race_test_batch()
+    batch = one_of_each_batch()
     config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **RACE_TEST_OPTIONS)
     out = run_pallas_call(batch, config, interpret=interpret, copier_class=SingleBufferCopier)
     return batch, np.asarray(out, np.float32)
