@@ -74,13 +74,15 @@ CASES = {
 }
 
 # The largest absolute error allowed against JAX's reference, by the dtype of q (the compute
-# dtype), for every implementation and every comparison.
-# - float32: the implementations add up the same terms in another order (blocks, an online
-#   softmax), which moves a result of size ~1 by a few float32 epsilons (1.2e-7) per term;
-#   1e-5 leaves room for that and still catches any wrong key (an error of order 0.1).
-# - bfloat16 keeps 8 significant bits: rounding an output near 2 moves it by up to 2**-8 =
-#   0.004, and each implementation rounds scores, probabilities and outputs at other steps
-#   than JAX's reference does; 2e-2 is a few such roundings.
+# dtype): one value per dtype for every implementation and every comparison.
+# - float32: the implementations add the same terms in another order (blocks, an online
+#   softmax), so they round differently, by float32's relative step 1.2e-7 at a time over up
+#   to 64 keys; 1e-5 is above that rounding and far below the ~0.1 that a wrong or missing
+#   key costs.
+# - bfloat16 keeps 8 significant bits: between 2 and 4 its step is 2**-6 = 0.0156, so an output
+#   there that rounds the other way than JAX's reference is off by 0.0156 (implementations
+#   round scores and probabilities at different steps). 2e-2 allows one step for outputs
+#   below 4, where standard-normal values lie, and no more.
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}
 
 # Options of the blocked implementations that JAX's reference does not take.
@@ -100,7 +102,7 @@ def padded_batch(seq_lens, **options) -> RaggedBatch:
 
 def one_of_each_batch() -> RaggedBatch:
     """ONE_OF_EACH with padding rows and slots, and 7 page columns, which KV blocks of 2 or 3
-    pages do not divide: every edge a kernel's loops have, in one small batch."""
+    pages do not divide: the edges of a kernel's loops in one small batch."""
     return make_batch(
         ONE_OF_EACH, page_size=8, max_num_batched_tokens=24, max_num_seqs=6, pages_per_seq=7
     )
