@@ -33,7 +33,7 @@ from minilib.vectorized import _rpa_jnp
 HARDER = {
     # 3 KV pages per block do not divide pages_per_seq: the last block is partly past the table.
     "blockwise": dict(num_kv_pages_per_block=3),
-    "kernel": dict(interpret=INTERPRET),
+    "kernel": dict(interpret=INTERPRET),  # scratch memory starts NaN
 }
 # The jitted core of each implementation, whose compiles we count. Our reference has none: it
 # loops over sequences in Python, like JAX's, and compiles per sequence shape.
