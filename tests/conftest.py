@@ -1,4 +1,5 @@
-"""Shared test helpers: compare any attention function with JAX's own reference."""
+"""Shared test helpers: the case lists, one tolerance per dtype, and the comparison of any
+attention function with JAX's own reference."""
 
 from __future__ import annotations
 
@@ -7,37 +8,164 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
     ref_ragged_paged_attention as jax_reference,
 )
 
-from minilib.batch import RaggedBatch
+from minilib import (
+    ragged_paged_attention,
+    ragged_paged_attention_blockwise,
+    ragged_paged_attention_jnp,
+    ragged_paged_attention_pallas_basic,
+    ref_ragged_paged_attention,
+)
+from minilib.batch import RaggedBatch, make_batch
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
-# Absolute tolerance by the dtype of q (the compute dtype).
-TOLERANCE = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 3e-2}
+# The five attention functions, in course order; all take JAX's arguments.
+IMPLEMENTATIONS = {
+    "reference": ref_ragged_paged_attention,
+    "jnp": ragged_paged_attention_jnp,
+    "blockwise": ragged_paged_attention_blockwise,
+    "pallas_basic": ragged_paged_attention_pallas_basic,
+    "kernel": ragged_paged_attention,
+}
+
+# TPU interpret mode with fresh VMEM and SMEM scratch NaN, so a kernel that reads memory it
+# never wrote fails. One object, so that every call hits the same compile.
+INTERPRET = pltpu.InterpretParams(uninitialized_memory="nan")
+
+# The sequences of the parity tests, as (q_len, kv_len) pairs.
+DECODE = [(1, 17), (1, 5), (1, 40), (1, 1)]
+PREFILL = [(9, 9), (23, 23), (1, 1)]
+MIXED = [(1, 30), (12, 12), (0, 7), (5, 33), (1, 64)]
+ONE_OF_EACH = [(5, 5), (1, 20), (0, 7), (12, 40)]  # prefill, decode, idle, chunk
+
+# (num_q_heads, num_kv_heads): MHA, GQA groups of 2, 4 and 8 (one KV head: MQA), 16 q heads.
+HEAD_CONFIGS = [(4, 4), (8, 4), (8, 2), (8, 1), (16, 2)]
+DTYPES = [jnp.float32, jnp.bfloat16]
+
+# The parity cases of every implementation; each test file picks its cases (a compile of JAX's
+# reference each) and adds its own block sizes.
+# name: (seq_lens, num_q_heads, num_kv_heads, head_dim, page_size, options)
+CASES = {
+    "mha": (MIXED, 4, 4, 64, 16, {}),
+    "gqa2": (MIXED, 8, 4, 64, 8, {}),
+    "gqa4": (MIXED, 8, 2, 64, 8, {}),
+    "gqa4-hd128": (MIXED, 8, 2, 128, 4, {}),
+    "gqa8": (MIXED, 8, 1, 64, 16, {}),  # 8 q heads on 1 kv head is also MQA
+    "gqa8-hd128": (MIXED, 8, 1, 128, 4, {}),
+    "mqa": (DECODE, 4, 1, 128, 32, {}),
+    "mqa-sliding-softcap": (DECODE, 4, 1, 128, 32, {"sliding_window": 9, "soft_cap": 5.0}),
+    "gqa8-16": (PREFILL, 16, 2, 64, 2, {}),
+    "mha-prefill": (PREFILL, 4, 4, 64, 16, {}),
+    "page1": (MIXED, 4, 2, 64, 1, {}),
+    "decode": (DECODE, 8, 2, 128, 16, {}),
+    "prefill": (PREFILL, 8, 2, 64, 8, {}),
+    "sliding": (MIXED, 8, 2, 64, 4, {"sliding_window": 6}),
+    "sliding-page8": (MIXED, 8, 2, 64, 8, {"sliding_window": 6}),
+    "softcap": (MIXED, 8, 2, 64, 8, {"soft_cap": 2.0, "sm_scale": 0.5}),
+    "mask": (MIXED, 4, 2, 64, 8, {"mask_value": -1e4}),
+    "all": (MIXED, 8, 4, 128, 16, {"sliding_window": 9, "soft_cap": 5.0, "sm_scale": 0.1}),
+}
+
+# The largest absolute error allowed against JAX's reference, by the dtype of q (the compute
+# dtype): one value per dtype for every implementation and every comparison.
+# - float32: the implementations add the same terms in another order (blocks, an online
+#   softmax), so they round differently, by float32's relative step 1.2e-7 at a time over up
+#   to 64 keys; 1e-5 is above that rounding and far below the ~0.1 that a wrong or missing
+#   key costs.
+# - bfloat16 keeps 8 significant bits: between 2 and 4 its step is 2**-6 = 0.0156, so an output
+#   there that rounds the other way than JAX's reference is off by 0.0156 (implementations
+#   round scores and probabilities at different steps). 2e-2 allows one step for outputs
+#   below 4, where standard-normal values lie, and no more.
+TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}
+
+# Options of the blocked implementations that JAX's reference does not take.
+BLOCK_SIZES = ("num_kv_pages_per_block", "num_queries_per_block")
+
+
+def padded_batch(seq_lens, **options) -> RaggedBatch:
+    """`make_batch` with 5 padding q rows and 2 padding sequence slots, so that any read of the
+    padding shows (make_batch fills it with NaN and garbage)."""
+    return make_batch(
+        seq_lens,
+        max_num_batched_tokens=sum(q for q, _ in seq_lens) + 5,
+        max_num_seqs=len(seq_lens) + 2,
+        **options,
+    )
+
+
+def one_of_each_batch() -> RaggedBatch:
+    """ONE_OF_EACH with padding rows and slots, and 7 page columns, which KV blocks of 2 or 3
+    pages do not divide: the edges of a kernel's loops in one small batch."""
+    return make_batch(
+        ONE_OF_EACH, page_size=8, max_num_batched_tokens=24, max_num_seqs=6, pages_per_seq=7
+    )
+
+
+def schedule_batch() -> RaggedBatch:
+    """The batch of the schedule figure and explorer tests: two heads blocks (16 q heads on 8
+    KV heads), a prefill, two decodes and a chunk."""
+    return make_batch(
+        [(12, 12), (1, 40), (6, 30), (1, 9)],
+        num_q_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=8,
+    )
+
+
+def case_batch(name: str) -> tuple[RaggedBatch, dict]:
+    """The padded batch of CASES[name], and a copy of its attention options."""
+    seq_lens, num_q_heads, num_kv_heads, head_dim, page_size, options = CASES[name]
+    batch = padded_batch(
+        seq_lens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+    )
+    return batch, dict(options)
+
+
+def assert_close(got, want, dtype) -> float:
+    """Check `got` is within TOLERANCE[dtype] of `want` everywhere; return the max abs error."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    error = float(np.max(np.abs(got - want))) if got.size else 0.0
+    assert error <= TOLERANCE[jnp.dtype(dtype)], f"max abs error {error}"
+    return error
 
 
 def assert_matches_jax(fn, batch: RaggedBatch, **options) -> float:
-    """Run `fn` and JAX's reference on `batch`; check the live rows agree and the padding rows
-    are finite. Returns the max abs error."""
+    """Run `fn` on `batch`; check it against JAX's reference (see `assert_output_matches_jax`).
+    Block sizes in `options` go to `fn` only. Returns the max abs error."""
     out = fn(*batch.args(), **options)
-    if batch.seq_lens:
-        expected = jax_reference_jitted(batch, **options)
-    else:  # JAX's reference cannot concatenate zero sequences
-        expected = jnp.zeros((0, *batch.q.shape[1:]), batch.q.dtype)
+    return assert_output_matches_jax(out, batch, **options)
+
+
+def assert_output_matches_jax(out, batch: RaggedBatch, **options) -> float:
+    """Check an attention output for `batch`: its shape and dtype are q's, it is finite, the
+    live rows agree with JAX's reference and the padding rows are zero. Returns the max abs
+    error."""
     n = batch.num_tokens
     assert out.shape == batch.q.shape
     assert out.dtype == batch.q.dtype
-    got = np.asarray(out[:n], np.float32)
-    want = np.asarray(expected, np.float32)
-    assert np.isfinite(want).all(), "the reference itself produced NaN: bad test batch"
-    assert np.isfinite(np.asarray(out, np.float32)).all(), "NaN/inf leaked into the output"
-    err = float(np.max(np.abs(got - want))) if n else 0.0
-    assert err <= TOLERANCE[jnp.dtype(batch.q.dtype)], f"max abs error {err}"
-    return err
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all(), "NaN/inf leaked into the output"
+    np.testing.assert_array_equal(out[n:], 0.0, err_msg="rows past cu_q_lens[num_seqs]")
+    reference_options = {k: v for k, v in options.items() if k not in BLOCK_SIZES}
+    if batch.seq_lens:
+        expected = np.asarray(jax_reference_jitted(batch, **reference_options), np.float32)
+    else:  # JAX's reference cannot concatenate zero sequences
+        expected = np.zeros((0, *batch.q.shape[1:]), np.float32)
+    assert np.isfinite(expected).all(), "the reference itself produced NaN: bad test batch"
+    return assert_close(out[:n], expected, batch.q.dtype)
 
 
 def jax_reference_jitted(batch: RaggedBatch, **options):
@@ -58,3 +186,12 @@ def property_test(check, strategy, max_examples: int):
         max_examples=max_examples, deadline=None, suppress_health_check=[HealthCheck.too_slow]
     )
     return relaxed(given(strategy)(check))
+
+
+def property_tests(check, strategy, fast: int, slow: int):
+    """`check` as two hypothesis tests: `fast` examples in the fast suite, and a sweep of
+    `slow` examples marked slow (`pytest -m slow`)."""
+    return (
+        property_test(check, strategy, fast),
+        pytest.mark.slow(property_test(check, strategy, slow)),
+    )

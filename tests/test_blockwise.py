@@ -1,5 +1,6 @@
-"""The blockwise (flash) version: parity with JAX's reference, one compile per shape, and
-working memory that follows the block sizes, not the cache.
+"""The blockwise (flash) version: parity with JAX's reference with block sizes of every kind,
+and working memory that follows the block sizes, not the cache (one compile per shape, bf16
+and fp8: tests/test_implementations.py).
 
 Every batch comes from `make_batch`, so unused page slots, unused pages and q padding rows
 hold NaN, and padding sequence slots hold garbage: any leak shows up as NaN.
@@ -11,12 +12,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_matches_jax, property_test
+from conftest import (
+    DTYPES,
+    HEAD_CONFIGS,
+    MIXED,
+    assert_close,
+    assert_matches_jax,
+    case_batch,
+    padded_batch,
+    property_tests,
+)
 from hypothesis import strategies as st
 
 from minilib.batch import make_batch
 from minilib.blockwise import (
-    _rpa_blockwise,
     fold_heads_into_rows,
     kv_blocks_to_visit,
     q_block_window,
@@ -25,79 +34,31 @@ from minilib.blockwise import (
 )
 from minilib.vectorized import ragged_paged_attention_jnp
 
-# The same lengths as tests/test_attention.py.
-DECODE = [(1, 17), (1, 5), (1, 40), (1, 1)]
-PREFILL = [(9, 9), (23, 23), (1, 1)]
-MIXED = [(1, 30), (12, 12), (0, 7), (5, 33), (1, 64)]
-
 # Each case costs a compile of JAX's reference and of ours, so the fast cases share one batch
 # shape (MIXED, GQA 4, head_dim 64) where they can and vary the options; the slow suite adds
 # more head configs and a sweep.
-# (name, seq_lens, num_q_heads, num_kv_heads, head_dim, page_size, options). Block sizes that
-# do not divide pages_per_seq (8 here), and small q blocks, are in the options.
-CASES = [
-    ("gqa4", MIXED, 8, 2, 64, 8, {}),
-    ("gqa4-blocks", MIXED, 8, 2, 64, 8, {"num_kv_pages_per_block": 3, "num_queries_per_block": 5}),
-    ("sliding", MIXED, 8, 2, 64, 8, {"sliding_window": 6, "num_kv_pages_per_block": 1}),
-    ("softcap", MIXED, 8, 2, 64, 8, {"soft_cap": 2.0, "sm_scale": 0.5, "num_queries_per_block": 2}),
-    ("mqa-decode-hd128", DECODE, 4, 1, 128, 32, {"sliding_window": 9, "soft_cap": 5.0}),
-    ("mha-prefill", PREFILL, 4, 4, 64, 16, {"num_kv_pages_per_block": 1}),
-    ("gqa2", MIXED, 8, 4, 64, 8, {"num_kv_pages_per_block": 3}),
-    ("gqa8-hd128", MIXED, 8, 1, 128, 4, {"num_queries_per_block": 4}),
-    ("gqa8-16", PREFILL, 16, 2, 64, 2, {"num_kv_pages_per_block": 5}, pytest.mark.slow),
-    ("all", MIXED, 8, 4, 128, 16, {"sliding_window": 9, "soft_cap": 5.0, "sm_scale": 0.1},
-     pytest.mark.slow),
-]  # fmt: skip
-
-BLOCK_OPTIONS = ("num_kv_pages_per_block", "num_queries_per_block")
+# (id, case name in conftest.CASES, block sizes, marks). Block sizes that do not divide
+# pages_per_seq (8 here), and small q blocks.
+BLOCKED_CASES = [
+    ("gqa4", "gqa4", {}, ()),
+    ("gqa4-blocks", "gqa4", {"num_kv_pages_per_block": 3, "num_queries_per_block": 5}, ()),
+    ("sliding", "sliding-page8", {"num_kv_pages_per_block": 1}, ()),
+    ("softcap", "softcap", {"num_queries_per_block": 2}, ()),
+    ("mqa-decode-hd128", "mqa-sliding-softcap", {}, ()),
+    ("mha-prefill", "mha-prefill", {"num_kv_pages_per_block": 1}, ()),
+    ("gqa2", "gqa2", {"num_kv_pages_per_block": 3}, ()),
+    ("gqa8-hd128", "gqa8-hd128", {"num_queries_per_block": 4}, ()),
+    ("gqa8-16", "gqa8-16", {"num_kv_pages_per_block": 5}, pytest.mark.slow),
+    ("all", "all", {}, pytest.mark.slow),
+]
 
 
-def assert_blockwise_matches_jax(batch, **options) -> float:
-    """JAX's reference takes no block sizes: pass them to the blockwise version only."""
-    blocks = {k: options.pop(k) for k in BLOCK_OPTIONS if k in options}
-    fn = lambda *args, **kw: ragged_paged_attention_blockwise(*args, **kw, **blocks)
-    err = assert_matches_jax(fn, batch, **options)
-    out = np.asarray(fn(*batch.args(), **options), np.float32)
-    np.testing.assert_array_equal(out[batch.num_tokens :], 0.0)  # padding rows are zero
-    return err
-
-
-def case_batch(seq_lens, num_q_heads, num_kv_heads, head_dim, page_size, **kwargs):
-    return make_batch(
-        seq_lens,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        page_size=page_size,
-        max_num_batched_tokens=sum(q for q, _ in seq_lens) + 5,
-        max_num_seqs=len(seq_lens) + 2,
-        **kwargs,
-    )
-
-
-@pytest.mark.parametrize("case", [pytest.param(c[:7], id=c[0], marks=c[7:]) for c in CASES])
-def test_matches_jax_reference(case):
-    _, seq_lens, num_q_heads, num_kv_heads, head_dim, page_size, options = case
-    batch = case_batch(seq_lens, num_q_heads, num_kv_heads, head_dim, page_size)
-    assert_blockwise_matches_jax(batch, **options)
-
-
-def test_bf16():
-    batch = case_batch(MIXED, 8, 2, 64, 8, dtype=jnp.bfloat16)
-    assert_blockwise_matches_jax(batch, sm_scale=0.125, num_kv_pages_per_block=3)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
-def test_fp8_kv_with_scales(dtype):
-    batch = case_batch(MIXED, 8, 2, 64, 8, dtype=dtype, kv_dtype=jnp.float8_e4m3fn)
-    assert batch.kv_pages.dtype == jnp.float8_e4m3fn
-    assert_blockwise_matches_jax(batch, sm_scale=0.125, k_scale=0.5, v_scale=2.0)
-
-
-def test_empty_batch_gives_zeros():
-    batch = make_batch([], max_num_seqs=3, max_num_batched_tokens=4)
-    out = ragged_paged_attention_blockwise(*batch.args())
-    np.testing.assert_array_equal(np.asarray(out), 0.0)
+@pytest.mark.parametrize(
+    "name, blocks", [pytest.param(*c[1:3], id=c[0], marks=c[3]) for c in BLOCKED_CASES]
+)
+def test_matches_jax_reference(name, blocks):
+    batch, options = case_batch(name)
+    assert_matches_jax(ragged_paged_attention_blockwise, batch, **options, **blocks)
 
 
 def test_q_block_window_stays_inside_q():
@@ -138,30 +99,6 @@ def test_kv_blocks_to_visit_skips_blocks_nobody_sees(
         jnp.int32(first_q_pos), jnp.int32(last_q_pos), jnp.int32(kv_len), 16, sliding_window
     )
     assert tuple(int(b) for b in got) == expected
-
-
-def test_compiles_once_for_new_lengths_and_num_seqs():
-    shapes = dict(max_num_batched_tokens=48, max_num_seqs=6, pages_per_seq=6, total_num_pages=40)
-    first = make_batch([(1, 30), (12, 12)], seed=1, **shapes)
-    second = make_batch([(5, 9), (1, 3), (20, 41), (0, 4)], seed=2, **shapes)
-    ragged_paged_attention_blockwise(*first.args())
-    compiled = _rpa_blockwise._cache_size()
-    out = ragged_paged_attention_blockwise(*second.args())
-    assert _rpa_blockwise._cache_size() == compiled
-    expected = ragged_paged_attention_jnp(*second.args())
-    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-5)
-
-
-def test_accepts_traced_num_seqs():
-    batch = make_batch(MIXED, max_num_seqs=7, max_num_batched_tokens=60)
-    jitted = jax.jit(lambda *args: ragged_paged_attention_blockwise(*args, sm_scale=0.3))
-    eager = ragged_paged_attention_blockwise(*batch.args(), sm_scale=0.3)
-    np.testing.assert_allclose(np.asarray(jitted(*batch.args())), np.asarray(eager), atol=1e-6)
-    # Fewer live sequences, same compile: the rows of the dropped ones come out zero.
-    fewer = jitted(*batch.args()[:-1], jnp.array([2], jnp.int32))
-    rows = MIXED[0][0] + MIXED[1][0]
-    np.testing.assert_allclose(np.asarray(fewer[:rows]), np.asarray(eager[:rows]), atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(fewer[rows:]), 0.0)
 
 
 def compiled_temp_bytes(fn, pages_per_seq: int) -> int:
@@ -227,39 +164,48 @@ def check_blockwise_matches_jnp(batch_and_options):
         *batch.args(), sm_scale=0.3, num_kv_pages_per_block=4, num_queries_per_block=3, **options
     )
     expected = ragged_paged_attention_jnp(*batch.args(), sm_scale=0.3, **options)
-    np.testing.assert_allclose(np.asarray(ours), np.asarray(expected), atol=2e-5)
+    assert_close(ours, expected, batch.q.dtype)
 
 
 def check_blockwise_matches_jax_reference(batch_and_options):
     batch, options = batch_and_options
-    assert_blockwise_matches_jax(
-        batch, sm_scale=0.3, num_kv_pages_per_block=4, num_queries_per_block=3, **options
+    assert_matches_jax(
+        ragged_paged_attention_blockwise,
+        batch,
+        sm_scale=0.3,
+        num_kv_pages_per_block=4,
+        num_queries_per_block=3,
+        **options,
     )
 
 
 # JAX's reference compiles once per example, the jnp version once for all: many examples
 # against jnp, a few against JAX's reference; the slow suite runs many of both.
-test_property_matches_jnp = property_test(check_blockwise_matches_jnp, random_batches(), 15)
-test_property_matches_jax_reference = property_test(
-    check_blockwise_matches_jax_reference, random_batches(), 4
+test_property_matches_jnp, test_property_matches_jnp_sweep = property_tests(
+    check_blockwise_matches_jnp, random_batches(), fast=15, slow=300
 )
-test_property_matches_jax_reference_sweep = pytest.mark.slow(
-    property_test(check_blockwise_matches_jax_reference, random_batches(), 60)
-)
-test_property_matches_jnp_sweep = pytest.mark.slow(
-    property_test(check_blockwise_matches_jnp, random_batches(), 300)
+test_property_matches_jax_reference, test_property_matches_jax_reference_sweep = property_tests(
+    check_blockwise_matches_jax_reference, random_batches(), fast=4, slow=60
 )
 
 
 # The slow sweep: every GQA ratio and head_dim, against JAX's reference, with block sizes.
 @pytest.mark.slow
-@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (8, 4), (8, 2), (8, 1), (16, 2)])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", HEAD_CONFIGS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("blocks", [(1, 1), (3, 5), (None, None)])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_sweep_matches_jax_reference(num_q_heads, num_kv_heads, head_dim, blocks, dtype):
-    batch = case_batch(MIXED, num_q_heads, num_kv_heads, head_dim, 8, dtype=dtype)
-    assert_blockwise_matches_jax(
+    batch = padded_batch(
+        MIXED,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=8,
+        dtype=dtype,
+    )
+    assert_matches_jax(
+        ragged_paged_attention_blockwise,
         batch,
         sm_scale=head_dim**-0.5,
         sliding_window=20,

@@ -16,26 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import IMPLEMENTATIONS
 
-from minilib import (
-    RPAInputError,
-    make_batch,
-    ragged_paged_attention,
-    ragged_paged_attention_blockwise,
-    ragged_paged_attention_jnp,
-    ragged_paged_attention_pallas_basic,
-    ref_ragged_paged_attention,
-)
+from minilib import RPAInputError, make_batch, ragged_paged_attention_jnp
 
 ROOT = Path(__file__).resolve().parents[1]
 
-ATTENTION_FUNCTIONS = {
-    "reference": ref_ragged_paged_attention,
-    "jnp": ragged_paged_attention_jnp,
-    "blockwise": ragged_paged_attention_blockwise,
-    "pallas_basic": ragged_paged_attention_pallas_basic,
-    "kernel": ragged_paged_attention,
-}
 NAMES = ["q", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"]
 
 
@@ -69,11 +55,11 @@ BAD_VALUES = {
 
 
 @pytest.mark.parametrize("case", BAD_VALUES)
-@pytest.mark.parametrize("fn_name", ATTENTION_FUNCTIONS)
+@pytest.mark.parametrize("fn_name", IMPLEMENTATIONS)
 def test_eager_call_checks_values(fn_name, case):
     name, index, value, message = BAD_VALUES[case]
     with pytest.raises(RPAInputError) as info:
-        ATTENTION_FUNCTIONS[fn_name](*broken(batch(), name, index, value))
+        IMPLEMENTATIONS[fn_name](*broken(batch(), name, index, value))
     assert message in info.value.message
     assert info.value.hint
 
@@ -81,7 +67,7 @@ def test_eager_call_checks_values(fn_name, case):
 @pytest.mark.parametrize("fn_name", ["jnp", "blockwise"])
 def test_validate_false_skips_the_value_checks(fn_name):
     args = broken(batch(), "page_indices", (0, 1), 999)
-    out = ATTENTION_FUNCTIONS[fn_name](*args, validate=False)
+    out = IMPLEMENTATIONS[fn_name](*args, validate=False)
     assert out.shape == batch().q.shape
 
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_close
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -545,7 +546,7 @@ def test_decode_attention_checker_reference_matches_jax():
     batch = make_batch([(1, 5), (1, 16), (1, 1)], num_q_heads=6, num_kv_heads=2, page_size=4)
     ours = _reference(batch.q, batch.kv_pages, batch.kv_lens, batch.page_indices, sm_scale=0.3)
     theirs = jax_reference(*batch.args(), sm_scale=0.3)
-    np.testing.assert_allclose(ours, np.asarray(theirs), atol=1e-5)
+    assert_close(ours, theirs, batch.q.dtype)
 
 
 # --- robustness: every checker, NumPy answers, wrong types, errors, endless loops -------------

@@ -19,17 +19,25 @@ Which path of the kernel each test covers:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import (
+    INTERPRET,
+    ONE_OF_EACH,
+    TOLERANCE,
+    assert_matches_jax,
+    assert_output_matches_jax,
+    jax_reference_jitted,
+    one_of_each_batch,
+    padded_batch,
+)
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
-    ref_ragged_paged_attention as jax_reference,
-)
 
 from minilib.batch import make_batch, random_seq_lens
 from minilib.errors import RPAInputError
@@ -44,52 +52,19 @@ from minilib.kernel import (
     rpa_pallas_call,
 )
 
-# Fresh VMEM and SMEM scratch is NaN, so a kernel that reads memory it never wrote fails.
-INTERPRET = pltpu.InterpretParams(uninitialized_memory="nan")
 # A DMA runs when it is started: reading a slot that a copy is still filling gets new data.
 EAGER = pltpu.InterpretParams(uninitialized_memory="nan", dma_execution_mode="eager")
 DMA_MODES = {"DMAs on wait": INTERPRET, "DMAs eager": EAGER}
-TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 
-def check_against_reference(batch, *, interpret=INTERPRET, **options):
-    """Run the kernel and JAX's reference; compare the live rows, check the rest are zeros.
-    Returns the largest absolute error."""
-    out = ragged_paged_attention(*batch.args(), interpret=interpret, **options)
-    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
-    kernel_options = ("num_kv_pages_per_block", "num_queries_per_block")
-    ref_options = {k: v for k, v in options.items() if k not in kernel_options}
-    n = batch.num_tokens
-    out = np.asarray(out.astype(jnp.float32))
-    padding = out[n:]
-    assert np.isfinite(padding).all(), "rows past cu_q_lens[num_seqs] must be finite"
-    np.testing.assert_array_equal(padding, 0.0)
-    if n == 0:
-        return 0.0
-    expected = np.asarray(jax_reference_jit(batch, **ref_options).astype(jnp.float32))
-    error = float(np.abs(out[:n] - expected).max())
-    tolerance = TOLERANCE[batch.q.dtype.type]
-    np.testing.assert_allclose(out[:n], expected, atol=tolerance, rtol=tolerance)
-    return error
-
-
-def jax_reference_jit(batch, **options):
-    """JAX's reference, compiled once for this batch. Called eagerly it compiles every small op
-    of its Python loop for every new sequence length, which takes far longer than the kernel.
-    The index arrays are closed over as NumPy constants, so the loop unrolls at trace time."""
-    kv_lens, page_indices, cu_q_lens, num_seqs = (np.asarray(a) for a in batch.args()[2:])
-
-    def reference(q, kv_pages):
-        return jax_reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
-
-    return jax.jit(reference)(batch.q, batch.kv_pages)
+def run_kernel(interpret=INTERPRET):
+    """The kernel with this interpret mode, called as the other implementations are."""
+    return functools.partial(ragged_paged_attention, interpret=interpret)
 
 
 # ---------------------------------------------------------------------------------------------
 # Parity: the fast suite.
 # ---------------------------------------------------------------------------------------------
-
-MIXED = [(5, 5), (1, 20), (0, 7), (12, 40)]  # prefill, decode, idle, chunk
 
 CASES = {
     # name: (seq_lens, make_batch options, kernel options)
@@ -103,9 +78,9 @@ CASES = {
         dict(page_size=8, pages_per_seq=4),
         dict(num_kv_pages_per_block=3, num_queries_per_block=8),
     ),
-    "MQA, default block sizes": (MIXED, dict(num_q_heads=4, num_kv_heads=1, page_size=8), {}),
+    "MQA, default block sizes": (ONE_OF_EACH, dict(num_q_heads=4, num_kv_heads=1, page_size=8), {}),
     "MHA, one page per block": (
-        MIXED,
+        ONE_OF_EACH,
         dict(num_q_heads=2, num_kv_heads=2, page_size=16),
         dict(num_kv_pages_per_block=1, num_queries_per_block=4),
     ),
@@ -115,17 +90,17 @@ CASES = {
         dict(num_kv_pages_per_block=2, num_queries_per_block=8),
     ),
     "sliding window and soft cap": (
-        MIXED,
+        ONE_OF_EACH,
         dict(page_size=8),
         dict(sliding_window=6, soft_cap=20.0, num_kv_pages_per_block=1, num_queries_per_block=8),
     ),
     "bfloat16": (
-        MIXED,
+        ONE_OF_EACH,
         dict(page_size=16, dtype=jnp.bfloat16),
         dict(num_kv_pages_per_block=2, num_queries_per_block=16),
     ),
     "fp8 KV with scales": (
-        MIXED,
+        ONE_OF_EACH,
         dict(page_size=16, kv_dtype=jnp.float8_e4m3fn),
         dict(k_scale=0.5, v_scale=0.25, num_kv_pages_per_block=2, num_queries_per_block=16),
     ),
@@ -137,7 +112,7 @@ CASES = {
 def test_matches_jax_reference(name, dma_mode):
     seq_lens, batch_options, options = CASES[name]
     batch = make_batch(seq_lens, **batch_options)
-    check_against_reference(batch, interpret=DMA_MODES[dma_mode], sm_scale=0.125, **options)
+    assert_matches_jax(run_kernel(DMA_MODES[dma_mode]), batch, sm_scale=0.125, **options)
 
 
 STRIDED_CASES = {
@@ -157,19 +132,13 @@ def test_strided_kv_loads_match_jax_reference(name):
     batch_options, options = STRIDED_CASES[name]
     num_kv_heads = batch_options["num_kv_heads"]
     batch = make_batch(
-        MIXED, num_q_heads=2 * num_kv_heads, head_dim=128, page_size=8, **batch_options
+        ONE_OF_EACH, num_q_heads=2 * num_kv_heads, head_dim=128, page_size=8, **batch_options
     )
     options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8, **options)
     config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
     assert can_load_kv_strided(config, batch.kv_pages.dtype, interpret=True)
     out = run_pallas_call(batch, config, interpret=True)
-    expected = jax_reference_jit(batch, **without_block_sizes(options))
-    n = batch.num_tokens
-    tolerance = TOLERANCE[batch.q.dtype.type]
-    np.testing.assert_allclose(
-        np.asarray(out[:n], np.float32), np.asarray(expected, np.float32), atol=tolerance, rtol=0
-    )
-    np.testing.assert_array_equal(np.asarray(out[n:], np.float32), 0.0)
+    assert_output_matches_jax(out, batch, **options)
 
 
 def run_pallas_call(batch, config, *, interpret, copier_class=None):
@@ -179,15 +148,6 @@ def run_pallas_call(batch, config, *, interpret, copier_class=None):
         batch.q, batch.kv_pages, config=config, interpret=interpret, copier_class=copier_class
     )
     return jax.jit(call)(*batch.args()[2:], batch.q, batch.kv_pages)[0]
-
-
-def without_block_sizes(options):
-    return {k: v for k, v in options.items() if not k.startswith("num_")}
-
-
-def test_empty_batch_gives_zeros():
-    batch = make_batch([], max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=2)
-    check_against_reference(batch, num_kv_pages_per_block=1, num_queries_per_block=8)
 
 
 def races_found() -> bool:
@@ -206,13 +166,6 @@ def races_found() -> bool:
     raise AssertionError("cannot find the Pallas interpret race detector in this JAX")
 
 
-def race_test_batch():
-    """Prefill, decode, idle and chunk with padding slots, KV blocks not dividing pages_per_seq."""
-    return make_batch(
-        MIXED, page_size=8, max_num_batched_tokens=24, max_num_seqs=6, pages_per_seq=7
-    )
-
-
 RACE_TEST_OPTIONS = dict(sm_scale=0.125, num_kv_pages_per_block=3, num_queries_per_block=8)
 
 
@@ -220,7 +173,7 @@ RACE_TEST_OPTIONS = dict(sm_scale=0.125, num_kv_pages_per_block=3, num_queries_p
 def test_mixed_batch_without_races(dma_mode):
     """With the race detector on: a copy into one slot must never touch the slot in use."""
     params = dataclasses.replace(DMA_MODES[dma_mode], detect_races=True)
-    check_against_reference(race_test_batch(), interpret=params, **RACE_TEST_OPTIONS)
+    assert_matches_jax(run_kernel(params), one_of_each_batch(), **RACE_TEST_OPTIONS)
     assert not races_found()
 
 
@@ -233,7 +186,7 @@ class SingleBufferCopier(KVBlockCopier):
 
 
 def run_single_buffered(interpret):
-    batch = race_test_batch()
+    batch = one_of_each_batch()
     config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **RACE_TEST_OPTIONS)
     out = run_pallas_call(batch, config, interpret=interpret, copier_class=SingleBufferCopier)
     return batch, np.asarray(out, np.float32)
@@ -251,10 +204,10 @@ def test_eager_dmas_show_a_single_buffered_kernel_in_the_answer():
     """With eager DMAs, the prefetch overwrites the block being read: parity fails."""
     batch, out = run_single_buffered(EAGER)
     n = batch.num_tokens
-    options = without_block_sizes(RACE_TEST_OPTIONS)
-    expected = np.asarray(jax_reference_jit(batch, **options), np.float32)
+    sm_scale = RACE_TEST_OPTIONS["sm_scale"]
+    expected = np.asarray(jax_reference_jitted(batch, sm_scale=sm_scale), np.float32)
     error = np.abs(out[:n] - expected)
-    assert not (error <= TOLERANCE[jnp.float32]).all(), "the broken kernel still matches"
+    assert not (error <= TOLERANCE[jnp.dtype(jnp.float32)]).all(), "the broken kernel still matches"
 
 
 def test_the_race_detector_catches_a_deliberate_race():
@@ -364,14 +317,12 @@ def test_random_batches(seed):
         (jnp.bfloat16, None, {}),
         (jnp.bfloat16, jnp.float8_e4m3fn, dict(k_scale=0.5, v_scale=2.0)),
     ][seed % 3]
-    batch = make_batch(
+    batch = padded_batch(
         seq_lens,
         num_q_heads=num_kv_heads * group,
         num_kv_heads=num_kv_heads,
         head_dim=32,
         page_size=page_size,
-        max_num_seqs=len(seq_lens) + 2,
-        max_num_batched_tokens=sum(q for q, _ in seq_lens) + 5,
         pages_per_seq=-(-70 // page_size),
         dtype=dtype,
         kv_dtype=kv_dtype,
@@ -385,4 +336,4 @@ def test_random_batches(seed):
         soft_cap=[None, 30.0][seed % 4 // 2],
         **scales,
     )
-    check_against_reference(batch, sm_scale=float(rng.uniform(0.05, 0.3)), **options)
+    assert_matches_jax(run_kernel(), batch, sm_scale=float(rng.uniform(0.05, 0.3)), **options)

@@ -18,12 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
+from conftest import INTERPRET, one_of_each_batch
 
-from minilib.batch import make_batch
 from minilib.kernel import ragged_paged_attention
 
-INTERPRET = pltpu.InterpretParams(uninitialized_memory="nan")
 # Generous: a healthy run takes a few seconds. The limit only turns a hang into a failure.
 HANG_LIMIT_SECONDS = 120
 
@@ -55,13 +53,7 @@ def garbage_batch(edit):
     The garbage is in the tables only: q and the pages are finite here (make_batch's NaN
     padding is zeroed), since a table pointing at NaN data rightly gives NaN. Fresh scratch
     memory is NaN (`INTERPRET`), so reading memory the kernel never wrote still shows."""
-    batch = make_batch(
-        [(5, 5), (1, 20), (0, 7), (12, 40)],
-        page_size=8,
-        max_num_batched_tokens=24,
-        max_num_seqs=6,
-        pages_per_seq=7,
-    )
+    batch = one_of_each_batch()
     tables = [np.array(a) for a in batch.args()[2:]]
     edit(*tables)
     return jnp.nan_to_num(batch.q), jnp.nan_to_num(batch.kv_pages), *tables

@@ -9,6 +9,7 @@ import hypothesis.strategies as st
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_close
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
@@ -413,10 +414,9 @@ def test_attention_over_the_cache_matches_dense_attention():
     ours = ref_ragged_paged_attention(*args, sm_scale=sm_scale)
     jaxs = jax_ref_ragged_paged_attention(*args, sm_scale=sm_scale)
     vectorized = ragged_paged_attention_jnp(*args, sm_scale=sm_scale)
-    tol = dict(rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(ours[:num_tokens], want, **tol)
-    np.testing.assert_allclose(jaxs[:num_tokens], want, **tol)
-    np.testing.assert_allclose(vectorized[:num_tokens], want, **tol)
+    assert_close(ours[:num_tokens], want, q.dtype)
+    assert_close(jaxs[:num_tokens], want, q.dtype)
+    assert_close(vectorized[:num_tokens], want, q.dtype)
 
 
 # --- a state machine of random operations -----------------------------------------------------

@@ -22,9 +22,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
-# A notebook must run in under a minute on CI; fail only well past that, since shared CI
-# machines are noisy.
-SECONDS_LIMIT = 180
+# A notebook must run in under two minutes. On a 2-core machine under CI load the slowest took
+# about a minute, so this leaves room for noisy shared machines and still fails a notebook
+# that got twice as slow.
+SECONDS_LIMIT = 120
 KERNEL_NAME = "minilib-tests"
 
 
@@ -125,4 +126,6 @@ def test_notebook_runs(path, kernel_manager_factory, record_property):
     seconds = time.perf_counter() - start
     record_property("seconds", round(seconds, 1))
     print(f"{path.name}: {seconds:.1f} s")
-    assert seconds < SECONDS_LIMIT, f"{path.name} took {seconds:.0f} s; the budget is 60 s"
+    assert seconds < SECONDS_LIMIT, (
+        f"{path.name} took {seconds:.0f} s; the budget is {SECONDS_LIMIT} s"
+    )

@@ -11,17 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ONE_OF_EACH
 
 from minilib.batch import make_batch, random_seq_lens
 from minilib.errors import RPAInputError
 from minilib.schedule import Event, Schedule, plan_schedule, record_schedule
 
-MIXED = [(5, 5), (1, 20), (0, 7), (12, 40)]  # prefill, decode, idle, chunk
-
 BATCHES = {
     # name: (seq_lens, make_batch options, schedule options)
     "mixed, idle and padding slots, partial blocks": (
-        MIXED,
+        ONE_OF_EACH,
         dict(page_size=8, max_num_batched_tokens=30, max_num_seqs=6, pages_per_seq=7),
         dict(num_kv_pages_per_block=3, num_queries_per_block=8),
     ),
@@ -153,8 +152,8 @@ def test_each_compute_overlaps_the_next_copy():
                 next_compute.seq,
                 next_compute.kv_blk,
             )
-        if pairs:
-            assert pairs[-1][1] is None  # nothing left to fetch during the last compute
+        assert pairs, "every plan has a live sequence, so at least one compute"
+        assert pairs[-1][1] is None  # nothing left to fetch during the last compute
 
 
 def test_pages_are_the_sequences_own():
@@ -171,7 +170,7 @@ def test_pages_are_the_sequences_own():
 
 
 def test_plan_needs_only_shapes_of_q_and_kv_pages():
-    batch = make_batch(MIXED, page_size=8)
+    batch = make_batch(ONE_OF_EACH, page_size=8)
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (batch.q, batch.kv_pages)]
     plan = plan_schedule(*shapes, *batch.args()[2:], num_queries_per_block=8)
     assert plan == plan_schedule(*batch.args(), num_queries_per_block=8)
@@ -190,7 +189,7 @@ def test_describe_lists_every_grid_step():
 
 
 def test_bad_inputs_raise_minilib_errors():
-    batch = make_batch(MIXED, page_size=8)
+    batch = make_batch(ONE_OF_EACH, page_size=8)
     with pytest.raises(RPAInputError, match="num_queries_per_block=0 must be positive"):
         plan_schedule(*batch.args(), num_queries_per_block=0)
     bad_kv_lens = jnp.asarray([5, 20, 7, 10], jnp.int32)  # q_len 12 > kv_len 10

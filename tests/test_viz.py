@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from conftest import schedule_batch
 
 pytest.importorskip("matplotlib")
 
@@ -207,14 +208,7 @@ def test_ragged_batch_figure_draws_the_reference_mask():
 def _schedule(**options):
     from minilib.schedule import plan_schedule
 
-    batch = make_batch(
-        [(12, 12), (1, 40), (6, 30), (1, 9)],
-        num_q_heads=16,
-        num_kv_heads=8,
-        head_dim=128,
-        page_size=8,
-    )
-    return plan_schedule(*batch.args(), **options)
+    return plan_schedule(*schedule_batch().args(), **options)
 
 
 @pytest.mark.parametrize(
