@@ -7,7 +7,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from minilib.blockwise import FlashState, online_softmax_update
+from minilib.blockwise import OnlineSoftmax, online_softmax_update
 from minilib.exercises.checking import (
     Case,
     CheckResult,
@@ -21,7 +21,7 @@ from minilib.reference import DEFAULT_MASK_VALUE
 
 def _update(m, l, acc, scores, v):
     """minilib's update, for one KV head and one q head: [rows] state, [rows, block] scores."""
-    state = FlashState(m=m[None], l=l[None], acc=acc[None])  # one KV head
+    state = OnlineSoftmax(m=m[None], l=l[None], acc=acc[None])  # one KV head
     new = online_softmax_update(state, scores[None], v[:, None, :])
     return new.m[0], new.l[0], new.acc[0]
 
