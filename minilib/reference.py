@@ -125,7 +125,7 @@ def apply_soft_cap(scores: jax.Array, soft_cap: float | None) -> jax.Array:
     """Soft capping: `soft_cap * tanh(scores / soft_cap)`, smoothly bounded by +-soft_cap;
     the scores unchanged when `soft_cap` is None. Applied before the mask.
 
-    >>> apply_soft_cap(jnp.array([0.0, 1.0, 100.0]), 2.0).round(3).tolist()
+    >>> [round(float(s), 3) for s in apply_soft_cap(jnp.array([0.0, 1.0, 100.0]), 2.0)]
     [0.0, 0.924, 2.0]
     """
     if soft_cap is None:
