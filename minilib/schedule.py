@@ -333,17 +333,11 @@ def record_trace(
     """
     if interpret is None:
         interpret = True  # TPU interpret mode by default, even on a TPU
-    out, trace = kernel._rpa_jit(  # the kernel's own jitted call, with the trace output on
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        config=config,
-        vmem_limit_bytes=None,
-        interpret=kernel.resolve_interpret(interpret),
-        trace_capacity=capacity,
+    args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    # The kernel's own jitted call, with the trace output on.
+    interpret = kernel.resolve_interpret(interpret)
+    out, trace = kernel._rpa_jit(
+        *args, config=config, vmem_limit_bytes=None, interpret=interpret, trace_capacity=capacity
     )
     trace = np.asarray(trace)
     count = int(trace[0, 0])
