@@ -44,8 +44,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from minilib.masking import is_masked, kv_blocks_to_visit, q_position
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
-from minilib.reference import dequantize
+from minilib.reference import apply_soft_cap, dequantize
 from minilib.validation import cdiv, validate_inputs
 
 # Default block sizes, chosen by timing minilib.bench's 32-sequence cases (GQA 32/8/128, pages
@@ -59,7 +60,7 @@ DEFAULT_NUM_KV_PAGES_PER_BLOCK = 16
 SHORT_Q_BLOCK = 8
 
 
-class FlashState(NamedTuple):
+class OnlineSoftmax(NamedTuple):
     """The online softmax state of one q block: per KV head, and per row of the folded block
     (q row, q head of the group).
 
@@ -207,7 +208,7 @@ def attend_sequence(
     out: jax.Array,  # [max_num_batched_tokens, num_q_heads, head_dim]
     q: jax.Array,  # [max_num_batched_tokens, num_q_heads, head_dim]
     kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
-    page_row: jax.Array,  # i32[pages_per_seq], this sequence's row of page_indices
+    pages: jax.Array,  # i32[pages_per_seq], this sequence's row of page_indices
     kv_len: jax.Array,  # i32[]
     q_start: jax.Array,  # i32[], cu_q_lens[seq]
     q_end: jax.Array,  # i32[], cu_q_lens[seq + 1]
@@ -221,7 +222,7 @@ def attend_sequence(
     def one_q_block(i, out):
         block_start = q_start + i * num_queries_per_block
         return attend_q_block(
-            out, q, kv_pages, page_row, kv_len, q_end, block_start,
+            out, q, kv_pages, pages, kv_len, q_end, block_start,
             num_queries_per_block=num_queries_per_block, options=options,
         )  # fmt: skip
 
@@ -232,7 +233,7 @@ def attend_q_block(
     out: jax.Array,  # [max_num_batched_tokens, num_q_heads, head_dim]
     q: jax.Array,  # [max_num_batched_tokens, num_q_heads, head_dim]
     kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
-    page_row: jax.Array,  # i32[pages_per_seq]
+    pages: jax.Array,  # i32[pages_per_seq]
     kv_len: jax.Array,  # i32[]
     q_end: jax.Array,  # i32[], one past the sequence's last q row
     block_start: jax.Array,  # i32[], the block's first q row
@@ -246,37 +247,35 @@ def attend_q_block(
     rows, live = q_block_window(block_start, q_end, num_queries_per_block, q.shape[0])
     q_block = jax.lax.dynamic_slice_in_dim(q, rows[0], num_queries_per_block)
     q_folded = fold_heads_into_rows(q_block.astype(jnp.float32), num_kv_heads)
-    # The sequence's last q row, q_end - 1, is its last token, kv_len - 1: so batch row r is
-    # token r + (kv_len - q_end) of the sequence.
-    q_pos = rows + (kv_len - q_end)  # i32[num_queries_per_block]
+    q_pos = q_position(rows, q_end, kv_len)  # i32[num_queries_per_block]
 
-    block_len = num_kv_pages_per_block * kv_pages.shape[1]  # keys per KV block
+    kv_tokens_per_block = num_kv_pages_per_block * kv_pages.shape[1]
     last_row = jnp.minimum(block_start + num_queries_per_block, q_end) - 1
     first_block, end_block = kv_blocks_to_visit(
-        block_start + (kv_len - q_end),  # position of the block's first live row
-        last_row + (kv_len - q_end),  # ... and of its last one
-        kv_len,
-        block_len,
+        q_position(block_start, q_end, kv_len),  # position of the block's first live row
+        q_position(last_row, q_end, kv_len),  # ... and of its last one
+        kv_tokens_per_block,
         sliding_window,
     )
 
     def one_kv_block(j, state):
-        k, v = gather_kv_block(kv_pages, page_row, kv_len, j, num_kv_pages_per_block)
+        k, v = gather_kv_block(kv_pages, pages, kv_len, j, num_kv_pages_per_block)
         # Dequantize to q's dtype, as the reference does, then compute in float32 (exact for
         # bf16 values, and far faster than bf16 matmuls on CPU).
         k = dequantize(k, options.k_scale, q.dtype).astype(jnp.float32)
         v = dequantize(v, options.v_scale, q.dtype).astype(jnp.float32)
-        k_pos = j * block_len + jnp.arange(block_len)  # each key's position in the sequence
+        # each key's position in the sequence
+        k_pos = j * kv_tokens_per_block + jnp.arange(kv_tokens_per_block)
         scores = block_scores(
-            q_folded, k, q_pos, k_pos, kv_len, sm_scale=options.sm_scale,
+            q_folded, k, q_pos, k_pos, sm_scale=options.sm_scale,
             sliding_window=sliding_window, soft_cap=options.soft_cap,
             mask_value=options.mask_value,
         )  # fmt: skip
         return online_softmax_update(state, scores, v)
 
-    state = init_flash_state(q_folded)
+    state = init_online_softmax(q_folded)
     state = jax.lax.fori_loop(first_block, end_block, one_kv_block, state)
-    block_out = unfold_rows_into_heads(finish_flash_state(state), num_queries_per_block)
+    block_out = unfold_rows_into_heads(finish_online_softmax(state), num_queries_per_block)
 
     # Write only the live rows; the others belong to another block or sequence.
     old = jax.lax.dynamic_slice_in_dim(out, rows[0], num_queries_per_block)
@@ -336,32 +335,9 @@ def unfold_rows_into_heads(
     return x.reshape(num_queries_per_block, num_kv_heads * group, head_dim)
 
 
-def kv_blocks_to_visit(
-    first_q_pos: jax.Array,  # i32[], position in the sequence of the block's first live row
-    last_q_pos: jax.Array,  # i32[], ... of its last live row
-    kv_len: jax.Array,  # i32[]
-    block_len: int,  # keys per KV block: num_kv_pages_per_block * page_size
-    sliding_window: int | None,
-) -> tuple[jax.Array, jax.Array]:  # first_block, end_block: i32[]
-    """The KV blocks [first_block, end_block) that hold a key some row of the q block can see.
-
-    Causal: no row sees past last_q_pos (< kv_len), so blocks after it are skipped. With a
-    sliding window, no row sees before first_q_pos - sliding_window + 1, so blocks before that
-    are skipped too. Every other block is masked row by row in `block_scores`.
-
-    >>> [int(b) for b in kv_blocks_to_visit(jnp.int32(40), jnp.int32(40), jnp.int32(41), 16, 8)]
-    [2, 3]
-    """
-    end_block = cdiv(jnp.minimum(last_q_pos + 1, kv_len), block_len)
-    if sliding_window is None:
-        return jnp.int32(0), end_block
-    first_key = jnp.maximum(first_q_pos - sliding_window + 1, 0)
-    return first_key // block_len, end_block
-
-
 def gather_kv_block(
     kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
-    page_row: jax.Array,  # i32[pages_per_seq]
+    pages: jax.Array,  # i32[pages_per_seq]
     kv_len: jax.Array,  # i32[]
     block: jax.Array,  # i32[], which KV block of the sequence
     num_kv_pages_per_block: int,
@@ -369,59 +345,54 @@ def gather_kv_block(
     #                                       head_dim], in kv_pages' dtype, zero past kv_len
     """Read one KV block, num_kv_pages_per_block pages, from the paged cache.
 
-    Page column c of the sequence is page `page_row[c]`. The last block may reach past
+    Page column c of the sequence is page `pages[c]`. The last block may reach past
     pages_per_seq (when the block size does not divide it), and unused columns may hold any
     page number, so both are clipped into range; every key they give is past kv_len, and is
     zeroed. Zeroing, not just masking the scores, matters: unused slots may hold NaN, and
     0 * NaN = NaN in p @ v.
     """
     total_num_pages, page_size, combined, head_dim = kv_pages.shape
-    pages_per_seq = page_row.shape[0]
+    pages_per_seq = pages.shape[0]
     columns = block * num_kv_pages_per_block + jnp.arange(num_kv_pages_per_block)
-    pages = jnp.clip(page_row[jnp.minimum(columns, pages_per_seq - 1)], 0, total_num_pages - 1)
-    block_len = num_kv_pages_per_block * page_size
-    kv = kv_pages[pages].reshape(block_len, combined, head_dim)
-    k_pos = block * block_len + jnp.arange(block_len)
+    block_pages = jnp.clip(pages[jnp.minimum(columns, pages_per_seq - 1)], 0, total_num_pages - 1)
+    kv_tokens_per_block = num_kv_pages_per_block * page_size
+    kv = kv_pages[block_pages].reshape(kv_tokens_per_block, combined, head_dim)
+    k_pos = block * kv_tokens_per_block + jnp.arange(kv_tokens_per_block)
     kv = jnp.where((k_pos < kv_len)[:, None, None], kv, jnp.zeros((), kv.dtype))
     return kv[:, 0::2], kv[:, 1::2]  # K in even head slots, V in odd ones
 
 
 def block_scores(
     q_folded: jax.Array,  # f32[num_kv_heads, rows, head_dim], rows = num_queries_per_block * group
-    k: jax.Array,  # f32[block_len, num_kv_heads, head_dim]
+    k: jax.Array,  # f32[kv_tokens_per_block, num_kv_heads, head_dim]
     q_pos: jax.Array,  # i32[num_queries_per_block], each q row's position in the sequence
-    k_pos: jax.Array,  # i32[block_len], each key's position in the sequence
-    kv_len: jax.Array,  # i32[]
+    k_pos: jax.Array,  # i32[kv_tokens_per_block], each key's position in the sequence
     *,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
     mask_value: float,
-) -> jax.Array:  # f32[num_kv_heads, rows, block_len]
+) -> jax.Array:  # f32[num_kv_heads, rows, kv_tokens_per_block]
     """Scaled, soft-capped and masked scores of a (folded) q block against one KV block.
 
-    A score is masked when its key is in the future of its q row, past kv_len, or (with a
-    sliding window) sliding_window or more keys back. Masked scores become mask_value with
-    `jnp.where`, which also drops any NaN computed from a padding slot.
+    A score is masked (`is_masked`) when its key is in the future of its q row (keys past
+    kv_len are, for every row of the sequence), or (with a sliding window) sliding_window or
+    more keys back. Masked scores become mask_value with `jnp.where`, which also drops any
+    NaN computed from a padding slot.
     """
     group = q_folded.shape[1] // q_pos.shape[0]
     scores = jnp.einsum("hrd,khd->hrk", q_folded, k, preferred_element_type=jnp.float32)
-    scores = scores * sm_scale
-    if soft_cap is not None:
-        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = apply_soft_cap(scores * sm_scale, soft_cap)
     row_pos = jnp.repeat(q_pos, group)[:, None]  # [rows, 1]: folded row q * group + g is row q
-    masked = (k_pos[None, :] > row_pos) | (k_pos[None, :] >= kv_len)
-    if sliding_window is not None:
-        masked |= k_pos[None, :] <= row_pos - sliding_window
-    return jnp.where(masked, mask_value, scores)
+    return jnp.where(is_masked(row_pos, k_pos[None, :], sliding_window), mask_value, scores)
 
 
-def init_flash_state(
+def init_online_softmax(
     q_folded: jax.Array,  # [num_kv_heads, rows, head_dim]
-) -> FlashState:
+) -> OnlineSoftmax:
     """Before any KV block: max -inf, sum 0, accumulator 0."""
     num_kv_heads, rows, head_dim = q_folded.shape
-    return FlashState(
+    return OnlineSoftmax(
         m=jnp.full((num_kv_heads, rows), -jnp.inf, jnp.float32),
         l=jnp.zeros((num_kv_heads, rows), jnp.float32),
         acc=jnp.zeros((num_kv_heads, rows, head_dim), jnp.float32),
@@ -429,10 +400,10 @@ def init_flash_state(
 
 
 def online_softmax_update(
-    state: FlashState,
-    scores: jax.Array,  # f32[num_kv_heads, rows, block_len]
-    v: jax.Array,  # f32[block_len, num_kv_heads, head_dim]
-) -> FlashState:
+    state: OnlineSoftmax,
+    scores: jax.Array,  # f32[num_kv_heads, rows, kv_tokens_per_block]
+    v: jax.Array,  # f32[kv_tokens_per_block, num_kv_heads, head_dim]
+) -> OnlineSoftmax:
     """Fold one KV block into the running softmax.
 
     With m_new = max(m, max(scores)), the old sums were computed relative to m, so they are
@@ -445,11 +416,11 @@ def online_softmax_update(
     p = jnp.exp(scores - m_new[..., None])
     l_new = alpha * state.l + p.sum(axis=-1)
     pv = jnp.einsum("hrk,khd->hrd", p, v, preferred_element_type=jnp.float32)
-    return FlashState(m=m_new, l=l_new, acc=alpha[..., None] * state.acc + pv)
+    return OnlineSoftmax(m=m_new, l=l_new, acc=alpha[..., None] * state.acc + pv)
 
 
-def finish_flash_state(
-    state: FlashState,
+def finish_online_softmax(
+    state: OnlineSoftmax,
 ) -> jax.Array:  # f32[num_kv_heads, rows, head_dim]
     """After the last KV block, acc / l is softmax(scores) @ v.
 

@@ -70,34 +70,20 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from minilib.block_sizes import (  # noqa: F401  (re-exported: the policy's old home)
-    DEFAULT_NUM_QUERIES_PER_BLOCK,
-    KV_BUFFERS_VMEM_BUDGET,
-    MAX_PAGES_PER_BLOCK,
-    TARGET_KV_TOKENS_PER_BLOCK,
-    default_block_sizes,
-    num_kv_heads_per_block,
-    packing,
-)
+from minilib.block_sizes import default_block_sizes, num_kv_heads_per_block, packing
+from minilib.kernel_trace import TRACE_COMPUTE, TRACE_FIELDS, TRACE_START, TRACE_WAIT, Trace
+from minilib.masking import is_masked, kv_blocks_to_visit, q_position
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions, attention_options
-from minilib.reference import dequantize
+from minilib.reference import apply_soft_cap, dequantize
 from minilib.validation import validate_inputs
 
 # The m and l scratch rows are 128 lanes wide, one vector register row: TPU vector memory is
 # laid out in (8, 128) tiles, so a [rows, 1] array would take the same space anyway.
 LANES = 128
-
-# The block-size policy lives in minilib.block_sizes (per-chip defaults and their cost model);
-# its names stay importable from here.
-
-# Event kinds in the trace the kernel can record for minilib.schedule.
-TRACE_START, TRACE_WAIT, TRACE_COMPUTE = 1, 2, 3
-TRACE_FIELDS = 7  # kind, step heads block, step q block, heads block, seq, kv block, slot
 
 
 def ragged_paged_attention(
@@ -439,7 +425,7 @@ class QBlockWalker:
 
     def attend_seq(self, carry):
         seq, slot = carry
-        first_kv_blk, end_kv_blk = kv_block_range(self.batch, self.config, seq, self.q_blk)
+        first_kv_blk, end_kv_blk = seq_kv_blocks(self.batch, self.config, seq, self.q_blk)
         following = next_live_seq(self.batch, seq + 1)
         span = SeqSpan(self.batch.q_start(seq), self.batch.q_end(seq), self.batch.kv_len(seq))
         num_pages = pl.cdiv(span.kv_len, self.config.page_size)
@@ -469,14 +455,14 @@ class QBlockWalker:
 
         self.dma.wait(here, slot)
         self.trace.record(TRACE_WAIT, step, here, slot)
-        visible, in_seq = score_mask(span, self.q_blk, kv_blk, self.config)
+        masked, in_seq = score_mask(span, self.q_blk, kv_blk, self.config)
         kv_buf = self.dma.buffer(slot)
         for kv_head in range(self.config.num_kv_heads_per_block):
             k, v = load_kv_head(kv_buf, kv_head, self.config)
             v = zero_tokens_past_kv_len(v, kv_blk, span.kv_len, self.config)
             q = load_q_group(self.q_ref, kv_head, self.config)
             k, v = dequantize_kv(k, v, q.dtype, self.config)
-            self.softmax.update(kv_head, q, k, v, visible, in_seq)
+            self.softmax.update(kv_head, q, k, v, masked, in_seq)
         self.trace.record(TRACE_COMPUTE, step, here, slot)
         return other
 
@@ -504,7 +490,7 @@ class SeqTable:
       kv_lens      to [0, pages_per_seq * page_size];
       page numbers to [0, total_num_pages).
     Every loop over sequences then ends by max_num_seqs, and every loop over pages or KV
-    blocks by pages_per_seq (see also `kv_block_range`).
+    blocks by pages_per_seq (see also `seq_kv_blocks`).
     """
 
     def __init__(
@@ -578,25 +564,26 @@ def first_seq_in_q_block(batch: SeqTable, q_blk_start):
     )
 
 
-def kv_block_range(batch: SeqTable, config: KernelConfig, seq, q_blk):
-    """The KV blocks [first, end) that the rows of `seq` in q block `q_blk` can see.
-
-    Row r of the sequence sits at position kv_len - q_len + r and sees the keys up to that
-    position (causal), and with a sliding window only the last `sliding_window` of them. Blocks
-    outside that range are skipped: their copy and their compute would be thrown away.
+def seq_kv_blocks(batch: SeqTable, config: KernelConfig, seq, q_blk):
+    """The KV blocks [first, end) that the rows of `seq` in q block `q_blk` visit:
+    `kv_blocks_to_visit` of the positions of their first and last row. Blocks outside that
+    range are skipped: their copy and their compute would be thrown away.
     """
     c = config
     q_start, q_end, kv_len = batch.q_start(seq), batch.q_end(seq), batch.kv_len(seq)
     first_row = jnp.maximum(q_start, q_blk * c.num_queries_per_block)
     last_row = jnp.minimum(q_end, (q_blk + 1) * c.num_queries_per_block) - 1
-    first_pos = kv_len - q_end + first_row  # = kv_len - q_len + (first_row - q_start)
-    last_pos = kv_len - q_end + last_row
-    first_key = 0 if c.sliding_window is None else jnp.maximum(first_pos - c.sliding_window + 1, 0)
+    first, end = kv_blocks_to_visit(
+        q_position(first_row, q_end, kv_len),
+        q_position(last_row, q_end, kv_len),
+        c.kv_tokens_per_block,
+        c.sliding_window,
+    )
     # Clamped to at least one block, all within pages_per_seq: a garbage batch (kv_len < q_len)
     # must neither loop long nor leave a prefetched block without its compute.
     max_kv_blks = pl.cdiv(c.pages_per_seq, c.num_kv_pages_per_block)
-    first = jnp.clip(first_key // c.kv_tokens_per_block, 0, max_kv_blks - 1)
-    end = jnp.clip(last_pos // c.kv_tokens_per_block + 1, first + 1, max_kv_blks)
+    first = jnp.clip(first, 0, max_kv_blks - 1)
+    end = jnp.clip(end, first + 1, max_kv_blks)
     return first, end
 
 
@@ -616,7 +603,7 @@ def first_work(batch: SeqTable) -> Work:
     `seq` is `num_seqs` if there is no live sequence."""
     seq = next_live_seq(batch, 0)
     seq_q_blk = batch.q_start(seq_or_last(batch, seq)) // batch.config.num_queries_per_block
-    first_kv_blk, _ = kv_block_range(batch, batch.config, seq_or_last(batch, seq), seq_q_blk)
+    first_kv_blk, _ = seq_kv_blocks(batch, batch.config, seq_or_last(batch, seq), seq_q_blk)
     num_pages = batch.num_pages(seq_or_last(batch, seq))
     return Work(jnp.int32(0), seq, first_kv_blk, num_pages)
 
@@ -646,7 +633,7 @@ def work_after_seq(batch: SeqTable, config: KernelConfig, q_blk, here: Work, fol
     seq = jnp.where(rows_go_on, here.seq, seq)
     # ... each in the q block holding its first row, except this one, which goes on in the next.
     seq_q_blk = jnp.where(rows_go_on, q_blk + 1, batch.q_start(seq) // bq)
-    first_kv_blk, _ = kv_block_range(batch, c, seq, seq_q_blk)
+    first_kv_blk, _ = seq_kv_blocks(batch, c, seq, seq_q_blk)
     heads_blk = jnp.where(heads_done & ~rows_go_on, here.heads_blk + 1, here.heads_blk)
     return Work(heads_blk, seq, first_kv_blk, batch.num_pages(seq))
 
@@ -826,21 +813,20 @@ class SeqSpan:
 
 
 def score_mask(span: SeqSpan, q_blk, kv_blk, config: KernelConfig):
-    """Which scores count, and which rows belong to `seq`.
+    """Which scores are hidden, and which rows belong to `seq`.
 
-    Returns visible: bool[rows_per_kv_head, kv_tokens_per_block] (causal, sliding window) and
-    in_seq: bool[rows_per_kv_head, LANES] (rows of other sequences, or padding, must not change).
+    Returns masked: bool[rows_per_kv_head, kv_tokens_per_block] (`is_masked`: causal, sliding
+    window) and in_seq: bool[rows_per_kv_head, LANES] (rows of other sequences, or padding,
+    must not change).
     """
     c = config
     shape = (c.rows_per_kv_head, c.kv_tokens_per_block)
-    q_pos = span.kv_len - span.q_end + q_row(shape, q_blk, c)  # position in its sequence
+    q_pos = q_position(q_row(shape, q_blk, c), span.q_end, span.kv_len)
     k_pos = kv_blk * c.kv_tokens_per_block + lax.broadcasted_iota(jnp.int32, shape, 1)
-    visible = k_pos <= q_pos
-    if c.sliding_window is not None:
-        visible &= k_pos > q_pos - c.sliding_window
+    masked = is_masked(q_pos, k_pos, c.sliding_window)
     row = q_row((c.rows_per_kv_head, LANES), q_blk, c)
     in_seq = (row >= span.q_start) & (row < span.q_end)
-    return visible, in_seq
+    return masked, in_seq
 
 
 def q_row(shape, q_blk, config: KernelConfig):
@@ -885,15 +871,14 @@ class OnlineSoftmax:
         q,  # [rows_per_kv_head, head_dim]
         k,  # [kv_tokens_per_block, head_dim]
         v,  # [kv_tokens_per_block, head_dim]
-        visible,  # bool[rows_per_kv_head, kv_tokens_per_block]
+        masked,  # bool[rows_per_kv_head, kv_tokens_per_block]
         in_seq,  # bool[rows_per_kv_head, LANES]
     ):
         """Fold one KV block into the rows `in_seq`, for one KV head and its q heads."""
         c = self.config
         s = jnp.einsum("rd,td->rt", q, k, preferred_element_type=jnp.float32) * c.sm_scale
-        if c.soft_cap is not None:
-            s = c.soft_cap * jnp.tanh(s / c.soft_cap)
-        s = jnp.where(visible, s, c.mask_value)  # [rows, kv_tokens]
+        s = apply_soft_cap(s, c.soft_cap)
+        s = jnp.where(masked, c.mask_value, s)  # [rows, kv_tokens]
         lanes = (c.rows_per_kv_head, LANES)
 
         m_prev = self.m_ref[kv_head]  # [rows, LANES]
@@ -924,60 +909,3 @@ class OnlineSoftmax:
             out = self.acc_ref[kv_head] / jnp.where(total == 0.0, 1.0, total)  # [rows, hd]
             out = out.reshape(c.num_queries_per_block, group, c.head_dim)
             o_ref[:, kv_head * group : (kv_head + 1) * group, :] = out.astype(o_ref.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# The schedule trace (for minilib.schedule): one row per DMA start, DMA wait and compute.
-# ---------------------------------------------------------------------------------------------
-
-
-class Trace:
-    """Appends events to the SMEM trace output; does nothing when no trace was asked for."""
-
-    def __init__(self, trace_ref, capacity: int):
-        self.trace_ref = trace_ref  # i32[1 + capacity, TRACE_FIELDS]; [0, 0] counts the events
-        self.capacity = capacity
-
-    def reset(self):
-        if self.trace_ref is not None:
-            self.trace_ref[0, 0] = 0
-
-    def record(self, kind: int, step, work: Work, slot):
-        if self.trace_ref is None:
-            return
-        n = self.trace_ref[0, 0]
-
-        @pl.when(n < self.capacity)
-        def _():
-            fields = (kind, *step, work.heads_blk, work.seq, work.kv_blk, slot)
-            for j, value in enumerate(fields):
-                self.trace_ref[n + 1, j] = jnp.asarray(value, jnp.int32)
-
-        self.trace_ref[0, 0] = n + 1
-
-
-def record_trace(
-    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, config: KernelConfig,
-    capacity: int, interpret=None
-) -> tuple[jax.Array, np.ndarray]:  # fmt: skip
-    """Run the kernel with its trace on. Returns (out, events: i32[num_events, TRACE_FIELDS]).
-
-    Used by `minilib.schedule.record_schedule`; raises if more than `capacity` events happened.
-    """
-    interpret = pltpu.InterpretParams() if interpret is None else resolve_interpret(interpret)
-    out, trace = _rpa_jit(
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        config=config,
-        interpret=interpret,
-        trace_capacity=capacity,
-    )
-    trace = np.asarray(trace)
-    count = int(trace[0, 0])
-    if count > capacity:
-        raise ValueError(f"the kernel recorded {count} events, more than {capacity=}.")
-    return out, trace[1 : count + 1]

@@ -34,8 +34,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from minilib.blockwise import clamp_lengths
+from minilib.masking import is_masked, q_position
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
-from minilib.reference import dequantize
+from minilib.reference import apply_soft_cap, dequantize
 from minilib.validation import validate_inputs
 from minilib.vectorized import gather_all_kv
 
@@ -303,15 +304,11 @@ def attention_kernel(
         q = q_ref[...].astype(jnp.float32).reshape(rows * group, head_dim)
         k = k_ref[...].astype(jnp.float32)
         v = v_ref[...].astype(jnp.float32)
-        scores = jnp.dot(q, k.T) * sm_scale  # [rows * group, max_kv_len]
-        if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
-        # q row j of the sequence is token kv_len - q_len + j; key c is token c.
-        q_pos = kv_len - q_len + first_row + jnp.arange(rows * group)[:, None] // group
-        k_pos = jnp.arange(k.shape[0])[None, :]
-        masked = (k_pos > q_pos) | (k_pos >= kv_len)
-        if sliding_window is not None:
-            masked |= k_pos <= q_pos - sliding_window
+        scores = apply_soft_cap(jnp.dot(q, k.T) * sm_scale, soft_cap)  # [rows * group, keys]
+        # Folded row r is q row first_row + r // group of the sequence; key c is token c.
+        row = first_row + jnp.arange(rows * group)[:, None] // group
+        q_pos = q_position(row, q_len, kv_len)  # [rows * group, 1]
+        masked = is_masked(q_pos, jnp.arange(k.shape[0])[None, :], sliding_window)
         scores = jnp.where(masked, mask_value, scores)
         probs = jax.nn.softmax(scores, axis=-1)
         out = jnp.dot(probs, v)  # [rows * group, head_dim]

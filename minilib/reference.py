@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minilib.kv_cache import gather_kv
+from minilib.masking import causal_mask
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.validation import validate_inputs
 
@@ -102,22 +103,16 @@ def dequantize(x: jax.Array, scale: float | None, dtype) -> jax.Array:
     return (x.astype(jnp.float32) * scale).astype(dtype)
 
 
-def causal_mask(q_len: int, kv_len: int, sliding_window: int | None = None) -> jax.Array:
-    """True where query row i may NOT see key j.  [q_len, kv_len] bool.
+def apply_soft_cap(scores: jax.Array, soft_cap: float | None) -> jax.Array:
+    """Soft capping: `soft_cap * tanh(scores / soft_cap)`, smoothly bounded by +-soft_cap;
+    the scores unchanged when `soft_cap` is None. Applied before the mask.
 
-    The q rows are the *last* q_len tokens of the sequence, so row i sits at position
-    `kv_len - q_len + i` and sees keys 0..that position (and, with a sliding window, only the
-    last `sliding_window` of them).
-
-    >>> causal_mask(2, 4).astype(int).tolist()   # a prefill chunk of 2 after 2 cached tokens
-    [[0, 0, 0, 1], [0, 0, 0, 0]]
+    >>> [round(float(s), 3) for s in apply_soft_cap(jnp.array([0.0, 1.0, 100.0]), 2.0)]
+    [0.0, 0.924, 2.0]
     """
-    q_pos = (kv_len - q_len) + jnp.arange(q_len)[:, None]
-    k_pos = jnp.arange(kv_len)[None, :]
-    masked = k_pos > q_pos
-    if sliding_window is not None:
-        masked |= k_pos <= q_pos - sliding_window
-    return masked
+    if soft_cap is None:
+        return scores
+    return soft_cap * jnp.tanh(scores / soft_cap)
 
 
 # jit compiles the whole step once per (q_len, kv_len) shape instead of op by op.
@@ -143,9 +138,7 @@ def attend(
     v = jnp.repeat(v, group, axis=1)
     # 5. Scores, accumulated in float32 whatever the input dtype.
     scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32)
-    scores = scores * sm_scale
-    if soft_cap is not None:
-        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = apply_soft_cap(scores * sm_scale, soft_cap)
     # 6. Mask, 7. softmax and weighted sum.
     scores = jnp.where(causal_mask(q_len, kv_len, sliding_window), mask_value, scores)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)

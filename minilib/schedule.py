@@ -54,15 +54,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from minilib import kernel
 from minilib.errors import ScheduleTooBig
+from minilib.kernel_trace import TRACE_COMPUTE, TRACE_START, TRACE_WAIT
 from minilib.kv_cache import pages_needed
+from minilib.masking import kv_blocks_to_visit, q_position
 from minilib.options import AttentionOptions
 from minilib.validation import cdiv, dynamic_validate_inputs
 
-KINDS = {kernel.TRACE_START: "start", kernel.TRACE_WAIT: "wait", kernel.TRACE_COMPUTE: "compute"}
+KINDS = {TRACE_START: "start", TRACE_WAIT: "wait", TRACE_COMPUTE: "compute"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +246,7 @@ def _seq_blocks(table: _Table, config: kernel.KernelConfig, num_q_blocks: int):
         for q_blk in range(start // bq, min(cdiv(end, bq), num_q_blocks)):
             seqs_of_block[q_blk].append(seq)
     return [
-        (q_blk, seq, *table.kv_block_range(seq, (q_blk * bq, (q_blk + 1) * bq), config))
+        (q_blk, seq, *table.seq_kv_blocks(seq, (q_blk * bq, (q_blk + 1) * bq), config))
         for q_blk, seqs in enumerate(seqs_of_block)
         for seq in seqs
         if table.has_rows_in(seq, (q_blk * bq, (q_blk + 1) * bq))
@@ -267,20 +270,19 @@ class _Table:
         start, end = self.q_rows(seq)
         return start < end and start < rows[1] and end > rows[0]
 
-    def kv_block_range(self, seq, rows, config) -> tuple[int, int]:
-        """KV blocks [first, end) holding a key that some row of `seq` within `rows` can see."""
+    def seq_kv_blocks(self, seq, rows, config) -> tuple[int, int]:
+        """The KV blocks [first, end) that the rows of `seq` within `rows` visit, as in the
+        kernel's `seq_kv_blocks` (whose clamps change nothing for a valid batch)."""
         q_start, q_end = self.q_rows(seq)
         kv_len = int(self.kv_lens[seq])
         first_row, last_row = max(q_start, rows[0]), min(q_end, rows[1]) - 1
-        first_key = kv_len - q_end + first_row  # the position of the first row ...
-        if config.sliding_window is None:
-            first_key = 0  # ... sees every key before it
-        else:
-            first_key = max(first_key - config.sliding_window + 1, 0)  # ... or its window
-        last_key = kv_len - q_end + last_row  # the last row sees up to its own position
-        tokens = config.kv_tokens_per_block
-        num_kv_blocks = cdiv(config.pages_per_seq, config.num_kv_pages_per_block)
-        return max(first_key // tokens, 0), min(last_key // tokens + 1, num_kv_blocks)
+        first, end = kv_blocks_to_visit(
+            q_position(first_row, q_end, kv_len),
+            q_position(last_row, q_end, kv_len),
+            config.kv_tokens_per_block,
+            config.sliding_window,
+        )
+        return int(first), int(end)
 
     def pages(self, seq, kv_blk, config) -> tuple[int, ...]:
         num_pages = pages_needed(int(self.kv_lens[seq]), config.page_size)
@@ -317,11 +319,38 @@ def record_schedule(
     )
     config = _config(*args, options)
     table = _Table(kv_lens, page_indices, cu_q_lens, num_seqs)
-    _, rows = kernel.record_trace(
+    _, rows = record_trace(
         *args, config=config, capacity=_trace_capacity(q, table, config), interpret=interpret
     )
     events = [(KINDS[r[0]], (int(r[1]), int(r[2])), *(int(x) for x in r[3:])) for r in rows]
     return _schedule(q, config, table, events)
+
+
+def record_trace(
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, config: kernel.KernelConfig,
+    capacity: int, interpret=None
+) -> tuple[jax.Array, np.ndarray]:  # fmt: skip
+    """Run the kernel with its trace on (`minilib.kernel_trace`). Returns (out, events:
+    i32[num_events, TRACE_FIELDS]); raises if more than `capacity` events happened.
+
+    >>> from minilib.batch import make_batch
+    >>> batch = make_batch([(3, 3)])
+    >>> config = _config(*batch.args(), AttentionOptions())
+    >>> _, events = record_trace(*batch.args(), config=config, capacity=8)
+    >>> [KINDS[kind] for kind in events[:, 0]]
+    ['start', 'wait', 'compute']
+    """
+    if interpret is None:
+        interpret = True  # TPU interpret mode by default, even on a TPU
+    args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    # The kernel's own jitted call, with the trace output on.
+    interpret = kernel.resolve_interpret(interpret)
+    out, trace = kernel._rpa_jit(*args, config=config, interpret=interpret, trace_capacity=capacity)
+    trace = np.asarray(trace)
+    count = int(trace[0, 0])
+    if count > capacity:
+        raise ValueError(f"the kernel recorded {count} events, more than {capacity=}.")
+    return out, trace[1 : count + 1]
 
 
 def _trace_capacity(q, table: _Table, config: kernel.KernelConfig) -> int:

@@ -28,8 +28,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from minilib.masking import is_masked, q_position
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
-from minilib.reference import dequantize
+from minilib.reference import apply_soft_cap, dequantize
 from minilib.validation import cdiv, validate_inputs
 
 TILE = 16  # q rows per tile: bigger tiles waste more rows on decodes, smaller ones re-read K/V
@@ -101,7 +102,7 @@ def _rpa_jnp(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: A
                 q[jnp.clip(rows, 0, max_num_batched_tokens - 1)],
                 k[seq],
                 v[seq],
-                kv_lens[seq] - q_lens[seq] + (rows - q_starts[seq]),  # positions in the sequence
+                q_position(rows, q_starts[seq] + q_lens[seq], kv_lens[seq]),
                 kv_lens[seq],
                 sm_scale=options.sm_scale,
                 sliding_window=options.sliding_window,
@@ -191,13 +192,9 @@ def attend_tile(
     group = num_q_heads // num_kv_heads
     qg = q.reshape(tile, num_kv_heads, group, head_dim)
     scores = jnp.einsum("qkgd,lkd->kgql", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * sm_scale
-    if soft_cap is not None:
-        scores = soft_cap * jnp.tanh(scores / soft_cap)
-    k_pos = jnp.arange(max_kv_len)[None, :]
-    masked = (k_pos > q_pos[:, None]) | (k_pos >= kv_len)
-    if sliding_window is not None:
-        masked |= k_pos <= q_pos[:, None] - sliding_window
+    scores = apply_soft_cap(scores * sm_scale, soft_cap)
+    # Keys past kv_len (zeroed slots) are past every row's position: hidden too.
+    masked = is_masked(q_pos[:, None], jnp.arange(max_kv_len)[None, :], sliding_window)
     scores = jnp.where(masked, mask_value, scores)  # [num_kv_heads, group, TILE, max_kv_len]
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("kgql,lkd->qkgd", probs, v, preferred_element_type=jnp.float32)

@@ -37,6 +37,7 @@ from matplotlib.patches import Patch, Rectangle
 from minilib.batch import RaggedBatch, seq_kind
 from minilib.heads import attention_kind, head_groups
 from minilib.kv_cache import pool_pages_needed
+from minilib.masking import is_masked, q_position
 from minilib.validation import cdiv
 
 # Okabe & Ito (2008), "Color Universal Design". Black is left out of the fills: text on it and
@@ -484,18 +485,14 @@ def ragged_batch_figure(batch: RaggedBatch, sliding_window: int | None = None) -
 
 
 def mask_numpy(q_len: int, kv_len: int, sliding_window: int | None = None) -> np.ndarray:
-    """`minilib.reference.causal_mask` in NumPy (a test checks that they agree): the figure
-    then needs no compiling for each new shape. True where q row i may NOT see key j.
+    """`minilib.masking.causal_mask` on NumPy positions (a test checks that they agree): the
+    figure then needs no compiling for each new shape. True where q row i may NOT see key j.
 
     >>> mask_numpy(2, 4).astype(int).tolist()
     [[0, 0, 0, 1], [0, 0, 0, 0]]
     """
-    q_pos = (kv_len - q_len) + np.arange(q_len)[:, None]
-    k_pos = np.arange(kv_len)[None, :]
-    masked = k_pos > q_pos
-    if sliding_window is not None:
-        masked |= k_pos <= q_pos - sliding_window
-    return masked
+    q_pos = q_position(np.arange(q_len)[:, None], q_len, kv_len)  # [q_len, 1]
+    return is_masked(q_pos, np.arange(kv_len)[None, :], sliding_window)
 
 
 def _draw_packed_rows(ax, cu_q_lens: np.ndarray, num_seqs: int, max_tokens: int) -> list:

@@ -4,7 +4,8 @@ import jax.numpy as jnp
 
 
 def online_softmax_update(m, l, acc, scores, v):
-    # m, l: [rows]; acc: [rows, head_dim]; scores: [rows, block_len]; v: [block_len, head_dim]
+    # m, l: [rows]; acc: [rows, head_dim]; scores: [rows, kv_tokens_per_block];
+    # v: [kv_tokens_per_block, head_dim]
     m_new = jnp.maximum(m, scores.max(axis=-1))
     alpha = jnp.exp(m - m_new)  # rescales the old sums; 0 on the first block (m = -inf)
     p = jnp.exp(scores - m_new[:, None])  # <= 1: never overflows

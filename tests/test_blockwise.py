@@ -27,11 +27,11 @@ from hypothesis import strategies as st
 from minilib.batch import make_batch
 from minilib.blockwise import (
     fold_heads_into_rows,
-    kv_blocks_to_visit,
     q_block_window,
     ragged_paged_attention_blockwise,
     unfold_rows_into_heads,
 )
+from minilib.masking import kv_blocks_to_visit
 from minilib.vectorized import ragged_paged_attention_jnp
 
 # Each case costs a compile of JAX's reference and of ours, so the fast cases share one batch
@@ -82,22 +82,20 @@ def test_fold_heads_into_rows_groups_q_heads_by_kv_head():
 
 
 @pytest.mark.parametrize(
-    "first_q_pos, last_q_pos, kv_len, sliding_window, expected",
+    "first_q_pos, last_q_pos, sliding_window, expected",
     [
-        (99, 99, 100, None, (0, 7)),  # a decode sees every key: blocks 0..6 of 16
-        (0, 15, 100, None, (0, 1)),  # the start of a prefill: only block 0
-        (16, 16, 100, None, (0, 2)),  # position 16 is the first key of block 1
-        (99, 99, 100, 8, (5, 7)),  # the window starts at key 92, in block 5
-        (40, 47, 100, 40, (0, 3)),  # keys 1..47
-        (0, 0, 1, None, (0, 1)),
+        (99, 99, None, (0, 7)),  # a decode (kv_len 100) sees every key: blocks 0..6 of 16
+        (0, 15, None, (0, 1)),  # the start of a prefill: only block 0
+        (16, 16, None, (0, 2)),  # position 16 is the first key of block 1
+        (99, 99, 8, (5, 7)),  # the window starts at key 92, in block 5
+        (40, 47, 40, (0, 3)),  # keys 1..47
+        (0, 0, None, (0, 1)),
     ],
 )
 def test_kv_blocks_to_visit_skips_blocks_nobody_sees(
-    first_q_pos, last_q_pos, kv_len, sliding_window, expected
+    first_q_pos, last_q_pos, sliding_window, expected
 ):
-    got = kv_blocks_to_visit(
-        jnp.int32(first_q_pos), jnp.int32(last_q_pos), jnp.int32(kv_len), 16, sliding_window
-    )
+    got = kv_blocks_to_visit(jnp.int32(first_q_pos), jnp.int32(last_q_pos), 16, sliding_window)
     assert tuple(int(b) for b in got) == expected
 
 

@@ -95,10 +95,12 @@ def softmax_kernel_without_max(x_ref, o_ref):
     o_ref[...] = e / e.sum(axis=-1, keepdims=True)
 
 
-def kv_blocks_ignoring_causality(first_q_pos, last_q_pos, kv_len, block_len, sliding_window):
-    # Visits every block up to kv_len: right answers, but copies blocks no row can see.
-    first = 0 if sliding_window is None else max(first_q_pos - sliding_window + 1, 0) // block_len
-    return first, -(-kv_len // block_len)
+def kv_blocks_from_the_last_row(first_q_pos, last_q_pos, kv_tokens_per_block, sliding_window):
+    # The window of the last row, not the first: skips blocks the first row sees.
+    end = last_q_pos // kv_tokens_per_block + 1
+    if sliding_window is None:
+        return 0, end
+    return max(last_q_pos - sliding_window + 1, 0) // kv_tokens_per_block, end
 
 
 def can_admit_whole_prompt(num_prompt_tokens, *, token_budget_left, num_free_pages, page_size,
@@ -273,7 +275,7 @@ EXERCISES = [
         ex.check_kv_blocks_to_visit,
         "ex08_kernel",
         "kv_blocks_to_visit",
-        kv_blocks_ignoring_causality,
+        kv_blocks_from_the_last_row,
     ),
     (
         ex.check_flash_attention,

@@ -98,7 +98,7 @@ def random_plans(count=20):
 
 
 def visible_keys(q_len, kv_len, sliding_window):
-    """bool[q_len, kv_len]: may row i see key j? (NumPy; minilib.reference.causal_mask negated.)"""
+    """bool[q_len, kv_len]: may row i see key j? (NumPy; minilib.masking.causal_mask negated.)"""
     q_pos = kv_len - q_len + np.arange(q_len)[:, None]
     k_pos = np.arange(kv_len)[None, :]
     visible = k_pos <= q_pos

@@ -178,10 +178,10 @@ def test_ragged_batch_figure(seq_lens, window, padding):
     assert len(fig.axes) == 1 + min(len(seq_lens), viz.MAX_MASKS)
 
 
-def test_mask_numpy_is_the_reference_causal_mask():
+def test_mask_numpy_is_the_causal_mask():
     import numpy as np
 
-    from minilib.reference import causal_mask
+    from minilib.masking import causal_mask
 
     for q_len, kv_len in [(1, 9), (4, 12), (7, 7), (0, 3)]:
         for window in (None, 1, 3, 50):
@@ -192,7 +192,7 @@ def test_mask_numpy_is_the_reference_causal_mask():
 def test_ragged_batch_figure_draws_the_reference_mask():
     import numpy as np
 
-    from minilib.reference import causal_mask
+    from minilib.masking import causal_mask
 
     batch = make_batch([(4, 12)])
     fig = viz.ragged_batch_figure(batch, sliding_window=3)

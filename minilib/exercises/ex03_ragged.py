@@ -18,7 +18,7 @@ from minilib.exercises.checking import (
     expected_vs_got,
     run_check,
 )
-from minilib.reference import causal_mask
+from minilib.masking import causal_mask
 
 
 def describe_seq(q_len: int, kv_len: int) -> str:
@@ -48,7 +48,7 @@ def check_causal_mask(fn: Callable, *, seed: int = 0, verbose: bool = True) -> C
     The q rows are the sequence's newest q_len tokens, so row i sits at position
     kv_len - q_len + i.
 
-    >>> from minilib.reference import causal_mask
+    >>> from minilib.masking import causal_mask
     >>> check_causal_mask(causal_mask)
     Passed: causal_mask matches the reference on all 9 cases.
     CheckResult('causal_mask', status='passed')

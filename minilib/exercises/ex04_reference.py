@@ -10,8 +10,9 @@ import numpy as np
 
 from minilib.exercises.checking import Case, CheckResult, compare_arrays, diagnose, run_check
 from minilib.exercises.ex03_ragged import describe_seq
+from minilib.masking import causal_mask
 from minilib.options import DEFAULT_MASK_VALUE
-from minilib.reference import attend, causal_mask
+from minilib.reference import attend
 
 
 def _attend_soft_cap(q, k, v, *, sm_scale, soft_cap):
@@ -92,7 +93,7 @@ def check_sliding_window_mask(fn: Callable, *, seed: int = 0, verbose: bool = Tr
     notebook 03, where in addition each row sees only its last `sliding_window` keys, its own
     included. True = masked.
 
-    >>> from minilib.reference import causal_mask
+    >>> from minilib.masking import causal_mask
     >>> check_sliding_window_mask(causal_mask)
     Passed: sliding_window_mask matches the reference on all 7 cases.
     CheckResult('sliding_window_mask', status='passed')

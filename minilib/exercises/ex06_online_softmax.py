@@ -7,7 +7,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from minilib.blockwise import FlashState, online_softmax_update
+from minilib.blockwise import OnlineSoftmax, online_softmax_update
 from minilib.exercises.checking import (
     Case,
     CheckResult,
@@ -21,7 +21,7 @@ from minilib.options import DEFAULT_MASK_VALUE
 
 def _update(m, l, acc, scores, v):
     """minilib's update, for one KV head and one q head: [rows] state, [rows, block] scores."""
-    state = FlashState(m=m[None], l=l[None], acc=acc[None])  # one KV head
+    state = OnlineSoftmax(m=m[None], l=l[None], acc=acc[None])  # one KV head
     new = online_softmax_update(state, scores[None], v[:, None, :])
     return new.m[0], new.l[0], new.acc[0]
 
@@ -53,8 +53,9 @@ def check_online_softmax_update(
 
       m, l:   f32[rows]            running max of the scores, running sum of exp(score - m)
       acc:    f32[rows, head_dim]  running sum of exp(score - m) * v
-      scores: f32[rows, block_len] this block's scores (masked keys hold a very negative value)
-      v:      [block_len, head_dim]
+      scores: f32[rows, kv_tokens_per_block]  this block's scores (masked keys hold a very
+                                              negative value)
+      v:      [kv_tokens_per_block, head_dim]
 
     The state starts at m = -inf, l = 0, acc = 0; the blocks are fed one by one, and the state
     after each is compared with minilib's `online_softmax_update`.
@@ -65,8 +66,8 @@ def check_online_softmax_update(
     """
     rng = np.random.default_rng(700 + seed)
     cases = []
-    # (rows, number of blocks, block_len, score scale, mask the first block of row 0)
-    for rows, num_blocks, block_len, scale, mask_first in [
+    # (rows, number of blocks, kv_tokens_per_block, score scale, mask the first block of row 0)
+    for rows, num_blocks, kv_tokens_per_block, scale, mask_first in [
         (2, 3, 4, 1.0, False),
         (3, 4, 2, 30.0, False),
         (1, 1, 5, 1.0, False),
@@ -75,14 +76,14 @@ def check_online_softmax_update(
         (3, 2, 6, 5.0, True),
     ]:
         head_dim = 4
-        scores = scale * rng.standard_normal((num_blocks, rows, block_len))
+        scores = scale * rng.standard_normal((num_blocks, rows, kv_tokens_per_block))
         if scale > 100:  # rising maxima: each block forces a rescale of the old sums
             scores += 50.0 * np.arange(num_blocks)[:, None, None]
         if mask_first:
             scores[0, 0, :] = DEFAULT_MASK_VALUE  # row 0 sees nothing in the first block
             scores[-1, -1, -1] = DEFAULT_MASK_VALUE
-        v = rng.standard_normal((num_blocks, block_len, head_dim))
-        what = f"{rows} rows, {num_blocks} blocks of {block_len} keys, head_dim={head_dim}"
+        v = rng.standard_normal((num_blocks, kv_tokens_per_block, head_dim))
+        what = f"{rows} rows, {num_blocks} blocks of {kv_tokens_per_block} keys, {head_dim=}"
         if scale > 20:
             what += f", scores up to {np.abs(scores).max():.0f} (exp overflows without the max)"
         if mask_first:

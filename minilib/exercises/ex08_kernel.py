@@ -6,7 +6,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from minilib.blockwise import kv_blocks_to_visit
 from minilib.exercises.checking import (
     Case,
     CheckResult,
@@ -15,11 +14,12 @@ from minilib.exercises.checking import (
     diagnose,
     run_check,
 )
+from minilib.masking import kv_blocks_to_visit
 from minilib.validation import cdiv
 
 
-def _reference(first_q_pos, last_q_pos, kv_len, block_len, sliding_window):
-    first, end = kv_blocks_to_visit(first_q_pos, last_q_pos, kv_len, block_len, sliding_window)
+def _reference(first_q_pos, last_q_pos, kv_tokens_per_block, sliding_window):
+    first, end = kv_blocks_to_visit(first_q_pos, last_q_pos, kv_tokens_per_block, sliding_window)
     return int(first), int(end)
 
 
@@ -36,19 +36,23 @@ def _as_ints(fn: Callable) -> Callable:
 
 
 def check_kv_blocks_to_visit(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
-    """Check `fn(first_q_pos, last_q_pos, kv_len, block_len, sliding_window) -> (first, end)`:
+    """Check `fn(first_q_pos, last_q_pos, kv_tokens_per_block, sliding_window) -> (first, end)`:
     the KV blocks [first, end) of a sequence that hold a key some row of a q block can see.
+    The kernel (`seq_kv_blocks`), the blockwise version and the schedule all use
+    `minilib.masking.kv_blocks_to_visit`, which this checks against.
 
     The q block's rows sit at positions first_q_pos..last_q_pos (inclusive) of the sequence;
-    KV block b holds keys [b * block_len, (b + 1) * block_len); row at position p sees keys
-    0..p, and with a sliding window w only keys p - w + 1..p. sliding_window may be None.
+    KV block b holds keys [b * kv_tokens_per_block, (b + 1) * kv_tokens_per_block); the row at
+    position p sees keys 0..p, and with a sliding window w only keys p - w + 1..p.
+    sliding_window may be None.
 
     >>> check_kv_blocks_to_visit(_reference)
     Passed: kv_blocks_to_visit matches the reference on all 13 cases.
     CheckResult('kv_blocks_to_visit', status='passed')
     """
     rng = np.random.default_rng(900 + seed)
-    # (q_len, kv_len, rows of the q block within the sequence [r0, r1), block_len, window)
+    # (q_len, kv_len, rows of the q block within the sequence [r0, r1), kv_tokens_per_block,
+    #  sliding_window)
     specs = [
         (1, 41, (0, 1), 16, None),  # a decode: the last key is in block 2
         (1, 48, (0, 1), 16, None),  # ... exactly at the end of a block
@@ -68,41 +72,55 @@ def check_kv_blocks_to_visit(fn: Callable, *, seed: int = 0, verbose: bool = Tru
         window = None if rng.random() < 0.5 else int(rng.integers(1, 20))
         specs.append((q_len, kv_len, (r0, r1), int(rng.choice([4, 8, 16])), window))
     cases = []
-    for q_len, kv_len, (r0, r1), block_len, window in specs:
+    for q_len, kv_len, (r0, r1), tokens, window in specs:
         first_q_pos, last_q_pos = kv_len - q_len + r0, kv_len - q_len + r1 - 1
         cases.append(
             Case(
                 f"rows at positions {first_q_pos}..{last_q_pos} of a sequence with "
-                f"kv_len={kv_len}; KV blocks of block_len={block_len}; "
+                f"kv_len={kv_len}; KV blocks of kv_tokens_per_block={tokens}; "
                 f"sliding_window={window}",
-                (first_q_pos, last_q_pos, kv_len, block_len, window),
+                (first_q_pos, last_q_pos, tokens, window),
             )
         )
 
-    def every_block(first_q_pos, last_q_pos, kv_len, block_len, sliding_window):
-        return 0, cdiv(kv_len, block_len)
+    def ignoring_the_window(first_q_pos, last_q_pos, kv_tokens_per_block, sliding_window):
+        return 0, last_q_pos // kv_tokens_per_block + 1
 
-    def window_off_by_one(first_q_pos, last_q_pos, kv_len, block_len, sliding_window):
-        end = last_q_pos // block_len + 1
+    def window_off_by_one(first_q_pos, last_q_pos, kv_tokens_per_block, sliding_window):
+        end = last_q_pos // kv_tokens_per_block + 1
         if sliding_window is None:
             return 0, end
-        return max(first_q_pos - sliding_window, 0) // block_len, end
+        return max(first_q_pos - sliding_window, 0) // kv_tokens_per_block, end
 
-    def end_exclusive_wrong(first_q_pos, last_q_pos, kv_len, block_len, sliding_window):
-        first, _ = _reference(first_q_pos, last_q_pos, kv_len, block_len, sliding_window)
-        return first, cdiv(last_q_pos, block_len)
+    def window_of_the_last_row(first_q_pos, last_q_pos, kv_tokens_per_block, sliding_window):
+        end = last_q_pos // kv_tokens_per_block + 1
+        if sliding_window is None:
+            return 0, end
+        return max(last_q_pos - sliding_window + 1, 0) // kv_tokens_per_block, end
+
+    def end_exclusive_wrong(first_q_pos, last_q_pos, kv_tokens_per_block, sliding_window):
+        first, _ = _reference(first_q_pos, last_q_pos, kv_tokens_per_block, sliding_window)
+        return first, cdiv(last_q_pos, kv_tokens_per_block)
+
+    def end_of_the_first_row(first_q_pos, last_q_pos, kv_tokens_per_block, sliding_window):
+        first, _ = _reference(first_q_pos, last_q_pos, kv_tokens_per_block, sliding_window)
+        return first, first_q_pos // kv_tokens_per_block + 1
 
     mistakes = {
-        "causality: no row of the block sees past last_q_pos, so the blocks after the one "
-        "holding key last_q_pos are never needed (copying them would waste bandwidth). "
-        "end = last_q_pos // block_len + 1.": _as_ints(every_block),
+        "the sliding window: no row sees a key before first_q_pos - sliding_window + 1, so the "
+        "blocks before the one holding it are never needed (copying them would waste "
+        "bandwidth).": _as_ints(ignoring_the_window),
         "the window's first key: a row at position p sees keys p - sliding_window + 1 .. p, "
-        "so the first block is max(first_q_pos - sliding_window + 1, 0) // block_len.": (
-            _as_ints(window_off_by_one)
+        "so the first block is max(first_q_pos - sliding_window + 1, 0) // "
+        "kv_tokens_per_block.": _as_ints(window_off_by_one),
+        "the window of the *first* row reaches back furthest: start from first_q_pos, not "
+        "last_q_pos.": _as_ints(window_of_the_last_row),
+        "end is exclusive: the block holding key last_q_pos is last_q_pos // "
+        "kv_tokens_per_block, so end = last_q_pos // kv_tokens_per_block + 1 (rounding "
+        "last_q_pos up misses it when it starts a block).": _as_ints(end_exclusive_wrong),
+        "the *last* row sees furthest: end comes from last_q_pos, not first_q_pos.": (
+            _as_ints(end_of_the_first_row)
         ),
-        "end is exclusive: the block holding key last_q_pos is last_q_pos // block_len, so "
-        "end = last_q_pos // block_len + 1 (rounding last_q_pos up misses it when it starts a "
-        "block).": _as_ints(end_exclusive_wrong),
     }
     compare = diagnose(lambda want, got, case: compare_values(want, got, "(first, end)"), mistakes)
     return run_check(
