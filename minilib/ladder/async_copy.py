@@ -21,8 +21,7 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from minilib.ladder.flash import init_online_softmax
-from minilib.ladder.scalar_prefetch import attend_kv_block, decode_pallas_call, write_output
+from minilib.ladder.scalar_prefetch import attend_kv_block, decode_pallas_call, page_grid_step
 
 __all__ = ["paged_decode_attention_async_copy"]
 
@@ -80,18 +79,12 @@ def async_copy_kernel(
     seq, i = pl.program_id(0), pl.program_id(1)
     kv_len, page_size = kv_lens_ref[seq], buf.shape[0]
 
-    @pl.when(i == 0)
-    def _init():
-        init_online_softmax(m_ref, l_ref, acc_ref)
-
-    @pl.when(i * page_size < kv_len)  # only the pages the sequence has
-    def _copy_and_attend():
+    def copy_and_attend():
         page = page_indices_ref[seq, i]
         copy = pltpu.make_async_copy(kv_pages_hbm_ref.at[page], buf, sem)
         copy.start()
         copy.wait()
         attend_kv_block(buf, q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len, sm_scale)
 
-    @pl.when(i == pl.num_programs(1) - 1)
-    def _finish():
-        write_output(o_ref, l_ref, acc_ref)
+    # Rung 2's grid step, with the copy in the step that attends (only pages the sequence has).
+    page_grid_step(i, kv_len, page_size, copy_and_attend, o_ref, m_ref, l_ref, acc_ref)

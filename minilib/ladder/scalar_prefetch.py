@@ -192,13 +192,24 @@ def scalar_prefetch_kernel(
     seq, i = pl.program_id(0), pl.program_id(1)
     kv_len, page_size = kv_lens_ref[seq], page_ref.shape[0]
 
+    def attend_page():
+        attend_kv_block(page_ref, q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len, sm_scale)
+
+    page_grid_step(i, kv_len, page_size, attend_page, o_ref, m_ref, l_ref, acc_ref)
+
+
+def page_grid_step(i, kv_len, page_size: int, attend_page, o_ref, m_ref, l_ref, acc_ref):
+    """Grid step (seq, i) of a grid that walks the pages of a sequence: initialise the softmax
+    on page 0, `attend_page()` if the sequence has a page i (the steps past its last page
+    compute nothing), write the output on the last step."""
+
     @pl.when(i == 0)
     def _init():
         init_online_softmax(m_ref, l_ref, acc_ref)
 
     @pl.when(i * page_size < kv_len)
     def _attend():
-        attend_kv_block(page_ref, q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len, sm_scale)
+        attend_page()
 
     @pl.when(i == pl.num_programs(1) - 1)
     def _finish():
