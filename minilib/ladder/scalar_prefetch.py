@@ -12,6 +12,10 @@ fetches the next step's page while this one computes (its pipeline is double-buf
 
 Steps past a sequence's last page map to that last page again. Pallas skips the copy when a
 block index repeats, and the kernel skips the compute (`pl.when`).
+
+Rungs 3 to 5 keep this call's shape (`decode_pallas_call`: scalar prefetch, one q block per
+sequence, the softmax state in scratch) and change only the grid, how `kv_pages` reaches the
+kernel, and their own scratch.
 """
 
 from __future__ import annotations
