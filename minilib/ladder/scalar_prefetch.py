@@ -232,7 +232,7 @@ def attend_kv_block(
 ):
     """Fold a block of keys into the softmax of every q head, one KV head (GQA group) at a time.
 
-    A decode token sees every key before it, so the only mask is `position < kv_len`.
+    A decode token sees every key before it, so the only keys hidden are those past kv_len.
     """
     tokens, num_kv_heads, group = kv_ref.shape[0], m_ref.shape[0], m_ref.shape[1]
     k_pos = first_pos + jax.lax.broadcasted_iota(jnp.int32, (group, tokens), 1)
@@ -241,7 +241,7 @@ def attend_kv_block(
         v = zero_rows_past(kv_ref[:, 2 * h + 1, :], first_pos, kv_len)
         q = q_ref[h * group : (h + 1) * group, :]  # the q heads that share KV head h
         update = functools.partial(online_softmax_update, m_ref.at[h], l_ref.at[h], acc_ref.at[h])
-        update(q, k, v, k_pos < kv_len, sm_scale)
+        update(q, k, v, k_pos >= kv_len, sm_scale)
 
 
 def write_output(o_ref, l_ref, acc_ref):
