@@ -6,7 +6,9 @@ written it:
   `flash`            rung 1: flash attention over dense K/V; an "arbitrary" KV grid axis, the
                      online softmax state in VMEM scratch, `pl.when` to initialise and finish.
   `scalar_prefetch`  rung 2: paged decode attention; the index map reads `page_indices` from
-                     SMEM, and Pallas copies the pages (double-buffered for us).
+                     SMEM, and Pallas copies the pages (double-buffered for us). Also the
+                     decode `pallas_call` (`decode_pallas_call`) that rungs 3 to 5 reuse with
+                     their own grid, scratch and `kv_pages` spec.
   `async_copy`       rung 3: the same with `kv_pages` left in HBM (`pl.ANY`): one buffer, one
                      `make_async_copy`, `start()` then `wait()`.
   `double_buffer`    rung 4: two slots and two semaphores: copy page i + 1 while computing page i.

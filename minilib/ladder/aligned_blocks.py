@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from minilib.masking import is_masked, q_position
+
 __all__ = ["attention_pallas_call_aligned"]
 
 
@@ -80,10 +82,11 @@ def aligned_attention_kernel(
     group = num_q_heads // num_kv_heads
     seq = pl.program_id(0)
     q_len, kv_len = q_lens_ref[seq], kv_lens_ref[seq]
-    q_pos = kv_len - q_len + pl.program_id(1) * rows
+    q_pos = q_position(pl.program_id(1) * rows, q_len, kv_len)  # the block's first row
     q_pos += jax.lax.broadcasted_iota(jnp.int32, (rows, max_kv_len), 0)
     k_pos = jax.lax.broadcasted_iota(jnp.int32, (rows, max_kv_len), 1)
-    visible = (k_pos <= q_pos) & (k_pos < kv_len)
+    masked = is_masked(q_pos, k_pos)  # causal: a future key
+    visible = jnp.logical_not(masked) & (k_pos < kv_len)
     for head in range(num_q_heads):
         q = q_ref[:, head, :].astype(jnp.float32)  # [rows, head_dim]
         k = k_ref[:, head // group, :].astype(jnp.float32)  # [max_kv_len, head_dim]

@@ -21,8 +21,7 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from minilib.ladder.flash import init_online_softmax
-from minilib.ladder.scalar_prefetch import attend_kv_block, softmax_scratch, write_output
+from minilib.ladder.scalar_prefetch import attend_kv_block, decode_pallas_call, page_grid_step
 
 __all__ = ["paged_decode_attention_async_copy"]
 
@@ -47,27 +46,19 @@ def paged_decode_attention_async_copy(
     ...                                   sm_scale=0.1, interpret=pltpu.InterpretParams()).shape
     (2, 4, 128)
     """
-    num_seqs, num_q_heads, head_dim = q.shape
-    _, page_size, num_combined_heads, _ = kv_pages.shape
-    num_kv_heads = num_combined_heads // 2
-    q_spec = pl.BlockSpec((None, num_q_heads, head_dim), lambda seq, i, *prefetch: (seq, 0, 0))
-    return pl.pallas_call(
+    page_size, num_combined_heads, head_dim = kv_pages.shape[1:]
+    return decode_pallas_call(
         functools.partial(kernel or async_copy_kernel, sm_scale=sm_scale),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=(num_seqs, page_indices.shape[1]),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],  # kv_pages stays in HBM
-            out_specs=q_spec,
-            scratch_shapes=[
-                pltpu.VMEM((page_size, num_combined_heads, head_dim), kv_pages.dtype),  # buf
-                pltpu.SemaphoreType.DMA(()),  # sem: counts the bytes of the copy into buf
-                *softmax_scratch(num_kv_heads, num_q_heads // num_kv_heads, head_dim),
-            ],
-        ),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        q, kv_pages, kv_lens, page_indices,
+        grid=(q.shape[0], page_indices.shape[1]),  # (num_seqs, pages_per_seq), as in rung 2
+        kv_spec=pl.BlockSpec(memory_space=pl.ANY),  # kv_pages stays in HBM
+        scratch_shapes=[
+            pltpu.VMEM((page_size, num_combined_heads, head_dim), kv_pages.dtype),  # buf
+            pltpu.SemaphoreType.DMA(()),  # sem: counts the bytes of the copy into buf
+        ],
+        dimension_semantics=("parallel", "arbitrary"),
         interpret=interpret,
-    )(kv_lens, page_indices, q, kv_pages)
+    )  # fmt: skip
 
 
 def async_copy_kernel(
@@ -88,18 +79,12 @@ def async_copy_kernel(
     seq, i = pl.program_id(0), pl.program_id(1)
     kv_len, page_size = kv_lens_ref[seq], buf.shape[0]
 
-    @pl.when(i == 0)
-    def _init():
-        init_online_softmax(m_ref, l_ref, acc_ref)
-
-    @pl.when(i * page_size < kv_len)  # only the pages the sequence has
-    def _copy_and_attend():
+    def copy_and_attend():
         page = page_indices_ref[seq, i]
         copy = pltpu.make_async_copy(kv_pages_hbm_ref.at[page], buf, sem)
         copy.start()
         copy.wait()
         attend_kv_block(buf, q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len, sm_scale)
 
-    @pl.when(i == pl.num_programs(1) - 1)
-    def _finish():
-        write_output(o_ref, l_ref, acc_ref)
+    # Rung 2's grid step, with the copy in the step that attends (only pages the sequence has).
+    page_grid_step(i, kv_len, page_size, copy_and_attend, o_ref, m_ref, l_ref, acc_ref)

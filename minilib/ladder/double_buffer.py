@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from minilib.ladder.flash import init_online_softmax
-from minilib.ladder.scalar_prefetch import attend_kv_block, softmax_scratch, write_output
+from minilib.ladder.scalar_prefetch import attend_kv_block, decode_pallas_call, write_output
 
 __all__ = ["paged_decode_attention_double_buffered"]
 
@@ -53,27 +53,19 @@ def paged_decode_attention_double_buffered(
     ...     sm_scale=0.1, interpret=pltpu.InterpretParams()).shape
     (2, 4, 128)
     """
-    num_seqs, num_q_heads, head_dim = q.shape
-    _, page_size, num_combined_heads, _ = kv_pages.shape
-    num_kv_heads = num_combined_heads // 2
-    q_spec = pl.BlockSpec((None, num_q_heads, head_dim), lambda seq, *prefetch: (seq, 0, 0))
-    return pl.pallas_call(
+    page_size, num_combined_heads, head_dim = kv_pages.shape[1:]
+    return decode_pallas_call(
         functools.partial(kernel or double_buffer_kernel, sm_scale=sm_scale),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=(num_seqs,),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=q_spec,
-            scratch_shapes=[
-                pltpu.VMEM((2, page_size, num_combined_heads, head_dim), kv_pages.dtype),
-                pltpu.SemaphoreType.DMA((2,)),  # sems: one per slot
-                *softmax_scratch(num_kv_heads, num_q_heads // num_kv_heads, head_dim),
-            ],
-        ),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        q, kv_pages, kv_lens, page_indices,
+        grid=(q.shape[0],),  # (num_seqs,): the kernel loops over the pages itself
+        kv_spec=pl.BlockSpec(memory_space=pl.ANY),
+        scratch_shapes=[
+            pltpu.VMEM((2, page_size, num_combined_heads, head_dim), kv_pages.dtype),  # bufs
+            pltpu.SemaphoreType.DMA((2,)),  # sems: one per slot
+        ],
+        dimension_semantics=("parallel",),
         interpret=interpret,
-    )(kv_lens, page_indices, q, kv_pages)
+    )  # fmt: skip
 
 
 def double_buffer_kernel(

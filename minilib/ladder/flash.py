@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from minilib.masking import causal_mask, is_masked, q_position
 from minilib.options import DEFAULT_MASK_VALUE
 
 __all__ = ["flash_attention", "flash_attention_reference"]
@@ -46,8 +47,7 @@ def flash_attention_reference(
     q_len = q.shape[1]
     k, v = k[:, :kv_len].astype(jnp.float32), v[:, :kv_len].astype(jnp.float32)
     scores = jnp.einsum("hqd,hkd->hqk", q.astype(jnp.float32), k) * sm_scale
-    q_pos = kv_len - q_len + jnp.arange(q_len)[:, None]
-    scores = jnp.where(jnp.arange(kv_len)[None, :] <= q_pos, scores, -jnp.inf)
+    scores = jnp.where(causal_mask(q_len, kv_len), -jnp.inf, scores)
     return jnp.einsum("hqk,hkd->hqd", jax.nn.softmax(scores, axis=-1), v).astype(q.dtype)
 
 
@@ -120,11 +120,14 @@ def flash_kernel(
         init_online_softmax(m_ref, l_ref, acc_ref)
 
     block_q, block_kv = q_ref.shape[0], k_ref.shape[0]
-    q_pos = kv_len - q_len + i * block_q + jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+    # The position of the block's first row, a scalar, then one vector add for the rows.
+    q_pos = q_position(i * block_q, q_len, kv_len)
+    q_pos += jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
     k_pos = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-    visible = (k_pos <= q_pos) & (k_pos < kv_len)  # [block_q, block_kv]
+    # Hidden: a future key (the mask rule), or a padding row past kv_len.
+    masked = is_masked(q_pos, k_pos) | (k_pos >= kv_len)  # [block_q, block_kv]
     v = zero_rows_past(v_ref[...], j * block_kv, kv_len)
-    online_softmax_update(m_ref, l_ref, acc_ref, q_ref[...], k_ref[...], v, visible, sm_scale)
+    online_softmax_update(m_ref, l_ref, acc_ref, q_ref[...], k_ref[...], v, masked, sm_scale)
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _finish():
@@ -152,12 +155,12 @@ def online_softmax_update(
     q,  # [rows, head_dim]
     k,  # [tokens, head_dim]
     v,  # [tokens, head_dim], zero where not a real key
-    visible,  # bool[rows, tokens]
+    masked,  # bool[rows, tokens]: True where a key is hidden from a row
     sm_scale: float,
 ):
     """Fold one block of keys into the running softmax (notebook 06's update, on refs)."""
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    s = jnp.where(visible, s * sm_scale, DEFAULT_MASK_VALUE)
+    s = jnp.where(masked, DEFAULT_MASK_VALUE, s * sm_scale)
     m_prev = m_ref[...]
     m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
     p = jnp.exp(s - m_next)

@@ -12,6 +12,10 @@ fetches the next step's page while this one computes (its pipeline is double-buf
 
 Steps past a sequence's last page map to that last page again. Pallas skips the copy when a
 block index repeats, and the kernel skips the compute (`pl.when`).
+
+Rungs 3 to 5 keep this call's shape (`decode_pallas_call`: scalar prefetch, one q block per
+sequence, the softmax state in scratch) and change only the grid, how `kv_pages` reaches the
+kernel, and their own scratch.
 """
 
 from __future__ import annotations
@@ -27,7 +31,12 @@ from jax.experimental.pallas import tpu as pltpu
 from minilib.kv_cache import pages_needed
 from minilib.ladder.flash import init_online_softmax, online_softmax_update, zero_rows_past
 
-__all__ = ["paged_decode_attention", "paged_decode_reference", "softmax_scratch"]
+__all__ = [
+    "decode_pallas_call",
+    "paged_decode_attention",
+    "paged_decode_reference",
+    "softmax_scratch",
+]
 
 
 def paged_decode_reference(
@@ -84,29 +93,67 @@ def paged_decode_attention(
     ...                                               b.page_indices, sm_scale=0.1), atol=1e-5))
     True
     """
-    num_seqs, num_q_heads, head_dim = q.shape
-    _, page_size, num_combined_heads, _ = kv_pages.shape
-    num_kv_heads, pages_per_seq = num_combined_heads // 2, page_indices.shape[1]
-    group = num_q_heads // num_kv_heads
-
-    def q_index_map(seq, i, kv_lens_ref, page_indices_ref):
-        return (seq, 0, 0)
-
+    page_size, num_combined_heads, head_dim = kv_pages.shape[1:]
     kv_index_map = functools.partial(index_map or page_index_map, page_size=page_size)
-    return pl.pallas_call(
+    return decode_pallas_call(
         functools.partial(kernel or scalar_prefetch_kernel, sm_scale=sm_scale),
+        q, kv_pages, kv_lens, page_indices,
+        grid=(q.shape[0], page_indices.shape[1]),  # (num_seqs, pages_per_seq)
+        # Pallas copies the page the index map chose into VMEM, one page per grid step.
+        kv_spec=pl.BlockSpec((None, page_size, num_combined_heads, head_dim), kv_index_map),
+        scratch_shapes=[],
+        dimension_semantics=("parallel", "arbitrary"),
+        interpret=interpret,
+    )  # fmt: skip
+
+
+def decode_pallas_call(
+    kernel,
+    q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # i32[num_seqs]
+    page_indices: jax.Array,  # i32[num_seqs, pages_per_seq]
+    *,
+    grid: tuple,
+    kv_spec: pl.BlockSpec,
+    scratch_shapes: list,
+    dimension_semantics: tuple,
+    interpret,
+) -> jax.Array:  # [num_seqs, num_q_heads, head_dim]
+    """The `pallas_call` of every decode rung: `kv_lens` and `page_indices` scalar-prefetched
+    (in SMEM, passed to the index maps and the kernel first), q and the output one block per
+    sequence, the rung's own scratch followed by the softmax state (`softmax_scratch`).
+
+    A rung chooses the grid (its first axis is the sequence), how `kv_pages` reaches the
+    kernel (`kv_spec`), its scratch and the axes' semantics.
+
+    >>> from minilib.batch import make_batch
+    >>> b = make_batch([(1, 5), (1, 9)], page_size=8, head_dim=128)
+    >>> kv_spec = pl.BlockSpec((None, 8, 4, 128), functools.partial(page_index_map, page_size=8))
+    >>> decode_pallas_call(functools.partial(scalar_prefetch_kernel, sm_scale=0.1),
+    ...     b.q, b.kv_pages, b.kv_lens, b.page_indices, grid=(2, 2), kv_spec=kv_spec,
+    ...     scratch_shapes=[], dimension_semantics=("parallel", "arbitrary"),
+    ...     interpret=True).shape
+    (2, 4, 128)
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads = kv_pages.shape[2] // 2
+    # Every grid step of sequence seq reads its q block and writes its output block.
+    q_spec = pl.BlockSpec((None, num_q_heads, head_dim), lambda seq, *rest: (seq, 0, 0))
+    return pl.pallas_call(
+        kernel,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,  # kv_lens, page_indices: in SMEM, passed to index maps
-            grid=(num_seqs, pages_per_seq),
-            in_specs=[
-                pl.BlockSpec((None, num_q_heads, head_dim), q_index_map),
-                pl.BlockSpec((None, page_size, num_combined_heads, head_dim), kv_index_map),
+            grid=grid,
+            in_specs=[q_spec, kv_spec],
+            out_specs=q_spec,
+            scratch_shapes=[
+                *scratch_shapes,
+                *softmax_scratch(num_kv_heads, num_q_heads // num_kv_heads, head_dim),
             ],
-            out_specs=pl.BlockSpec((None, num_q_heads, head_dim), q_index_map),
-            scratch_shapes=softmax_scratch(num_kv_heads, group, head_dim),
         ),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=dimension_semantics),
         interpret=interpret,
     )(kv_lens, page_indices, q, kv_pages)
 
@@ -149,13 +196,24 @@ def scalar_prefetch_kernel(
     seq, i = pl.program_id(0), pl.program_id(1)
     kv_len, page_size = kv_lens_ref[seq], page_ref.shape[0]
 
+    def attend_page():
+        attend_kv_block(page_ref, q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len, sm_scale)
+
+    page_grid_step(i, kv_len, page_size, attend_page, o_ref, m_ref, l_ref, acc_ref)
+
+
+def page_grid_step(i, kv_len, page_size: int, attend_page, o_ref, m_ref, l_ref, acc_ref):
+    """Grid step (seq, i) of a grid that walks the pages of a sequence: initialise the softmax
+    on page 0, `attend_page()` if the sequence has a page i (the steps past its last page
+    compute nothing), write the output on the last step."""
+
     @pl.when(i == 0)
     def _init():
         init_online_softmax(m_ref, l_ref, acc_ref)
 
     @pl.when(i * page_size < kv_len)
     def _attend():
-        attend_kv_block(page_ref, q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len, sm_scale)
+        attend_page()
 
     @pl.when(i == pl.num_programs(1) - 1)
     def _finish():
@@ -174,7 +232,7 @@ def attend_kv_block(
 ):
     """Fold a block of keys into the softmax of every q head, one KV head (GQA group) at a time.
 
-    A decode token sees every key before it, so the only mask is `position < kv_len`.
+    A decode token sees every key before it, so the only keys hidden are those past kv_len.
     """
     tokens, num_kv_heads, group = kv_ref.shape[0], m_ref.shape[0], m_ref.shape[1]
     k_pos = first_pos + jax.lax.broadcasted_iota(jnp.int32, (group, tokens), 1)
@@ -183,7 +241,7 @@ def attend_kv_block(
         v = zero_rows_past(kv_ref[:, 2 * h + 1, :], first_pos, kv_len)
         q = q_ref[h * group : (h + 1) * group, :]  # the q heads that share KV head h
         update = functools.partial(online_softmax_update, m_ref.at[h], l_ref.at[h], acc_ref.at[h])
-        update(q, k, v, k_pos < kv_len, sm_scale)
+        update(q, k, v, k_pos >= kv_len, sm_scale)
 
 
 def write_output(o_ref, l_ref, acc_ref):
