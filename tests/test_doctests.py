@@ -55,6 +55,7 @@ PUBLIC_API_MODULES = [
     "minilib.timing",
     "minilib.tpu_compile",
     "minilib.tpu_memory",
+    "minilib.viz",
     "minilib.workloads",
 ]
 
