@@ -56,6 +56,7 @@ PUBLIC_API_MODULES = [
     "minilib.tpu_compile",
     "minilib.tpu_memory",
     "minilib.viz",
+    "minilib.widgets",
     "minilib.workloads",
 ]
 
