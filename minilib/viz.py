@@ -810,7 +810,7 @@ def _label(ax, box: Rectangle, text: str, face, backed: bool | None = None):
     backed = bool(box.get_hatch()) if backed is None else backed
     bbox = dict(facecolor=face, edgecolor="none", pad=1.0) if backed else None
     label = ax.text(x, y, text, ha="center", va="center", fontsize=8, color=_ink(face), bbox=bbox)
-    label.set_in_layout(False)  # it stays inside its box; measuring it for the layout is slow
+    label.set_in_layout(False)  # it stays inside its box: the layout need not measure it
     return label
 
 
@@ -823,7 +823,7 @@ def _fit_labels(fig: Figure, labels, tick_axes=()) -> None:
     pixels_per_point = renderer.points_to_pixels(1.0)
     for text, box in labels:
         room = box.get_window_extent(renderer)
-        # Measuring text is slow; a rough estimate settles the clear cases (most of them).
+        # Measuring text means drawing it; a rough estimate settles the clear cases (most of them).
         lines = text.get_text().split("\n")
         wide = max(len(line) for line in lines) * 0.65 * 8 * pixels_per_point
         tall = len(lines) * 1.25 * 8 * pixels_per_point
