@@ -82,7 +82,13 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
-    """One ragged paged attention implementation, with JAX's signature."""
+    """One ragged paged attention implementation, with JAX's signature.
+
+    >>> [impl.name for impl in IMPLEMENTATIONS if impl.default]
+    ['jax-ref', 'jnp', 'blockwise', 'kernel', 'jax-kernel']
+    >>> IMPLEMENTATIONS[2].mode, IMPLEMENTATIONS[-1].needs_tpu
+    ('jit', True)
+    """
 
     name: str  # the name on the command line and in the table
     fn: Callable
@@ -93,7 +99,7 @@ class Implementation:
 
 IMPLEMENTATIONS: tuple[Implementation, ...] = (
     Implementation("jax-ref", jax_rpa.ref_ragged_paged_attention, "eager"),
-    # Same algorithm and cost as JAX's reference: left out by default to save minutes.
+    # Same algorithm and cost as JAX's reference: left out by default, not to time that loop twice.
     Implementation("minilib-ref", ref_ragged_paged_attention, "eager", default=False),
     Implementation("jnp", ragged_paged_attention_jnp, "jit"),
     Implementation("blockwise", ragged_paged_attention_blockwise, "jit"),
@@ -139,7 +145,16 @@ def prepare_implementation(impl: Implementation, backend: str):
 
 @dataclasses.dataclass(frozen=True)
 class BenchRow:
-    """One implementation on one case: its timing, its error and its place on the roofline."""
+    """One implementation on one case: its timing, its error and its place on the roofline.
+
+    >>> from minilib.roofline import Chip
+    >>> tiny = BenchCase("mixed", 2, (4, 2, 64), page_size=8, pages_per_seq=2,
+    ...                  max_num_batched_tokens=8)
+    >>> toy = Chip("toy", hbm_bytes_per_s=1e10, peak_flops_per_s=1e11)
+    >>> row = run_bench([tiny], ["jnp"], reps=1, chip=toy, log=lambda *a, **k: 0)[0]
+    >>> row.impl, row.ok, row.interpreted, row.tokens_per_s > 0
+    ('jnp', True, False, True)
+    """
 
     case: BenchCase
     impl: str
@@ -341,6 +356,15 @@ def _save(fig, path: Path) -> Path:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPoint:
+    """One implementation's compiled working memory at one max_kv_len, as `memory_sweep`
+    reads it from XLA.
+
+    >>> tiny = BenchCase("mixed", 2, (4, 2, 64), page_size=8, max_num_batched_tokens=8)
+    >>> (point,), _ = memory_sweep([16], ["jnp"], base=tiny, log=lambda *a, **k: 0)
+    >>> point.impl, point.max_kv_len, point.temp_bytes > 0
+    ('jnp', 16, True)
+    """
+
     impl: str
     max_kv_len: int
     temp_bytes: float  # XLA's temp buffers of the compiled call; nan if not reported

@@ -40,6 +40,27 @@ from minilib.kv_cache import pool_pages_needed
 from minilib.masking import is_masked, q_position
 from minilib.validation import cdiv
 
+__all__ = [
+    "FILLS",
+    "MAX_MASKS",
+    "OKABE_ITO",
+    "NotebookFigure",
+    "SlotUsage",
+    "bench_times_figure",
+    "color",
+    "figure_png",
+    "hatch",
+    "head_grouping_figure",
+    "kernel_schedule_figure",
+    "mask_numpy",
+    "page_table_figure",
+    "plural",
+    "ragged_batch_figure",
+    "slot_usage",
+    "span",
+    "working_memory_figure",
+]
+
 # Okabe & Ito (2008), "Color Universal Design". Black is left out of the fills: text on it and
 # on its neighbours would be hard to read.
 OKABE_ITO = {
@@ -59,13 +80,21 @@ REPEAT_HATCHES = ["", "//", "\\\\", ".."]
 
 
 def color(i: int) -> str:
-    """The fill colour of item `i` (a group, a sequence): Okabe-Ito, repeating every 7."""
+    """The fill colour of item `i` (a group, a sequence): Okabe-Ito, repeating every 7.
+
+    >>> color(0), color(1), color(7)
+    ('#E69F00', '#56B4E9', '#E69F00')
+    """
     return FILLS[i % len(FILLS)]
 
 
 def hatch(i: int) -> str:
     """The hatching of item `i`: none for the first 7, then a new pattern each time the
-    colours repeat."""
+    colours repeat: item 7 has item 0's colour, told apart by its hatching.
+
+    >>> hatch(0), hatch(6), hatch(7)
+    ('', '', '//')
+    """
     return REPEAT_HATCHES[(i // len(FILLS)) % len(REPEAT_HATCHES)]
 
 
@@ -89,7 +118,11 @@ def span(items: Sequence[int]) -> str:
 
 
 def figure_png(fig: Figure, dpi: int = 100) -> bytes:
-    """The figure as PNG bytes (for `ipywidgets.Image`, or to save)."""
+    """The figure as PNG bytes (for `ipywidgets.Image`, or to save).
+
+    >>> figure_png(head_grouping_figure(4, 2))[:8]
+    b'\\x89PNG\\r\\n\\x1a\\n'
+    """
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, facecolor="white")
     return buf.getvalue()
@@ -107,7 +140,9 @@ def head_grouping_figure(num_q_heads: int, num_kv_heads: int) -> Figure:
 
     Raises `RPAInputError` (the validator's own message) for an invalid pair.
 
-    >>> fig = head_grouping_figure(12, 4)   # GQA: 3 q heads per KV head
+    >>> fig = head_grouping_figure(12, 4)
+    >>> fig.axes[0].get_title()
+    'GQA: 12 q heads share 4 KV heads, 3 q heads per KV head'
     """
     groups = head_groups(num_q_heads, num_kv_heads)  # validates the pair
     group = num_q_heads // num_kv_heads
@@ -190,7 +225,12 @@ def _group_handles(groups: list[list[int]]) -> list[Patch]:
 @dataclasses.dataclass(frozen=True)
 class SlotUsage:
     """KV slots (one slot holds one token's K and V) reserved by a paged and by a contiguous
-    cache for the same sequences."""
+    cache for the same sequences.
+
+    >>> u = SlotUsage(tokens=162, paged_slots=192, contiguous_slots=360)
+    >>> u.paged_wasted, u.contiguous_wasted
+    (30, 198)
+    """
 
     tokens: int  # tokens actually stored: sum(kv_lens)
     paged_slots: int  # pages used * page_size
@@ -241,6 +281,8 @@ def page_table_figure(cache, seq_ids: Sequence[Hashable] | None = None) -> Figur
     ...                      max_num_seqs=2, pages_per_seq=3)
     >>> cache.add_sequence("a"); cache.append("a", jnp.zeros((5, 1, 1)), jnp.zeros((5, 1, 1)))
     >>> fig = page_table_figure(cache)
+    >>> fig.axes[0].get_title()
+    'The page pool: 2 of total_num_pages=8 pages in use (page_size=4 slots each)'
     """
     seq_ids = list(cache.seq_ids if seq_ids is None else seq_ids)
     page_size, total = cache.page_size, cache.total_num_pages
@@ -421,6 +463,8 @@ def ragged_batch_figure(batch: RaggedBatch, sliding_window: int | None = None) -
 
     >>> from minilib.batch import make_batch
     >>> fig = ragged_batch_figure(make_batch([(4, 4), (1, 9), (3, 7)]), sliding_window=4)
+    >>> [ax.get_title().splitlines()[0] for ax in fig.axes[1:]]
+    ['seq 0: prefill', 'seq 1: decode', 'seq 2: chunk']
     """
     cu_q_lens = np.asarray(batch.cu_q_lens)
     kv_lens = np.asarray(batch.kv_lens)
@@ -568,6 +612,8 @@ def kernel_schedule_figure(schedule, step: tuple[int, int] | None = None) -> Fig
     >>> s = plan_schedule(*make_batch([(5, 5), (1, 20)], page_size=8).args(),
     ...                   num_kv_pages_per_block=1, num_queries_per_block=4)
     >>> fig = kernel_schedule_figure(s, step=(0, 1))
+    >>> fig.get_suptitle()
+    'Kernel schedule: grid = 1 heads block x 2 q blocks, 5 KV blocks computed'
     """
     num_heads_blocks, num_q_blocks = schedule.grid
     fig = _new_figure(11, 3.9 + 0.55 * num_heads_blocks)
@@ -724,7 +770,12 @@ def _int_ticks_between(lo: int, hi: int, most: int) -> list[int]:
 
 class NotebookFigure(Figure):
     """A matplotlib `Figure` that shows itself as a PNG when it ends a notebook cell, with or
-    without pyplot's inline backend."""
+    without pyplot's inline backend.
+
+    >>> fig = head_grouping_figure(4, 2)
+    >>> isinstance(fig, NotebookFigure), fig._repr_png_() == figure_png(fig)
+    (True, True)
+    """
 
     def _repr_png_(self) -> bytes:
         return figure_png(self)
@@ -748,7 +799,7 @@ def _box(ax, x, y, width, height, face, hatch_pattern="", edge="white") -> Recta
         hatch=hatch_pattern or None,
         linewidth=1.0,
     )
-    ax.add_artist(box)  # not add_patch: the limits are set by hand, and this is much faster
+    ax.add_artist(box)  # not add_patch, which would also update limits set by hand
     return box
 
 
@@ -759,7 +810,7 @@ def _label(ax, box: Rectangle, text: str, face, backed: bool | None = None):
     backed = bool(box.get_hatch()) if backed is None else backed
     bbox = dict(facecolor=face, edgecolor="none", pad=1.0) if backed else None
     label = ax.text(x, y, text, ha="center", va="center", fontsize=8, color=_ink(face), bbox=bbox)
-    label.set_in_layout(False)  # it stays inside its box; measuring it for the layout is slow
+    label.set_in_layout(False)  # it stays inside its box: the layout need not measure it
     return label
 
 
@@ -772,7 +823,7 @@ def _fit_labels(fig: Figure, labels, tick_axes=()) -> None:
     pixels_per_point = renderer.points_to_pixels(1.0)
     for text, box in labels:
         room = box.get_window_extent(renderer)
-        # Measuring text is slow; a rough estimate settles the clear cases (most of them).
+        # Measuring text means drawing it; a rough estimate settles the clear cases (most of them).
         lines = text.get_text().split("\n")
         wide = max(len(line) for line in lines) * 0.65 * 8 * pixels_per_point
         tall = len(lines) * 1.25 * 8 * pixels_per_point

@@ -49,6 +49,17 @@ from minilib.mistakes import MISTAKES, SEQ_LENS, base_batch, run_mistake
 from minilib.validation import dynamic_validate_inputs
 from minilib.viz import plural, span
 
+__all__ = [
+    "Explorer",
+    "head_grouping_explorer",
+    "kernel_schedule_explorer",
+    "page_table_explorer",
+    "parse_ints",
+    "parse_optional_int",
+    "ragged_batch_explorer",
+    "validation_playground",
+]
+
 # Colours of the message box (Okabe-Ito): problems in vermillion, all-clear in bluish green.
 _PROBLEM, _OK = viz.OKABE_ITO["vermillion"], viz.OKABE_ITO["bluish green"]
 
@@ -67,6 +78,15 @@ class Explorer(widgets.VBox):
         "message": HTML, the status line (green), or the error with its hint (vermillion);
         "figure":  Image, the figure as PNG bytes (hidden, with empty bytes, on an error);
         "details": HTML, tables and the arrays.
+
+    >>> def square(values):  # (status, figure, details)
+    ...     return f"{values['n']} squared is {values['n'] ** 2}", None, ""
+    >>> ex = Explorer("Squares", {"n": widgets.IntText(value=3)}, square)
+    >>> ex.text
+    '3 squared is 9\\n\\n'
+    >>> ex.controls["n"].value = 4  # the explorer redraws
+    >>> ex.text
+    '4 squared is 16\\n\\n'
     """
 
     def __init__(self, title: str, controls: dict, render: Callable, note: str = ""):
@@ -139,6 +159,11 @@ def head_grouping_explorer(num_q_heads: int = 12, num_kv_heads: int = 4) -> Expl
     per group) and where each K and V head lives on the combined `kv_pages` head axis.
 
     An invalid pair shows `check_head_counts`'s own message and hint.
+
+    >>> ex = head_grouping_explorer(32, 8)
+    >>> print(ex.text.splitlines()[0])
+    GQA: each of the 8 KV heads serves 4 q heads; q head i uses KV head i // 4.
+    Valid num_kv_heads for num_q_heads=32: [1, 2, 4, 8, 16, 32].
     """
     controls = {
         "num_q_heads": _int_text("num_q_heads", num_q_heads),
@@ -188,7 +213,7 @@ def _render_head_grouping(values: dict):
 
 # --- the paged KV cache ---------------------------------------------------------------------
 
-# Drawing is the slow part (matplotlib, a box per page): these keep every figure to seconds.
+# Drawing is the slow part (matplotlib, a box per page): these bound the boxes a figure draws.
 MAX_PAGES, MAX_PAGE_SIZE, MAX_SEQS, MAX_SEQ_LEN = 256, 4096, 16, 1_000_000
 
 
@@ -200,7 +225,15 @@ def page_table_explorer(
 ) -> Explorer:
     """Sequences of your lengths in a real `PagedKVCache`: the page pool (owner of each page),
     the page table, the slots wasted against a contiguous cache sized to the longest
-    sequence, and the `kv_lens` and `page_indices` arrays that attention reads."""
+    sequence, and the `kv_lens` and `page_indices` arrays that attention reads.
+
+    A pool too small shows the cache's own `KVCacheError`:
+
+    >>> ex = page_table_explorer(kv_lens="37, 5, 120", total_num_pages=4)
+    >>> print(ex.text.splitlines()[1])
+    Out of pages: appending n_new=120 tokens to seq_id=2 (seq_len=0) needs 8 new pages,
+    but only num_free=0 of total_num_pages=4 are free.
+    """
     controls = {
         "kv_lens": _text("kv_lens", kv_lens, "e.g. 37, 5, 120"),
         "page_size": _int_text("page_size", page_size),
@@ -347,7 +380,16 @@ def ragged_batch_explorer(
     """A mixed prefill/decode batch of your (q_len, kv_len) pairs, built with `make_batch`
     and checked with `dynamic_validate_inputs`: its `cu_q_lens` and `kv_lens`, the packed q
     rows of each sequence, and each sequence's causal mask (offset by kv_len - q_len), with
-    an optional `sliding_window` (empty for None)."""
+    an optional `sliding_window` (empty for None).
+
+    >>> ex = ragged_batch_explorer(q_lens="6, 1", kv_lens="6, 20")
+    >>> print(ex.text.splitlines()[0])
+    Valid: 2 sequences (1 prefill, 1 decode), 7 q rows; no sliding window.
+    >>> ex.controls["q_lens"].value = "3, 1"
+    >>> ex.controls["kv_lens"].value = "2, 9"  # q_len > kv_len: the validator's message
+    >>> print(ex.text.splitlines()[1])
+    sequence 0: (q_len=3, kv_len=2) needs 0 <= q_len <= kv_len.
+    """
     controls = {
         "q_lens": _text("q_lens", q_lens, "e.g. 6, 1, 4"),
         "kv_lens": _text("kv_lens", kv_lens, "e.g. 6, 20, 12"),
@@ -432,7 +474,13 @@ def _keys_seen(position: int, window: int | None) -> str:
 def validation_playground(mistake: str = "12 q heads with 8 KV heads") -> Explorer:
     """Pick a common mistake: the playground builds a real batch with `make_batch`, breaks it
     as the mistake does, runs the real `dynamic_validate_inputs`, and shows the exact error
-    with its hint, or that the inputs are valid."""
+    with its hint, or that the inputs are valid.
+
+    >>> ex = validation_playground("12 q heads with 8 KV heads")
+    >>> print(*ex.text.splitlines()[:2], sep="\\n")
+    RPAInputError
+    num_q_heads=12 must be divisible by num_kv_heads=8
+    """
     controls = {
         "mistake": widgets.Dropdown(
             options=list(MISTAKES),
@@ -502,7 +550,14 @@ def kernel_schedule_explorer(
     """The Pallas kernel's schedule for your batch and block sizes, from
     `minilib.schedule.plan_schedule`: the grid (heads blocks x q blocks), the sequences and KV
     blocks each grid step computes, and the double-buffered DMAs that feed them. Pick a grid
-    step to zoom in. Empty block sizes mean the kernel's defaults."""
+    step to zoom in. Empty block sizes mean the kernel's defaults.
+
+    >>> ex = kernel_schedule_explorer(q_lens="12, 1, 6, 1", kv_lens="12, 40, 30, 9")
+    >>> ex.text.split(";")[0]
+    'grid = (2 heads blocks, 3 q blocks) = 6 grid steps'
+    >>> ex.controls["grid_step"].options  # the steps of that grid, to zoom in on
+    ('all grid steps', '(0, 0)', '(0, 1)', '(0, 2)', '(1, 0)', '(1, 1)', '(1, 2)')
+    """
     controls = {
         "q_lens": _text("q_lens", q_lens, "e.g. 12, 1, 6"),
         "kv_lens": _text("kv_lens", kv_lens, "e.g. 12, 40, 30"),
@@ -721,7 +776,17 @@ def _q_and_kv_lens(q_text: str, kv_text: str) -> tuple[list[int], list[int]]:
 
 
 def parse_optional_int(text: str, name: str) -> int | None:
-    """A whole number, or None for an empty field (or "None")."""
+    """A whole number, or None for an empty field (or "None"). Raises `InputProblem` naming
+    the field otherwise.
+
+    >>> parse_optional_int(" 4 ", "sliding_window"), parse_optional_int("", "sliding_window")
+    (4, None)
+    >>> parse_optional_int("four", "sliding_window")
+    Traceback (most recent call last):
+    ...
+    minilib.errors.InputProblem: sliding_window: 'four' is not a whole number. Type a number,
+    or leave it empty for None.
+    """
     text = text.strip()
     if text in ("", "None", "none"):
         return None
@@ -739,7 +804,7 @@ _STYLE = {"description_width": "initial"}
 
 
 def _int_text(description: str, value: int) -> widgets.IntText:
-    # Updates as you type: every explorer redraws in about a second at most. Text boxes,
+    # Updates as you type: each change of a number redraws the explorer. Text boxes,
     # which take lists, update on Enter (or leaving the box), not at each comma.
     return widgets.IntText(
         value=value,

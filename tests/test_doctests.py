@@ -27,6 +27,7 @@ MODULES = sorted(
 # this list, one line, once it declares `__all__` and each name there has an example; once
 # every module has joined, the list is MODULES.
 PUBLIC_API_MODULES = [
+    "minilib.bench",
     "minilib.block_sizes",
     "minilib.doctor",
     "minilib.engine",
@@ -49,9 +50,13 @@ PUBLIC_API_MODULES = [
     "minilib.ladder.interpret",
     "minilib.ladder.prefetch",
     "minilib.ladder.scalar_prefetch",
+    "minilib.mistakes",
     "minilib.roofline",
+    "minilib.timing",
     "minilib.tpu_compile",
     "minilib.tpu_memory",
+    "minilib.viz",
+    "minilib.widgets",
     "minilib.workloads",
 ]
 
