@@ -21,6 +21,8 @@ from minilib.heads import attention_kind, merge_kv_pages, repeat_kv, split_kv_pa
 from minilib.options import DEFAULT_MASK_VALUE
 from minilib.reference import attend
 
+__all__ = ["check_grouped_query_attention", "check_repeat_kv_pages"]
+
 # (num_tokens, num_q_heads, num_kv_heads, head_dim): GQA first, since MHA and MQA forgive
 # the grouping mistakes. Few shapes: every new shape costs a learner's eager code compiles.
 ATTENTION_CONFIGS = [(5, 8, 2, 8), (5, 6, 3, 8), (5, 4, 4, 8), (5, 8, 1, 8)]

@@ -14,6 +14,8 @@ from minilib.masking import causal_mask
 from minilib.options import DEFAULT_MASK_VALUE
 from minilib.reference import attend
 
+__all__ = ["check_attend_soft_cap", "check_sliding_window_mask"]
+
 
 def _attend_soft_cap(q, k, v, *, sm_scale, soft_cap):
     return attend(
