@@ -198,6 +198,23 @@ COMMAND_DESCRIPTION = (
     "not timings."
 )
 
+# The flags passed on by name: --num-q-heads N becomes rpa_specs(num_q_heads=N), and so on.
+SHAPE_FLAGS = {  # name: default, all ints
+    "num_q_heads": 32,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+    "page_size": 16,
+    "pages_per_seq": 64,
+    "max_num_seqs": 32,
+    "max_num_batched_tokens": 256,
+}
+OPTION_FLAGS = {  # name: (type, default), the kernel options both kernels take
+    "num_kv_pages_per_block": (int, 8),
+    "num_queries_per_block": (int, 32),
+    "sliding_window": (int, None),
+    "soft_cap": (float, None),
+}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `python -m minilib compile`: the chip, the shapes and the kernel options.
@@ -208,19 +225,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     'v6e'
     """
     parser.add_argument("--chip", choices=CHIPS, default="v5e")
-    parser.add_argument("--num-q-heads", type=int, default=32)
-    parser.add_argument("--num-kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--pages-per-seq", type=int, default=64)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    for name, default in SHAPE_FLAGS.items():
+        parser.add_argument(_flag(name), type=int, default=default)
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--kv-dtype", choices=DTYPES, default=None)
-    parser.add_argument("--num-kv-pages-per-block", type=int, default=8)
-    parser.add_argument("--num-queries-per-block", type=int, default=32)
-    parser.add_argument("--sliding-window", type=int, default=None)
-    parser.add_argument("--soft-cap", type=float, default=None)
+    for name, (type_, default) in OPTION_FLAGS.items():
+        parser.add_argument(_flag(name), type=type_, default=default)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")  # num_q_heads -> --num-q-heads
 
 
 def run(args) -> int:
@@ -233,22 +247,11 @@ def run(args) -> int:
         print(f"Cannot compile for a TPU here: {reason}")
         return 1
     specs = rpa_specs(
-        num_q_heads=args.num_q_heads,
-        num_kv_heads=args.num_kv_heads,
-        head_dim=args.head_dim,
-        page_size=args.page_size,
-        pages_per_seq=args.pages_per_seq,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        **{name: getattr(args, name) for name in SHAPE_FLAGS},
         dtype=DTYPES[args.dtype],
         kv_dtype=DTYPES[args.kv_dtype] if args.kv_dtype else None,
     )
-    options = dict(
-        num_kv_pages_per_block=args.num_kv_pages_per_block,
-        num_queries_per_block=args.num_queries_per_block,
-        sliding_window=args.sliding_window,
-        soft_cap=args.soft_cap,
-    )
+    options = {name: getattr(args, name) for name in OPTION_FLAGS}
     ours = compile_rpa("ours", specs, chip=args.chip, **options)
     theirs = compile_rpa("jax", specs, chip=args.chip, **options)
     print(side_by_side(ours, theirs))

@@ -346,12 +346,13 @@ class PagedKVCache:
         n_new = k.shape[0]
         old_len = self._lens[seq_id]
         new_len = old_len + n_new
-        num_new_pages = pages_needed(new_len, self.page_size) - len(self._pages[seq_id])
+        pages_for_seq = pages_needed(new_len, self.page_size)
+        num_new_pages = pages_for_seq - len(self._pages[seq_id])
         # Every check comes before any change, so a failed append changes nothing.
-        if pages_needed(new_len, self.page_size) > self.pages_per_seq:
+        if pages_for_seq > self.pages_per_seq:
             raise KVCacheError(
                 f"Appending n_new={n_new} tokens to seq_id={seq_id!r} (seq_len={old_len}) "
-                f"needs {pages_needed(new_len, self.page_size)} pages, more than "
+                f"needs {pages_for_seq} pages, more than "
                 f"pages_per_seq={self.pages_per_seq} (at most "
                 f"{self.pages_per_seq * self.page_size} tokens of page_size={self.page_size}).",
                 "stop or truncate this sequence, or build the cache with a larger pages_per_seq.",

@@ -208,6 +208,16 @@ class KernelStats:
     source_code: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
 
+def _largest_kernel_field(field: str, missing=None) -> property:
+    """A `CompileReport` property: `field` of its largest kernel, or `missing` when it has none
+    (see `CompileReport.kernel`)."""
+
+    def get(report):
+        return missing if report.kernel is None else getattr(report.kernel, field)
+
+    return property(get)
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileReport:
     """The result of `compile_for_tpu`. All figures are static estimates, never timings.
@@ -237,28 +247,12 @@ class CompileReport:
     def kernel(self) -> KernelStats | None:
         return max(self.kernels, key=lambda k: k.total_bundles, default=None)
 
-    def _get(self, field: str):
-        return None if self.kernel is None else getattr(self.kernel, field)
-
-    @property
-    def bundles_per_kv_block(self) -> int | None:
-        return self._get("bundles_per_kv_block")
-
-    @property
-    def total_bundles(self) -> int | None:
-        return self._get("total_bundles")
-
-    @property
-    def vmem_bytes(self) -> int | None:
-        return self._get("vmem_bytes")
-
-    @property
-    def spill_bytes(self) -> int | None:
-        return self._get("spill_bytes")
-
-    @property
-    def top_source_lines(self) -> tuple[tuple[str, int], ...]:
-        return self._get("top_source_lines") or ()
+    # The largest kernel's figures, read through: None (top_source_lines: ()) without one.
+    bundles_per_kv_block = _largest_kernel_field("bundles_per_kv_block")  # int | None
+    total_bundles = _largest_kernel_field("total_bundles")  # int | None
+    vmem_bytes = _largest_kernel_field("vmem_bytes")  # int | None
+    spill_bytes = _largest_kernel_field("spill_bytes")  # int | None
+    top_source_lines = _largest_kernel_field("top_source_lines", missing=())
 
     @property
     def vmem_overflow(self) -> bool:

@@ -255,11 +255,12 @@ class Engine:
         check_request(prompt, max_new_tokens, self.config)
         # The last sampled token never enters the cache: len(prompt) + max_new_tokens - 1.
         num_tokens = len(prompt) + max_new_tokens - 1
-        if pages_needed(num_tokens, self.page_size) > self.num_pages:
+        pages_for_request = pages_needed(num_tokens, self.page_size)
+        if pages_for_request > self.num_pages:
             raise EngineError(
                 f"A prompt of len(prompt)={len(prompt)} tokens with "
                 f"max_new_tokens={max_new_tokens} needs {num_tokens} tokens of cache, "
-                f"{pages_needed(num_tokens, self.page_size)} pages of page_size="
+                f"{pages_for_request} pages of page_size="
                 f"{self.page_size}, but the whole pool is num_pages={self.num_pages} pages.",
                 "shorten the prompt, ask for fewer tokens, or build the engine with more "
                 "num_pages.",

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "compare_values",
     "diagnose",
     "expected_vs_got",
+    "random_attention_case",
     "run_check",
 ]
 
@@ -110,6 +112,42 @@ class Case:
     description: str
     args: tuple
     kwargs: dict = dataclasses.field(default_factory=dict)
+
+
+def random_attention_case(
+    rng: np.random.Generator,
+    description: str,
+    *,
+    q_len: int,
+    kv_len: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    sm_scales: Iterable[float],
+    **kwargs,
+) -> Case:
+    """One attention case `(q, k, v), sm_scale=..., **kwargs`, drawn from `rng`: q, k, v in
+    that order, then an sm_scale picked from `sm_scales`. The description ends with every
+    keyword argument.
+
+      q:   f32[q_len, num_q_heads, head_dim]
+      k,v: f32[kv_len, num_kv_heads, head_dim]
+
+    >>> case = random_attention_case(np.random.default_rng(0), "3 new tokens after 4 cached",
+    ...     q_len=3, kv_len=7, num_q_heads=4, num_kv_heads=2, head_dim=8, sm_scales=[0.5],
+    ...     soft_cap=2.0)
+    >>> case.description
+    '3 new tokens after 4 cached, sm_scale=0.5, soft_cap=2.0'
+    >>> [x.shape for x in case.args], case.kwargs
+    ([(3, 4, 8), (7, 2, 8), (7, 2, 8)], {'sm_scale': 0.5, 'soft_cap': 2.0})
+    """
+    q, k, v = (
+        jnp.asarray(rng.standard_normal((n, h, head_dim)), jnp.float32)
+        for n, h in ((q_len, num_q_heads), (kv_len, num_kv_heads), (kv_len, num_kv_heads))
+    )
+    kwargs = {"sm_scale": float(rng.choice(list(sm_scales))), **kwargs}
+    settings = ", ".join(f"{name}={value}" for name, value in kwargs.items())
+    return Case(f"{description}, {settings}", (q, k, v), kwargs)
 
 
 class Mismatch(Exception):

@@ -17,6 +17,8 @@ from minilib.exercises.checking import (
     run_check,
 )
 
+__all__ = ["check_live_seq_lens"]
+
 
 def _live_seq_lens(kv_lens, cu_q_lens, num_seqs) -> list[tuple[int, int]]:
     kv_lens, cu_q_lens = np.asarray(kv_lens), np.asarray(cu_q_lens)

@@ -15,11 +15,14 @@ from minilib.exercises.checking import (
     compare_arrays,
     diagnose,
     expected_vs_got,
+    random_attention_case,
     run_check,
 )
 from minilib.heads import attention_kind, merge_kv_pages, repeat_kv, split_kv_pages
 from minilib.options import DEFAULT_MASK_VALUE
 from minilib.reference import attend
+
+__all__ = ["check_grouped_query_attention", "check_repeat_kv_pages"]
 
 # (num_tokens, num_q_heads, num_kv_heads, head_dim): GQA first, since MHA and MQA forgive
 # the grouping mistakes. Few shapes: every new shape costs a learner's eager code compiles.
@@ -61,19 +64,14 @@ def check_grouped_query_attention(
     rng = np.random.default_rng(200 + seed)
     cases = []
     for num_tokens, nq, nkv, head_dim in ATTENTION_CONFIGS:
-        q, k, v = (
-            jnp.asarray(rng.standard_normal((num_tokens, h, head_dim)), jnp.float32)
-            for h in (nq, nkv, nkv)
+        description = (
+            f"{num_tokens} tokens, num_q_heads={nq}, num_kv_heads={nkv} "
+            f"({attention_kind(nq, nkv)}), head_dim={head_dim}"
         )
-        sm_scale = float(rng.choice([0.25, 0.5, 2.0]))
-        cases.append(
-            Case(
-                f"{num_tokens} tokens, num_q_heads={nq}, num_kv_heads={nkv} "
-                f"({attention_kind(nq, nkv)}), head_dim={head_dim}, sm_scale={sm_scale}",
-                (q, k, v),
-                {"sm_scale": sm_scale},
-            )
-        )
+        cases.append(random_attention_case(rng, description, q_len=num_tokens,
+                                           kv_len=num_tokens, num_q_heads=nq,
+                                           num_kv_heads=nkv, head_dim=head_dim,
+                                           sm_scales=[0.25, 0.5, 2.0]))  # fmt: skip
 
     def interleaved_groups(q, k, v, *, sm_scale):  # q head h reads KV head h % num_kv_heads
         reps = q.shape[1] // k.shape[1]

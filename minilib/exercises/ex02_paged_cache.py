@@ -19,6 +19,8 @@ from minilib.exercises.checking import (
 )
 from minilib.kv_cache import gather_kv, pages_needed
 
+__all__ = ["check_gather_kv", "check_write_new_tokens"]
+
 
 def _write_new_tokens(kv_pages, pages, kv_len, new_k, new_v):
     n = new_k.shape[0]

@@ -20,9 +20,17 @@ from minilib.exercises.checking import (
 )
 from minilib.masking import causal_mask
 
+__all__ = ["check_causal_mask", "check_seq_for_row", "describe_seq"]
+
 
 def describe_seq(q_len: int, kv_len: int) -> str:
-    """'q_len=3, kv_len=7: a prefill chunk of 3 new tokens after 4 cached ones', etc."""
+    """One sequence's q_len and kv_len in words, for the checkers' case names.
+
+    >>> describe_seq(3, 7)
+    'q_len=3, kv_len=7: a prefill chunk, 3 new tokens after 4 cached ones'
+    >>> describe_seq(1, 5)
+    'q_len=1, kv_len=5: a decode, 1 new token after 4 cached ones'
+    """
     kind = seq_kind(q_len, kv_len)
     what = {
         "prefill": "a prefill, every token new",

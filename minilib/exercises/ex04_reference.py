@@ -8,11 +8,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minilib.exercises.checking import Case, CheckResult, compare_arrays, diagnose, run_check
+from minilib.exercises.checking import (
+    Case,
+    CheckResult,
+    compare_arrays,
+    diagnose,
+    random_attention_case,
+    run_check,
+)
 from minilib.exercises.ex03_ragged import describe_seq
 from minilib.masking import causal_mask
 from minilib.options import DEFAULT_MASK_VALUE
 from minilib.reference import attend
+
+__all__ = ["check_attend_soft_cap", "check_sliding_window_mask"]
 
 
 def _attend_soft_cap(q, k, v, *, sm_scale, soft_cap):
@@ -58,20 +67,12 @@ def check_attend_soft_cap(fn: Callable, *, seed: int = 0, verbose: bool = True) 
         (2, 8, 8, 2, 30.0),
         (6, 6, 4, 2, 3.0),
     ]:
-        head_dim = 8
-        q, k, v = (
-            jnp.asarray(rng.standard_normal((n, h, head_dim)), jnp.float32)
-            for n, h in ((q_len, nq), (kv_len, nkv), (kv_len, nkv))
+        description = (
+            f"{describe_seq(q_len, kv_len)}; num_q_heads={nq}, num_kv_heads={nkv}, head_dim=8"
         )
-        sm_scale = float(rng.choice([0.5, 1.0, 2.0]))
-        cases.append(
-            Case(
-                f"{describe_seq(q_len, kv_len)}; num_q_heads={nq}, num_kv_heads={nkv}, "
-                f"head_dim={head_dim}, sm_scale={sm_scale}, soft_cap={cap}",
-                (q, k, v),
-                {"sm_scale": sm_scale, "soft_cap": cap},
-            )
-        )
+        cases.append(random_attention_case(rng, description, q_len=q_len, kv_len=kv_len,
+                                           num_q_heads=nq, num_kv_heads=nkv, head_dim=8,
+                                           sm_scales=[0.5, 1.0, 2.0], soft_cap=cap))  # fmt: skip
     mistakes = {
         "soft capping after masking turns the mask value into -soft_cap, so masked keys get "
         "some weight. Cap the scores first, then mask (as JAX's reference does).": _cap_after_mask,

@@ -11,6 +11,8 @@ from minilib.batch import make_batch
 from minilib.exercises.checking import Case, CheckResult, Mismatch, diagnose, run_check
 from minilib.kv_cache import pages_needed
 
+__all__ = ["check_validate_page_indices"]
+
 RETURNED = "returned"
 
 

@@ -18,6 +18,8 @@ from minilib.exercises.checking import (
 )
 from minilib.options import DEFAULT_MASK_VALUE
 
+__all__ = ["check_online_softmax_update"]
+
 
 def _update(m, l, acc, scores, v):
     """minilib's update, for one KV head and one q head: [rows] state, [rows, block] scores."""

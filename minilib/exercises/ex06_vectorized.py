@@ -14,6 +14,8 @@ from minilib.exercises.checking import Case, CheckResult, compare_arrays, diagno
 from minilib.kv_cache import pages_needed
 from minilib.options import DEFAULT_MASK_VALUE
 
+__all__ = ["NotVectorizedError", "check_decode_attention"]
+
 SM_SCALE = 0.5
 # Errors JAX raises when Python asks a traced value for a concrete number.
 TRACER_ERRORS = (
@@ -25,7 +27,21 @@ TRACER_ERRORS = (
 
 
 class NotVectorizedError(Exception):
-    """The learner's function needs concrete values of traced arrays."""
+    """The learner's function needs concrete values of traced arrays.
+
+    The checker raises it, in place of JAX's tracer error, with the fix in its message:
+
+    >>> def loop_over_seqs(q, kv_pages, kv_lens, page_indices, *, sm_scale):
+    ...     for i in range(int(kv_lens[0])):  # a Python loop over a traced length
+    ...         pass
+    ...     return q
+    >>> check_decode_attention(loop_over_seqs)
+    FAILED: decode_attention, case 1 of 6: ...
+      your function raised NotVectorizedError: under jax.jit, kv_lens and page_indices have no
+      values while your function is traced, so Python int(), if, range() or NumPy functions
+      on them fail. ...
+    CheckResult('decode_attention', status='failed')
+    """
 
 
 def _reference(q, kv_pages, kv_lens, page_indices, *, sm_scale):

@@ -10,6 +10,8 @@ import numpy as np
 
 from minilib.exercises.checking import Case, CheckResult, compare_arrays, diagnose, run_check
 
+__all__ = ["check_softmax_kernel"]
+
 
 def _softmax_kernel(x_ref, o_ref):
     x = x_ref[...].astype(jnp.float32)

@@ -17,6 +17,8 @@ from minilib.exercises.checking import (
 from minilib.masking import kv_blocks_to_visit
 from minilib.validation import cdiv
 
+__all__ = ["check_kv_blocks_to_visit"]
+
 
 def _reference(first_q_pos, last_q_pos, kv_tokens_per_block, sliding_window):
     first, end = kv_blocks_to_visit(first_q_pos, last_q_pos, kv_tokens_per_block, sliding_window)

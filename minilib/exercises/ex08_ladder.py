@@ -28,6 +28,14 @@ from minilib.exercises.kernel_checking import check_kernel
 from minilib.ladder.prefetch import decode_schedule, planned_decode_schedule
 from minilib.ladder.scalar_prefetch import paged_decode_reference
 
+__all__ = [
+    "check_double_buffered_decode",
+    "check_next_work",
+    "check_paged_decode_async_copy",
+    "check_paged_decode_attention",
+    "check_prefetching_decode",
+]
+
 
 def _decode_cases(seed: int) -> list[Case]:
     rng = np.random.default_rng(850 + seed)

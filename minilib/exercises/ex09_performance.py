@@ -20,6 +20,8 @@ from minilib.kernel import LANES
 from minilib.kv_cache import pages_needed
 from minilib.roofline import rpa_cost
 
+__all__ = ["check_arithmetic_intensity", "check_num_kv_pages_per_block", "kernel_vmem_bytes"]
+
 # --- 9.1: arithmetic intensity --------------------------------------------------------------
 
 

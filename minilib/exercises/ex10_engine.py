@@ -26,6 +26,8 @@ from minilib.exercises.checking import (
 )
 from minilib.kv_cache import PageAllocator, pages_needed
 
+__all__ = ["check_can_admit", "check_preempt", "run_engine"]
+
 
 @functools.cache
 def _tiny_model():
@@ -45,7 +47,16 @@ def _tiny_model():
 
 def run_engine(rule=can_admit, preempt_fn=preempt, *, seed: int = 0) -> dict:
     """Run a small engine with `rule` and `preempt_fn` in its scheduler; return its outputs,
-    the admissions and preemptions of every step, and the pages left in use."""
+    the admissions and preemptions of every step, and the pages left in use.
+
+    >>> result = run_engine()
+    >>> result["pages still in use at the end"]
+    0
+    >>> len(result["outputs"]), [len(tokens) for tokens in result["outputs"]]
+    (5, [5, 5, 5, 5, 5])
+    >>> any(result["preempted per step"])  # 7 pages are too few for all five at once
+    True
+    """
     from minilib.engine import Engine
     from minilib.vectorized import ragged_paged_attention_jnp
 
