@@ -27,6 +27,7 @@ MODULES = sorted(
 # this list, one line, once it declares `__all__` and each name there has an example; once
 # every module has joined, the list is MODULES.
 PUBLIC_API_MODULES = [
+    "minilib.batch",
     "minilib.block_sizes",
     "minilib.doctor",
     "minilib.engine",
@@ -42,6 +43,7 @@ PUBLIC_API_MODULES = [
     "minilib.exercises.kernel_checking",
     "minilib.heads",
     "minilib.kernel_costs",
+    "minilib.kv_cache",
     "minilib.ladder",
     "minilib.ladder.aligned_blocks",
     "minilib.ladder.async_copy",
@@ -56,6 +58,7 @@ PUBLIC_API_MODULES = [
     "minilib.roofline",
     "minilib.tpu_compile",
     "minilib.tpu_memory",
+    "minilib.validation",
     "minilib.workloads",
 ]
 
