@@ -49,11 +49,9 @@ from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.reference import apply_soft_cap, dequantize
 from minilib.validation import cdiv, validate_inputs
 
-# Default block sizes, chosen by timing minilib.bench's 32-sequence cases (GQA 32/8/128, pages
-# of 16, 1024 q rows; mixed, decode-heavy, prefill-heavy) on a 2-core CPU, among 32, 64, 128
-# q rows and 8, 16, 32 pages: 128 and 16 were fastest on all three, 5-15% ahead of 64 and 16.
-# Per KV block step the matmuls are then [128 * group, head_dim] x [head_dim, 256] for each KV
-# head: big enough that the loop's own cost is small.
+# Default block sizes: a choice, 128 q rows and 16 pages per block. Per KV block step the
+# matmuls are then [128 * group, head_dim] x [head_dim, 256] for each KV head: big enough that
+# the loop's own cost is small.
 DEFAULT_NUM_QUERIES_PER_BLOCK = 128
 DEFAULT_NUM_KV_PAGES_PER_BLOCK = 16
 # The q block size of short sequences (decodes, small chunks): see the module docstring.
@@ -260,8 +258,8 @@ def attend_q_block(
 
     def one_kv_block(j, state):
         k, v = gather_kv_block(kv_pages, pages, kv_len, j, num_kv_pages_per_block)
-        # Dequantize to q's dtype, as the reference does, then compute in float32 (exact for
-        # bf16 values, and far faster than bf16 matmuls on CPU).
+        # Dequantize to q's dtype, as the reference does, then compute in float32: exact for
+        # bf16 values, and the dtype CPU matmul kernels are built for.
         k = dequantize(k, options.k_scale, q.dtype).astype(jnp.float32)
         v = dequantize(v, options.v_scale, q.dtype).astype(jnp.float32)
         # each key's position in the sequence

@@ -15,7 +15,8 @@ Two ways to get the schedule, with the same result (the tests check that they ag
 
     record_schedule(...same arguments...) -> Schedule
         Runs the kernel in TPU interpret mode with its trace on: every DMA start, DMA wait and
-        compute writes one row into an extra SMEM output. Takes seconds. Use it to show that
+        compute writes one row into an extra SMEM output; it runs the whole kernel, so it is slower
+        than `plan_schedule`. Use it to show that
         the plan is what the kernel really does.
 
 Only shapes and dtypes of q and kv_pages matter (a `jax.ShapeDtypeStruct` will do for
