@@ -43,6 +43,7 @@ PUBLIC_API_MODULES = [
     "minilib.exercises.kernel_checking",
     "minilib.heads",
     "minilib.kernel_costs",
+    "minilib.kernel_trace",
     "minilib.kv_cache",
     "minilib.ladder",
     "minilib.ladder.aligned_blocks",
