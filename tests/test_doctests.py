@@ -60,6 +60,7 @@ PUBLIC_API_MODULES = [
     "minilib.tpu_compile",
     "minilib.tpu_memory",
     "minilib.validation",
+    "minilib.vectorized",
     "minilib.workloads",
 ]
 
