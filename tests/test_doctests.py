@@ -29,6 +29,7 @@ MODULES = sorted(
 PUBLIC_API_MODULES = [
     "minilib.batch",
     "minilib.block_sizes",
+    "minilib.blockwise",
     "minilib.doctor",
     "minilib.engine",
     "minilib.errors",
