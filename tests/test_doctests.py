@@ -58,6 +58,7 @@ PUBLIC_API_MODULES = [
     "minilib.options",
     "minilib.reference",
     "minilib.roofline",
+    "minilib.schedule",
     "minilib.tpu_compile",
     "minilib.tpu_memory",
     "minilib.validation",
