@@ -24,10 +24,19 @@ import numpy as np
 from minilib.errors import RPAInputError
 from minilib.kv_cache import pages_needed
 
+__all__ = ["RaggedBatch", "check_seq_lens", "make_batch", "random_seq_lens", "seq_kind"]
+
 
 @dataclasses.dataclass(frozen=True)
 class RaggedBatch:
-    """The inputs of one ragged paged attention call, and how they were made."""
+    """The inputs of one ragged paged attention call, and how they were made.
+
+    >>> b = make_batch([(2, 2), (1, 5)], page_size=4)
+    >>> b.seq_lens, b.cu_q_lens.tolist(), b.kv_lens.tolist()[:2]
+    (((2, 2), (1, 5)), [0, 2, 3], [2, 5])
+    >>> len(b.args())   # q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs
+    6
+    """
 
     q: jax.Array  # [max_num_batched_tokens, num_q_heads, head_dim]
     kv_pages: jax.Array  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
@@ -89,7 +98,11 @@ class RaggedBatch:
 
 
 def seq_kind(q_len: int, kv_len: int) -> str:
-    """'prefill', 'chunk', 'decode' or 'idle' for one sequence of a step."""
+    """'prefill', 'chunk', 'decode' or 'idle' for one sequence of a step.
+
+    >>> [seq_kind(q, kv) for q, kv in [(5, 5), (3, 8), (1, 8), (0, 8)]]
+    ['prefill', 'chunk', 'decode', 'idle']
+    """
     if q_len == 0:
         return "idle"
     if q_len == kv_len:
@@ -206,7 +219,12 @@ def random_seq_lens(
     seed: int = 0,
 ) -> list[tuple[int, int]]:
     """Random (q_len, kv_len) pairs for a mixed batch: about `decode_fraction` decodes, the
-    rest prefills or prefill chunks with q_len up to `max_q_len` (default: `max_kv_len`)."""
+    rest prefills or prefill chunks with q_len up to `max_q_len` (default: `max_kv_len`).
+
+    >>> pairs = random_seq_lens(6, max_kv_len=32, max_q_len=8, seed=1)
+    >>> len(pairs), all(1 <= q <= min(kv, 8) and kv <= 32 for q, kv in pairs)
+    (6, True)
+    """
     rng = np.random.default_rng(seed)
     max_q_len = max_kv_len if max_q_len is None else max_q_len
     pairs = []

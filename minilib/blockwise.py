@@ -49,11 +49,28 @@ from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.reference import apply_soft_cap, dequantize
 from minilib.validation import cdiv, validate_inputs
 
-# Default block sizes, chosen by timing minilib.bench's 32-sequence cases (GQA 32/8/128, pages
-# of 16, 1024 q rows; mixed, decode-heavy, prefill-heavy) on a 2-core CPU, among 32, 64, 128
-# q rows and 8, 16, 32 pages: 128 and 16 were fastest on all three, 5-15% ahead of 64 and 16.
-# Per KV block step the matmuls are then [128 * group, head_dim] x [head_dim, 256] for each KV
-# head: big enough that the loop's own cost is small.
+__all__ = [
+    "DEFAULT_NUM_KV_PAGES_PER_BLOCK",
+    "DEFAULT_NUM_QUERIES_PER_BLOCK",
+    "SHORT_Q_BLOCK",
+    "OnlineSoftmax",
+    "attend_q_block",
+    "attend_sequence",
+    "block_scores",
+    "clamp_lengths",
+    "finish_online_softmax",
+    "fold_heads_into_rows",
+    "gather_kv_block",
+    "init_online_softmax",
+    "online_softmax_update",
+    "q_block_window",
+    "ragged_paged_attention_blockwise",
+    "unfold_rows_into_heads",
+]
+
+# Default block sizes: a choice, 128 q rows and 16 pages per block. Per KV block step the
+# matmuls are then [128 * group, head_dim] x [head_dim, 256] for each KV head: big enough that
+# the loop's own cost is small.
 DEFAULT_NUM_QUERIES_PER_BLOCK = 128
 DEFAULT_NUM_KV_PAGES_PER_BLOCK = 16
 # The q block size of short sequences (decodes, small chunks): see the module docstring.
@@ -65,6 +82,10 @@ class OnlineSoftmax(NamedTuple):
     (q row, q head of the group).
 
     `l` is the FlashAttention paper's name (ruff's E741 finds it too much like `1`).
+
+    >>> state = init_online_softmax(jnp.zeros((1, 2, 4)))   # 1 KV head, 2 folded rows
+    >>> state.m.shape, state.l.shape, state.acc.shape
+    ((1, 2), (1, 2), (1, 2, 4))
     """
 
     m: jax.Array  # f32[num_kv_heads, rows], running max of the scores
@@ -216,7 +237,21 @@ def attend_sequence(
     num_queries_per_block: int,
     options: AttentionOptions,
 ) -> jax.Array:  # out, with this sequence's rows written
-    """Cut one sequence's q rows into blocks of num_queries_per_block rows; attend each."""
+    """Cut one sequence's q rows into blocks of num_queries_per_block rows; attend each.
+
+    A prefill chunk of 3 q rows after 2 cached tokens, against the reference:
+
+    >>> from minilib.batch import make_batch
+    >>> from minilib.reference import ref_ragged_paged_attention
+    >>> b = make_batch([(3, 5)], page_size=4)
+    >>> options = AttentionOptions(sm_scale=0.125, num_kv_pages_per_block=1)
+    >>> out = attend_sequence(jnp.zeros_like(b.q), b.q, b.kv_pages, b.page_indices[0],
+    ...                       b.kv_lens[0], b.cu_q_lens[0], b.cu_q_lens[1],
+    ...                       num_queries_per_block=2, options=options)
+    >>> ref = ref_ragged_paged_attention(*b.args(), sm_scale=0.125)
+    >>> bool(jnp.allclose(out[:3].astype(float), ref[:3].astype(float), atol=1e-2))
+    True
+    """
     num_q_blocks = cdiv(q_end - q_start, num_queries_per_block)  # 0 for an idle sequence
 
     def one_q_block(i, out):
@@ -241,7 +276,21 @@ def attend_q_block(
     num_queries_per_block: int,  # this block's size (short sequences take short blocks)
     options: AttentionOptions,  # with its num_kv_pages_per_block filled in
 ) -> jax.Array:  # out, with this block's live rows written
-    """Attend one q block over the KV blocks it can see, then write its live rows to `out`."""
+    """Attend one q block over the KV blocks it can see, then write its live rows to `out`.
+
+    A prefill chunk of 3 q rows after 2 cached tokens, against the reference:
+
+    >>> from minilib.batch import make_batch
+    >>> from minilib.reference import ref_ragged_paged_attention
+    >>> b = make_batch([(3, 5)], page_size=4)
+    >>> options = AttentionOptions(sm_scale=0.125, num_kv_pages_per_block=1)
+    >>> out = attend_q_block(jnp.zeros_like(b.q), b.q, b.kv_pages, b.page_indices[0],
+    ...                      b.kv_lens[0], b.cu_q_lens[1], b.cu_q_lens[0],
+    ...                      num_queries_per_block=3, options=options)
+    >>> ref = ref_ragged_paged_attention(*b.args(), sm_scale=0.125)
+    >>> bool(jnp.allclose(out[:3].astype(float), ref[:3].astype(float), atol=1e-2))
+    True
+    """
     num_kv_pages_per_block, sliding_window = options.num_kv_pages_per_block, options.sliding_window
     num_kv_heads = kv_pages.shape[2] // 2
     rows, live = q_block_window(block_start, q_end, num_queries_per_block, q.shape[0])
@@ -260,8 +309,8 @@ def attend_q_block(
 
     def one_kv_block(j, state):
         k, v = gather_kv_block(kv_pages, pages, kv_len, j, num_kv_pages_per_block)
-        # Dequantize to q's dtype, as the reference does, then compute in float32 (exact for
-        # bf16 values, and far faster than bf16 matmuls on CPU).
+        # Dequantize to q's dtype, as the reference does, then compute in float32: exact for
+        # bf16 values, and the dtype CPU matmul kernels are built for.
         k = dequantize(k, options.k_scale, q.dtype).astype(jnp.float32)
         v = dequantize(v, options.v_scale, q.dtype).astype(jnp.float32)
         # each key's position in the sequence
@@ -328,7 +377,12 @@ def unfold_rows_into_heads(
     x: jax.Array,  # [num_kv_heads, num_queries_per_block * group, head_dim]
     num_queries_per_block: int,
 ) -> jax.Array:  # [num_queries_per_block, num_q_heads, head_dim]
-    """The inverse of `fold_heads_into_rows`: back to q's layout."""
+    """The inverse of `fold_heads_into_rows`: back to q's layout.
+
+    >>> x = jnp.arange(8).reshape(2, 4, 1)
+    >>> bool((unfold_rows_into_heads(fold_heads_into_rows(x, 2), 2) == x).all())
+    True
+    """
     num_kv_heads, folded, head_dim = x.shape
     group = folded // num_queries_per_block
     x = x.reshape(num_kv_heads, num_queries_per_block, group, head_dim).transpose(1, 0, 2, 3)
@@ -350,6 +404,11 @@ def gather_kv_block(
     page number, so both are clipped into range; every key they give is past kv_len, and is
     zeroed. Zeroing, not just masking the scores, matters: unused slots may hold NaN, and
     0 * NaN = NaN in p @ v.
+
+    >>> kv_pages = jnp.arange(4 * 2 * 2.0).reshape(4, 2, 2, 1)  # 4 pages of 2, 1 KV head
+    >>> k, v = gather_kv_block(kv_pages, jnp.array([3, 1]), jnp.int32(3), jnp.int32(0), 2)
+    >>> k.ravel().tolist(), v.ravel().tolist()   # keys of page 3, then page 1's first
+    ([12.0, 14.0, 4.0, 0.0], [13.0, 15.0, 5.0, 0.0])
     """
     total_num_pages, page_size, combined, head_dim = kv_pages.shape
     pages_per_seq = pages.shape[0]
@@ -379,6 +438,12 @@ def block_scores(
     kv_len are, for every row of the sequence), or (with a sliding window) sliding_window or
     more keys back. Masked scores become mask_value with `jnp.where`, which also drops any
     NaN computed from a padding slot.
+
+    >>> s = block_scores(jnp.ones((1, 2, 4)), jnp.ones((3, 1, 4)), jnp.array([0, 1]),
+    ...                  jnp.arange(3), sm_scale=0.5, sliding_window=None, soft_cap=None,
+    ...                  mask_value=-1.0)
+    >>> s[0].tolist()   # row 0 sees key 0, row 1 keys 0 and 1
+    [[2.0, -1.0, -1.0], [2.0, 2.0, -1.0]]
     """
     group = q_folded.shape[1] // q_pos.shape[0]
     scores = jnp.einsum("hrd,khd->hrk", q_folded, k, preferred_element_type=jnp.float32)
@@ -390,7 +455,12 @@ def block_scores(
 def init_online_softmax(
     q_folded: jax.Array,  # [num_kv_heads, rows, head_dim]
 ) -> OnlineSoftmax:
-    """Before any KV block: max -inf, sum 0, accumulator 0."""
+    """Before any KV block: max -inf, sum 0, accumulator 0.
+
+    >>> state = init_online_softmax(jnp.zeros((1, 1, 2)))
+    >>> state.m.tolist(), state.l.tolist(), state.acc.tolist()
+    ([[-inf]], [[0.0]], [[[0.0, 0.0]]])
+    """
     num_kv_heads, rows, head_dim = q_folded.shape
     return OnlineSoftmax(
         m=jnp.full((num_kv_heads, rows), -jnp.inf, jnp.float32),
@@ -410,6 +480,15 @@ def online_softmax_update(
     rescaled by alpha = exp(m - m_new) (which is 0 on the first block, where m = -inf), and
     the new block adds p = exp(scores - m_new). A masked score is mask_value, very negative
     but finite, so p is 0 for it once any real key has been seen.
+
+    Two KV blocks of one key each, with equal scores: the result is the mean of the values,
+    as one softmax over both keys would give.
+
+    >>> state = init_online_softmax(jnp.zeros((1, 1, 1)))
+    >>> state = online_softmax_update(state, jnp.zeros((1, 1, 1)), jnp.full((1, 1, 1), 2.0))
+    >>> state = online_softmax_update(state, jnp.zeros((1, 1, 1)), jnp.full((1, 1, 1), 4.0))
+    >>> state.l.tolist(), finish_online_softmax(state).tolist()
+    ([[2.0]], [[[3.0]]])
     """
     m_new = jnp.maximum(state.m, scores.max(axis=-1))
     alpha = jnp.exp(state.m - m_new)
@@ -426,6 +505,11 @@ def finish_online_softmax(
 
     A row that saw no key at all (l = 0) gives 0, not 0 / 0 = NaN. Valid inputs never have
     one (every q row sees itself); unchecked garbage under jit may.
+
+    >>> state = OnlineSoftmax(m=jnp.zeros((1, 2)), l=jnp.array([[2.0, 0.0]]),
+    ...                       acc=jnp.array([[[6.0], [0.0]]]))
+    >>> finish_online_softmax(state).tolist()   # 6 / 2, and 0 for the row that saw no key
+    [[[3.0], [0.0]]]
     """
     l = state.l[..., None]  # noqa: E741
     return jnp.where(l > 0, state.acc / jnp.where(l > 0, l, 1.0), 0.0)

@@ -18,6 +18,19 @@ import jax.numpy as jnp
 
 from minilib.errors import RPAInputError
 
+__all__ = [
+    "attention_kind",
+    "check_head_counts",
+    "combined_head_slots",
+    "head_groups",
+    "kv_head_for_q_head",
+    "merge_kv_pages",
+    "nearest_valid_num_kv_heads",
+    "repeat_kv",
+    "split_kv_pages",
+    "valid_num_kv_heads",
+]
+
 
 def valid_num_kv_heads(num_q_heads: int) -> list[int]:
     """Every `num_kv_heads` that works with `num_q_heads`: the divisors of `num_q_heads`.

@@ -35,6 +35,18 @@ import numpy as np
 from minilib.errors import KVCacheError
 from minilib.validation import cdiv
 
+__all__ = [
+    "FILL_ORDERS",
+    "PageAllocator",
+    "PagedKVCache",
+    "bucket_size",
+    "fill_cache",
+    "gather_kv",
+    "pages_needed",
+    "pool_pages_needed",
+    "write_tokens",
+]
+
 
 def pages_needed(seq_len: int, page_size: int) -> int:
     """How many pages hold `seq_len` tokens: ceil(seq_len / page_size).

@@ -27,6 +27,8 @@ from minilib.masking import causal_mask
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.validation import validate_inputs
 
+__all__ = ["apply_soft_cap", "attend", "dequantize", "ref_ragged_paged_attention"]
+
 
 def ref_ragged_paged_attention(
     q: jax.Array,  # [max_num_batched_tokens, num_q_heads, head_dim]
@@ -97,7 +99,14 @@ def ref_ragged_paged_attention(
 
 
 def dequantize(x: jax.Array, scale: float | None, dtype) -> jax.Array:
-    """Undo fp8 quantization: x * scale in float32, then cast to the compute dtype."""
+    """Undo fp8 quantization: x * scale in float32, then cast to the compute dtype.
+
+    >>> x = jnp.array([1.0, -2.0], jnp.float8_e4m3fn)
+    >>> dequantize(x, 0.5, jnp.float32).tolist()
+    [0.5, -1.0]
+    >>> dequantize(x, None, jnp.bfloat16).dtype
+    dtype(bfloat16)
+    """
     if scale is None:
         return x.astype(dtype)
     return (x.astype(jnp.float32) * scale).astype(dtype)
@@ -129,7 +138,19 @@ def attend(
     soft_cap: float | None,
     mask_value: float,
 ) -> jax.Array:  # [q_len, num_q_heads, head_dim]
-    """Causal attention of one sequence's new q rows over all its keys."""
+    """Causal attention of one sequence's new q rows over all its keys.
+
+    Two new q rows over four keys: the last q row sees every key, the one before it all but
+    the last, so with values equal to the key position the outputs are the mean positions.
+
+    >>> q = jnp.zeros((2, 1, 4))
+    >>> k = jnp.zeros((4, 1, 4))
+    >>> v = jnp.broadcast_to(jnp.arange(4.0)[:, None, None], (4, 1, 4))
+    >>> out = attend(q, k, v, sm_scale=1.0, sliding_window=None, soft_cap=None,
+    ...              mask_value=-1e30)
+    >>> out.shape, out[:, 0, 0].tolist()
+    ((2, 1, 4), [1.0, 1.5])
+    """
     q_len, num_q_heads, _ = q.shape
     kv_len, num_kv_heads, _ = k.shape
     # 4. GQA/MQA: q head h uses KV head h // group; repeating K/V makes that plain MHA.

@@ -15,7 +15,8 @@ Two ways to get the schedule, with the same result (the tests check that they ag
 
     record_schedule(...same arguments...) -> Schedule
         Runs the kernel in TPU interpret mode with its trace on: every DMA start, DMA wait and
-        compute writes one row into an extra SMEM output. Takes seconds. Use it to show that
+        compute writes one row into an extra SMEM output; it runs the whole kernel, so it is slower
+        than `plan_schedule`. Use it to show that
         the plan is what the kernel really does.
 
 Only shapes and dtypes of q and kv_pages matter (a `jax.ShapeDtypeStruct` will do for
@@ -65,12 +66,28 @@ from minilib.masking import kv_blocks_to_visit, q_position
 from minilib.options import AttentionOptions
 from minilib.validation import cdiv, dynamic_validate_inputs
 
+__all__ = [
+    "KINDS",
+    "Event",
+    "Schedule",
+    "describe_event",
+    "plan_schedule",
+    "record_schedule",
+    "record_trace",
+]
+
 KINDS = {TRACE_START: "start", TRACE_WAIT: "wait", TRACE_COMPUTE: "compute"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """One thing the kernel did: start a copy, wait for it, or compute with it."""
+    """One thing the kernel did: start a copy, wait for it, or compute with it.
+
+    >>> from minilib.batch import make_batch
+    >>> e = plan_schedule(*make_batch([(3, 3)]).args()).computes()[0]
+    >>> e.kind, e.seq, e.kv_blk, e.q_rows
+    ('compute', 0, 0, (0, 3))
+    """
 
     kind: str  # "start" | "wait" | "compute"
     step: tuple[int, int]  # (heads_blk, q_blk) of the grid step it happened in
@@ -85,7 +102,14 @@ class Event:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """The kernel's schedule for one batch; see the module docstring."""
+    """The kernel's schedule for one batch; see the module docstring.
+
+    >>> from minilib.batch import make_batch
+    >>> s = plan_schedule(*make_batch([(3, 3), (1, 20)], page_size=8).args(),
+    ...                   num_kv_pages_per_block=1, num_queries_per_block=8)
+    >>> s.grid, s.kv_tokens_per_block, len(s.computes()), len(s.in_flight())
+    ((1, 1), 8, 4, 4)
+    """
 
     grid: tuple[int, int]
     num_queries_per_block: int
@@ -143,6 +167,16 @@ class Schedule:
 
 
 def describe_event(e: Event) -> str:
+    """One line saying what `e` did.
+
+    >>> from minilib.batch import make_batch
+    >>> s = plan_schedule(*make_batch([(3, 3)]).args())
+    >>> for e in s.events:
+    ...     print(describe_event(e))
+    DMA start  slot 0 <- heads 0 seq 0 kv block 0: pages [1]
+    DMA wait   slot 0    heads 0 seq 0 kv block 0
+    compute    slot 0    seq 0: q rows [0, 3) x keys [0, 3)
+    """
     block = f"heads {e.heads_blk} seq {e.seq} kv block {e.kv_blk}"
     if e.kind == "start":
         return f"DMA start  slot {e.slot} <- {block}: pages {list(e.pages)}"
@@ -310,7 +344,15 @@ def record_schedule(
     interpret=None,
 ) -> Schedule:
     """Run the kernel (TPU interpret mode unless `interpret` says otherwise) and return the
-    schedule it recorded. q and kv_pages must be real arrays here."""
+    schedule it recorded. q and kv_pages must be real arrays here.
+
+    The recorded schedule is the planned one:
+
+    >>> from minilib.batch import make_batch
+    >>> args = make_batch([(3, 3)]).args()
+    >>> record_schedule(*args).events == plan_schedule(*args).events
+    True
+    """
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     options = AttentionOptions(
         sliding_window=sliding_window,

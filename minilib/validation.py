@@ -30,6 +30,14 @@ from minilib.errors import RPAInputError
 from minilib.heads import check_head_counts
 from minilib.options import AttentionOptions, attention_options
 
+__all__ = [
+    "cdiv",
+    "check_dtypes",
+    "dynamic_validate_inputs",
+    "static_validate_inputs",
+    "validate_inputs",
+]
+
 
 def cdiv(a, b):
     """ceil(a / b) for whole numbers a >= 0 and b > 0, Python ints or JAX integer arrays: how

@@ -33,6 +33,8 @@ from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.reference import apply_soft_cap, dequantize
 from minilib.validation import cdiv, validate_inputs
 
+__all__ = ["TILE", "attend_tile", "gather_all_kv", "q_tiles", "ragged_paged_attention_jnp"]
+
 TILE = 16  # q rows per tile: bigger tiles waste more rows on decodes, smaller ones re-read K/V
 
 
@@ -130,6 +132,12 @@ def gather_all_kv(
 
     Zeroing matters: an unused slot may hold NaN, and 0 * NaN is NaN, so masking the *scores*
     alone would still let NaN values leak into the output.
+
+    >>> from minilib.batch import make_batch
+    >>> b = make_batch([(2, 2), (1, 5)], page_size=4)   # unused page slots hold NaN
+    >>> k, v = gather_all_kv(b.kv_pages, b.page_indices, b.kv_lens)
+    >>> k.shape[:2], bool(jnp.isnan(k).any()), bool((k[0, 2:] == 0).all())
+    ((2, 8), False, True)
     """
     total_num_pages, page_size, combined, head_dim = kv_pages.shape
     max_num_seqs, pages_per_seq = page_indices.shape
@@ -154,6 +162,15 @@ def q_tiles(
     most any batch can need: max_num_batched_tokens // TILE full tiles plus one partial tile
     per sequence. A row that is not a live q row (past its sequence's end, or in a dead tile)
     gets index `max_num_batched_tokens`, one past the end.
+
+    Two sequences of 3 and 20 q rows packed into 32 rows: one tile for the first, two for the
+    second, and a dead tile after them.
+
+    >>> tile_seq, rows = q_tiles(jnp.array([0, 3]), jnp.array([3, 20]), 32)
+    >>> tile_seq.tolist()
+    [0, 1, 1, 1]
+    >>> rows[0, :4].tolist(), rows[2, :5].tolist(), bool((rows[3:] == 32).all())
+    ([0, 1, 2, 32], [19, 20, 21, 22, 32], True)
     """
     max_num_seqs = q_lens.shape[0]
     num_tiles = max_num_batched_tokens // TILE + max_num_seqs
@@ -186,6 +203,17 @@ def attend_tile(
 
     GQA without repeating K/V: the q heads are viewed as [num_kv_heads, group] so that each
     group meets its own KV head in one einsum.
+
+    Two q rows at positions 0 and 1 over keys whose values are their positions: row 0 sees
+    key 0, row 1 keys 0 and 1; keys past position 1 are masked.
+
+    >>> q = jnp.zeros((2, 2, 4))   # 2 q heads sharing 1 KV head
+    >>> k = jnp.zeros((8, 1, 4))
+    >>> v = jnp.broadcast_to(jnp.arange(8.0)[:, None, None], (8, 1, 4))
+    >>> out = attend_tile(q, k, v, jnp.array([0, 1]), jnp.array(2), sm_scale=1.0,
+    ...                   sliding_window=None, soft_cap=None, mask_value=-1e30)
+    >>> out.shape, out[:, 0, 0].tolist()
+    ((2, 2, 4), [0.0, 0.5])
     """
     tile, num_q_heads, head_dim = q.shape
     max_kv_len, num_kv_heads, _ = k.shape
