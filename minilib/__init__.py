@@ -4,6 +4,7 @@ Each notebook builds one idea; from then on the course imports the tested versio
 """
 
 from minilib.batch import RaggedBatch, make_batch, random_seq_lens, seq_kind
+from minilib.block_sizes import default_block_sizes
 from minilib.blockwise import ragged_paged_attention_blockwise
 from minilib.errors import KVCacheError, RPAInputError
 from minilib.heads import (
@@ -18,7 +19,7 @@ from minilib.heads import (
     split_kv_pages,
     valid_num_kv_heads,
 )
-from minilib.kernel import default_block_sizes, ragged_paged_attention
+from minilib.kernel import ragged_paged_attention
 from minilib.kv_cache import (
     PageAllocator,
     PagedKVCache,

@@ -81,6 +81,17 @@ from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions, attention_opti
 from minilib.reference import apply_soft_cap, dequantize
 from minilib.validation import validate_inputs
 
+# The public names. The kernel's inner steps (SeqTable, QBlockWalker, KVBlockCopier, next_work,
+# OnlineSoftmax, ...) run only inside the kernel body; each is documented where it is defined.
+__all__ = [
+    "LANES",
+    "KernelConfig",
+    "kernel_config",
+    "ragged_paged_attention",
+    "resolve_interpret",
+    "rpa_pallas_call",
+]
+
 # The m and l scratch rows are 128 lanes wide, one vector register row: TPU vector memory is
 # laid out in (8, 128) tiles, so a [rows, 1] array would take the same space anyway.
 LANES = 128
@@ -149,6 +160,9 @@ def resolve_interpret(interpret):
 
     Only `jax.default_backend()` is consulted, never `jax.devices()`, so that lowering for a
     TPU on a machine without one (`jax.export`) takes the compiled path when asked to.
+
+    >>> resolve_interpret(False), type(resolve_interpret(True)).__name__
+    (False, 'InterpretParams')
     """
     if interpret is None:
         return False if jax.default_backend() == "tpu" else pltpu.InterpretParams()
@@ -165,7 +179,16 @@ def resolve_interpret(interpret):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelConfig(AttentionOptions):
     """The static shape of the computation: the attention options, with the block sizes
-    filled in, and the shapes and head blocks they were chosen for."""
+    filled in, and the shapes and head blocks they were chosen for. Frozen and hashable: the
+    jitted kernel takes it as one static argument. `kernel_config` builds it.
+
+    >>> from minilib.batch import make_batch
+    >>> batch = make_batch([(5, 20)], num_q_heads=8, num_kv_heads=2, page_size=16)
+    >>> config = kernel_config(batch.q, batch.kv_pages, batch.page_indices,
+    ...                        num_queries_per_block=8, num_kv_pages_per_block=2)
+    >>> config.kv_tokens_per_block, config.num_q_heads_per_kv_head, config.rows_per_kv_head
+    (32, 4, 32)
+    """
 
     num_queries_per_block: int  # q rows per grid step
     num_kv_pages_per_block: int  # pages per KV block (one DMA batch, one softmax update)
@@ -205,6 +228,12 @@ def kernel_config(
     """Choose the heads blocks and fill in default block sizes. Inputs must be validated.
 
     The options come as one `AttentionOptions`, or as keywords (`num_queries_per_block=8`).
+
+    >>> from minilib.batch import make_batch
+    >>> batch = make_batch([(5, 20)], num_q_heads=8, num_kv_heads=2, page_size=16)
+    >>> config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, sliding_window=64)
+    >>> config.sliding_window, config.num_heads_blocks * config.num_kv_heads_per_block
+    (64, 2)
     """
     options = attention_options(options, **option_values)
     max_num_batched_tokens, num_q_heads, head_dim = q.shape
@@ -270,6 +299,16 @@ def rpa_pallas_call(
 
     trace: i32[1 + trace_capacity, TRACE_FIELDS]; `trace[0, 0]` counts the events, which are
     rows 1.. of (kind, step heads block, step q block, heads block, seq, kv block, slot).
+
+    >>> from minilib.batch import make_batch
+    >>> batch = make_batch([(3, 3), (1, 9)])
+    >>> config = kernel_config(batch.q, batch.kv_pages, batch.page_indices)
+    >>> call = rpa_pallas_call(batch.q, batch.kv_pages, config=config,
+    ...                        interpret=resolve_interpret(True))
+    >>> (out,) = call(batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs,
+    ...               batch.q, batch.kv_pages)
+    >>> out.shape == batch.q.shape
+    True
     """
     max_num_batched_tokens, _, head_dim = q.shape
     c = dataclasses.replace(

@@ -40,6 +40,17 @@ from minilib.reference import apply_soft_cap, dequantize
 from minilib.validation import validate_inputs
 from minilib.vectorized import gather_all_kv
 
+# The public names; the kernel bodies (`add_vectors_kernel`, `attention_kernel`) are shown in
+# notebook 07 and run only inside `pl.pallas_call`.
+__all__ = [
+    "DEFAULT_NUM_QUERIES_PER_BLOCK",
+    "add_vectors",
+    "attention_pallas_call",
+    "pack_rows",
+    "q_by_sequence",
+    "ragged_paged_attention_pallas_basic",
+]
+
 DEFAULT_NUM_QUERIES_PER_BLOCK = 8
 
 
@@ -205,6 +216,11 @@ def q_by_sequence(
     Now the rows of q block i of sequence s are one rectangular block, [s, i*Q:(i+1)*Q], which
     a BlockSpec can hand to a program. (Zero, not the padding rows' NaN, so that nothing NaN
     enters the kernel.)
+
+    >>> q = jnp.arange(5.0).reshape(5, 1, 1)                 # rows 0-1: seq 0, rows 2-4: seq 1
+    >>> q_seq = q_by_sequence(q, jnp.array([0, 2]), jnp.array([2, 3]), max_q_len=4)
+    >>> q_seq[..., 0, 0].tolist()
+    [[0.0, 1.0, 0.0, 0.0], [2.0, 3.0, 4.0, 0.0]]
     """
     j = jnp.arange(max_q_len)[None, :]  # [1, max_q_len]
     rows = jnp.clip(q_starts[:, None] + j, 0, q.shape[0] - 1)
@@ -222,6 +238,11 @@ def pack_rows(
 
     Rows past a sequence's q_len are sent to index max_num_batched_tokens, out of range, and
     `mode="drop"` throws them away; padding rows of the batch stay zero.
+
+    >>> q = jnp.arange(1.0, 6.0).reshape(5, 1, 1)
+    >>> q_starts, q_lens = jnp.array([0, 2]), jnp.array([2, 2])
+    >>> pack_rows(q_by_sequence(q, q_starts, q_lens, 4), q_starts, q_lens, 5)[:, 0, 0].tolist()
+    [1.0, 2.0, 3.0, 4.0, 0.0]
     """
     max_num_seqs, max_q_len, num_q_heads, head_dim = out_seq.shape
     j = jnp.arange(max_q_len)[None, :]
@@ -247,6 +268,16 @@ def attention_pallas_call(
     that share KV head h, over all of sequence s's keys of KV head h. `pl.squeezed` drops an
     axis of size 1 from the block, so the kernel sees q as [Q, group, head_dim] and K as
     [max_kv_len, head_dim].
+
+    >>> q_seq = jnp.ones((2, 8, 4, 16))                      # 2 sequences, 4 q heads
+    >>> k = v = jnp.ones((2, 32, 2, 16))                     # 2 KV heads: groups of 2
+    >>> lens = jnp.array([8, 3], jnp.int32)
+    >>> out = attention_pallas_call(
+    ...     q_seq, k, v, lens, jnp.array([32, 3], jnp.int32), num_queries_per_block=8,
+    ...     interpret=True, sm_scale=0.25, sliding_window=None, soft_cap=None,
+    ...     mask_value=DEFAULT_MASK_VALUE)
+    >>> out.shape, round(float(out[0, 0, 0, 0]), 4)          # every value is 1: so is the mean
+    ((2, 8, 4, 16), 1.0)
     """
     max_num_seqs, max_q_len, num_q_heads, head_dim = q_seq.shape
     max_kv_len, num_kv_heads = k.shape[1], k.shape[2]

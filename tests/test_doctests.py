@@ -23,68 +23,6 @@ MODULES = sorted(
     if info.name != "minilib.__main__"
 )
 
-# The modules whose `__all__` is checked: every public name has an example. A module joins
-# this list, one line, once it declares `__all__` and each name there has an example; once
-# every module has joined, the list is MODULES.
-PUBLIC_API_MODULES = [
-    "minilib.batch",
-    "minilib.bench",
-    "minilib.block_sizes",
-    "minilib.blockwise",
-    "minilib.doctor",
-    "minilib.engine",
-    "minilib.engine.engine",
-    "minilib.engine.model",
-    "minilib.engine.scheduler",
-    "minilib.engine.sharding",
-    "minilib.engine.throughput",
-    "minilib.engine.view",
-    "minilib.errors",
-    "minilib.exercises",
-    "minilib.exercises.checking",
-    "minilib.exercises.ex00_tour",
-    "minilib.exercises.ex01_heads",
-    "minilib.exercises.ex02_paged_cache",
-    "minilib.exercises.ex03_ragged",
-    "minilib.exercises.ex04_reference",
-    "minilib.exercises.ex05_validation",
-    "minilib.exercises.ex06_online_softmax",
-    "minilib.exercises.ex06_vectorized",
-    "minilib.exercises.ex07_flash",
-    "minilib.exercises.ex07_pallas",
-    "minilib.exercises.ex08_kernel",
-    "minilib.exercises.ex08_ladder",
-    "minilib.exercises.ex09_performance",
-    "minilib.exercises.ex10_engine",
-    "minilib.exercises.kernel_checking",
-    "minilib.heads",
-    "minilib.kernel_costs",
-    "minilib.kernel_trace",
-    "minilib.kv_cache",
-    "minilib.ladder",
-    "minilib.ladder.aligned_blocks",
-    "minilib.ladder.async_copy",
-    "minilib.ladder.double_buffer",
-    "minilib.ladder.flash",
-    "minilib.ladder.interpret",
-    "minilib.ladder.prefetch",
-    "minilib.ladder.scalar_prefetch",
-    "minilib.masking",
-    "minilib.mistakes",
-    "minilib.options",
-    "minilib.reference",
-    "minilib.roofline",
-    "minilib.schedule",
-    "minilib.timing",
-    "minilib.tpu_compile",
-    "minilib.tpu_memory",
-    "minilib.validation",
-    "minilib.vectorized",
-    "minilib.viz",
-    "minilib.widgets",
-    "minilib.workloads",
-]
-
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name):
@@ -104,7 +42,7 @@ def names_without_example(module) -> list[str]:
     return missing
 
 
-@pytest.mark.parametrize("name", PUBLIC_API_MODULES)
+@pytest.mark.parametrize("name", MODULES)
 def test_every_public_name_has_an_example(name):
     module = importlib.import_module(name)
     assert hasattr(module, "__all__"), f"{name} declares no __all__: list its public names"

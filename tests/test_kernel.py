@@ -40,11 +40,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from minilib.batch import make_batch, random_seq_lens
+from minilib.block_sizes import default_block_sizes
 from minilib.errors import RPAInputError
 from minilib.kernel import (
     KVBlockCopier,
     can_load_kv_strided,
-    default_block_sizes,
     kernel_config,
     num_kv_heads_per_block,
     ragged_paged_attention,
