@@ -580,7 +580,8 @@ def kernel_schedule_explorer(
         step still exists. It runs before the view is drawn, as the first observer of the
         controls the plan is made from."""
         try:
-            steps = [ALL_STEPS] + [str(step) for step in plan(*_plan_inputs(controls)).steps()]
+            schedule = plan(*(controls[name].value for name in PLAN_INPUTS))
+            steps = [ALL_STEPS] + [str(step) for step in schedule.steps()]
         except Exception:  # no plan: the view shows why
             steps = [ALL_STEPS]
         menu = controls["grid_step"]
@@ -625,10 +626,6 @@ PLAN_INPUTS = (
     "num_queries_per_block",
     "sliding_window",
 )
-
-
-def _plan_inputs(controls: dict) -> tuple:
-    return tuple(controls[name].value for name in PLAN_INPUTS)
 
 
 def _plan(
