@@ -4,12 +4,13 @@
     python benchmarks/check_targets.py                              # on a TPU runtime
     python benchmarks/check_targets.py --reps 3 --dtype float32
 
-The timed targets run `minilib.bench.run_bench` on one case, `minilib.bench.TARGET_CASE`: a
+The timed targets run `minilib.perf.bench.run_bench` on one case,
+`minilib.perf.bench.TARGET_CASE`: a
 32-sequence mixed step (about half decodes) of a GQA model, 32 q heads, 8 KV heads, head_dim
 128, page_size 16, pages_per_seq 64 (kv lengths 1 to 1024), max_num_batched_tokens 1024,
 float32 on a CPU (bfloat16 on a TPU). See `check_targets` and `check_tpu_targets` below. The
 static targets compile both kernels for v5e and v6e (needs libtpu, not a TPU): see
-`minilib.kernel_costs.static_targets`.
+`minilib.tpu.kernel_costs.static_targets`.
 
 Exit code 0 when no target fails, 1 otherwise, 2 for a bad flag.
 """
@@ -22,7 +23,7 @@ import sys
 
 import jax
 
-from minilib.bench import (
+from minilib.perf.bench import (
     TARGET_CASE,
     BenchRow,
     default_dtype,
@@ -31,9 +32,9 @@ from minilib.bench import (
     positive_int,
     run_bench,
 )
-from minilib.kernel_costs import static_targets
-from minilib.timing import describe_chip, device_chip
-from minilib.workloads import BenchCase
+from minilib.perf.timing import describe_chip, device_chip
+from minilib.perf.workloads import BenchCase
+from minilib.tpu.kernel_costs import static_targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +144,7 @@ def flop_bound(row: BenchRow) -> list[TargetResult]:
 
 def check_static_targets() -> list[TargetResult]:
     """The kernel's static TPU targets (compiled bundles and spills against JAX's kernel, on
-    any host with libtpu): see `minilib.kernel_costs.static_targets`."""
+    any host with libtpu): see `minilib.tpu.kernel_costs.static_targets`."""
     return [TargetResult(name, passed, detail) for name, passed, detail in static_targets()]
 
 

@@ -15,9 +15,9 @@ import sys
 
 from minilib import dynamic_validate_inputs
 from minilib.blockwise import ragged_paged_attention_blockwise
-from minilib.timing import timed_call
+from minilib.perf.timing import timed_call
+from minilib.perf.workloads import HEAD_CONFIGS, BenchCase, case_batches
 from minilib.vectorized import ragged_paged_attention_jnp
-from minilib.workloads import HEAD_CONFIGS, BenchCase, case_batches
 
 REPS = 5
 

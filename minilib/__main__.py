@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minilib import bench, kernel_costs
 from minilib.doctor import doctor
+from minilib.perf import bench
+from minilib.tpu import kernel_costs
 
 
 class CommandLineParser(argparse.ArgumentParser):
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser = commands.add_parser(
         "bench",
         help="time the ragged paged attention implementations on the same batches",
-        description="Time the ragged paged attention implementations; see minilib/bench.py.",
+        description="Time the ragged paged attention implementations; see minilib/perf/bench.py.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     bench.add_arguments(bench_parser)

@@ -7,10 +7,10 @@ The cost model (a model, not a measurement). For one sequence of `kv_len` tokens
 visits `ceil(kv_len / kv_tokens_per_block)` KV blocks. Each block costs the larger of
 
 * its compute: `bundles_per_kv_block` cycles (the TPU core issues one VLIW bundle per cycle
-  when nothing stalls; the count is read from the compiled program by `minilib.tpu_compile`),
+  when nothing stalls; the count is read from the compiled program by `minilib.tpu.compile`),
   divided by the chip's clock, and
 * its copy: the KV bytes of the block divided by the chip's HBM bandwidth (from
-  `pltpu.get_tpu_info_for_chip` when this JAX has it, else `minilib.roofline.CHIPS`),
+  `pltpu.get_tpu_info_for_chip` when this JAX has it, else `minilib.perf.roofline.CHIPS`),
 
 because double buffering overlaps the copy of the next block with the compute of this one.
 Bigger blocks amortise the fixed cost of a block (loop control, DMA issue, rescaling the
@@ -21,7 +21,7 @@ softmax state. `modelled_seconds` evaluates the model; `tests/test_tpu_compile.p
 best, or within 10 % of it, and that the compiled kernel leaves VMEM headroom.
 
 Defaults never call `jax.devices()`: lowering for a TPU on a TPU-less machine must work. The
-chip comes from the `chip` argument, else from the abstract mesh that `minilib.tpu_compile`
+chip comes from the `chip` argument, else from the abstract mesh that `minilib.tpu.compile`
 lowers under, else from the device kind when JAX runs on a TPU; unknown means the
 chip-independent defaults.
 """
@@ -33,7 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from minilib.roofline import CHIPS, DEVICE_KINDS
+from minilib.perf.roofline import CHIPS, DEVICE_KINDS
 
 __all__ = [
     "current_chip",

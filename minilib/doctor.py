@@ -116,13 +116,13 @@ def tpu_compile_check() -> bool:
     bundles per KV block, VMEM 9,172 KiB (static estimates, not timings; ...)
     True
     """
-    from minilib.tpu_compile import tpu_compile_available
+    from minilib.tpu.compile import tpu_compile_available
 
     ok, reason = tpu_compile_available()
     if not ok:
         print(f"TPU compile:  not available: {reason}")
         return True
-    from minilib.kernel_costs import compile_rpa, rpa_specs
+    from minilib.tpu.kernel_costs import compile_rpa, rpa_specs
 
     report = compile_rpa("ours", rpa_specs(), chip="v5e")
     if not report.compiled:

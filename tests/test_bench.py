@@ -1,6 +1,6 @@
-"""minilib.bench, minilib.timing, minilib.workloads and benchmarks/check_targets.py: a smoke run
-of the harness on tiny sizes. No timing assertions: only that every row is there, that the
-numbers are positive, and that the outputs agree."""
+"""minilib.perf.bench, minilib.perf.timing, minilib.perf.workloads and benchmarks/check_targets.py:
+a smoke run of the harness on tiny sizes. No timing assertions: only that every row is there,
+that the numbers are positive, and that the outputs agree."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from pathlib import Path
 import jax
 import pytest
 
-from minilib import bench, workloads
 from minilib.__main__ import main
-from minilib.roofline import Chip, roofline
-from minilib.timing import Timing
-from minilib.workloads import BenchCase
+from minilib.perf import bench, workloads
+from minilib.perf.roofline import Chip, roofline
+from minilib.perf.timing import Timing
+from minilib.perf.workloads import BenchCase
 
 TINY = BenchCase("mixed", 3, (4, 2, 64), page_size=8, pages_per_seq=4, max_num_batched_tokens=16)
 TOY_CHIP = Chip("toy chip", hbm_bytes_per_s=1e10, peak_flops_per_s=1e11)

@@ -27,7 +27,7 @@ from minilib.ladder import (
     scalar_prefetch,
 )
 from minilib.ladder.interpret import races_found, strict_interpret_params
-from minilib.tpu_compile import compile_for_tpu, tpu_compile_available
+from minilib.tpu.compile import compile_for_tpu, tpu_compile_available
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,7 +135,7 @@ def test_aligned_blocks_agree_with_the_first_kernel():
 
 
 def test_chip_memories_come_from_jaxs_table():
-    from minilib.tpu_memory import CHIPS, chip_memories, why_unavailable
+    from minilib.tpu.memory import CHIPS, chip_memories, why_unavailable
 
     rows = chip_memories()
     if not hasattr(pltpu, "get_tpu_info_for_chip"):

@@ -21,7 +21,7 @@ PACKAGE = pathlib.Path(minilib.__file__).parent
 
 LAYERS = [
     # 0. Leaves: they import nothing of minilib.
-    ("errors", "masking", "kernel_trace", "roofline", "tpu_memory", "tpu_compile",
+    ("errors", "masking", "kernel_trace", "perf.roofline", "tpu.memory", "tpu.compile",
      "exercises.checking", "ladder.interpret"),
     # 1-2. What every attention function checks its input with.
     ("heads", "options"),
@@ -31,9 +31,11 @@ LAYERS = [
     # 4. The implementations, and the kernel's block sizes.
     ("reference", "vectorized", "blockwise", "pallas_basics", "block_sizes", "kernel"),
     # 5. Built on them: the schedule, figures, timing, workloads, mistakes, the ladder.
-    ("schedule", "viz", "timing", "workloads", "mistakes", "ladder", "ladder.*"),
+    ("schedule", "explore.figures", "perf.timing", "perf.workloads", "explore.mistakes",
+     "ladder", "ladder.*"),
     # 6. The explorers, the command line, the engine, the exercises.
-    ("widgets", "bench", "kernel_costs", "doctor", "__main__", "engine", "engine.*",
+    ("explore.widgets", "perf.bench", "tpu.kernel_costs", "doctor", "__main__", "engine",
+     "engine.*", "explore", "tpu", "perf",
      "exercises", "exercises.*", ""),
 ]  # fmt: skip
 

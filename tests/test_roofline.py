@@ -1,4 +1,4 @@
-"""minilib.roofline: bytes, FLOPs and lower-bound times, checked against hand counts.
+"""minilib.perf.roofline: bytes, FLOPs and lower-bound times, checked against hand counts.
 
 Every expected value is worked out here from first principles (by hand, or by brute force over
 an explicit mask), never by calling the function under test.
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from minilib.batch import make_batch
-from minilib.roofline import (
+from minilib.perf.roofline import (
     CHIPS,
     Chip,
     batch_cost,

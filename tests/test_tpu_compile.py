@@ -30,14 +30,14 @@ import pytest
 from jax.experimental import pallas as pl
 
 from minilib import block_sizes
-from minilib.kernel_costs import (
+from minilib.pallas_basics import add_vectors, ragged_paged_attention_pallas_basic
+from minilib.tpu.compile import CHIPS, compile_for_tpu, tpu_compile_available
+from minilib.tpu.kernel_costs import (
     TARGET_CASE,
     TARGET_NUM_KV_PAGES_PER_BLOCK,
     compile_rpa,
     rpa_specs,
 )
-from minilib.pallas_basics import add_vectors, ragged_paged_attention_pallas_basic
-from minilib.tpu_compile import CHIPS, compile_for_tpu, tpu_compile_available
 
 AVAILABLE, REASON = tpu_compile_available()
 pytestmark = [
@@ -243,7 +243,7 @@ def test_doctor_compiles_the_kernel_for_v5e(capsys):
 
 
 def test_static_targets_are_judged_from_real_compiles():
-    from minilib.kernel_costs import static_targets
+    from minilib.tpu.kernel_costs import static_targets
 
     results = static_targets()
     assert len(results) == 8  # 2 chips x 2 q block sizes x (bundles, spills)
@@ -261,7 +261,7 @@ import functools, jax, jax.numpy as jnp
 from jax.experimental import topologies
 topologies.get_topology_desc(topology_name="v5e:1x1", platform="tpu",
                              chips_per_host_bounds=(1, 1, 1))  # libtpu starts without dumps
-from minilib import tpu_compile
+from minilib.tpu import compile as tpu_compile
 from minilib.pallas_basics import add_vectors
 assert tpu_compile.libtpu_started() and not tpu_compile.dump_here()
 x = jax.ShapeDtypeStruct((4096,), jnp.float32)

@@ -17,7 +17,7 @@ from minilib import (
     ref_ragged_paged_attention,
     static_validate_inputs,
 )
-from minilib.mistakes import MISTAKES, base_batch, run_mistake
+from minilib.explore.mistakes import MISTAKES, base_batch, run_mistake
 
 
 def good_batch(**kw):
@@ -47,7 +47,7 @@ def raises_ours(validator, args, **options) -> RPAInputError:
     return err
 
 
-# The one catalogue of mistakes (minilib.mistakes), each with what the validators must say.
+# The one catalogue of mistakes (minilib.explore.mistakes), each with what the validators must say.
 # Static mistakes (shapes, dtypes, options): static_validate_inputs raises, and
 # dynamic_validate_inputs, which runs the static checks first, raises the same error.
 # Where JAX's own validator checks the same thing, our message is JAX's, word for word:

@@ -1,4 +1,4 @@
-"""The figures of minilib.viz: each draws without a warning, and reads well.
+"""The figures of minilib.explore.figures: each draws without a warning, and reads well.
 
 "Reads well" is checked, not eyeballed: every axes has a title and labelled axes, the figure
 has a legend, no two pieces of text overlap, and no text falls off the figure.
@@ -20,9 +20,9 @@ pytest.importorskip("matplotlib")
 
 from matplotlib.text import Text  # noqa: E402
 
-from minilib import viz  # noqa: E402
 from minilib.batch import make_batch  # noqa: E402
 from minilib.errors import RPAInputError  # noqa: E402
+from minilib.explore import figures as viz  # noqa: E402
 
 # --- what every figure must satisfy --------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The explorers of minilib.widgets, driven without a browser.
+"""The explorers of minilib.explore.widgets, driven without a browser.
 
 Each test sets control values, as a learner would, and reads what the explorer shows: text in
 its HTML views, the figure as PNG bytes in its Image view. Errors must show the validators' own
@@ -18,12 +18,12 @@ pytest.importorskip("matplotlib")
 
 from ipywidgets.embed import embed_data  # noqa: E402
 
-from minilib import widgets as w  # noqa: E402
 from minilib.batch import make_batch  # noqa: E402
 from minilib.errors import KVCacheError, RPAInputError  # noqa: E402
+from minilib.explore import widgets as w  # noqa: E402
+from minilib.explore.mistakes import MISTAKES, base_batch  # noqa: E402
 from minilib.heads import check_head_counts  # noqa: E402
 from minilib.kv_cache import FILL_ORDERS, fill_cache  # noqa: E402
-from minilib.mistakes import MISTAKES, base_batch  # noqa: E402
 from minilib.validation import dynamic_validate_inputs  # noqa: E402
 
 # ipywidgets 7 (Colab's) makes its comms with a class that ipykernel has deprecated.
@@ -402,7 +402,7 @@ def test_schedule_grid_step_menu_follows_the_grid():
 
 
 def test_schedule_caption_names_a_tile_it_draws():
-    from minilib.viz import kernel_schedule_figure
+    from minilib.explore.figures import kernel_schedule_figure
 
     for overrides in [{}, {"num_kv_pages_per_block": 1}, {"num_queries_per_block": 32}]:
         _, plan = _plan(**overrides)

@@ -20,7 +20,7 @@ import numpy as np
 from minilib.blockwise import ragged_paged_attention_blockwise
 from minilib.engine.engine import Engine
 from minilib.engine.model import ModelConfig, dense_generate, init_params
-from minilib.timing import timed_call
+from minilib.perf.timing import timed_call
 
 __all__ = ["BENCH_CONFIG", "EngineBench", "engine_bench"]
 

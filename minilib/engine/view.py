@@ -34,7 +34,7 @@ import time
 import ipywidgets as widgets
 
 from minilib.engine.engine import Engine, StepStats
-from minilib.viz import FILLS, LIGHT_GREY
+from minilib.explore.figures import FILLS, LIGHT_GREY
 
 __all__ = ["EngineView", "colour"]
 

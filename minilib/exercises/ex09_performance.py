@@ -18,7 +18,7 @@ from minilib.exercises.checking import (
 )
 from minilib.kernel import LANES
 from minilib.kv_cache import pages_needed
-from minilib.roofline import rpa_cost
+from minilib.perf.roofline import rpa_cost
 
 __all__ = ["check_arithmetic_intensity", "check_num_kv_pages_per_block", "kernel_vmem_bytes"]
 
@@ -59,7 +59,7 @@ def _page_slots(kv_len, page_size):
 def check_arithmetic_intensity(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
     """Check `fn(seq_lens, *, num_q_heads, num_kv_heads, head_dim, page_size, itemsize) ->
     float`: the useful FLOPs of a batch of `(q_len, kv_len)` pairs over the bytes it must move
-    through HBM, with `minilib.roofline.rpa_cost`'s conventions:
+    through HBM, with `minilib.perf.roofline.rpa_cost`'s conventions:
 
       FLOPs: 4 * head_dim per visible (q row, key) pair and q head (two matmuls, q . k and
              probs . v, a multiply and an add each); row i of a sequence sees kv_len - q_len

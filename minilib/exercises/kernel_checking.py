@@ -9,7 +9,7 @@ checker (`checking.run_check`), with three more things:
 * when the output is wrong, the report says what the output looks like (NaN, a known mistake)
   and what usually causes that;
 * when every case passes and libtpu is installed, the kernel is compiled for a real chip (v5e)
-  with Mosaic (`minilib.tpu_compile.compile_for_tpu`): "will it compile on a TPU?" on a laptop.
+  with Mosaic (`minilib.tpu.compile.compile_for_tpu`): "will it compile on a TPU?" on a laptop.
   A kernel Mosaic rejects fails the check, with Mosaic's message.
 
 The learner's function has the kernels' signature: `fn(*arrays, **options, interpret=...)`.
@@ -245,9 +245,9 @@ def check_kernel(
 def compile_on_tpu(name: str, fn: Callable, case: Case) -> tuple[str, str]:
     """(status, note): compile `fn` for v5e with Mosaic if libtpu is installed."""
     try:
-        from minilib.tpu_compile import compile_for_tpu, dump_here, tpu_compile_available
+        from minilib.tpu.compile import compile_for_tpu, dump_here, tpu_compile_available
     except ImportError:  # pragma: no cover - the module ships with minilib
-        return PASSED, "Not compiled for a TPU: minilib.tpu_compile is missing."
+        return PASSED, "Not compiled for a TPU: minilib.tpu.compile is missing."
     ok, reason = tpu_compile_available()
     compiled_fn = functools.partial(fn, interpret=False, **case.kwargs)
     if not ok:

@@ -169,7 +169,10 @@ def message_colour(box) -> str:
     )
 
 
-GREEN, VERMILLION = "rgb(0, 158, 115)", "rgb(213, 94, 0)"  # Okabe-Ito, as in minilib.viz
+GREEN, VERMILLION = (
+    "rgb(0, 158, 115)",
+    "rgb(213, 94, 0)",
+)  # Okabe-Ito, as in minilib.explore.figures
 
 
 # --- the notebooks -------------------------------------------------------------------------

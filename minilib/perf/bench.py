@@ -6,7 +6,7 @@
     python -m minilib bench --help
 
 For each implementation and each case (workload x number of sequences x head config; the
-batches come from `minilib.workloads`, the timing from `minilib.timing`):
+batches come from `minilib.perf.workloads`, the timing from `minilib.perf.timing`):
 
   first    the first call, compile included. `jax.clear_caches()` runs before it, so nothing
            compiled for an earlier row is reused. `xla_s` is the part spent in XLA's backend
@@ -17,7 +17,7 @@ batches come from `minilib.workloads`, the timing from `minilib.timing`):
            per shape has a ratio near 1; one that retraces per mix of lengths (both references
            loop over sequences in Python) compiles again. `comp` counts XLA compilations during
            the first and the new call: the direct evidence of retracing.
-  roofline `minilib.roofline`'s lower bound for the batch on this device (on a TPU, the chip's
+  roofline `minilib.perf.roofline`'s lower bound for the batch on this device (on a TPU, the chip's
            figures; on a CPU, its matmul FLOP/s and read bandwidth, measured in the same run),
            and the achieved bandwidth: the bytes the batch cannot avoid, over the warm time.
 
@@ -52,17 +52,17 @@ from jax.experimental.pallas.ops.tpu import ragged_paged_attention as jax_rpa
 
 from minilib.blockwise import ragged_paged_attention_blockwise
 from minilib.kernel import ragged_paged_attention
-from minilib.reference import ref_ragged_paged_attention
-from minilib.roofline import Chip, RPACost, batch_cost, roofline
-from minilib.timing import (
+from minilib.perf.roofline import Chip, RPACost, batch_cost, roofline
+from minilib.perf.timing import (
     Timing,
     compiled_temp_bytes,
     describe_chip,
     device_chip,
     time_implementation,
 )
+from minilib.perf.workloads import HEAD_CONFIGS, WORKLOADS, BenchCase, case_batches
+from minilib.reference import ref_ragged_paged_attention
 from minilib.vectorized import ragged_paged_attention_jnp
-from minilib.workloads import HEAD_CONFIGS, WORKLOADS, BenchCase, case_batches
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -147,7 +147,7 @@ def prepare_implementation(impl: Implementation, backend: str):
 class BenchRow:
     """One implementation on one case: its timing, its error and its place on the roofline.
 
-    >>> from minilib.roofline import Chip
+    >>> from minilib.perf.roofline import Chip
     >>> tiny = BenchCase("mixed", 2, (4, 2, 64), page_size=8, pages_per_seq=2,
     ...                  max_num_batched_tokens=8)
     >>> toy = Chip("toy", hbm_bytes_per_s=1e10, peak_flops_per_s=1e11)
@@ -199,7 +199,7 @@ def run_bench(
     """Time every implementation on every case. Implementations that cannot run here, or fail,
     get a row with the reason in `note` and no timing.
 
-    >>> from minilib.roofline import Chip
+    >>> from minilib.perf.roofline import Chip
     >>> tiny = BenchCase("mixed", 2, (4, 2, 64), page_size=8, pages_per_seq=2,
     ...                  max_num_batched_tokens=8)
     >>> toy = Chip("toy", hbm_bytes_per_s=1e10, peak_flops_per_s=1e11)
@@ -333,7 +333,9 @@ def save_times_plot(rows: list[BenchRow], path: Path) -> Path:
     >>> save_times_plot(rows, Path(tempfile.mkdtemp()) / "bench.png").exists()
     True
     """
-    from minilib.viz import bench_times_figure  # matplotlib: not on a TPU VM without plots
+    from minilib.explore.figures import (
+        bench_times_figure,  # matplotlib: not on a TPU VM without plots
+    )
 
     timings: dict[str, dict[str, Timing]] = {}
     for r in rows:
@@ -430,7 +432,7 @@ def save_memory_plot(points: list[MemoryPoint], path: Path) -> Path:
     >>> save_memory_plot(points, Path(tempfile.mkdtemp()) / "memory.png").exists()
     True
     """
-    from minilib.viz import working_memory_figure  # matplotlib, as above
+    from minilib.explore.figures import working_memory_figure  # matplotlib, as above
 
     temp_bytes: dict[str, dict[int, float]] = {}
     for p in points:

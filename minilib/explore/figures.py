@@ -2,7 +2,7 @@
 
 The figures are made with `matplotlib.figure.Figure`, not `pyplot`, so that calling one never
 opens a window or leaves a figure behind; in a notebook a returned figure shows itself, and
-`figure_png(fig)` turns it into PNG bytes (which is how the explorers in `minilib.widgets`
+`figure_png(fig)` turns it into PNG bytes (which is how the explorers in `minilib.explore.widgets`
 show them).
 
     head_grouping_figure(num_q_heads, num_kv_heads)   which q heads share each KV head, and
@@ -894,9 +894,9 @@ def bench_times_figure(timings, title: str = "Ragged paged attention") -> Figure
     """Three panels, first call / warm call / new-lengths call, log scale, one bar per
     implementation in each case.
 
-    `timings` maps a case label to {implementation name: `minilib.timing.Timing`}.
+    `timings` maps a case label to {implementation name: `minilib.perf.timing.Timing`}.
 
-    >>> from minilib.timing import Timing
+    >>> from minilib.perf.timing import Timing
     >>> t = Timing(2.0, 9, 1.5, 0.004, 5, 0.005, 0, 0.004)
     >>> fig = bench_times_figure({"mixed 8 seqs 32/8/128": {"jnp": t, "blockwise": t}})
     >>> [ax.get_title() for ax in fig.axes]

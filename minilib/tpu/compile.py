@@ -49,7 +49,7 @@ process, and never again. Two cases:
   them. This costs nothing beyond the compile itself (`CompileReport.seconds`).
 * libtpu already started without these flags (on a TPU host, where JAX's TPU backend starts it
   at the first JAX call). Then each compile runs in a fresh Python process (`python -m
-  minilib.tpu_compile`), which adds to every compile the start of Python, of JAX and of
+  minilib.tpu.compile`), which adds to every compile the start of Python, of JAX and of
   libtpu (`CompileReport.seconds` counts the compile alone). `fn` must then be picklable: a
   module-level function, or a `functools.partial` of one.
 
@@ -475,7 +475,7 @@ def compile_in_subprocess(fn, specs, chip: str) -> CompileReport:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         env.pop("LIBTPU_INIT_ARGS", None)  # the child's own dump folder; the host's flags stay
         done = subprocess.run(
-            [sys.executable, "-m", "minilib.tpu_compile", str(request), str(response)],
+            [sys.executable, "-m", "minilib.tpu.compile", str(request), str(response)],
             env=env,
             capture_output=True,
             text=True,
@@ -694,7 +694,7 @@ def read_dump(dump_dir: Path, names: list[str], kernel_names: set[str]):
 
 
 # ---------------------------------------------------------------------------------------------
-# `python -m minilib.tpu_compile REQUEST REPORT`: the fresh process of compile_in_subprocess.
+# `python -m minilib.tpu.compile REQUEST REPORT`: the fresh process of compile_in_subprocess.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -706,7 +706,7 @@ def _serve_one_request(request: Path, response: Path) -> None:
 
 
 if __name__ == "__main__":
-    # Through the package, so that the report pickles as minilib.tpu_compile.CompileReport.
-    from minilib.tpu_compile import _serve_one_request as serve
+    # Through the package, so that the report pickles as minilib.tpu.compile.CompileReport.
+    from minilib.tpu.compile import _serve_one_request as serve
 
     serve(Path(sys.argv[1]), Path(sys.argv[2]))

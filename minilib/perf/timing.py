@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from minilib.batch import RaggedBatch
-from minilib.roofline import Chip, detect_chip
+from minilib.perf.roofline import Chip, detect_chip
 
 __all__ = [
     "Timing",

@@ -34,9 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minilib import viz
 from minilib.batch import RaggedBatch, make_batch, seq_kind
 from minilib.errors import InputProblem, KVCacheError, RPAInputError, ScheduleTooBig
+from minilib.explore import figures as viz
+from minilib.explore.figures import plural, span
+from minilib.explore.mistakes import MISTAKES, SEQ_LENS, base_batch, run_mistake
 from minilib.heads import (
     attention_kind,
     check_head_counts,
@@ -45,9 +47,7 @@ from minilib.heads import (
     valid_num_kv_heads,
 )
 from minilib.kv_cache import FILL_ORDERS, fill_cache, pool_pages_needed
-from minilib.mistakes import MISTAKES, SEQ_LENS, base_batch, run_mistake
 from minilib.validation import dynamic_validate_inputs
-from minilib.viz import plural, span
 
 __all__ = [
     "Explorer",

@@ -1,7 +1,7 @@
 """Our RPA kernel against JAX's, as the TPU compiler sees them: static estimates, not timings.
 
 `python -m minilib compile --chip v5e` compiles both kernels for one chip on the same shapes
-(with `minilib.tpu_compile`, so it needs libtpu but no TPU) and prints, side by side:
+(with `minilib.tpu.compile`, so it needs libtpu but no TPU) and prints, side by side:
 bundles per KV-block iteration, total bundles, peak VMEM, spill bytes, and the source lines
 that produced the most ops in the KV-block loop.
 
@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from minilib.tpu_compile import CHIPS, CompileReport, compile_for_tpu, kib
+from minilib.tpu.compile import CHIPS, CompileReport, compile_for_tpu, kib
 
 # `add_arguments` and `run` are `python -m minilib compile`'s command line, not the library's.
 __all__ = ["compile_rpa", "rpa_kernel", "rpa_specs", "side_by_side", "static_targets"]
@@ -86,7 +86,7 @@ def compile_rpa(which: str, specs, *, chip: str = "v5e", **options) -> CompileRe
 
     Needs libtpu (not a TPU): the example compiles only where libtpu is installed.
 
-    >>> from minilib.tpu_compile import tpu_compile_available
+    >>> from minilib.tpu.compile import tpu_compile_available
     >>> specs = rpa_specs(num_q_heads=4, num_kv_heads=2, pages_per_seq=8, max_num_seqs=4,
     ...                   max_num_batched_tokens=64)
     >>> ok, _ = tpu_compile_available()
@@ -102,7 +102,7 @@ def compile_rpa(which: str, specs, *, chip: str = "v5e", **options) -> CompileRe
 def side_by_side(ours: CompileReport, theirs: CompileReport) -> str:
     """A table of ours against JAX's kernel, then each one's top source lines.
 
-    >>> from minilib.tpu_compile import KernelStats
+    >>> from minilib.tpu.compile import KernelStats
     >>> def report(bundles, spills):
     ...     stats = KernelStats("rpa.1", 5000, bundles, 9 << 20, spills, ())
     ...     return CompileReport("v5e", compiled=True, kernels=(stats,), libtpu_version="0.0.42.1")
@@ -166,7 +166,7 @@ def static_targets() -> list[tuple[str, bool | None, str]]:
     True static: bundles per KV block <= JAX's (v5e, 32 q/block) ours ... vs JAX ...
     ...
     """
-    from minilib.tpu_compile import tpu_compile_available
+    from minilib.tpu.compile import tpu_compile_available
 
     ok, reason = tpu_compile_available()
     if not ok:
@@ -240,7 +240,7 @@ def _flag(name: str) -> str:
 def run(args) -> int:
     """Run `python -m minilib compile` with parsed flags. Returns the exit code: 0, or 1 when
     this host cannot compile for a TPU or our kernel did not compile."""
-    from minilib.tpu_compile import tpu_compile_available
+    from minilib.tpu.compile import tpu_compile_available
 
     ok, reason = tpu_compile_available()
     if not ok:

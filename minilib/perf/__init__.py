@@ -1,0 +1,10 @@
+"""Measuring: honest timings, the serving workloads they run on, the roofline that bounds them,
+and `python -m minilib bench`, which puts every implementation in one table.
+
+  timing.py     time a JAX function honestly: compiles apart, warm calls apart
+  workloads.py  decode-heavy, mixed and prefill-heavy serving steps within a token budget
+  roofline.py   the bytes and FLOPs a batch cannot avoid, against each chip's peak
+  bench.py      `python -m minilib bench`: every implementation on the same batches
+"""
+
+__all__: list[str] = []  # import from the modules: `from minilib.perf.bench import ...`
