@@ -10,7 +10,7 @@ visits `ceil(kv_len / kv_tokens_per_block)` KV blocks. Each block costs the larg
   when nothing stalls; the count is read from the compiled program by `minilib.tpu.compile`),
   divided by the chip's clock, and
 * its copy: the KV bytes of the block divided by the chip's HBM bandwidth (from
-  `pltpu.get_tpu_info_for_chip` when this JAX has it, else `minilib.perf.roofline.CHIPS`),
+  `pltpu.get_tpu_info_for_chip` when this JAX has it, else `minilib.tpu.chips.FACTS`),
 
 because double buffering overlaps the copy of the next block with the compute of this one.
 Bigger blocks amortise the fixed cost of a block (loop control, DMA issue, rescaling the
@@ -33,7 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from minilib.perf.roofline import CHIPS, DEVICE_KINDS
+from minilib.tpu.chips import DEVICE_KINDS, FACTS
 
 __all__ = [
     "current_chip",
@@ -67,10 +67,6 @@ CHIP_DEFAULTS: dict[str, tuple[int, int, int, int]] = {
     "v5p": (512, 32, 32, 4 * 1024 * 1024),
     "v6e": (512, 32, 32, 8 * 1024 * 1024),
 }
-
-# Core clock, for the model's compute term: peak bf16 FLOP/s = 2 * MXUs * MXU size^2 * clock
-# for v4 (1.05 GHz), v5e (1.5 GHz) and v5p (1.75 GHz); v6e's 1.75 GHz is an assumption.
-CLOCK_HZ = {"v4": 1.05e9, "v5e": 1.5e9, "v5p": 1.75e9, "v6e": 1.75e9}
 
 
 def current_chip() -> str | None:
@@ -186,7 +182,7 @@ def hbm_bytes_per_s(chip: str) -> float:
         info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(chip), 1)
         return float(info.mem_bw_bytes_per_second)
     except (AttributeError, ValueError):
-        return CHIPS[chip].hbm_bytes_per_s
+        return FACTS[chip].hbm_bytes_per_s
 
 
 def modelled_seconds(
@@ -201,6 +197,6 @@ def modelled_seconds(
     8.0
     """
     blocks = math.ceil(kv_len / kv_tokens_per_block)
-    compute = bundles_per_kv_block / CLOCK_HZ[chip]
+    compute = bundles_per_kv_block / FACTS[chip].clock_hz
     copy = kv_tokens_per_block * kv_bytes_per_token / hbm_bytes_per_s(chip)
     return blocks * max(compute, copy)

@@ -135,7 +135,8 @@ def test_aligned_blocks_agree_with_the_first_kernel():
 
 
 def test_chip_memories_come_from_jaxs_table():
-    from minilib.tpu.memory import CHIPS, chip_memories, why_unavailable
+    from minilib.tpu.chips import CHIPS
+    from minilib.tpu.memory import chip_memories, why_unavailable
 
     rows = chip_memories()
     if not hasattr(pltpu, "get_tpu_info_for_chip"):

@@ -21,7 +21,8 @@ PACKAGE = pathlib.Path(minilib.__file__).parent
 
 LAYERS = [
     # 0. Leaves: they import nothing of minilib.
-    ("errors", "masking", "kernel_trace", "perf.roofline", "tpu.memory", "tpu.compile",
+    ("errors", "masking", "kernel_trace", "tpu.chips", "tpu.dump_reader", "tpu.memory",
+     "perf.roofline", "tpu.compile",
      "exercises.checking", "ladder.interpret"),
     # 1-2. What every attention function checks its input with.
     ("heads", "options"),

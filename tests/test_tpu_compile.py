@@ -31,7 +31,8 @@ from jax.experimental import pallas as pl
 
 from minilib import block_sizes
 from minilib.pallas_basics import add_vectors, ragged_paged_attention_pallas_basic
-from minilib.tpu.compile import CHIPS, compile_for_tpu, tpu_compile_available
+from minilib.tpu.chips import CHIPS
+from minilib.tpu.compile import compile_for_tpu, tpu_compile_available
 from minilib.tpu.kernel_costs import (
     TARGET_CASE,
     TARGET_NUM_KV_PAGES_PER_BLOCK,

@@ -6,7 +6,7 @@ extents, the KV-block loop, delay slots, VMEM and spills, and that an unknown fo
 
 from __future__ import annotations
 
-from minilib.tpu.compile import (
+from minilib.tpu.dump_reader import (
     kernel_stats,
     kv_block_loop,
     loop_extents,

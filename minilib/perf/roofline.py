@@ -41,6 +41,8 @@ import dataclasses
 
 import numpy as np
 
+from minilib.tpu.chips import DEVICE_KINDS, FACTS
+
 __all__ = [
     "CHIPS",
     "Chip",
@@ -75,25 +77,12 @@ class Chip:
         return self.peak_flops_per_s / self.hbm_bytes_per_s
 
 
-# Per chip, from Google Cloud's TPU system-architecture pages. Data only: the logic below never
-# looks a chip up by name. (JAX's own table, `pltpu.get_tpu_info()`, rounds a little
-# differently, e.g. v5p 2.46 TB/s; `detect_chip` prefers it on a TPU when JAX has it.)
+# Per chip, the published figures of `minilib.tpu.chips`. (JAX's own table,
+# `pltpu.get_tpu_info()`, rounds a little differently, e.g. v5p 2.46 TB/s; `detect_chip` prefers
+# it on a TPU when JAX has it.)
 CHIPS: dict[str, Chip] = {
-    "v4": Chip("TPU v4", hbm_bytes_per_s=1200e9, peak_flops_per_s=275e12),
-    "v5e": Chip("TPU v5e", hbm_bytes_per_s=819e9, peak_flops_per_s=197e12),
-    "v5p": Chip("TPU v5p", hbm_bytes_per_s=2765e9, peak_flops_per_s=459e12),
-    "v6e": Chip("TPU v6e", hbm_bytes_per_s=1640e9, peak_flops_per_s=918e12),
-}
-
-# `jax.devices()[0].device_kind` -> key of CHIPS.
-DEVICE_KINDS: dict[str, str] = {
-    "TPU v4": "v4",
-    "TPU v5 lite": "v5e",
-    "TPU v5e": "v5e",
-    "TPU v5": "v5p",
-    "TPU v5p": "v5p",
-    "TPU v6 lite": "v6e",
-    "TPU v6e": "v6e",
+    key: Chip(facts.name, facts.hbm_bytes_per_s, facts.peak_flops_per_s)
+    for key, facts in FACTS.items()
 }
 
 

@@ -22,22 +22,12 @@ The recipe (`compile_for_tpu`):
 * `jax.jit(fn).lower(*structs).compile()` runs XLA's TPU compiler and Mosaic. It fails where
   the chip would fail, and the report keeps the compiler's message.
 
-What libtpu wrote down. `LIBTPU_INIT_ARGS` (see `DUMP_FLAGS`) asks libtpu to dump, per kernel:
-
-* `*-final_bundles.txt`: one line per bundle. A loop's first bundle is marked `LB:`, and every
-  bundle inside loops carries one `>` per nesting level. The deepest loop that holds a
-  `vmatmul` (an MXU matmul) is the KV-block loop of an attention kernel; `bundles_per_kv_block`
-  is its length. With source annotations on, each op carries the `loc("file":line)` it came
-  from, which gives `top_source_lines` (with jax 0.7.2 the locations are coarser, often the
-  enclosing `pl.when`).
-* `*-post-delay-converter.txt`: the kernel's memory allocations. Peak VMEM is the highest end
-  offset of a VMEM allocation; spill bytes are the sizes of the `_spill` ones (vector
-  registers that did not fit and went to VMEM).
-
-The dump flags are libtpu internals, not an API: the parser was checked by hand against
-libtpu 0.0.42.1 (with jax 0.10.2) and 0.0.23 (jax 0.7.2), see `CHECKED_LIBTPU`. With another
-libtpu the report still says whether the kernel compiled, and its notes say when the dump was
-not recognised, and how to get the pinned libtpu.
+What libtpu wrote down: `LIBTPU_INIT_ARGS` (see `DUMP_FLAGS`) asks libtpu to dump each
+kernel's final bundles and its memory allocations, and `minilib.tpu.dump_reader` reads them:
+bundles per KV block, total bundles, peak VMEM, spills, and the source lines that cost most.
+The dump files are libtpu internals, not an API; with a libtpu the reader was not checked on
+(`CHECKED_LIBTPU`), the report still says whether the kernel compiled, and its notes say when
+the dump was not recognised.
 
 When libtpu reads its flags. libtpu reads `LIBTPU_INIT_ARGS` once, when it starts in a
 process, and never again. Two cases:
@@ -64,13 +54,12 @@ otherwise forbids.
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import importlib.metadata
 import inspect
-import linecache
 import os
 import pickle
 import re
@@ -83,41 +72,31 @@ from pathlib import Path
 import jax
 import numpy as np
 
-# The module's public names: compiling, its report, and the dump reader's rules. The other
-# functions are the steps of compiling and reading, documented where they are defined.
+from minilib.tpu.chips import CHIPS, FACTS
+from minilib.tpu.dump_reader import (
+    CHECKED_LIBTPU,
+    DUMP_FLAGS,
+    NEWEST_CHECKED_JAX,
+    KernelStats,
+    libtpu_version,
+    read_dump,
+)
+
+# The module's public names: compiling and its report. The other functions are the steps of
+# compiling, documented where they are defined.
 __all__ = [
-    "CHIPS",
     "CompileReport",
-    "KernelStats",
     "TPUCompileUnavailable",
     "compile_for_tpu",
-    "kv_block_loop",
-    "loop_extents",
-    "parse_bundles",
     "require_libtpu",
     "tpu_compile_available",
-    "vmem_usage",
 ]
 
-CHIPS = ("v4", "v5e", "v5p", "v6e")
-TOPOLOGY_NAMES = {"v4": "v4:1x1x1", "v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1"}
-
-# jax version -> the libtpu that its `jax[tpu]` extra brings, and that the dump parser below
-# was checked against by hand.
-CHECKED_LIBTPU = {"0.10.2": "0.0.42.1", "0.7.2": "0.0.23"}
-NEWEST_CHECKED_JAX = "0.10.2"
-
-DUMP_FLAGS = (
-    "--xla_jf_dump_llo_pass_label_regex=final_bundles|post-delay-converter",
-    "--xla_mosaic_enable_llo_source_annotations=true",
-)
 QUIET_LIBTPU_ENV = {
     "TPU_ACCELERATOR_TYPE": "v5litepod-4",
     "TPU_WORKER_HOSTNAMES": "localhost",
     "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
 }
-# Dump files of XLA's own programs, not of a Pallas kernel.
-NON_KERNEL_PROGRAMS = ("TLP", "<late-initialization>", "<late-finalization>")
 
 
 class TPUCompileUnavailable(RuntimeError):
@@ -187,25 +166,6 @@ def require_libtpu() -> None:
 # ---------------------------------------------------------------------------------------------
 # The report.
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelStats:
-    """What the bundle dump says about one compiled Pallas kernel (static estimates).
-
-    >>> stats = KernelStats("rpa.1", total_bundles=900, bundles_per_kv_block=120,
-    ...                     vmem_bytes=3 << 20, spill_bytes=0, top_source_lines=())
-    >>> CompileReport("v5e", compiled=True, kernels=(stats,)).bundles_per_kv_block
-    120
-    """
-
-    name: str
-    total_bundles: int
-    bundles_per_kv_block: int | None  # the deepest loop holding a vmatmul; None if none does
-    vmem_bytes: int | None  # peak: the highest end of a VMEM allocation
-    spill_bytes: int | None  # VMEM taken by spilled vector registers
-    top_source_lines: tuple[tuple[str, int], ...]  # ((file:line, ops in the KV-block loop), ...)
-    source_code: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
 
 def _largest_kernel_field(field: str, missing=None) -> property:
@@ -343,11 +303,6 @@ def as_spec(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
 
 
-# libtpu reads LIBTPU_INIT_ARGS once per process: the folder chosen here is for all compiles.
-_DUMP_DIR: Path | None = None
-_REPORTS: dict[tuple[str, str], CompileReport] = {}
-
-
 def libtpu_started() -> bool:
     from jax._src.lib import xla_client
 
@@ -355,25 +310,53 @@ def libtpu_started() -> bool:
     return bool(initialized and xla_client.pjrt_plugin_loaded("tpu") and initialized("tpu"))
 
 
-def dump_here() -> bool:
-    """Start libtpu with the dump flags in this process if it has not started yet. Returns
-    whether this process's libtpu dumps (else compiles go to a fresh process)."""
-    global _DUMP_DIR
-    if _DUMP_DIR is not None:
-        return True
+@dataclasses.dataclass
+class DumpFolder:
+    """Where this process's libtpu writes its dumps, and the report of each program compiled.
+
+    libtpu reads `LIBTPU_INIT_ARGS` once per process, so there is at most one folder, for every
+    compile. JAX compiles a program once and libtpu dumps it once: a program compiled again
+    gets its first report back.
+    """
+
+    path: Path
+    reports: dict[tuple[str, str], CompileReport] = dataclasses.field(default_factory=dict)
+
+
+@functools.cache
+def dump_folder() -> DumpFolder | None:
+    """This process's `DumpFolder`: libtpu starts with the dump flags at the first call, if it
+    has not started yet. None if it already started without them (then compiles go to a fresh
+    process). Cached: libtpu starts once per process, and the answer never changes."""
     if libtpu_started():
-        return False
-    dump_dir = Path(tempfile.mkdtemp(prefix="minilib-tpu-dump-"))
-    saved = dict(os.environ)
-    os.environ.update(libtpu_env(dump_dir, os.environ))
+        return None
+    path = Path(tempfile.mkdtemp(prefix="minilib-tpu-dump-"))
+    # Processes started from this one must not inherit the dump flags: set them only while
+    # libtpu starts, which is when it reads them.
+    with environment(libtpu_env(path, os.environ)):
+        topology_device("v5e")
+    return DumpFolder(path)
+
+
+def dump_here() -> bool:
+    """Whether compiles run in this process, its libtpu started with the dump flags (starting
+    it if it has not started yet); else they go to a fresh process."""
+    return dump_folder() is not None
+
+
+@contextlib.contextmanager
+def environment(changes: dict[str, str]):
+    """`os.environ` with `changes` inside the block, and every variable as it was after it."""
+    before = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
     try:
-        topology_device("v5e")  # starts libtpu, which reads the flags now
+        yield
     finally:
-        # Processes started from this one must not inherit the dump flags.
-        os.environ.clear()
-        os.environ.update(saved)
-    _DUMP_DIR = dump_dir
-    return True
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def libtpu_env(dump_dir: Path, environ) -> dict[str, str]:
@@ -388,7 +371,7 @@ def topology_device(chip: str):
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(
-        topology_name=TOPOLOGY_NAMES[chip], platform="tpu", chips_per_host_bounds=(1, 1, 1)
+        topology_name=FACTS[chip].topology, platform="tpu", chips_per_host_bounds=(1, 1, 1)
     )
     return topology.devices[0]
 
@@ -418,22 +401,23 @@ def compile_here(fn, specs, chip: str) -> CompileReport:
             lowered = jax.jit(fn).lower(*structs)
     except Exception as err:  # a kernel Mosaic's lowering rejects: the message is the result
         return report(compiled=False, error=error_text(err), seconds=time.perf_counter() - start)
+    folder = dump_folder()
     key = (chip, hashlib.sha256(lowered.as_text().encode()).hexdigest())
-    if key in _REPORTS:  # JAX reuses its compiled executable, and libtpu writes no new dump
-        return _REPORTS[key]
-    before = set(os.listdir(_DUMP_DIR))
+    if key in folder.reports:  # JAX reuses its compiled executable: libtpu writes no new dump
+        return folder.reports[key]
+    before = set(os.listdir(folder.path))
     try:
         lowered.compile()
         seconds = time.perf_counter() - start
-        new_files = sorted(set(os.listdir(_DUMP_DIR)) - before)
-        kernels, notes = read_dump(_DUMP_DIR, new_files, pallas_kernel_names(lowered.as_text()))
+        new_files = sorted(set(os.listdir(folder.path)) - before)
+        kernels, notes = read_dump(folder.path, new_files, pallas_kernel_names(lowered.as_text()))
     except Exception as err:
         return report(compiled=False, error=error_text(err), seconds=time.perf_counter() - start)
     finally:  # the dump of each compile is read once, then removed
-        for name in set(os.listdir(_DUMP_DIR)) - before:
-            (_DUMP_DIR / name).unlink(missing_ok=True)
+        for name in set(os.listdir(folder.path)) - before:
+            (folder.path / name).unlink(missing_ok=True)
     result = report(compiled=True, kernels=kernels, notes=notes, seconds=seconds)
-    _REPORTS[key] = result
+    folder.reports[key] = result
     return result
 
 
@@ -447,13 +431,6 @@ def pallas_kernel_names(hlo_text: str) -> set[str]:
     if not names and "tpu_custom_call" in hlo_text:
         names.add("")  # a kernel without a name: recognise it by its custom-call entry bundle
     return names
-
-
-def libtpu_version() -> str:
-    try:
-        return importlib.metadata.version("libtpu")
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def compile_in_subprocess(fn, specs, chip: str) -> CompileReport:
@@ -485,212 +462,6 @@ def compile_in_subprocess(fn, specs, chip: str) -> CompileReport:
                 f"the compile process failed ({done.returncode=}):\n{first_lines(done.stderr, 30)}"
             )
         return pickle.loads(response.read_bytes())
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading the dump.
-# ---------------------------------------------------------------------------------------------
-
-# "  0x2b1 LB: >>> { ops ;; ops }": address, optional control tag, loop depth, then the bundle.
-BUNDLE_LINE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:([A-Z]{2}):|:)\s*(>*)\s*\{")
-SOURCE_LOC = re.compile(r'loc\("([^"]+)":(\d+)')
-VMEM_ALLOCATION = re.compile(
-    r"#allocation(\w*) \[shape = '[^']*', space=vmem, size = (0x[0-9a-f]+|\d+), "
-    r"offset = (0x[0-9a-f]+|\d+)"
-)
-DUMP_FILE = re.compile(r"^\d+-(.+)-\d\d-(final_bundles|post-delay-converter)\.txt$")
-
-# Excerpts in libtpu 0.0.42.1's format, for the examples below: a loop (`LB:` opens it, `>`
-# marks its depth) holding a matmul, and one VMEM allocation plus one spilled vector register.
-EXAMPLE_BUNDLES = "\n".join([
-    "   0x0   :  { %s1 = smov 0 }",
-    "   0x1 LB: > { %v2 = vld [vmem:[#allocation2]] }",
-    "   0x2   : > { %v3 = vmatmul.bf16 %v2 }",
-    "   0x3 PF:  { %s4 = shalt }",
-])  # fmt: skip
-EXAMPLE_ALLOCATIONS = "\n".join([
-    "#allocation2 [shape = 'f32[8,128]', space=vmem, size = 0x1000, offset = 0x0, scoped]",
-    "#allocation7_spill [shape = 'u32[8,128]', space=vmem, size = 0x1000, offset = 0x1000, "
-    "scoped]",
-])  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class Bundle:
-    tag: str | None  # "LB" on a loop's first bundle
-    depth: int  # loop nesting: the number of ">"
-    text: str  # the ops, ";;"-separated, comments included
-
-    @property
-    def is_empty(self) -> bool:
-        return re.match(r"\{\s*\}", self.text) is not None  # "{}", perhaps with a comment
-
-
-def parse_bundles(text: str) -> list[Bundle]:
-    """The bundles of a `*-final_bundles.txt`, in order (comments may span several lines).
-
-    >>> text = EXAMPLE_BUNDLES
-    >>> print(text)
-       0x0   :  { %s1 = smov 0 }
-       0x1 LB: > { %v2 = vld [vmem:[#allocation2]] }
-       0x2   : > { %v3 = vmatmul.bf16 %v2 }
-       0x3 PF:  { %s4 = shalt }
-    >>> [(b.tag, b.depth) for b in parse_bundles(text)]
-    [(None, 0), ('LB', 1), (None, 1), ('PF', 0)]
-    """
-    bundles: list[list] = []
-    for line in text.splitlines():
-        m = BUNDLE_LINE.match(line)
-        if m:
-            bundles.append([m.group(2), len(m.group(3)), line[m.end() - 1 :]])
-        elif bundles:
-            bundles[-1][2] += "\n" + line
-    return [Bundle(tag, depth, text) for tag, depth, text in bundles]
-
-
-def loop_extents(bundles: list[Bundle]) -> list[tuple[int, int]]:
-    """[start, end) of every loop body: from its `LB` bundle to the next *marked* bundle (one
-    with a tag, such as `LB` or `PF`) of smaller depth.
-
-    Only marked bundles end a loop: the scheduler may move predicated ops of an outer loop into
-    an inner loop's body, and those bundles show the outer loop's smaller depth in the middle
-    of the inner loop.
-
-    >>> loop_extents(parse_bundles(EXAMPLE_BUNDLES))   # the loop: bundles 1 and 2
-    [(1, 3)]
-    """
-    extents = []
-    for start, bundle in enumerate(bundles):
-        if bundle.tag != "LB":
-            continue
-        end = next(
-            (
-                j
-                for j in range(start + 1, len(bundles))
-                if bundles[j].tag is not None and bundles[j].depth < bundle.depth
-            ),
-            len(bundles),
-        )
-        extents.append((start, end))
-    return extents
-
-
-def kv_block_loop(bundles: list[Bundle]) -> tuple[int, int] | None:
-    """The deepest loop that holds a vmatmul (the longest, if several are as deep).
-
-    >>> kv_block_loop(parse_bundles(EXAMPLE_BUNDLES))
-    (1, 3)
-    """
-    holding = [
-        (bundles[s].depth, e - s, (s, e))
-        for s, e in loop_extents(bundles)
-        if any("vmatmul" in b.text for b in bundles[s:e])
-    ]
-    return max(holding)[2] if holding else None
-
-
-def ops_by_source_line(bundles: list[Bundle]) -> collections.Counter:
-    """How many ops each source line produced (the first `loc` of each op)."""
-    counts: collections.Counter = collections.Counter()
-    for bundle in bundles:
-        for op in bundle.text.strip("{} \n").split(";;"):
-            m = SOURCE_LOC.search(op)
-            if m:
-                counts[(m.group(1), int(m.group(2)))] += 1
-    return counts
-
-
-def short_path(path: str) -> str:
-    """.../site-packages/jax/x.py -> jax/x.py; /repo/minilib/kernel.py -> minilib/kernel.py."""
-    parts = Path(path).parts
-    for anchor in ("site-packages", "dist-packages"):
-        if anchor in parts:
-            return "/".join(parts[parts.index(anchor) + 1 :])
-    return "/".join(parts[-2:])
-
-
-def vmem_usage(text: str) -> tuple[int, int] | None:
-    """(peak VMEM bytes, spill bytes) from a `*-post-delay-converter.txt`.
-
-    >>> print(EXAMPLE_ALLOCATIONS)
-    #allocation2 [shape = 'f32[8,128]', space=vmem, size = 0x1000, offset = 0x0, scoped]
-    #allocation7_spill [shape = 'u32[8,128]', space=vmem, size = 0x1000, offset = 0x1000, scoped]
-    >>> vmem_usage(EXAMPLE_ALLOCATIONS)
-    (8192, 4096)
-    """
-    peak = spills = 0
-    found = False
-    for m in VMEM_ALLOCATION.finditer(text):
-        found = True
-        size, offset = int(m.group(2), 0), int(m.group(3), 0)
-        peak = max(peak, offset + size)
-        if m.group(1).endswith("_spill"):
-            spills += size
-    return (peak, spills) if found else None
-
-
-def kernel_stats(name: str, bundles_text: str, allocations_text: str | None):
-    notes = []
-    bundles = parse_bundles(bundles_text)
-    if not bundles:
-        return None, [f"{name}: bundle dump format not recognised ({dump_hint()})"]
-    loop = kv_block_loop(bundles)
-    if loop is None:
-        notes.append(f"{name}: no loop holds a vmatmul, so there is no KV-block loop to count")
-    body = bundles[loop[0] : loop[1]] if loop else bundles
-    ops = ops_by_source_line(body)
-    top = [(f"{short_path(path)}:{line}", n, linecache.getline(path, line).strip())
-           for (path, line), n in ops.most_common(8)]  # fmt: skip
-    usage = vmem_usage(allocations_text) if allocations_text else None
-    if usage is None:
-        notes.append(f"{name}: no VMEM allocations found in the dump ({dump_hint()})")
-    stats = KernelStats(
-        name=name,
-        total_bundles=len(bundles),
-        bundles_per_kv_block=(loop[1] - loop[0]) if loop else None,
-        vmem_bytes=usage[0] if usage else None,
-        spill_bytes=usage[1] if usage else None,
-        top_source_lines=tuple((location, n) for location, n, _ in top),
-        source_code={location: code for location, _, code in top},
-    )
-    return stats, notes
-
-
-def dump_hint() -> str:
-    checked = CHECKED_LIBTPU[NEWEST_CHECKED_JAX]
-    return (
-        f"libtpu {libtpu_version()} here; the reader was checked on libtpu {checked}: "
-        f'pip install "jax[tpu]=={NEWEST_CHECKED_JAX}" libtpu=={checked}'
-    )
-
-
-def read_dump(dump_dir: Path, names: list[str], kernel_names: set[str]):
-    """KernelStats of every Pallas kernel among the dump files `names`, and notes.
-
-    XLA's own programs (the top-level program, fusions such as `broadcast.0`) are dumped too;
-    a Pallas kernel's file is named after the kernel (`name.1`), and its first bundle says it
-    is a custom call.
-    """
-    files: dict[str, dict[str, str]] = collections.defaultdict(dict)
-    for name in names:
-        m = DUMP_FILE.match(name)
-        if m and m.group(1) not in NON_KERNEL_PROGRAMS:
-            files[m.group(1)][m.group(2)] = (dump_dir / name).read_text(errors="replace")
-    kernels, notes = [], []
-    for kernel_name, texts in sorted(files.items()):
-        bundles_text = texts.get("final_bundles", "")
-        base_name = re.sub(r"\.\d+$", "", kernel_name)
-        if base_name not in kernel_names and "custom-call(" not in bundles_text[:20000]:
-            continue
-        stats, kernel_notes = kernel_stats(
-            kernel_name, bundles_text, texts.get("post-delay-converter")
-        )
-        notes += kernel_notes
-        if stats is not None:
-            kernels.append(stats)
-    if kernel_names and not kernels:
-        notes.append(f"libtpu wrote no readable bundle dump for the Pallas kernel ({dump_hint()})")
-    return tuple(kernels), tuple(notes)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,10 +17,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from minilib.tpu.compile import CHIPS, CompileReport, compile_for_tpu, kib
+from minilib.tpu.chips import CHIPS
+from minilib.tpu.compile import CompileReport, compile_for_tpu, kib
 
 # `add_arguments` and `run` are `python -m minilib compile`'s command line, not the library's.
-__all__ = ["compile_rpa", "rpa_kernel", "rpa_specs", "side_by_side", "static_targets"]
+__all__ = ["compile_rpa", "rpa_function", "rpa_specs", "side_by_side", "static_targets"]
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32, "fp8": jnp.float8_e4m3fn}
 
@@ -62,10 +63,10 @@ def rpa_specs(
     )
 
 
-def rpa_kernel(which: str):
+def rpa_function(which: str):
     """`ours`: minilib's kernel, compiled (not interpreted); `jax`: JAX's own.
 
-    >>> rpa_kernel("ours").keywords, rpa_kernel("jax").__module__
+    >>> rpa_function("ours").keywords, rpa_function("jax").__module__
     ({'interpret': False}, 'jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel')
     """
     if which == "ours":
@@ -96,13 +97,13 @@ def compile_rpa(which: str, specs, *, chip: str = "v5e", **options) -> CompileRe
     True
     """
     options.setdefault("sm_scale", specs[0].shape[-1] ** -0.5)
-    return compile_for_tpu(functools.partial(rpa_kernel(which), **options), *specs, chip=chip)
+    return compile_for_tpu(functools.partial(rpa_function(which), **options), *specs, chip=chip)
 
 
 def side_by_side(ours: CompileReport, theirs: CompileReport) -> str:
     """A table of ours against JAX's kernel, then each one's top source lines.
 
-    >>> from minilib.tpu.compile import KernelStats
+    >>> from minilib.tpu.dump_reader import KernelStats
     >>> def report(bundles, spills):
     ...     stats = KernelStats("rpa.1", 5000, bundles, 9 << 20, spills, ())
     ...     return CompileReport("v5e", compiled=True, kernels=(stats,), libtpu_version="0.0.42.1")

@@ -13,9 +13,9 @@ import dataclasses
 
 from jax.experimental.pallas import tpu as pltpu
 
-__all__ = ["CHIPS", "ChipMemories", "chip_memories", "why_unavailable"]
+from minilib.tpu.chips import CHIPS
 
-CHIPS = ("v4", "v5e", "v5p", "v6e")
+__all__ = ["ChipMemories", "chip_memories", "why_unavailable"]
 
 
 @dataclasses.dataclass(frozen=True)

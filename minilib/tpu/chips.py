@@ -1,0 +1,57 @@
+"""The TPU chips the course compiles for and reasons about, and their published figures.
+
+One table, so that every module names a chip the same way and reads the same figures: the
+compile-only topology `minilib.tpu.compile` asks JAX for, the device kinds JAX reports on a
+real chip, the core clock the static cost model divides bundles by, and the two roofline
+figures, HBM bandwidth and dense bf16 peak, per chip (from Google Cloud's TPU system
+architecture pages; v6e's 1.75 GHz clock is an assumption, the others follow from each chip's
+published peak: peak bf16 FLOP/s = 2 * MXUs * MXU size^2 * clock).
+
+Data only: no code looks a chip up by anything but its key.
+
+>>> CHIPS
+('v4', 'v5e', 'v5p', 'v6e')
+>>> FACTS["v5e"].clock_hz / 1e9, FACTS["v5e"].topology
+(1.5, 'v5e:1x1')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["CHIPS", "DEVICE_KINDS", "FACTS", "ChipFacts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipFacts:
+    """One chip's published figures, per device (one chip, or one core in split mode).
+
+    >>> FACTS["v6e"].hbm_bytes_per_s / 1e9, FACTS["v6e"].peak_flops_per_s / 1e12  # GB/s, TFLOP/s
+    (1640.0, 918.0)
+    """
+
+    name: str  # as people write it: "TPU v5e"
+    topology: str  # jax.experimental.topologies' name of one chip
+    clock_hz: float  # core clock: one VLIW bundle issued per cycle when nothing stalls
+    hbm_bytes_per_s: float  # HBM bandwidth
+    peak_flops_per_s: float  # dense bf16 matmul peak
+
+
+FACTS: dict[str, ChipFacts] = {
+    "v4": ChipFacts("TPU v4", "v4:1x1x1", 1.05e9, 1200e9, 275e12),
+    "v5e": ChipFacts("TPU v5e", "v5e:1x1", 1.5e9, 819e9, 197e12),
+    "v5p": ChipFacts("TPU v5p", "v5p:1x1x1", 1.75e9, 2765e9, 459e12),
+    "v6e": ChipFacts("TPU v6e", "v6e:1x1", 1.75e9, 1640e9, 918e12),
+}
+CHIPS = tuple(FACTS)
+
+# `jax.devices()[0].device_kind` on a real chip -> its key in FACTS.
+DEVICE_KINDS: dict[str, str] = {
+    "TPU v4": "v4",
+    "TPU v5 lite": "v5e",
+    "TPU v5e": "v5e",
+    "TPU v5": "v5p",
+    "TPU v5p": "v5p",
+    "TPU v6 lite": "v6e",
+    "TPU v6e": "v6e",
+}
