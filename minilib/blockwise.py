@@ -44,10 +44,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from minilib.kv_cache import cdiv
 from minilib.masking import is_masked, kv_blocks_to_visit, q_position
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.reference import apply_soft_cap, dequantize
-from minilib.validation import cdiv, validate_inputs
+from minilib.validation import validate_inputs
 
 __all__ = [
     "DEFAULT_NUM_KV_PAGES_PER_BLOCK",

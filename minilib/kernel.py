@@ -390,13 +390,8 @@ def rpa_kernel(
     copier_class: type[KVBlockCopier],
 ):
     """One grid step: one block of q rows, one block of heads."""
-    if trace_capacity:
-        o_ref, trace_ref, kv_bufs, sems, m_ref, l_ref, acc_ref, slot_ref, num_seqs_in_order_ref = (
-            refs
-        )
-    else:
-        trace_ref = None
-        o_ref, kv_bufs, sems, m_ref, l_ref, acc_ref, slot_ref, num_seqs_in_order_ref = refs
+    *outputs, kv_bufs, sems, m_ref, l_ref, acc_ref, slot_ref, num_seqs_in_order_ref = refs
+    o_ref, trace_ref = outputs[0], outputs[1] if trace_capacity else None
     # o_ref: [num_queries_per_block, num_q_heads_per_block, head_dim], VMEM
     # kv_bufs: [2, num_kv_pages_per_block, page_size, 2*num_kv_heads_per_block, head_dim]
     # m_ref, l_ref: f32[num_kv_heads_per_block, rows_per_kv_head, LANES]
@@ -410,7 +405,7 @@ def rpa_kernel(
         config,
         total_num_pages=kv_pages_hbm_ref.shape[0],
     )
-    dma = copier_class(kv_pages_hbm_ref, kv_bufs, sems, batch, config)
+    dma = copier_class(kv_pages_hbm_ref, kv_bufs, sems, batch)
     softmax = OnlineSoftmax(m_ref, l_ref, acc_ref, config)
     trace = Trace(trace_ref, trace_capacity)
     step = (pl.program_id(0), pl.program_id(1))  # (heads_blk, q_blk)
@@ -464,27 +459,28 @@ class QBlockWalker:
 
     def attend_seq(self, carry):
         seq, slot = carry
-        first_kv_blk, end_kv_blk = seq_kv_blocks(self.batch, self.config, seq, self.q_blk)
+        first_kv_blk, end_kv_blk = seq_kv_blocks(self.batch, seq, self.q_blk)
         following = next_live_seq(self.batch, seq + 1)
         span = SeqSpan(self.batch.q_start(seq), self.batch.q_end(seq), self.batch.kv_len(seq))
         num_pages = pl.cdiv(span.kv_len, self.config.page_size)
-        last = Work(self.heads_blk, seq, end_kv_blk - 1, num_pages)
-        after_seq = work_after_seq(
-            self.batch, self.config, self.q_blk, last, following, self.first_live
-        )
-        attend = functools.partial(self.attend_kv_block, last, span, after_seq)
+        seq_work = Work(self.heads_blk, seq, first_kv_blk, num_pages)
+        after_seq = work_after_seq(self.batch, self.q_blk, seq_work, following, self.first_live)
+        attend = functools.partial(self.attend_kv_block, seq_work, end_kv_blk, span, after_seq)
         slot = lax.fori_loop(first_kv_blk, end_kv_blk, attend, slot)
         return following, slot
 
-    def attend_kv_block(self, last: Work, span: SeqSpan, after_seq: Work, kv_blk, slot):
+    def attend_kv_block(
+        self, seq_work: Work, end_kv_blk, span: SeqSpan, after_seq: Work, kv_blk, slot
+    ):
         """Start copying the next KV block into the other slot, wait for this one, and fold
         it into the softmax of the sequence's rows, one KV head at a time.
 
-        `last` is the sequence's last KV block here, `after_seq` the one after it, and `span`
-        its rows and kv_len: all worked out once per sequence, in `attend_seq`."""
+        `seq_work` is the sequence's work here (at its first KV block), `end_kv_blk` the end of
+        its KV blocks, `after_seq` the work after them, and `span` its rows and kv_len: all
+        worked out once per sequence, in `attend_seq`."""
         step = (self.heads_blk, self.q_blk)
-        here = dataclasses.replace(last, kv_blk=kv_blk)
-        nxt = next_work(here, last.kv_blk + 1, after_seq)
+        here = dataclasses.replace(seq_work, kv_blk=kv_blk)
+        nxt = next_work(here, end_kv_blk, after_seq)
         other = other_slot(slot)
 
         @pl.when(nxt.heads_blk < self.config.num_heads_blocks)
@@ -603,12 +599,12 @@ def first_seq_in_q_block(batch: SeqTable, q_blk_start):
     )
 
 
-def seq_kv_blocks(batch: SeqTable, config: KernelConfig, seq, q_blk):
+def seq_kv_blocks(batch: SeqTable, seq, q_blk):
     """The KV blocks [first, end) that the rows of `seq` in q block `q_blk` visit:
     `kv_blocks_to_visit` of the positions of their first and last row. Blocks outside that
     range are skipped: their copy and their compute would be thrown away.
     """
-    c = config
+    c = batch.config
     q_start, q_end, kv_len = batch.q_start(seq), batch.q_end(seq), batch.kv_len(seq)
     first_row = jnp.maximum(q_start, q_blk * c.num_queries_per_block)
     last_row = jnp.minimum(q_end, (q_blk + 1) * c.num_queries_per_block) - 1
@@ -642,7 +638,7 @@ def first_work(batch: SeqTable) -> Work:
     `seq` is `num_seqs` if there is no live sequence."""
     seq = next_live_seq(batch, 0)
     seq_q_blk = batch.q_start(seq_or_last(batch, seq)) // batch.config.num_queries_per_block
-    first_kv_blk, _ = seq_kv_blocks(batch, batch.config, seq_or_last(batch, seq), seq_q_blk)
+    first_kv_blk, _ = seq_kv_blocks(batch, seq_or_last(batch, seq), seq_q_blk)
     num_pages = batch.num_pages(seq_or_last(batch, seq))
     return Work(jnp.int32(0), seq, first_kv_blk, num_pages)
 
@@ -652,8 +648,8 @@ def seq_or_last(batch: SeqTable, seq):
     return jnp.clip(seq, 0, jnp.maximum(batch.num_seqs() - 1, 0))
 
 
-def work_after_seq(batch: SeqTable, config: KernelConfig, q_blk, here: Work, following, first_live):
-    """The KV block the kernel will attend to after the last one of `here.seq` in q block
+def work_after_seq(batch: SeqTable, q_blk, seq_work: Work, following, first_live):
+    """The KV block the kernel will attend to after the last one of `seq_work.seq` in q block
     `q_blk`. After the very last one, `heads_blk` is `num_heads_blocks`.
 
     In order: the same sequence in the next q block (if its rows go on); else the next live
@@ -661,19 +657,18 @@ def work_after_seq(batch: SeqTable, config: KernelConfig, q_blk, here: Work, fol
     at its first visible KV block. It depends on the sequence only, not on the KV block, so
     it is worked out once per sequence, outside the loop over KV blocks.
     """
-    c = config
-    bq = c.num_queries_per_block
-    rows_go_on = batch.q_end(here.seq) > (q_blk + 1) * bq
+    bq = batch.config.num_queries_per_block
+    rows_go_on = batch.q_end(seq_work.seq) > (q_blk + 1) * bq
     heads_done = following >= batch.num_seqs()
 
     # From the last resort to the first choice, each overriding the one before: the first live
     # sequence of the next heads block, the next live sequence, this sequence ...
     seq = jnp.where(heads_done, first_live, following)
-    seq = jnp.where(rows_go_on, here.seq, seq)
+    seq = jnp.where(rows_go_on, seq_work.seq, seq)
     # ... each in the q block holding its first row, except this one, which goes on in the next.
     seq_q_blk = jnp.where(rows_go_on, q_blk + 1, batch.q_start(seq) // bq)
-    first_kv_blk, _ = seq_kv_blocks(batch, c, seq, seq_q_blk)
-    heads_blk = jnp.where(heads_done & ~rows_go_on, here.heads_blk + 1, here.heads_blk)
+    first_kv_blk, _ = seq_kv_blocks(batch, seq, seq_q_blk)
+    heads_blk = jnp.where(heads_done & ~rows_go_on, seq_work.heads_blk + 1, seq_work.heads_blk)
     return Work(heads_blk, seq, first_kv_blk, batch.num_pages(seq))
 
 
@@ -697,12 +692,12 @@ def next_work(here: Work, end_kv_blk, after_seq: Work) -> Work:
 class KVBlockCopier:
     """Starts and waits for the page copies of one KV block into one slot of `kv_bufs`."""
 
-    def __init__(self, kv_pages_hbm_ref, kv_bufs, sems, batch: SeqTable, config: KernelConfig):
+    def __init__(self, kv_pages_hbm_ref, kv_bufs, sems, batch: SeqTable):
         self.kv_pages_hbm_ref = kv_pages_hbm_ref  # [total_num_pages, page_size, 2*kvh, hd]
         self.kv_bufs = kv_bufs  # [2, num_kv_pages_per_block, page_size, 2*kvh_per_blk, hd]
         self.sems = sems  # DMA semaphores [2]
         self.batch = batch
-        self.config = config
+        self.config = batch.config
 
     def buffer(self, slot):
         """The VMEM buffer of a slot: [num_kv_pages_per_block, page_size, 2*kvh_per_blk, hd]."""

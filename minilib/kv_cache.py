@@ -33,19 +33,30 @@ import jax.numpy as jnp
 import numpy as np
 
 from minilib.errors import KVCacheError
-from minilib.validation import cdiv
 
 __all__ = [
     "FILL_ORDERS",
     "PageAllocator",
     "PagedKVCache",
     "bucket_size",
+    "cdiv",
     "fill_cache",
     "gather_kv",
     "pages_needed",
     "pool_pages_needed",
     "write_tokens",
 ]
+
+
+def cdiv(a, b):
+    """ceil(a / b) for whole numbers a >= 0 and b > 0, Python ints or JAX integer arrays: how
+    many blocks of b things hold a things. Pages first (`pages_needed`), then q blocks of
+    rows and KV blocks of pages in the kernels.
+
+    >>> cdiv(17, 16), cdiv(16, 16), cdiv(0, 16)
+    (2, 1, 0)
+    """
+    return -(-a // b)
 
 
 def pages_needed(seq_len: int, page_size: int) -> int:

@@ -71,16 +71,27 @@ class AttentionOptions:
             mask_value=_mask_value(self.mask_value),
             k_scale=_scale("k_scale", self.k_scale),
             v_scale=_scale("v_scale", self.v_scale),
-            sliding_window=_whole_number("sliding_window", self.sliding_window),
+            sliding_window=_positive(
+                "sliding_window",
+                self.sliding_window,
+                "sliding_window=w lets each query see its last w keys, itself included; "
+                "use None for no window.",
+            ),
+            # Its range, 1 to pages_per_seq, needs the arrays: static_validate_inputs checks it.
             num_kv_pages_per_block=_whole_number(
                 "num_kv_pages_per_block", self.num_kv_pages_per_block
             ),
-            num_queries_per_block=_whole_number(
-                "num_queries_per_block", self.num_queries_per_block
+            num_queries_per_block=_positive(
+                "num_queries_per_block",
+                self.num_queries_per_block,
+                "use a positive number of q rows per block, or None for the default.",
             ),
-            vmem_limit_bytes=_whole_number("vmem_limit_bytes", self.vmem_limit_bytes),
+            vmem_limit_bytes=_positive(
+                "vmem_limit_bytes",
+                self.vmem_limit_bytes,
+                "pass a byte count (e.g. 32 * 1024 * 1024), or None for the compiler's default.",
+            ),
         )
-        _check_positive(**checked)
         for name, value in checked.items():  # frozen: set as dataclasses' own __init__ does
             object.__setattr__(self, name, value)
 
@@ -152,35 +163,17 @@ def _scale(name: str, scale) -> float | None:
     return float(scale)
 
 
-def _check_positive(*, sliding_window, num_queries_per_block, vmem_limit_bytes, **_) -> None:
-    # JAX's checks, in JAX's words. num_kv_pages_per_block is checked against pages_per_seq,
-    # by static_validate_inputs.
-    if sliding_window is not None and sliding_window <= 0:
-        raise RPAInputError(
-            f"{sliding_window=} must be positive.",
-            "sliding_window=w lets each query see its last w keys, itself included; "
-            "use None for no window.",
-        )
-    if num_queries_per_block is not None and num_queries_per_block <= 0:
-        raise RPAInputError(
-            f"{num_queries_per_block=} must be positive.",
-            "use a positive number of q rows per block, or None for the default.",
-        )
-    if vmem_limit_bytes is not None and vmem_limit_bytes <= 0:
-        raise RPAInputError(
-            f"{vmem_limit_bytes=} must be positive.",
-            "pass a byte count (e.g. 32 * 1024 * 1024), or None for the compiler's default.",
-        )
+def _positive(name: str, value, hint: str) -> int | None:
+    """`value` as a positive Python int (None stays None), in JAX's words where JAX checks."""
+    value = _whole_number(name, value)
+    if value is not None and value <= 0:
+        raise RPAInputError(f"{name}={value} must be positive.", hint)
+    return value
 
 
 def _real(name: str, value) -> float:
     """`value` as a Python float, or raise: it must be a concrete real scalar."""
-    if isinstance(value, jax.core.Tracer):
-        raise RPAInputError(
-            f"{name} is a traced value ({type(value).__name__}); it must be a concrete number.",
-            f"{name} is a compile-time constant: pass a Python float computed outside jit, "
-            "or mark it static (jax.jit(..., static_argnames=...)).",
-        )
+    _concrete(name, value)
     is_real_array = np.ndim(value) == 0 and np.dtype(getattr(value, "dtype", object)).kind in "iuf"
     if isinstance(value, bool | np.bool_) or not (isinstance(value, numbers.Real) or is_real_array):
         raise RPAInputError(
@@ -195,8 +188,9 @@ def _whole_number(name: str, value) -> int | None:
     block sizes."""
     if value is None:
         return None
+    _concrete(name, value)
     try:
-        if isinstance(value, bool | np.bool_) or isinstance(value, jax.core.Tracer):
+        if isinstance(value, bool | np.bool_):
             raise TypeError
         return operator.index(value)
     except TypeError:
@@ -205,3 +199,13 @@ def _whole_number(name: str, value) -> int | None:
             f"{name} counts tokens, pages or bytes: pass an int such as int(...), or None "
             "for the default.",
         ) from None
+
+
+def _concrete(name: str, value) -> None:
+    """Raise for a traced value: every option is a compile-time constant."""
+    if isinstance(value, jax.core.Tracer):
+        raise RPAInputError(
+            f"{name} is a traced value ({type(value).__name__}); it must be a concrete number.",
+            f"{name} is a compile-time constant: pass a Python number computed outside jit, "
+            "or mark it static (jax.jit(..., static_argnames=...)).",
+        )

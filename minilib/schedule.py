@@ -61,10 +61,10 @@ import numpy as np
 from minilib import kernel
 from minilib.errors import ScheduleTooBig
 from minilib.kernel_trace import TRACE_COMPUTE, TRACE_START, TRACE_WAIT
-from minilib.kv_cache import pages_needed
+from minilib.kv_cache import cdiv, pages_needed
 from minilib.masking import kv_blocks_to_visit, q_position
 from minilib.options import AttentionOptions
-from minilib.validation import cdiv, dynamic_validate_inputs
+from minilib.validation import dynamic_validate_inputs
 
 __all__ = [
     "KINDS",

@@ -28,25 +28,15 @@ import numpy as np
 
 from minilib.errors import RPAInputError
 from minilib.heads import check_head_counts
+from minilib.kv_cache import cdiv
 from minilib.options import AttentionOptions, attention_options
 
 __all__ = [
-    "cdiv",
     "check_dtypes",
     "dynamic_validate_inputs",
     "static_validate_inputs",
     "validate_inputs",
 ]
-
-
-def cdiv(a, b):
-    """ceil(a / b) for whole numbers a >= 0 and b > 0, Python ints or JAX integer arrays: how
-    many blocks of b things hold a things.
-
-    >>> cdiv(17, 16), cdiv(16, 16), cdiv(0, 16)
-    (2, 1, 0)
-    """
-    return -(-a // b)
 
 
 SHAPES = (

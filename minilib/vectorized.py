@@ -28,10 +28,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from minilib.kv_cache import cdiv
 from minilib.masking import is_masked, q_position
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.reference import apply_soft_cap, dequantize
-from minilib.validation import cdiv, validate_inputs
+from minilib.validation import validate_inputs
 
 __all__ = ["TILE", "attend_tile", "gather_all_kv", "q_tiles", "ragged_paged_attention_jnp"]
 

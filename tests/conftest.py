@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
     ref_ragged_paged_attention as jax_reference,
@@ -131,6 +132,60 @@ def case_batch(name: str) -> tuple[RaggedBatch, dict]:
         page_size=page_size,
     )
     return batch, dict(options)
+
+
+@st.composite
+def random_batches(draw, *, fixed_shapes: bool = False, dtypes=((jnp.float32, None),)):
+    """(batch, options): a random ragged batch (random lengths, idle sequences included, NaN
+    padding) and random attention options (sliding window, soft cap; the scales of an fp8
+    cache), the one random-batch builder of the tests.
+
+    dtypes: the (q dtype, KV dtype) pairs to draw from (KV dtype None: q's).
+
+    fixed_shapes: the same array shapes every time (5 sequence slots of 6 pages of 4 tokens,
+    40 q rows, 4 q heads on 2 KV heads) and two option sets, so that a jitted implementation
+    compiles twice in all; else head counts, page size and padding vary too.
+    """
+    if fixed_shapes:
+        num_kv_heads, group, page_size, pages_per_seq = 2, 2, 4, 6
+        max_seqs, max_kv_len, max_q_len = 5, pages_per_seq * page_size, 8
+    else:
+        num_kv_heads = draw(st.sampled_from([1, 2]))
+        group = draw(st.sampled_from([1, 2, 4]))
+        page_size = draw(st.sampled_from([1, 3, 8, 16]))
+        max_seqs, max_kv_len, max_q_len = 5, 40, 40
+    n = draw(st.integers(0, max_seqs))
+    seq_lens = []
+    for _ in range(n):
+        kv_len = draw(st.integers(0, max_kv_len))
+        seq_lens.append((draw(st.integers(0, min(kv_len, max_q_len))), kv_len))
+    if fixed_shapes:
+        shapes = dict(max_num_batched_tokens=40, max_num_seqs=max_seqs, pages_per_seq=pages_per_seq,
+                      total_num_pages=max_seqs * pages_per_seq + 3)  # fmt: skip
+    else:
+        padding_rows, padding_slots = draw(st.integers(1, 8)), draw(st.integers(0, 2))
+        shapes = dict(max_num_batched_tokens=padding_rows + sum(q for q, _ in seq_lens),
+                      max_num_seqs=max(n + padding_slots, 1))  # fmt: skip
+    dtype, kv_dtype = draw(st.sampled_from(dtypes))
+    batch = make_batch(
+        seq_lens,
+        num_q_heads=num_kv_heads * group,
+        num_kv_heads=num_kv_heads,
+        head_dim=32,
+        page_size=page_size,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        seed=draw(st.integers(0, 2**16)),
+        **shapes,
+    )
+    options = {} if kv_dtype is None else {"k_scale": 0.5, "v_scale": 2.0}
+    if fixed_shapes:
+        return batch, {**options, "sliding_window": draw(st.sampled_from([None, 5]))}
+    if draw(st.booleans()):
+        options["sliding_window"] = draw(st.integers(1, 12))
+    if draw(st.booleans()):
+        options["soft_cap"] = draw(st.floats(0.5, 30.0))
+    return batch, options
 
 
 def assert_close(got, want, dtype) -> float:

@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import CASES, assert_close, assert_matches_jax, case_batch, property_tests
-from hypothesis import strategies as st
+from conftest import (
+    CASES,
+    assert_close,
+    assert_matches_jax,
+    case_batch,
+    property_tests,
+    random_batches,
+)
 
 import minilib
 from minilib import make_batch, ragged_paged_attention_jnp, ref_ragged_paged_attention
@@ -55,34 +61,6 @@ def test_causal_offset_matters():
     v0 = np.asarray(v_pages[a.page_indices[0, 0], 0])  # [num_kv_heads, head_dim]
     group = a.q.shape[1] // v0.shape[0]
     np.testing.assert_allclose(out[0], np.repeat(v0, group, axis=0), rtol=1e-6)
-
-
-@st.composite
-def random_batches(draw):
-    num_kv_heads = draw(st.sampled_from([1, 2]))
-    group = draw(st.sampled_from([1, 2, 4]))
-    page_size = draw(st.sampled_from([1, 3, 8, 16]))
-    n = draw(st.integers(0, 5))
-    seq_lens = []
-    for _ in range(n):
-        kv_len = draw(st.integers(0, 40))
-        seq_lens.append((draw(st.integers(0, kv_len)), kv_len))
-    options = {}
-    if draw(st.booleans()):
-        options["sliding_window"] = draw(st.integers(1, 12))
-    if draw(st.booleans()):
-        options["soft_cap"] = draw(st.floats(0.5, 30.0))
-    batch = make_batch(
-        seq_lens,
-        num_q_heads=num_kv_heads * group,
-        num_kv_heads=num_kv_heads,
-        head_dim=32,
-        page_size=page_size,
-        max_num_batched_tokens=draw(st.integers(1, 8)) + sum(q for q, _ in seq_lens),
-        max_num_seqs=n + draw(st.integers(0, 2)) or 1,
-        seed=draw(st.integers(0, 2**16)),
-    )
-    return batch, options
 
 
 def check_jnp_matches_jax_reference(batch_and_options):

@@ -21,10 +21,9 @@ from conftest import (
     case_batch,
     padded_batch,
     property_tests,
+    random_batches,
 )
-from hypothesis import strategies as st
 
-from minilib.batch import make_batch
 from minilib.blockwise import (
     fold_heads_into_rows,
     q_block_window,
@@ -128,31 +127,6 @@ def test_working_memory_does_not_grow_with_pages_per_seq():
     assert flash[1] < gather_all[1] / 8
 
 
-@st.composite
-def random_batches(draw):
-    """Random lengths and live counts on FIXED shapes, so each option set compiles once."""
-    max_num_seqs, pages_per_seq, page_size = 5, 6, 4
-    n = draw(st.integers(0, max_num_seqs))
-    seq_lens = []
-    for _ in range(n):
-        kv_len = draw(st.integers(0, pages_per_seq * page_size))
-        seq_lens.append((draw(st.integers(0, min(kv_len, 8))), kv_len))
-    batch = make_batch(
-        seq_lens,
-        num_q_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        page_size=page_size,
-        max_num_batched_tokens=40,
-        max_num_seqs=max_num_seqs,
-        pages_per_seq=pages_per_seq,
-        total_num_pages=max_num_seqs * pages_per_seq + 3,
-        seed=draw(st.integers(0, 2**16)),
-    )
-    options = {"sliding_window": draw(st.sampled_from([None, 5]))}
-    return batch, options
-
-
 def check_blockwise_matches_jnp(batch_and_options):
     """The gather-all jnp version (itself checked against JAX's reference in
     test_attention.py) compiles once for all these shapes; JAX's reference, once per
@@ -180,10 +154,10 @@ def check_blockwise_matches_jax_reference(batch_and_options):
 # JAX's reference compiles once per example, the jnp version once for all: many examples
 # against jnp, a few against JAX's reference; the slow suite runs many of both.
 test_property_matches_jnp, test_property_matches_jnp_sweep = property_tests(
-    check_blockwise_matches_jnp, random_batches(), fast=15, slow=300
+    check_blockwise_matches_jnp, random_batches(fixed_shapes=True), fast=15, slow=300
 )
 test_property_matches_jax_reference, test_property_matches_jax_reference_sweep = property_tests(
-    check_blockwise_matches_jax_reference, random_batches(), fast=4, slow=60
+    check_blockwise_matches_jax_reference, random_batches(fixed_shapes=True), fast=4, slow=60
 )
 
 

@@ -34,19 +34,19 @@ from conftest import (
     assert_output_matches_jax,
     jax_reference_jitted,
     one_of_each_batch,
-    padded_batch,
+    random_batches,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from minilib.batch import make_batch, random_seq_lens
-from minilib.block_sizes import default_block_sizes
+from minilib.batch import make_batch
 from minilib.errors import RPAInputError
 from minilib.kernel import (
     KVBlockCopier,
     can_load_kv_strided,
     kernel_config,
-    num_kv_heads_per_block,
     ragged_paged_attention,
     resolve_interpret,
     rpa_pallas_call,
@@ -66,7 +66,9 @@ def run_kernel(interpret=INTERPRET):
 # Parity: the fast suite.
 # ---------------------------------------------------------------------------------------------
 
-CASES = {
+# The kernel's own cases, with their make_batch options (conftest.CASES are every
+# implementation's).
+KERNEL_CASES = {
     # name: (seq_lens, make_batch options, kernel options)
     "decode": (
         [(1, 20), (1, 5), (1, 33), (1, 1)],
@@ -108,9 +110,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("dma_mode", list(DMA_MODES))
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_matches_jax_reference(name, dma_mode):
-    seq_lens, batch_options, options = CASES[name]
+    seq_lens, batch_options, options = KERNEL_CASES[name]
     batch = make_batch(seq_lens, **batch_options)
     assert_matches_jax(run_kernel(DMA_MODES[dma_mode]), batch, sm_scale=0.125, **options)
 
@@ -278,62 +280,23 @@ def test_explicit_interpret_values_are_kept():
     assert resolve_interpret(params) is params
 
 
-def test_default_block_sizes():
-    kw = dict(max_num_batched_tokens=512, bytes_per_page=16 * 16 * 128 * 2)
-    assert default_block_sizes(page_size=16, pages_per_seq=64, **kw) == (16, 32)
-    assert default_block_sizes(page_size=128, pages_per_seq=64, **kw) == (4, 32)
-    assert default_block_sizes(page_size=16, pages_per_seq=3, **kw) == (3, 32)
-    # Few q rows: one q block holds them all.
-    kw["max_num_batched_tokens"] = 8
-    assert default_block_sizes(page_size=16, pages_per_seq=64, **kw) == (16, 8)
-    # Huge pages: halve until both KV slots fit the VMEM budget.
-    kw["bytes_per_page"] = 1024 * 1024
-    assert default_block_sizes(page_size=16, pages_per_seq=64, **kw) == (2, 8)
-
-
-def test_heads_blocks_are_tile_aligned():
-    assert num_kv_heads_per_block(32, 8, jnp.bfloat16, jnp.bfloat16) == 8  # 16 K/V slots
-    assert num_kv_heads_per_block(32, 16, jnp.bfloat16, jnp.bfloat16) == 8
-    assert num_kv_heads_per_block(16, 8, jnp.float32, jnp.float32) == 4
-    assert num_kv_heads_per_block(8, 8, jnp.float32, jnp.float32) == 8  # 4 q heads: too few
-    assert num_kv_heads_per_block(32, 16, jnp.bfloat16, jnp.float8_e4m3fn) == 16
-
-
 # ---------------------------------------------------------------------------------------------
 # The slow sweep: random batches, random block sizes.
 # ---------------------------------------------------------------------------------------------
 
 
+KERNEL_DTYPES = ((jnp.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, jnp.float8_e4m3fn))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(12))
-def test_random_batches(seed):
-    rng = np.random.default_rng(seed)
-    page_size = int(rng.choice([8, 16]))
-    num_kv_heads = int(rng.choice([1, 2, 4]))
-    group = int(rng.choice([1, 2, 4]))
-    seq_lens = random_seq_lens(int(rng.integers(1, 6)), max_kv_len=70, max_q_len=20, seed=seed)
-    dtype, kv_dtype, scales = [
-        (jnp.float32, None, {}),
-        (jnp.bfloat16, None, {}),
-        (jnp.bfloat16, jnp.float8_e4m3fn, dict(k_scale=0.5, v_scale=2.0)),
-    ][seed % 3]
-    batch = padded_batch(
-        seq_lens,
-        num_q_heads=num_kv_heads * group,
-        num_kv_heads=num_kv_heads,
-        head_dim=32,
-        page_size=page_size,
-        pages_per_seq=-(-70 // page_size),
-        dtype=dtype,
-        kv_dtype=kv_dtype,
-        seed=seed,
-    )
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_batches(dtypes=KERNEL_DTYPES), st.data())
+def test_random_batches(batch_and_options, data):
+    batch, options = batch_and_options
     pages_per_seq = batch.page_indices.shape[1]
-    options = dict(
-        num_kv_pages_per_block=int(rng.integers(1, pages_per_seq + 1)),
-        num_queries_per_block=int(rng.choice([1, 3, 8, 16])),
-        sliding_window=[None, int(rng.integers(1, 30))][seed % 2],
-        soft_cap=[None, 30.0][seed % 4 // 2],
-        **scales,
+    blocks = dict(
+        num_kv_pages_per_block=data.draw(st.integers(1, pages_per_seq)),
+        num_queries_per_block=data.draw(st.sampled_from([1, 3, 8, 16])),
     )
-    assert_matches_jax(run_kernel(), batch, sm_scale=float(rng.uniform(0.05, 0.3)), **options)
+    sm_scale = data.draw(st.floats(0.05, 0.3))
+    assert_matches_jax(run_kernel(), batch, sm_scale=sm_scale, **blocks, **options)

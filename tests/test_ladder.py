@@ -134,20 +134,6 @@ def test_aligned_blocks_agree_with_the_first_kernel():
     assert_finite_and_close(jnp.where(rows, out, 0), jnp.where(rows, first, 0), q.dtype)
 
 
-def test_chip_memories_come_from_jaxs_table():
-    from minilib.tpu.chips import CHIPS
-    from minilib.tpu.memory import chip_memories, why_unavailable
-
-    rows = chip_memories()
-    if not hasattr(pltpu, "get_tpu_info_for_chip"):
-        assert rows is None and "get_tpu_info_for_chip" in why_unavailable()
-        return
-    assert [r.chip for r in rows] == list(CHIPS)
-    v4, v5e = (pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(c), 1) for c in ("v4", "v5e"))
-    assert rows[0].vmem_bytes == v4.vmem_capacity_bytes
-    assert rows[1].vmem_bytes == v5e.vmem_capacity_bytes and rows[1].lanes == v5e.num_lanes
-
-
 # --- Mosaic, where libtpu is installed -----------------------------------------------------
 
 AVAILABLE, REASON = tpu_compile_available()

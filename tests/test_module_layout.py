@@ -1,10 +1,19 @@
-"""minilib's imports run the course's way: no cycle, and no module imports a later layer.
+"""minilib's packages are the course's layers, and its imports run the course's way.
 
-The layers follow the course: errors, heads and options; validation; the KV cache and batches;
-the attention implementations; then what is built on them (schedule, figures, timing, the
-ladder's checks), and last the explorers, the command line, the engine and the exercises.
-A module may import its own layer and the layers before it. Every import counts, a lazy one
-inside a function too: a lazy import hides a cycle, it does not remove it.
+Two promises:
+
+* **The top level is the course.** What the learner builds, chapter by chapter, sits flat at
+  the top of `minilib` (`COURSE`), beside the packages of rungs, the engine and the exercises
+  they also write. The tools they use but never write live in packages named for their role:
+  `explore` (figures, explorers, the mistakes catalogue), `tpu` (static TPU analysis) and
+  `perf` (timing, workloads, the roofline, the benchmark).
+* **No module imports a later layer, and there is no cycle.** The layers follow the course:
+  errors, the mask rule and the facts every layer may read; heads and options; the paged KV
+  cache; batches and validation; the attention implementations; what is built on them
+  (schedule, figures, timing, the ladder); and last the explorers, the command line, the
+  engine and the exercises. A module may import its own layer and the layers before it.
+  Every import counts, a lazy one inside a function too: a lazy import hides a cycle, it does
+  not remove it.
 """
 
 from __future__ import annotations
@@ -19,25 +28,35 @@ import minilib
 
 PACKAGE = pathlib.Path(minilib.__file__).parent
 
+# The learner's own modules, flat at the top of minilib (minilib/README.md lists them by chapter).
+COURSE = {
+    "errors", "heads", "options", "kv_cache", "batch", "masking", "validation",  # ch. 01-05
+    "reference", "vectorized", "blockwise", "pallas_basics",  # ch. 04-07
+    "kernel", "kernel_trace", "schedule", "block_sizes",  # ch. 08-09
+    "ladder", "engine", "exercises",  # the rungs, the capstone, the exercises
+}  # fmt: skip
+# The tools, each package named for its role, and the two entry points.
+TOOLS = {"explore", "tpu", "perf", "doctor", "__main__"}
+
 LAYERS = [
-    # 0. Leaves: they import nothing of minilib.
+    # 0. Leaves, or nearly: what every layer may read (errors, the mask rule, the TPU chips
+    #    and the dump reader, the checkers' report machinery).
     ("errors", "masking", "kernel_trace", "tpu.chips", "tpu.dump_reader", "tpu.memory",
-     "perf.roofline", "tpu.compile",
-     "exercises.checking", "ladder.interpret"),
-    # 1-2. What every attention function checks its input with.
+     "tpu.compile", "perf.roofline", "exercises.checking", "ladder.interpret"),
+    # 1. Head grouping and the options object.
     ("heads", "options"),
-    ("validation",),
-    # 3. The paged KV cache and ragged batches.
-    ("kv_cache", "batch"),
+    # 2. The paged KV cache (chapter 02).
+    ("kv_cache",),
+    # 3. Ragged batches, and what every attention function checks its input with.
+    ("batch", "validation"),
     # 4. The implementations, and the kernel's block sizes.
     ("reference", "vectorized", "blockwise", "pallas_basics", "block_sizes", "kernel"),
     # 5. Built on them: the schedule, figures, timing, workloads, mistakes, the ladder.
     ("schedule", "explore.figures", "perf.timing", "perf.workloads", "explore.mistakes",
      "ladder", "ladder.*"),
-    # 6. The explorers, the command line, the engine, the exercises.
+    # 6. The explorers, the command line, the engine, the exercises, the packages' front doors.
     ("explore.widgets", "perf.bench", "tpu.kernel_costs", "doctor", "__main__", "engine",
-     "engine.*", "explore", "tpu", "perf",
-     "exercises", "exercises.*", ""),
+     "engine.*", "exercises", "exercises.*", "explore", "tpu", "perf", ""),
 ]  # fmt: skip
 
 
@@ -71,6 +90,22 @@ def layer_of(name: str) -> int:
         if any(fnmatch.fnmatchcase(name, p) for p in patterns):
             return i
     raise LookupError(f"minilib.{name} is in no layer: add it to LAYERS in {__file__}")
+
+
+def test_the_top_level_is_the_course_and_the_tools_are_in_packages():
+    top = {name.split(".")[0] for name in MODULES if name}
+    assert top == COURSE | TOOLS, (
+        f"not the course, not a tool package: {sorted(top - COURSE - TOOLS)}; "
+        f"missing: {sorted(COURSE | TOOLS - top)}"
+    )
+    packages = {name for name in top if (PACKAGE / name / "__init__.py").exists()}
+    assert packages == {"ladder", "engine", "exercises", "explore", "tpu", "perf"}
+
+
+def test_minilib_readme_names_every_module():
+    readme = (PACKAGE / "README.md").read_text()
+    missing = [name for name in MODULES if name and f"`{name.split('.')[-1]}`" not in readme]
+    assert not missing, f"minilib/README.md does not show: {missing}"
 
 
 def test_every_module_has_a_layer():

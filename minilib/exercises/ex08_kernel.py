@@ -14,8 +14,8 @@ from minilib.exercises.checking import (
     diagnose,
     run_check,
 )
+from minilib.kv_cache import cdiv
 from minilib.masking import kv_blocks_to_visit
-from minilib.validation import cdiv
 
 __all__ = ["check_kv_blocks_to_visit"]
 

@@ -36,9 +36,8 @@ from matplotlib.patches import Patch, Rectangle
 
 from minilib.batch import RaggedBatch, seq_kind
 from minilib.heads import attention_kind, head_groups
-from minilib.kv_cache import pool_pages_needed
+from minilib.kv_cache import cdiv, pool_pages_needed
 from minilib.masking import is_masked, q_position
-from minilib.validation import cdiv
 
 __all__ = [
     "FILLS",
