@@ -83,6 +83,39 @@ def _first_code_cell(path: Path) -> dict:
     return next(c for c in _cells(path) if c["cell_type"] == "code")
 
 
+def run_setup_cell(tmp_path: Path, *python_flags: str, **env: str):
+    """The setup cell as a script in `tmp_path/notebooks` (outside the repository), with only
+    `env` set: (return code, stderr)."""
+    import subprocess
+
+    folder = tmp_path / "notebooks"
+    folder.mkdir(exist_ok=True)
+    script = folder / "setup_cell.py"
+    script.write_text(_source(_first_code_cell(NOTEBOOKS[0])))
+    done = subprocess.run([sys.executable, *python_flags, str(script)], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    return done.returncode, done.stderr
+
+
+def test_setup_cell_refuses_the_package_index_minilib(tmp_path):
+    """`pip install minilib` brings an unrelated project: the cell says so, and how to fix it."""
+    other = tmp_path / "other" / "minilib"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("# not the course's minilib\n")
+    code, stderr = run_setup_cell(tmp_path, PYTHONPATH=str(other.parent))
+    assert code != 0
+    assert "is not the course's" in stderr and "pip uninstall -y minilib" in stderr
+
+
+@pytest.mark.parametrize("source", ["", "minilib", "minilib[course]"])
+def test_setup_cell_refuses_a_package_name_as_minilib_source(tmp_path, source):
+    """Outside the repository, with no minilib (no site-packages: `-S`), a package name is
+    refused before anything is installed."""
+    code, stderr = run_setup_cell(tmp_path, "-S", MINILIB_SOURCE=source)
+    assert code != 0
+    assert f"MINILIB_SOURCE={source!r}" in stderr and "git+https://" in stderr
+
+
 @pytest.fixture(scope="session")
 def kernel_manager_factory(tmp_path_factory):
     """Kernels of the current interpreter, from a kernelspec in a temporary directory."""
