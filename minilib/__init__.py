@@ -1,7 +1,17 @@
 """minilib: the library behind the ragged paged attention course.
 
 Each notebook builds one idea; from then on the course imports the tested version from here.
+The modules at the top are what the course builds, chapter by chapter; the tools it uses live
+in `minilib.explore`, `minilib.tpu` and `minilib.perf` (minilib/README.md has the map).
+
+>>> from minilib import tpu_compile
+Traceback (most recent call last):
+...
+ModuleNotFoundError: minilib.tpu_compile moved: compiling is minilib.tpu.compile, ...
 """
+
+import importlib.abc
+import sys
 
 from minilib.batch import RaggedBatch, make_batch, random_seq_lens, seq_kind
 from minilib.block_sizes import default_block_sizes
@@ -76,3 +86,43 @@ __all__ = [
     "valid_num_kv_heads",
     "validate_inputs",
 ]
+
+
+# Modules that moved into the tool packages, and where to import from now. An old path
+# raises an error that says so, rather than "No module named ...".
+MOVED = {
+    "viz": "its figures are in minilib.explore.figures, the benchmark plots in minilib.perf.plots",
+    "widgets": "the explorers are in minilib.explore.widgets",
+    "mistakes": "it is minilib.explore.mistakes",
+    "tpu_compile": "compiling is minilib.tpu.compile, reading the dump minilib.tpu.dump_reader",
+    "tpu_memory": "it is minilib.tpu.memory",
+    "kernel_costs": "it is minilib.tpu.kernel_costs",
+    "timing": "it is minilib.perf.timing",
+    "workloads": "it is minilib.perf.workloads",
+    "roofline": "it is minilib.perf.roofline",
+    "bench": "it is minilib.perf.bench",
+}
+
+
+def _moved(name: str) -> ModuleNotFoundError:
+    return ModuleNotFoundError(f"minilib.{name} moved: {MOVED[name]}. Import from there.")
+
+
+class _MovedModules(importlib.abc.MetaPathFinder):
+    """Asked last, for a `minilib.` module no other finder found (`import minilib.viz`)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        package, _, name = fullname.partition(".")
+        if package == "minilib" and name in MOVED:
+            raise _moved(name)
+        return None
+
+
+sys.meta_path.append(_MovedModules())
+
+
+def __getattr__(name: str):
+    """`from minilib import viz`: Python asks the package for the name after the finder."""
+    if name in MOVED:
+        raise _moved(name)
+    raise AttributeError(f"module 'minilib' has no attribute {name!r}")

@@ -17,7 +17,7 @@ import pytest
 
 import minilib
 
-MODULES = sorted(
+MODULES = ["minilib"] + sorted(
     info.name
     for info in pkgutil.walk_packages(minilib.__path__, prefix="minilib.")
     if info.name != "minilib.__main__"

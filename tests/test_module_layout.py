@@ -108,6 +108,14 @@ def test_minilib_readme_names_every_module():
     assert not missing, f"minilib/README.md does not show: {missing}"
 
 
+def test_a_moved_module_names_its_new_home():
+    for old_import in ("import minilib.viz", "from minilib import tpu_compile"):
+        with pytest.raises(ModuleNotFoundError, match="moved: .* Import from there"):
+            exec(old_import, {})
+    for name in minilib.MOVED:
+        assert name not in MODULES, f"minilib.{name} exists again: take it out of MOVED"
+
+
 def test_every_module_has_a_layer():
     for name in MODULES:
         layer_of(name)
