@@ -1,8 +1,10 @@
 """minilib's imports run the course's way: no cycle, and no module imports a later layer.
 
 The layers follow the course: errors, heads and options; validation; the KV cache and batches;
-the attention implementations; then what is built on them (schedule, figures, timing, the
-ladder's checks), and last the explorers, the command line, the engine and the exercises.
+the attention implementations; then what is built on them (schedule, timing, the ladder's
+checks, the `Explorer` every explorer is made of), and last the figures and explorers of each
+idea, the command line, the engine and the exercises. The figures' style and the explorers'
+words are leaves: they know nothing of attention.
 A module may import its own layer and the layers before it. Every import counts, a lazy one
 inside a function too: a lazy import hides a cycle, it does not remove it.
 """
@@ -22,7 +24,7 @@ PACKAGE = pathlib.Path(minilib.__file__).parent
 LAYERS = [
     # 0. Leaves: they import nothing of minilib.
     ("errors", "masking", "kernel_trace", "perf.roofline", "tpu.memory", "tpu.compile",
-     "exercises.checking", "ladder.interpret"),
+     "exercises.checking", "ladder.interpret", "explore.style", "explore.text"),
     # 1-2. What every attention function checks its input with.
     ("heads", "options"),
     ("validation",),
@@ -30,11 +32,14 @@ LAYERS = [
     ("kv_cache", "batch"),
     # 4. The implementations, and the kernel's block sizes.
     ("reference", "vectorized", "blockwise", "pallas_basics", "block_sizes", "kernel"),
-    # 5. Built on them: the schedule, figures, timing, workloads, mistakes, the ladder.
-    ("schedule", "explore.figures", "perf.timing", "perf.workloads", "explore.mistakes",
-     "ladder", "ladder.*"),
-    # 6. The explorers, the command line, the engine, the exercises.
-    ("explore.widgets", "perf.bench", "tpu.kernel_costs", "doctor", "__main__", "engine",
+    # 5. Built on them: the schedule, timing, workloads, the benchmark's plots, mistakes,
+    #    the Explorer, the ladder.
+    ("schedule", "perf.timing", "perf.workloads", "perf.plots", "explore.mistakes",
+     "explore.explorer", "ladder", "ladder.*"),
+    # 6. The figures and explorers of each idea, the command line, the engine, the exercises.
+    ("explore.head_grouping", "explore.page_table", "explore.ragged_batch",
+     "explore.kernel_schedule", "explore.playground",
+     "perf.bench", "tpu.kernel_costs", "doctor", "__main__", "engine",
      "engine.*", "explore", "tpu", "perf",
      "exercises", "exercises.*", ""),
 ]  # fmt: skip
@@ -111,3 +116,5 @@ def test_the_checks_can_fail():
     assert layer_of("schedule") > layer_of("kernel")  # so kernel importing schedule would fail
     with pytest.raises(LookupError):
         layer_of("no_such_module")
+    assert {"explore.style", "explore.text"} <= imports_of("explore.explorer")
+    assert layer_of("explore.style") == 0  # so style importing anything of minilib would fail

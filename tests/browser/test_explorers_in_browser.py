@@ -172,7 +172,7 @@ def message_colour(box) -> str:
 GREEN, VERMILLION = (
     "rgb(0, 158, 115)",
     "rgb(213, 94, 0)",
-)  # Okabe-Ito, as in minilib.explore.figures
+)  # Okabe-Ito, as in minilib.explore.explorer (OK_COLOUR, PROBLEM_COLOUR)
 
 
 # --- the notebooks -------------------------------------------------------------------------
