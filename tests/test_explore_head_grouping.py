@@ -40,6 +40,13 @@ def test_head_grouping_figure_shows_the_layout():
     assert {"q0", "q11", "KV 0", "KV 3", "K0\nslot 0", "V3\nslot 7"} <= shown
 
 
+def test_head_grouping_figure_legend_counts_in_the_singular_too():
+    legend = [t.get_text() for t in head_grouping_figure(8, 8).axes[0].get_legend().get_texts()]
+    assert "KV head 0: q head 0" in legend
+    legend = [t.get_text() for t in head_grouping_figure(12, 4).axes[0].get_legend().get_texts()]
+    assert "KV head 1: q heads 3..5" in legend
+
+
 def test_head_grouping_figure_rejects_an_invalid_pair_with_the_validators_message():
     with pytest.raises(RPAInputError, match="num_q_heads=12 must be divisible by num_kv_heads=8"):
         head_grouping_figure(12, 8)
@@ -89,6 +96,13 @@ def test_head_grouping_bad_counts_show_a_message(heads, num_q_heads, num_kv_head
     assert "must be" in heads.text
     heads.controls["num_q_heads"].value, heads.controls["num_kv_heads"].value = 8, 1
     assert shows_figure(heads) and "MQA" in heads.text
+
+
+def test_head_grouping_counts_read_in_the_singular_too(heads):
+    heads.controls["num_q_heads"].value, heads.controls["num_kv_heads"].value = 8, 1
+    assert "MQA: the one KV head serves 8 q heads;" in heads.text
+    heads.controls["num_q_heads"].value, heads.controls["num_kv_heads"].value = 4, 4
+    assert "MHA: each of the 4 KV heads serves 1 q head;" in heads.text
 
 
 def test_head_grouping_too_many_heads_to_draw(heads):

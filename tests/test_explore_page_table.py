@@ -157,9 +157,9 @@ def test_page_table_suggestions_do_what_they_say(kv_lens, page_size, total):
 
 def test_page_table_counts_read_in_the_singular_too(pages):
     pages.controls["kv_lens"].value, pages.controls["page_size"].value = "1", 1
-    assert "1 sequence holds 1 token in 1 page of 1 slot;" in pages.text
+    assert "1 sequence: 1 token in 1 page of 1 slot;" in pages.text
     pages.controls["kv_lens"].value, pages.controls["page_size"].value = "37, 5, 120", 16
-    assert "3 sequences hold 162 tokens in 12 pages of 16 slots;" in pages.text
+    assert "3 sequences: 162 tokens in 12 pages of 16 slots;" in pages.text
 
 
 @pytest.mark.parametrize("page_size, total", [(0, 24), (-4, 24), (16, 0), (16, 5000)])

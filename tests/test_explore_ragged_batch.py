@@ -97,8 +97,13 @@ def test_ragged_batch_bad_lengths(ragged):
     err = raised(make_batch, [(6, 6), (21, 20), (4, 12), (1, 9)])
     assert isinstance(err, RPAInputError) and shows_error(ragged, err)
     ragged.controls["q_lens"].value = "6, 1, 4"
-    assert "q_lens has 3 entries but kv_lens has 4" in ragged.text
+    assert "len(q_lens)=3 but len(kv_lens)=4" in ragged.text
     ragged.controls["q_lens"].value = "6, x, 4, 1"
     assert "'x' (entry 1) is not a whole number" in ragged.text
     ragged.controls["q_lens"].value = "6, 1, 4, 1"
     assert shows_figure(ragged)
+
+
+def test_ragged_batch_counts_read_in_the_singular_too():
+    ex = ragged_batch_explorer(q_lens="1", kv_lens="5")
+    assert "Valid: 1 sequence (1 decode), 1 q row; no sliding window." in ex.text

@@ -4,6 +4,7 @@ explorer, and the explorers' HTML."""
 from __future__ import annotations
 
 import pathlib
+import re
 
 import minilib.explore
 from minilib.explore.text import and_join, array_rows, message_box, plural, pre, span, table
@@ -13,6 +14,19 @@ EXPLORE = pathlib.Path(minilib.explore.__file__).parent
 
 def test_plural():
     assert [plural(n, "page") for n in (0, 1, 2)] == ["0 pages", "1 page", "2 pages"]
+    assert plural(1, "q head", count=False) == "q head"
+    assert plural(4, "q head", count=False) == "q heads"
+
+
+def test_there_is_one_plural():
+    """No figure or explorer writes an s by hand: each count goes through `plural`."""
+    by_hand = re.compile(r"""['"]s['"] if |else ['"]s['"]""")
+    for path in sorted(EXPLORE.glob("*.py")):
+        if path.name == "text.py":
+            continue
+        lines = [line for line in path.read_text().splitlines() if by_hand.search(line)]
+        assert not lines, f"{path.name} writes a plural by hand: {lines}"
+    assert by_hand.search("f\"head{'s' if n > 1 else ''}\"")  # the check can fail
 
 
 def test_span_and_and_join():

@@ -274,14 +274,13 @@ def parse_q_and_kv_lens(q_text: str, kv_text: str) -> tuple[list[int], list[int]
     >>> parse_q_and_kv_lens("6, 1", "6")
     Traceback (most recent call last):
     ...
-    minilib.errors.InputProblem: q_lens has 2 entries but kv_lens has 1: give one q_len and one
-    kv_len per sequence.
+    minilib.errors.InputProblem: len(q_lens)=2 but len(kv_lens)=1: give one q_len and one kv_len
+    per sequence.
     """
     q_lens, kv_lens = parse_ints(q_text, "q_lens"), parse_ints(kv_text, "kv_lens")
     if len(q_lens) != len(kv_lens):
         raise InputProblem(
-            f"q_lens has {len(q_lens)} entries but kv_lens has {len(kv_lens)}: give one q_len "
-            "and one kv_len per sequence."
+            f"{len(q_lens)=} but {len(kv_lens)=}: give one q_len and one kv_len per sequence."
         )
     return q_lens, kv_lens
 

@@ -116,7 +116,9 @@ def _group_handles(groups: list[list[int]]) -> list[Patch]:
     """A legend entry per group, the first 6 of them when there are more than 8."""
     shown = groups if len(groups) <= 8 else groups[:6]
     handles = [
-        legend_patch(h, f"KV head {h}: q head{'s' if len(q_heads) > 1 else ''} {span(q_heads)}")
+        legend_patch(
+            h, f"KV head {h}: {plural(len(q_heads), 'q head', count=False)} {span(q_heads)}"
+        )
         for h, q_heads in enumerate(shown)
     ]
     if len(shown) < len(groups):
@@ -167,10 +169,11 @@ def _render_head_grouping(values: dict):
     check_head_counts(num_q_heads, num_kv_heads)  # the validator: its message, its hint
     groups = head_groups(num_q_heads, num_kv_heads)
     group = num_q_heads // num_kv_heads
+    kv_heads = "the one KV head" if num_kv_heads == 1 else f"each of the {num_kv_heads} KV heads"
     status = (
-        f"<b>{attention_kind(num_q_heads, num_kv_heads)}</b>: each of the {num_kv_heads} KV "
-        f"heads serves {group} q head{'s' if group > 1 else ''}; q head i uses KV head "
-        f"i // {group}. Valid num_kv_heads for num_q_heads={num_q_heads}: {valid}."
+        f"<b>{attention_kind(num_q_heads, num_kv_heads)}</b>: {kv_heads} serves "
+        f"{plural(group, 'q head')}; q head i uses KV head i // {group}. "
+        f"Valid num_kv_heads for num_q_heads={num_q_heads}: {valid}."
     )
     slots = combined_head_slots(num_kv_heads)
     rows = [

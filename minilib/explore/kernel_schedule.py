@@ -433,11 +433,11 @@ def _schedule_status(schedule) -> str:
     return (
         f"grid = ({plural(heads, 'heads block')}, {plural(q_blocks, 'q block')}) = "
         f"{plural(heads * q_blocks, 'grid step')}; "
-        f"{len(computes)} KV blocks computed, {len(starts)} DMAs. {again} DMAs copy a KV block "
-        f"already copied for another q block of the same sequence. "
+        f"{plural(len(computes), 'KV block')} computed, {plural(len(starts), 'DMA')}, {again} "
+        "of them for a KV block already copied for another q block of the same sequence. "
         f"num_queries_per_block={schedule.num_queries_per_block}, "
         f"num_kv_pages_per_block={schedule.num_kv_pages_per_block} "
-        f"({schedule.kv_tokens_per_block} tokens per KV block)."
+        f"({plural(schedule.kv_tokens_per_block, 'token')} per KV block)."
     )
 
 

@@ -7,7 +7,7 @@ explorer.
 
     >>> ex = page_table_explorer(kv_lens="37, 5, 120", page_size=16, total_num_pages=24)
     >>> print(ex.text.splitlines()[0])
-    3 sequences hold 162 tokens in 12 pages of 16 slots; the pool has 24 pages: 12 ours, 0 of
+    3 sequences: 162 tokens in 12 pages of 16 slots; the pool has 24 pages: 12 ours, 0 of
     other sequences, 12 free. Paged: 30 of 192 slots wasted; contiguous (each sequence sized to
     the longest): 198 of 360.
 """
@@ -411,9 +411,8 @@ def _pool_status(cache, ids: list, kv_lens: list[int]) -> str:
     usage = slot_usage(kv_lens, cache.page_size)
     ours = sum(len(cache.pages(s)) for s in ids)
     return (
-        f"{plural(len(ids), 'sequence')} hold{'s' if len(ids) == 1 else ''} "
-        f"{plural(usage.tokens, 'token')} in {plural(ours, 'page')} of "
-        f"{plural(cache.page_size, 'slot')}; "
+        f"{plural(len(ids), 'sequence')}: {plural(usage.tokens, 'token')} in "
+        f"{plural(ours, 'page')} of {plural(cache.page_size, 'slot')}; "
         f"the pool has {cache.total_num_pages} pages: {ours} ours, "
         f"{cache.allocator.num_used - ours} of other sequences, {cache.allocator.num_free} "
         f"free. Paged: {usage.paged_wasted} of {usage.paged_slots} slots wasted; contiguous "

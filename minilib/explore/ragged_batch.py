@@ -41,7 +41,7 @@ from minilib.explore.style import (
     new_figure,
     rectangle,
 )
-from minilib.explore.text import pre, span, table
+from minilib.explore.text import plural, pre, span, table
 from minilib.masking import is_masked, q_position
 from minilib.validation import cdiv, dynamic_validate_inputs
 
@@ -252,9 +252,9 @@ def _render_ragged_batch(values: dict):
     dynamic_validate_inputs(*batch.args(), sliding_window=window)
     kinds = [seq_kind(q, kv) for q, kv in batch.seq_lens]
     status = (
-        f"Valid: {len(kinds)} sequences ("
+        f"Valid: {plural(len(kinds), 'sequence')} ("
         + ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
-        + f"), {batch.num_tokens} q rows; "
+        + f"), {plural(batch.num_tokens, 'q row')}; "
         + ("no sliding window." if window is None else f"sliding_window={window}.")
     )
     return status, ragged_batch_figure(batch, window), _ragged_details(batch, window)

@@ -15,13 +15,15 @@ from collections.abc import Iterable, Sequence
 __all__ = ["and_join", "array_rows", "message_box", "plural", "pre", "span", "table"]
 
 
-def plural(n: int, noun: str) -> str:
+def plural(n: int, noun: str, count: bool = True) -> str:
     """`n` and `noun`, with an s unless `n` is 1: how figures and explorers count things.
+    With `count=False`, the noun alone, for a list that follows it ("q heads 3..5").
 
-    >>> plural(1, "page"), plural(3, "page")
-    ('1 page', '3 pages')
+    >>> plural(1, "page"), plural(3, "page"), plural(3, "q head", count=False)
+    ('1 page', '3 pages', 'q heads')
     """
-    return f"{n} {noun}{'' if n == 1 else 's'}"
+    noun = noun if n == 1 else f"{noun}s"
+    return f"{n} {noun}" if count else noun
 
 
 def span(items: Sequence[int]) -> str:
