@@ -91,8 +91,10 @@ __all__ = [
 # Modules that moved into the tool packages, and where to import from now. An old path
 # raises an error that says so, rather than "No module named ...".
 MOVED = {
-    "viz": "its figures are in minilib.explore.figures, the benchmark plots in minilib.perf.plots",
-    "widgets": "the explorers are in minilib.explore.widgets",
+    "viz": "each figure is in the minilib.explore module of its idea (head_grouping, "
+    "page_table, ragged_batch, kernel_schedule); the benchmark plots are in minilib.perf.plots",
+    "widgets": "each explorer is in the minilib.explore module of its idea (head_grouping, "
+    "page_table, ragged_batch, kernel_schedule, playground)",
     "mistakes": "it is minilib.explore.mistakes",
     "tpu_compile": "compiling is minilib.tpu.compile, reading the dump minilib.tpu.dump_reader",
     "tpu_memory": "it is minilib.tpu.memory",

@@ -70,9 +70,9 @@ CHIP_DEFAULTS: dict[str, tuple[int, int, int, int]] = {
 
 
 def current_chip() -> str | None:
-    """The chip being compiled for: the abstract mesh's device kind (as `tpu_compile` sets
-    it), else the device kind when JAX runs on a TPU, else None. Never `jax.devices()` off a
-    TPU.
+    """The chip being compiled for: the abstract mesh's device kind (as `minilib.tpu.compile`
+    sets it), else the device kind when JAX runs on a TPU, else None. Never `jax.devices()`
+    off a TPU.
 
     >>> current_chip() is None or current_chip() in CHIP_DEFAULTS
     True

@@ -7,7 +7,7 @@ to fix it.
       KVCacheError     a bad use of the paged KV cache (minilib.kv_cache).
       EngineError      a bad model config, engine setting or request (minilib.engine).
     ScheduleTooBig     a schedule with more work than the caller can handle (minilib.schedule).
-    InputProblem       typed input an explorer cannot use (minilib.explore.widgets).
+    InputProblem       typed input an explorer cannot use (minilib.explore.explorer).
 
 Each module raises only its own kind, so `except RPAInputError` around an attention call
 catches the attention call's mistakes and nothing else. Every one leaves the state unchanged.
@@ -101,7 +101,7 @@ class ScheduleTooBig(ValueError):
 class InputProblem(ValueError):
     """Typed input the explorer cannot use (not a number, too big to draw, ...).
 
-    >>> from minilib.explore.widgets import parse_ints
+    >>> from minilib.explore.explorer import parse_ints
     >>> try:
     ...     parse_ints("3, x", "kv_lens")
     ... except InputProblem as err:

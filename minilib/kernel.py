@@ -38,7 +38,8 @@ or before the sliding window) are skipped; only the pages a sequence has are cop
 sequences (q_len 0) are skipped; and the softmax state is reset once per q block, so no masked
 stores are needed.
 
-What makes it lean on the chip (each measured in bundles per KV block, see `tpu_compile`):
+What makes it lean on the chip (each measured in bundles per KV block, with
+`minilib.tpu.compile`):
 * K and V of a head are read with one strided load through a flat 32-bit view of the slot; in
   bf16 a shift and a mask split each word into K and V (`load_kv_head_strided`).
 * K is never cleaned: no row can see a key at or past kv_len, so the score mask replaces

@@ -40,9 +40,11 @@ TOOLS = {"explore", "tpu", "perf", "doctor", "__main__"}
 
 LAYERS = [
     # 0. Leaves, or nearly: what every layer may read (errors, the mask rule, the TPU chips
-    #    and the dump reader, the checkers' report machinery).
+    #    and the dump reader, the checkers' report machinery, the figures' style and the
+    #    explorers' words, which know nothing of attention).
     ("errors", "masking", "kernel_trace", "tpu.chips", "tpu.dump_reader", "tpu.memory",
-     "tpu.compile", "perf.roofline", "exercises.checking", "ladder.interpret"),
+     "tpu.compile", "perf.roofline", "exercises.checking", "ladder.interpret", "explore.style",
+     "explore.text"),
     # 1. Head grouping and the options object.
     ("heads", "options"),
     # 2. The paged KV cache (chapter 02).
@@ -51,12 +53,16 @@ LAYERS = [
     ("batch", "validation"),
     # 4. The implementations, and the kernel's block sizes.
     ("reference", "vectorized", "blockwise", "pallas_basics", "block_sizes", "kernel"),
-    # 5. Built on them: the schedule, figures, timing, workloads, mistakes, the ladder.
-    ("schedule", "explore.figures", "perf.timing", "perf.workloads", "explore.mistakes",
-     "ladder", "ladder.*"),
-    # 6. The explorers, the command line, the engine, the exercises, the packages' front doors.
-    ("explore.widgets", "perf.bench", "tpu.kernel_costs", "doctor", "__main__", "engine",
-     "engine.*", "exercises", "exercises.*", "explore", "tpu", "perf", ""),
+    # 5. Built on them: the schedule, timing, workloads, the benchmark's plots, mistakes,
+    #    the Explorer, the ladder.
+    ("schedule", "perf.timing", "perf.workloads", "perf.plots", "explore.mistakes",
+     "explore.explorer", "ladder", "ladder.*"),
+    # 6. The figures and explorers of each idea, the command line, the engine, the exercises,
+    #    the packages' front doors.
+    ("explore.head_grouping", "explore.page_table", "explore.ragged_batch",
+     "explore.kernel_schedule", "explore.playground", "perf.bench", "tpu.kernel_costs",
+     "doctor", "__main__", "engine", "engine.*", "exercises", "exercises.*", "explore", "tpu",
+     "perf", ""),
 ]  # fmt: skip
 
 
@@ -103,8 +109,18 @@ def test_the_top_level_is_the_course_and_the_tools_are_in_packages():
 
 
 def test_minilib_readme_names_every_module():
+    """In its tables (`kernel`, `tpu/compile`; an exercise module by its name), and every
+    package in the tree (`tpu/`)."""
     readme = (PACKAGE / "README.md").read_text()
-    missing = [name for name in MODULES if name and f"`{name.split('.')[-1]}`" not in readme]
+
+    def shown(name: str) -> bool:
+        if MODULES[name].name == "__init__.py":
+            return f"  {name}/ " in readme
+        if name.startswith("exercises.ex"):
+            return f"`{name.removeprefix('exercises.')}`" in readme
+        return f"`{name.replace('.', '/')}`" in readme
+
+    missing = [name for name in MODULES if name and not shown(name)]
     assert not missing, f"minilib/README.md does not show: {missing}"
 
 
@@ -155,3 +171,5 @@ def test_the_checks_can_fail():
     assert layer_of("schedule") > layer_of("kernel")  # so kernel importing schedule would fail
     with pytest.raises(LookupError):
         layer_of("no_such_module")
+    assert {"explore.style", "explore.text"} <= imports_of("explore.explorer")
+    assert layer_of("explore.style") == 0  # so style importing anything of minilib would fail

@@ -4,6 +4,7 @@ Three panels, redrawn after every step:
 
     counters   step, prefill and decode tokens, pages in use, waiting, running, preempted
     pages      the page pool, one cell per page, coloured by the request that owns it
+               (`minilib.explore.style.color`, as in the figures)
     batch      the step's ragged batch: one segment per sequence, as wide as its tokens,
                striped for a prefill chunk, solid for a decode token
 
@@ -34,9 +35,9 @@ import time
 import ipywidgets as widgets
 
 from minilib.engine.engine import Engine, StepStats
-from minilib.explore.figures import FILLS, LIGHT_GREY
+from minilib.explore.style import LIGHT_GREY, color
 
-__all__ = ["EngineView", "colour"]
+__all__ = ["EngineView"]
 
 CELL = "display:inline-block;box-sizing:border-box;text-align:center;font:11px monospace;"
 
@@ -105,15 +106,6 @@ class EngineView(widgets.VBox):
             self.show(self.engine.stats[change["new"]])
 
 
-def colour(request_id: int) -> str:
-    """The colour of a request: the Okabe-Ito palette, in turn.
-
-    >>> colour(0), colour(1), colour(7) == colour(0)    # 7 colours, then they repeat
-    ('#E69F00', '#56B4E9', True)
-    """
-    return FILLS[request_id % len(FILLS)]
-
-
 def _counters_html(stats: StepStats | None, engine: Engine) -> str:
     if stats is None:
         return "<div>no step yet</div>"
@@ -132,7 +124,7 @@ def _counters_html(stats: StepStats | None, engine: Engine) -> str:
 def _pages_html(owners) -> str:
     cells = []
     for page, owner in enumerate(owners):
-        fill = LIGHT_GREY if owner is None else colour(owner)
+        fill = LIGHT_GREY if owner is None else color(owner)
         label = "·" if owner is None else f"r{owner}"
         cells.append(
             f"<div title='page {page}' style='{CELL}width:30px;height:22px;"
@@ -144,7 +136,7 @@ def _pages_html(owners) -> str:
 def _batch_html(stats: StepStats, budget: int) -> str:
     segments = []
     for request_id, kind, num_tokens in stats.batch:
-        fill = colour(request_id)
+        fill = color(request_id)
         if kind == "prefill":  # stripes: a chunk of a prompt (or a recompute)
             fill = f"repeating-linear-gradient(45deg,{fill} 0 6px,#ffffff 6px 9px)"
         width = 100 * num_tokens / budget

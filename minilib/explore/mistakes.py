@@ -6,7 +6,7 @@ arguments and the options it breaks them into. `MISTAKES` names them all, in fou
 shapes, dtypes and options, which the static checks catch, and values, which only the dynamic
 checks can. `run_mistake` passes a mistake to a validator and returns the error it raised.
 
-This is the one catalogue: the validation playground (`minilib.explore.widgets`) shows it,
+This is the one catalogue: the validation playground (`minilib.explore.playground`) shows it,
 notebook 05 runs it through both validators, and the tests check the message of each mistake.
 
     >>> args, options = MISTAKES["sliding_window=0 to turn it off"](base_batch())

@@ -5,6 +5,7 @@ and `python -m minilib bench`, which puts every implementation in one table.
   workloads.py  decode-heavy, mixed and prefill-heavy serving steps within a token budget
   roofline.py   the bytes and FLOPs a batch cannot avoid, against each chip's peak
   bench.py      `python -m minilib bench`: every implementation on the same batches
+  plots.py      the benchmark's plots: its times, and working memory against max_kv_len
 """
 
 __all__: list[str] = []  # import from the modules: `from minilib.perf.bench import ...`

@@ -323,7 +323,7 @@ def format_table(rows: list[BenchRow]) -> str:
 
 
 def save_times_plot(rows: list[BenchRow], path: Path) -> Path:
-    """`viz.bench_times_figure` of the timed rows (interpreted ones left out), saved.
+    """`minilib.perf.plots.bench_times_figure` of the timed rows (interpreted ones left out), saved.
 
     >>> import tempfile
     >>> tiny = BenchCase("mixed", 2, (4, 2, 64), page_size=8, pages_per_seq=2,
@@ -333,9 +333,7 @@ def save_times_plot(rows: list[BenchRow], path: Path) -> Path:
     >>> save_times_plot(rows, Path(tempfile.mkdtemp()) / "bench.png").exists()
     True
     """
-    from minilib.explore.figures import (
-        bench_times_figure,  # matplotlib: not on a TPU VM without plots
-    )
+    from minilib.perf.plots import bench_times_figure  # matplotlib: not on a TPU VM without it
 
     timings: dict[str, dict[str, Timing]] = {}
     for r in rows:
@@ -425,14 +423,14 @@ def format_memory_table(points: list[MemoryPoint], notes: list[str]) -> str:
 
 
 def save_memory_plot(points: list[MemoryPoint], path: Path) -> Path:
-    """`viz.working_memory_figure` of the sweep, saved.
+    """`minilib.perf.plots.working_memory_figure` of the sweep, saved.
 
     >>> import tempfile
     >>> points = [MemoryPoint("jnp", n, 2 * n * 2**10, n * 2**10) for n in (256, 1024)]
     >>> save_memory_plot(points, Path(tempfile.mkdtemp()) / "memory.png").exists()
     True
     """
-    from minilib.explore.figures import working_memory_figure  # matplotlib, as above
+    from minilib.perf.plots import working_memory_figure  # matplotlib, as above
 
     temp_bytes: dict[str, dict[int, float]] = {}
     for p in points:

@@ -172,7 +172,7 @@ def message_colour(box) -> str:
 GREEN, VERMILLION = (
     "rgb(0, 158, 115)",
     "rgb(213, 94, 0)",
-)  # Okabe-Ito, as in minilib.explore.figures
+)  # Okabe-Ito, as in minilib.explore.explorer (OK_COLOUR, PROBLEM_COLOUR)
 
 
 # --- the notebooks -------------------------------------------------------------------------
@@ -205,7 +205,7 @@ def test_01_head_grouping(open_notebook):
 def test_02_page_table(open_notebook):
     nb = open_notebook("02_paged_kv_cache.ipynb")
     box = nb.explorer("The paged KV cache")
-    nb.wait_for_text(box, "3 sequences hold 162 tokens in 12 pages of 16 slots")
+    nb.wait_for_text(box, "3 sequences: 162 tokens in 12 pages of 16 slots")
     before = nb.wait_for_figure(box)
     screenshot(nb, box, "02-page-table-16", "page_table")
 

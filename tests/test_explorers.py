@@ -1,0 +1,144 @@
+"""What every explorer of minilib.explore does, driven without a browser: a box of plain
+widgets with named controls, everything it shows in widget state, number boxes that update as
+you type, and an answer at once, with a message, to a huge or bad setting.
+
+These tests run with ipywidgets 7 (Colab) and 8. Each explorer's own behaviour is tested in
+its module's test file (test_explore_<module>.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+widgets = pytest.importorskip("ipywidgets")
+pytest.importorskip("matplotlib")
+
+from explorer_checks import IPYWIDGETS_7_COMMS, shows_figure  # noqa: E402
+from ipywidgets.embed import embed_data  # noqa: E402
+
+from minilib.explore import kernel_schedule  # noqa: E402
+from minilib.explore.head_grouping import head_grouping_explorer  # noqa: E402
+from minilib.explore.kernel_schedule import kernel_schedule_explorer  # noqa: E402
+from minilib.explore.page_table import page_table_explorer  # noqa: E402
+from minilib.explore.playground import validation_playground  # noqa: E402
+from minilib.explore.ragged_batch import ragged_batch_explorer  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings(IPYWIDGETS_7_COMMS)
+
+EXPLORERS = [
+    head_grouping_explorer,
+    page_table_explorer,
+    ragged_batch_explorer,
+    validation_playground,
+    kernel_schedule_explorer,
+]
+
+
+@pytest.mark.parametrize("make", EXPLORERS, ids=lambda f: f.__name__)
+def test_explorer_is_a_box_of_plain_widgets_with_named_controls(make):
+    ex = make()
+    assert isinstance(ex, widgets.VBox)
+    assert ex.controls, "controls are exposed"
+    for name, control in ex.controls.items():
+        assert control.description == name, "each control is described by its name"
+        assert control in ex.children[1].children, "and displayed"
+    # All it shows lives in widget state: HTML text and PNG bytes, no Output widgets.
+    assert isinstance(ex.views["message"], widgets.HTML)
+    assert isinstance(ex.views["details"], widgets.HTML)
+    assert isinstance(ex.views["figure"], widgets.Image)
+    assert not any(isinstance(c, widgets.Output) for c in ex.children)
+    assert ex.text.strip()
+    # What a notebook front end receives (and what Colab saves): text and PNG, all in state.
+    data = embed_data(views=[ex])
+    states = [m["state"] for m in data["manager_state"]["state"].values()]
+    assert ex.views["message"].value in [s.get("value") for s in states]
+    if shows_figure(ex):  # the PNG travels as a binary buffer of the Image's `value`
+        image = data["manager_state"]["state"][ex.views["figure"].model_id]
+        assert image["buffers"][0]["path"] == ["value"]
+
+
+def test_number_boxes_update_as_you_type():
+    for make in EXPLORERS:
+        for control in make().controls.values():
+            if isinstance(control, widgets.IntText):
+                assert control.continuous_update, (make.__name__, control.description)
+
+
+# --- extremes: a huge or bad setting answers at once, with a message ---------------------------
+
+EXTREMES = {
+    "schedule, page_size 1, kv_len 8192, blocks of 1": (
+        lambda: kernel_schedule_explorer(
+            kv_lens="12, 8192, 30, 9",
+            page_size=1,
+            num_kv_pages_per_block="1",
+            num_queries_per_block="1",
+        ),
+        "This explorer draws at most 400 KV blocks",
+    ),
+    "schedule, 4096 q rows in blocks of 1": (
+        lambda: kernel_schedule_explorer(
+            q_lens="4096", kv_lens="4096", num_queries_per_block="1", num_kv_pages_per_block="512"
+        ),
+        "grid steps",
+    ),
+    "schedule, 256 KV heads": (
+        lambda: kernel_schedule_explorer(
+            q_lens="4000, 1",
+            kv_lens="8000, 8000",
+            num_q_heads=256,
+            num_kv_heads=256,
+            num_queries_per_block="1",
+        ),
+        "This explorer draws at most",
+    ),
+    "schedule, kv_len 10**12": (
+        lambda: kernel_schedule_explorer(kv_lens="12, 1000000000000, 30, 9"),
+        "kv_len up to 8192",
+    ),
+    "schedule, page_size 10**9": (
+        lambda: kernel_schedule_explorer(page_size=10**9),
+        "page_size up to 4096",
+    ),
+    "page table, 10**6 pages": (
+        lambda: page_table_explorer(total_num_pages=10**6),
+        "draws at most 256 pages",
+    ),
+    "page table, pool far too small, after frees": (
+        lambda: page_table_explorer(
+            kv_lens="1000000", page_size=1, total_num_pages=256, order="after some frees"
+        ),
+        "Out of pages",
+    ),
+    "page table, page_size 10**9": (
+        lambda: page_table_explorer(page_size=10**9),
+        "pages of at most 4096 slots",
+    ),
+    "ragged batch, 4096 rows over 8192 keys": (
+        lambda: ragged_batch_explorer(q_lens="4096", kv_lens="8192"),
+        "explorer draws at most 4194304",
+    ),
+    "ragged batch, kv_len 10**12": (
+        lambda: ragged_batch_explorer(q_lens="1", kv_lens="1000000000000"),
+        "kv_len up to 8192",
+    ),
+    "head grouping, 10**9 heads": (
+        lambda: head_grouping_explorer(num_q_heads=10**9, num_kv_heads=1),
+        "draws at most 256 heads",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", EXTREMES)
+def test_extreme_settings_answer_at_once(case):
+    make, message = EXTREMES[case]
+    make()  # once first: imports and first compiles are not the explorer's own time
+    kernel_schedule._planned.cache_clear()  # and the schedule is planned again, not recalled
+    start = time.perf_counter()
+    ex = make()
+    elapsed = time.perf_counter() - start
+    assert message in ex.text, ex.text
+    assert not shows_figure(ex)
+    assert elapsed < 2.0, f"{case}: {elapsed:.1f} s"
