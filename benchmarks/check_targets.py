@@ -5,7 +5,7 @@
     python benchmarks/check_targets.py --reps 3 --dtype float32
 
 The timed targets run `minilib.perf.bench.run_bench` on one case,
-`minilib.perf.bench.TARGET_CASE`: a
+`minilib.perf.workloads.TARGET_CASE`: a
 32-sequence mixed step (about half decodes) of a GQA model, 32 q heads, 8 KV heads, head_dim
 128, page_size 16, pages_per_seq 64 (kv lengths 1 to 1024), max_num_batched_tokens 1024,
 float32 on a CPU (bfloat16 on a TPU). See `check_targets` and `check_tpu_targets` below. The
@@ -24,7 +24,6 @@ import sys
 import jax
 
 from minilib.perf.bench import (
-    TARGET_CASE,
     BenchRow,
     default_dtype,
     float_dtype,
@@ -33,7 +32,7 @@ from minilib.perf.bench import (
     run_bench,
 )
 from minilib.perf.timing import describe_chip, device_chip
-from minilib.perf.workloads import BenchCase
+from minilib.perf.workloads import TARGET_CASE, BenchCase
 from minilib.tpu.kernel_costs import static_targets
 
 

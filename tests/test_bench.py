@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import inspect
 import math
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import jax
 import pytest
 
 from minilib.__main__ import main
-from minilib.perf import bench, workloads
+from minilib.perf import bench, implementations, memory_sweep, workloads
 from minilib.perf.roofline import Chip, roofline
 from minilib.perf.timing import Timing
 from minilib.perf.workloads import BenchCase
@@ -101,8 +102,8 @@ def test_decode_heavy_is_mostly_decodes():
 
 
 def test_implementations_are_functions_with_jax_signature():
-    for impl in bench.IMPLEMENTATIONS:
-        parameters = list(bench.inspect.signature(impl.fn).parameters)
+    for impl in implementations.IMPLEMENTATIONS:
+        parameters = list(inspect.signature(impl.fn).parameters)
         assert parameters[:6] == [
             "queries" if "queries" in parameters else "q",
             "kv_pages",
@@ -114,14 +115,14 @@ def test_implementations_are_functions_with_jax_signature():
 
 
 def test_jax_kernel_needs_a_tpu():
-    (jax_kernel,) = [i for i in bench.IMPLEMENTATIONS if i.name == "jax-kernel"]
-    fn, note = bench.prepare_implementation(jax_kernel, "cpu")
+    (jax_kernel,) = [i for i in implementations.IMPLEMENTATIONS if i.name == "jax-kernel"]
+    fn, note = implementations.prepare_implementation(jax_kernel, "cpu")
     assert fn is None and "needs a TPU" in note
 
 
 def test_bench_times_minilib_without_value_checks():
-    jnp_impl = next(i for i in bench.IMPLEMENTATIONS if i.name == "jnp")
-    fn, _ = bench.prepare_implementation(jnp_impl, "cpu")
+    jnp_impl = next(i for i in implementations.IMPLEMENTATIONS if i.name == "jnp")
+    fn, _ = implementations.prepare_implementation(jnp_impl, "cpu")
     assert fn.keywords == {"validate": False}
 
 
@@ -232,13 +233,13 @@ def test_times_plot_is_saved(tiny_rows, tmp_path):
 
 
 def test_memory_sweep_grows_for_gather_all_only(tmp_path):
-    points, notes = bench.memory_sweep([32, 128], ("jnp", "blockwise"), base=TINY, log=quiet)
+    points, notes = memory_sweep.memory_sweep([32, 128], ("jnp", "blockwise"), base=TINY, log=quiet)
     temp = {(p.impl, p.max_kv_len): p.temp_bytes for p in points}
     assert sorted(temp) == [("blockwise", 32), ("blockwise", 128), ("jnp", 32), ("jnp", 128)]
     assert temp[("jnp", 128)] > temp[("jnp", 32)] > 0
     assert temp[("blockwise", 128)] < temp[("jnp", 128)]
-    assert bench.save_memory_plot(points, tmp_path / "memory.png").exists()
-    assert "jnp" in bench.format_memory_table(points, notes)
+    assert memory_sweep.save_memory_plot(points, tmp_path / "memory.png").exists()
+    assert "jnp" in memory_sweep.format_memory_table(points, notes)
 
 
 # The speed targets (benchmarks/check_targets.py) ---------------------------------------------

@@ -55,8 +55,8 @@ LAYERS = [
     ("reference", "vectorized", "blockwise", "pallas_basics", "block_sizes", "kernel"),
     # 5. Built on them: the schedule, timing, workloads, the benchmark's plots, mistakes,
     #    the Explorer, the ladder.
-    ("schedule", "perf.timing", "perf.workloads", "perf.plots", "explore.mistakes",
-     "explore.explorer", "ladder", "ladder.*"),
+    ("schedule", "perf.timing", "perf.workloads", "perf.plots", "perf.implementations",
+     "perf.memory_sweep", "explore.mistakes", "explore.explorer", "ladder", "ladder.*"),
     # 6. The figures and explorers of each idea, the command line, the engine, the exercises,
     #    the packages' front doors.
     ("explore.head_grouping", "explore.page_table", "explore.ragged_batch",

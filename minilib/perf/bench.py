@@ -38,105 +38,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
-import inspect
 import math
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas.ops.tpu import ragged_paged_attention as jax_rpa
 
-from minilib.blockwise import ragged_paged_attention_blockwise
-from minilib.kernel import ragged_paged_attention
+from minilib.perf.implementations import IMPLEMENTATIONS, prepare_implementation
+from minilib.perf.memory_sweep import format_memory_table, memory_sweep, save_memory_plot
 from minilib.perf.roofline import Chip, RPACost, batch_cost, roofline
 from minilib.perf.timing import (
     Timing,
-    compiled_temp_bytes,
     describe_chip,
     device_chip,
     time_implementation,
 )
 from minilib.perf.workloads import HEAD_CONFIGS, WORKLOADS, BenchCase, case_batches
-from minilib.reference import ref_ragged_paged_attention
-from minilib.vectorized import ragged_paged_attention_jnp
 
-__all__ = [
-    "IMPLEMENTATIONS",
-    "TARGET_CASE",
-    "BenchRow",
-    "Implementation",
-    "MemoryPoint",
-    "format_memory_table",
-    "format_table",
-    "memory_sweep",
-    "run_bench",
-]
-
-# ---------------------------------------------------------------------------------------------
-# What to run: data only.
-
-
-@dataclasses.dataclass(frozen=True)
-class Implementation:
-    """One ragged paged attention implementation, with JAX's signature.
-
-    >>> [impl.name for impl in IMPLEMENTATIONS if impl.default]
-    ['jax-ref', 'jnp', 'blockwise', 'kernel', 'jax-kernel']
-    >>> IMPLEMENTATIONS[2].mode, IMPLEMENTATIONS[-1].needs_tpu
-    ('jit', True)
-    """
-
-    name: str  # the name on the command line and in the table
-    fn: Callable
-    mode: str  # "eager": Python loop over sequences; "jit": compiled once per shape; "pallas"
-    needs_tpu: bool = False
-    default: bool = True  # run unless --impls names it
-
-
-IMPLEMENTATIONS: tuple[Implementation, ...] = (
-    Implementation("jax-ref", jax_rpa.ref_ragged_paged_attention, "eager"),
-    # Same algorithm and cost as JAX's reference: left out by default, not to time that loop twice.
-    Implementation("minilib-ref", ref_ragged_paged_attention, "eager", default=False),
-    Implementation("jnp", ragged_paged_attention_jnp, "jit"),
-    Implementation("blockwise", ragged_paged_attention_blockwise, "jit"),
-    Implementation("kernel", ragged_paged_attention, "pallas"),
-    Implementation("jax-kernel", jax_rpa.ragged_paged_attention, "pallas", needs_tpu=True),
-)
+__all__ = ["BenchRow", "format_table", "run_bench"]
 
 DEFAULT_NUM_SEQS = (8, 32, 128)
 # The largest KV cache a run may build: bigger sizes are a typo.
 MAX_KV_CACHE_BYTES = 16 * 2**30
-
-# The course's speed-target case: a 32-sequence mixed step of a GQA model, kv lengths drawn
-# uniformly from 1 to 1024 (pages_per_seq 64 of 16 tokens), at most 1024 q rows.
-TARGET_CASE = BenchCase("mixed", 32, HEAD_CONFIGS["gqa"], 16, 64, 1024)
-
-
-def prepare_implementation(impl: Implementation, backend: str):
-    """(function, note). The function is None, and the note says why, when it cannot run here.
-
-    On a CPU, a Pallas implementation is returned in TPU interpret mode, with a note saying so.
-
-    >>> jnp_impl = IMPLEMENTATIONS[2]
-    >>> prepare_implementation(jnp_impl, "cpu")[0].keywords
-    {'validate': False}
-    """
-    if impl.needs_tpu and backend != "tpu":
-        return None, f"unavailable: needs a TPU (this is {backend})"
-    fn = impl.fn
-    if "validate" in inspect.signature(fn).parameters:
-        # The bench's batches are valid by construction: time the attention, not the checks
-        # of the values (minilib's functions run them on every eager call by default).
-        fn = functools.partial(fn, validate=False)
-    if impl.mode == "pallas" and backend != "tpu":
-        if "interpret" in inspect.signature(fn).parameters:
-            fn = functools.partial(fn, interpret=True)
-        return fn, f"TPU interpret mode on {backend}: correctness only, NOT a speed target"
-    return fn, ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,7 +258,7 @@ def save_times_plot(rows: list[BenchRow], path: Path) -> Path:
     >>> save_times_plot(rows, Path(tempfile.mkdtemp()) / "bench.png").exists()
     True
     """
-    from minilib.perf.plots import bench_times_figure  # matplotlib: not on a TPU VM without it
+    from minilib.perf.plots import bench_times_figure, save_figure  # matplotlib: not on a TPU VM
 
     timings: dict[str, dict[str, Timing]] = {}
     for r in rows:
@@ -341,102 +266,7 @@ def save_times_plot(rows: list[BenchRow], path: Path) -> Path:
             timings.setdefault(r.case.label(), {})[r.impl] = r.timing
     device = jax.devices()[0]
     title = f"Ragged paged attention on {device.device_kind} ({device.platform})"
-    return _save(bench_times_figure(timings, title), path)
-
-
-def _save(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
-
-
-# ---------------------------------------------------------------------------------------------
-# Working memory as max_kv_len grows.
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryPoint:
-    """One implementation's compiled working memory at one max_kv_len, as `memory_sweep`
-    reads it from XLA.
-
-    >>> tiny = BenchCase("mixed", 2, (4, 2, 64), page_size=8, max_num_batched_tokens=8)
-    >>> (point,), _ = memory_sweep([16], ["jnp"], base=tiny, log=lambda *a, **k: 0)
-    >>> point.impl, point.max_kv_len, point.temp_bytes > 0
-    ('jnp', 16, True)
-    """
-
-    impl: str
-    max_kv_len: int
-    temp_bytes: float  # XLA's temp buffers of the compiled call; nan if not reported
-    kv_cache_bytes: int  # the kv_pages argument, for scale
-
-
-def memory_sweep(
-    max_kv_lens, impl_names=("jnp", "blockwise", "kernel", "jax-kernel"), *,
-    base: BenchCase = TARGET_CASE, log=print
-) -> tuple[list[MemoryPoint], list[str]]:  # fmt: skip
-    """Compiled working memory of each implementation as max_kv_len grows. Returns the points
-    and notes on the implementations left out (unavailable, or interpreted: an interpreter's
-    buffers say nothing about the kernel's memory on a TPU).
-
-    >>> tiny = BenchCase("mixed", 2, (4, 2, 64), page_size=8, max_num_batched_tokens=8)
-    >>> points, _ = memory_sweep([16, 64], ["jnp"], base=tiny, log=lambda *a, **k: 0)
-    >>> [p.max_kv_len for p in points], points[1].temp_bytes > points[0].temp_bytes
-    ([16, 64], True)
-    """
-    backend = jax.default_backend()
-    points, notes = [], []
-    for impl in IMPLEMENTATIONS:
-        if impl.name not in impl_names:
-            continue
-        fn, note = prepare_implementation(impl, backend)
-        if fn is None or (impl.mode == "pallas" and backend != "tpu"):
-            notes.append(f"{impl.name}: {note or 'skipped'}")
-            continue
-        for max_kv_len in max_kv_lens:
-            case = dataclasses.replace(base, pages_per_seq=max(1, max_kv_len // base.page_size))
-            log(f"  memory: {impl.name} max_kv_len={max_kv_len} ...", file=sys.stderr, flush=True)
-            try:
-                temp = compiled_temp_bytes(fn, *case.specs(), sm_scale=case.heads[2] ** -0.5)
-            except Exception as error:  # noqa: BLE001
-                notes.append(f"{impl.name} at max_kv_len={max_kv_len}: failed: {error}")
-                continue
-            points.append(MemoryPoint(impl.name, case.max_kv_len, temp, case.kv_cache_bytes()))
-    return points, notes
-
-
-def format_memory_table(points: list[MemoryPoint], notes: list[str]) -> str:
-    """The sweep as a text table, then the notes.
-
-    >>> print(format_memory_table([MemoryPoint("jnp", 256, 2**21, 2**20)], ["kernel: skipped"]))
-    impl         max_kv_len   temp_MiB kv_cache_MiB
-    jnp                 256        2.0          1.0
-      (kernel: skipped)
-    """
-    lines = [f"{'impl':12s} {'max_kv_len':>10s} {'temp_MiB':>10s} {'kv_cache_MiB':>12s}"]
-    for p in points:
-        lines.append(
-            f"{p.impl:12s} {p.max_kv_len:10d} {p.temp_bytes / 2**20:10.1f} "
-            f"{p.kv_cache_bytes / 2**20:12.1f}"
-        )
-    return "\n".join(lines + [f"  ({note})" for note in notes])
-
-
-def save_memory_plot(points: list[MemoryPoint], path: Path) -> Path:
-    """`minilib.perf.plots.working_memory_figure` of the sweep, saved.
-
-    >>> import tempfile
-    >>> points = [MemoryPoint("jnp", n, 2 * n * 2**10, n * 2**10) for n in (256, 1024)]
-    >>> save_memory_plot(points, Path(tempfile.mkdtemp()) / "memory.png").exists()
-    True
-    """
-    from minilib.perf.plots import working_memory_figure  # matplotlib, as above
-
-    temp_bytes: dict[str, dict[int, float]] = {}
-    for p in points:
-        temp_bytes.setdefault(p.impl, {})[p.max_kv_len] = p.temp_bytes
-    kv_cache_bytes = {p.max_kv_len: p.kv_cache_bytes for p in points}
-    return _save(working_memory_figure(temp_bytes, kv_cache_bytes), path)
+    return save_figure(bench_times_figure(timings, title), path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,11 +7,13 @@ max_kv_len. Each function returns a matplotlib `Figure` (no pyplot), in the cour
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from matplotlib.figure import Figure
 
 from minilib.explore.style import color, hatch, new_figure
 
-__all__ = ["bench_times_figure", "working_memory_figure"]
+__all__ = ["bench_times_figure", "save_figure", "working_memory_figure"]
 
 
 def bench_times_figure(timings, title: str = "Ragged paged attention") -> Figure:
@@ -83,3 +85,16 @@ def working_memory_figure(temp_bytes, kv_cache_bytes) -> Figure:
     ax.set_title("Working memory of one compiled call as max_kv_len grows")
     ax.legend()
     return fig
+
+
+def save_figure(fig: Figure, path: Path) -> Path:
+    """Save `fig` as a PNG at `path`, making its folder if needed; returns the path.
+
+    >>> import tempfile
+    >>> fig = working_memory_figure({"jnp": {256: 2**22}}, {256: 2**23})
+    >>> save_figure(fig, Path(tempfile.mkdtemp()) / "plots" / "memory.png").exists()
+    True
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path

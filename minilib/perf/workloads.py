@@ -18,6 +18,7 @@ from minilib.batch import RaggedBatch, make_batch, random_seq_lens
 
 __all__ = [
     "HEAD_CONFIGS",
+    "TARGET_CASE",
     "WORKLOADS",
     "BenchCase",
     "case_batches",
@@ -161,3 +162,8 @@ def case_batches(case: BenchCase, seed: int = 0) -> tuple[RaggedBatch, RaggedBat
         )
         batches.append(make_batch(pairs, seed=s, **shapes))
     return batches[0], batches[1]
+
+
+# The course's speed-target case: a 32-sequence mixed step of a GQA model, kv lengths drawn
+# uniformly from 1 to 1024 (pages_per_seq 64 of 16 tokens), at most 1024 q rows.
+TARGET_CASE = BenchCase("mixed", 32, HEAD_CONFIGS["gqa"], 16, 64, 1024)
