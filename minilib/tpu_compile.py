@@ -37,7 +37,8 @@ What libtpu wrote down. `LIBTPU_INIT_ARGS` (see `DUMP_FLAGS`) asks libtpu to dum
 The dump flags are libtpu internals, not an API: the parser was checked by hand against
 libtpu 0.0.42.1 (with jax 0.10.2) and 0.0.23 (jax 0.7.2), see `CHECKED_LIBTPU`. With another
 libtpu the report still says whether the kernel compiled, and its notes say when the dump was
-not recognised, and how to get the pinned libtpu.
+not recognised, and how to get the pinned libtpu. A pair known not to compile at all (Colab's
+jax 0.7.2 with libtpu 0.0.21.1, see `CANNOT_COMPILE`) is refused, saying why.
 
 When libtpu reads its flags. libtpu reads `LIBTPU_INIT_ARGS` once, when it starts in a
 process, and never again. Two cases:
@@ -106,6 +107,19 @@ TOPOLOGY_NAMES = {"v4": "v4:1x1x1", "v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e":
 # was checked against by hand.
 CHECKED_LIBTPU = {"0.10.2": "0.0.42.1", "0.7.2": "0.0.23"}
 NEWEST_CHECKED_JAX = "0.10.2"
+# (jax, libtpu) pairs checked by hand that cannot compile here, and why. Colab's TPU runtime
+# pairs jax 0.7.2 with libtpu 0.0.21.1 (its runtime 2026.07: 0.0.21). libtpu 0.0.21.1's
+# bundle dump (of a kernel lowered at IR version 7), written before the crash, is in the format
+# read below.
+CANNOT_COMPILE = {
+    ("0.7.2", libtpu): (
+        f"the compile-only TPU devices of libtpu {libtpu} crash jax 0.7.2 (a segfault when jax "
+        "asks them for a default layout, after every compile), and its Mosaic reads kernels up "
+        "to IR version 7, where jax 0.7.2 writes version 8 for a libtpu built after 2025-08-14, "
+        "as this one is (libtpu 0.0.22 and 0.0.23 read it)"
+    )
+    for libtpu in ("0.0.21", "0.0.21.1")
+}
 
 DUMP_FLAGS = (
     "--xla_jf_dump_llo_pass_label_regex=final_bundles|post-delay-converter",
@@ -159,6 +173,10 @@ def tpu_compile_available() -> tuple[bool, str]:
 
     if xla_bridge.get_tpu_library_path() is None:
         return False, f"libtpu {version} is installed but JAX cannot find it. {install_hint()}"
+    pair = (jax.__version__, version)
+    if pair in CANNOT_COMPILE:
+        reason = f"libtpu {version} with jax {jax.__version__} cannot compile here"
+        return False, f"{reason}: {CANNOT_COMPILE[pair]}. {install_hint()}"
     checked = CHECKED_LIBTPU.get(jax.__version__)
     note = (
         ""
