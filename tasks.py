@@ -3,23 +3,33 @@
     python3 tasks.py course   # make .venv, install, open JupyterLab on notebooks/
     python3 tasks.py test     # make the venvs, install, lint, run every test
 
-`test` runs in four environments:
-  * .venv         the newest supported jax (constraints/newest.txt): lint, then every test
-                  (notebooks included; the slow sweeps stay opt-in, see README);
-  * .venv-oldest  Colab's TPU runtime: jax 0.7.2 and ipywidgets 7.7.1
-                  (constraints/oldest.txt) on Python 3.13 when this machine has it: the
-                  fast tests, notebooks and explorers included;
-  * .venv-tpu     the newest jax with its libtpu, pinned (constraints/tpu.txt): the
-                  `tpu_compile` tests, which compile every kernel for four TPU chips here,
-                  without a TPU, and print our kernel's bundle ratios against JAX's;
-  * .venv-tpu-oldest  jax 0.7.2 with its libtpu, Colab's stack (constraints/tpu-oldest.txt):
-                  a few of those compiles (COLAB_TPU_TESTS).
+`test` runs in five environments, each pinned by a file of constraints/ (README: "Supported
+stacks"):
+  * .venv         the newest supported jax (newest.txt): lint, then every test (notebooks
+                  included; the slow sweeps stay opt-in, see README);
+  * .venv-oldest  Colab's TPU runtime, package for package (oldest.txt, made from the
+                  package list Colab publishes, constraints/colab/tpu/, by
+                  constraints/colab_freeze.py) on Python 3.13 when this machine has it:
+                  the fast tests, notebooks and explorers included;
+  * .venv-tpu     the newest jax with its libtpu, pinned (tpu.txt): the `tpu_compile`
+                  tests, which compile every kernel for four TPU chips here, without a TPU,
+                  and print our kernel's bundle ratios against JAX's;
+  * .venv-tpu-oldest  Colab's jax 0.7.2 and libtpu 0.0.21.1 (tpu-oldest.txt, from the same
+                  list), which cannot compile here: that tpu_compile says so, and why;
+  * .venv-tpu-jax-0.7.2  jax 0.7.2 with the libtpu its `jax[tpu]` pins (tpu-jax-0.7.2.txt):
+                  a few of those compiles (JAX_0_7_2_TPU_TESTS);
 then the browser test in .venv and .venv-oldest (tests/browser: the explorers in
 JupyterLab, or the classic notebook for ipywidgets 7, in headless Chromium), which needs
 Debian's `chromium` and is skipped, loudly, without it.
 
-Extra arguments after `test` go to pytest in the first environment, e.g.
-`python3 tasks.py test -m slow`.
+    python3 tasks.py test-colab-2026.07   # the fast tests on Colab's past runtime 2026.07
+
+runs the fast tests, notebooks included, in .venv-colab-2026.07 (colab-2026.07.txt, from
+constraints/colab/2026.07/: Python 3.12, numpy 2.0.2, jax 0.7.2). It is not part of `test`,
+whose time it would add to CI's.
+
+Extra arguments after `test` (or `test-colab-2026.07`) go to pytest in its first
+environment, e.g. `python3 tasks.py test -m slow`.
 """
 
 from __future__ import annotations
@@ -32,18 +42,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 NEWEST = (ROOT / ".venv", ROOT / "constraints" / "newest.txt")
+# Colab's TPU runtime and its past runtime 2026.07, pinned from the package lists Colab
+# publishes (constraints/colab/, made into constraint files by constraints/colab_freeze.py),
+# each with the Python it has (os-info-tpu.txt).
 OLDEST = (ROOT / ".venv-oldest", ROOT / "constraints" / "oldest.txt")
-COLAB_PYTHON = "3.13"  # the Python of Colab's TPU runtime, for .venv-oldest
+COLAB_PYTHON = "3.13"
+COLAB_2026_07 = (ROOT / ".venv-colab-2026.07", ROOT / "constraints" / "colab-2026.07.txt")
+COLAB_2026_07_PYTHON = "3.12"
 # The course's JupyterLab settings: no news pop-up (labconfig/default_setting_overrides.json).
 JUPYTER_CONFIG = ROOT / "jupyter_config"
 TPU = (ROOT / ".venv-tpu", ROOT / "constraints" / "tpu.txt")
+# Colab's jax 0.7.2 and libtpu 0.0.21.1 (from its list), with which nothing compiles here:
+# the tests check that minilib.tpu.compile says so, and why (tests/test_tpu_cannot_compile.py).
 TPU_OLDEST = (ROOT / ".venv-tpu-oldest", ROOT / "constraints" / "tpu-oldest.txt")
+# jax 0.7.2 with the libtpu its `jax[tpu]` extra pins, 0.0.23: the kernels through the
+# oldest jax's Pallas lowering, compiled by Mosaic.
+TPU_JAX_0_7_2 = (ROOT / ".venv-tpu-jax-0.7.2", ROOT / "constraints" / "tpu-jax-0.7.2.txt")
 # The test files holding `tpu_compile` tests (the TPU venvs lack the course's packages, so
 # only these are collected there).
 TPU_COMPILE_TESTS = ("tests/test_tpu_compile.py", "tests/test_ladder.py")
-# On Colab's stack, one kernel configuration per chip, the comparison with JAX's kernel and
+# With jax 0.7.2, one kernel configuration per chip, the comparison with JAX's kernel and
 # the harness's own failure tests: the whole matrix runs once, on the newest stack.
-COLAB_TPU_TESTS = "gqa-bf16 or against_jax or bad_kernel or vmem_overflow or by_design"
+JAX_0_7_2_TPU_TESTS = "gqa-bf16 or against_jax or bad_kernel or vmem_overflow or by_design"
 
 
 def run(*cmd: str | Path, env: dict | None = None) -> None:
@@ -73,22 +93,27 @@ def python_version(python: str | Path) -> str:
     return subprocess.run(command, capture_output=True, text=True).stdout.strip()
 
 
-def colab_python() -> str:
-    """A python3.13 of this machine (Colab's version), on PATH or installed by pyenv; else
-    this Python, with a note."""
+def python_for(version: str) -> str:
+    """A python`version` of this machine (say 3.13, Colab's), on PATH or installed by pyenv;
+    else this Python, with a note. Prints which one."""
     pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
-    candidates = [shutil.which(f"python{COLAB_PYTHON}")]  # a pyenv shim may not run: check
-    candidates += sorted(pyenv.glob(f"{COLAB_PYTHON}*/bin/python{COLAB_PYTHON}"), reverse=True)
+    candidates = [shutil.which(f"python{version}")]  # a pyenv shim may not run: check
+    candidates += sorted(pyenv.glob(f"{version}.*/bin/python{version}"), reverse=True)
     for candidate in filter(None, candidates):
-        if python_version(candidate).startswith(f"{COLAB_PYTHON}."):
-            print(f"Colab's Python: {candidate} ({python_version(candidate)})", flush=True)
+        if python_version(candidate).startswith(f"{version}."):
+            print(f"Python {version}: {candidate} ({python_version(candidate)})", flush=True)
             return str(candidate)
     print(
-        f"NOTE: no python{COLAB_PYTHON} on this machine (Colab's TPU runtime has it): "
-        f".venv-oldest uses {sys.executable} ({python_version(sys.executable)}) instead.",
+        f"NOTE: no python{version} on this machine: using {sys.executable} "
+        f"({python_version(sys.executable)}) instead.",
         flush=True,
     )
     return sys.executable
+
+
+def colab_python() -> str:
+    """The Python of Colab's TPU runtime (COLAB_PYTHON), or the nearest this machine has."""
+    return python_for(COLAB_PYTHON)
 
 
 def pytest(python: Path, *args: str) -> None:
@@ -103,18 +128,33 @@ def test(args: list[str]) -> None:
     run(python, "-m", "ruff", "format", "--check", ".")
     pytest(python, *args)
 
-    oldest = make_venv(*OLDEST, extra="dev,browser", base_python=colab_python())
+    colab = colab_python()
+    oldest = make_venv(*OLDEST, extra="dev,browser", base_python=colab)
     pytest(oldest, "-m", "not slow and not browser", "-p", "no:cacheprovider")
 
     tpu = make_venv(*TPU, extra="tpu-test")
     pytest(tpu, "-m", "tpu_compile", "-p", "no:cacheprovider", *TPU_COMPILE_TESTS)
 
-    tpu_oldest = make_venv(*TPU_OLDEST, extra="tpu-test")
-    pytest(tpu_oldest, "-m", "tpu_compile", "-k", COLAB_TPU_TESTS, "-p", "no:cacheprovider",
+    # On Colab's pair the compiles are skipped, saying why (-rs), and the pair's tests run.
+    tpu_oldest = make_venv(*TPU_OLDEST, extra="tpu-test", base_python=colab)
+    pytest(tpu_oldest, "-m", "tpu_compile", "-k", f"{JAX_0_7_2_TPU_TESTS} or cannot_compile",
+           "-p", "no:cacheprovider", "-rs", "tests/test_tpu_compile.py",
+           "tests/test_tpu_cannot_compile.py")  # fmt: skip
+
+    tpu_jax = make_venv(*TPU_JAX_0_7_2, extra="tpu-test", base_python=colab)
+    pytest(tpu_jax, "-m", "tpu_compile", "-k", JAX_0_7_2_TPU_TESTS, "-p", "no:cacheprovider",
            "tests/test_tpu_compile.py")  # fmt: skip
 
     for env in (python, oldest):
         browser_test(env)
+
+
+def test_colab_2026_07(args: list[str]) -> None:
+    """The fast tests, notebooks included, on Colab's past runtime 2026.07 (Python 3.12,
+    numpy 2.0.2, jax 0.7.2). Not part of `test`: it would add its time to CI's."""
+    python = python_for(COLAB_2026_07_PYTHON)
+    past = make_venv(*COLAB_2026_07, extra="dev,browser", base_python=python)
+    pytest(past, "-m", "not slow and not browser", "-p", "no:cacheprovider", *args)
 
 
 def browser_test(python: Path) -> None:
@@ -149,7 +189,7 @@ def jupyter_config_path() -> list[str]:
 
 
 def main() -> None:
-    commands = {"test": test, "course": course}
+    commands = {"test": test, "test-colab-2026.07": test_colab_2026_07, "course": course}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         sys.exit(__doc__)
     try:

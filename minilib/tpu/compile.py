@@ -27,7 +27,8 @@ kernel's final bundles and its memory allocations, and `minilib.tpu.dump_reader`
 bundles per KV block, total bundles, peak VMEM, spills, and the source lines that cost most.
 The dump files are libtpu internals, not an API; with a libtpu the reader was not checked on
 (`CHECKED_LIBTPU`), the report still says whether the kernel compiled, and its notes say when
-the dump was not recognised.
+the dump was not recognised. A pair known not to compile at all (Colab's jax 0.7.2 with
+libtpu 0.0.21.1, see `CANNOT_COMPILE`) is refused, saying why.
 
 When libtpu reads its flags. libtpu reads `LIBTPU_INIT_ARGS` once, when it starts in a
 process, and never again. Two cases:
@@ -92,6 +93,20 @@ __all__ = [
     "tpu_compile_available",
 ]
 
+# (jax, libtpu) pairs checked by hand that cannot compile here, and why. Colab's TPU runtime
+# pairs jax 0.7.2 with libtpu 0.0.21.1 (its runtime 2026.07: 0.0.21). libtpu 0.0.21.1's
+# bundle dump (of a kernel lowered at IR version 7), written before the crash, is in the format
+# read below.
+CANNOT_COMPILE = {
+    ("0.7.2", libtpu): (
+        f"the compile-only TPU devices of libtpu {libtpu} crash jax 0.7.2 (a segfault when jax "
+        "asks them for a default layout, after every compile), and its Mosaic reads kernels up "
+        "to IR version 7, where jax 0.7.2 writes version 8 for a libtpu built after 2025-08-14, "
+        "as this one is (libtpu 0.0.22 and 0.0.23 read it)"
+    )
+    for libtpu in ("0.0.21", "0.0.21.1")
+}
+
 QUIET_LIBTPU_ENV = {
     "TPU_ACCELERATOR_TYPE": "v5litepod-4",
     "TPU_WORKER_HOSTNAMES": "localhost",
@@ -138,6 +153,10 @@ def tpu_compile_available() -> tuple[bool, str]:
 
     if xla_bridge.get_tpu_library_path() is None:
         return False, f"libtpu {version} is installed but JAX cannot find it. {install_hint()}"
+    pair = (jax.__version__, version)
+    if pair in CANNOT_COMPILE:
+        reason = f"libtpu {version} with jax {jax.__version__} cannot compile here"
+        return False, f"{reason}: {CANNOT_COMPILE[pair]}. {install_hint()}"
     checked = CHECKED_LIBTPU.get(jax.__version__)
     note = (
         ""

@@ -84,7 +84,7 @@ LAB = FrontEnd(
 )
 CLASSIC = FrontEnd(
     name="nbclassic",
-    notebook_path="/nbclassic/notebooks/",
+    notebook_path="/nbclassic/notebooks/",  # beside Notebook 7: see front_end_for_this_environment
     idle_kernel="!!document.querySelector('#kernel_indicator_icon.kernel_idle_icon')",
     run_all=("#celllink", "#run_all_cells"),
     prompts=".code_cell .input_prompt",
@@ -98,7 +98,13 @@ CLASSIC = FrontEnd(
 def front_end_for_this_environment() -> FrontEnd:
     import ipywidgets
 
-    return CLASSIC if ipywidgets.__version__.startswith("7.") else LAB
+    if not ipywidgets.__version__.startswith("7."):
+        return LAB
+    # nbclassic serves its pages under /nbclassic beside Notebook 7, and at the root beside
+    # Notebook 6 (as in Colab's packages).
+    from nbclassic import nbclassic_path
+
+    return dataclasses.replace(CLASSIC, notebook_path=f"{nbclassic_path()}/notebooks/")
 
 
 def chromium_path() -> str | None:
