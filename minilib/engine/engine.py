@@ -45,7 +45,13 @@ from minilib.engine.model import (
 from minilib.engine.outputs import RequestMetrics, RequestOutput
 from minilib.engine.sampling import SamplingParams, request_key, sample_tokens
 from minilib.engine.scheduler import Request, Scheduler, StepPlan
-from minilib.engine.sharding import shard_attention, shard_kv_pages, shard_params
+from minilib.engine.sharding import (
+    kv_head_replicas,
+    replicate_kv_heads,
+    shard_attention,
+    shard_kv_pages,
+    shard_params,
+)
 from minilib.errors import EngineError
 from minilib.kv_cache import pages_needed, write_tokens
 from minilib.reference import ref_ragged_paged_attention
@@ -198,7 +204,8 @@ class Engine:
       attention: any function with the signature of JAX's ragged paged attention that
         returns an array shaped like q (as all of minilib's do).
       mesh: None, or a `jax.sharding.Mesh` with one axis "kv_heads": attention and the KV
-        cache are split by KV head over its devices (see `minilib.engine.sharding`).
+        cache are split by KV head over its devices (see `minilib.engine.sharding`); with
+        more devices than KV heads, each device holds a copy of one KV head.
       enable_prefix_caching: share full pages of equal prefixes between requests
         (`minilib.engine.prefix_cache`). vLLM turns it on by default; here it is off by
         default, so that the first look at the engine shows plain page tables.
@@ -266,6 +273,8 @@ class Engine:
         self.page_size, self.num_pages = page_size, num_pages
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.attention = attention if mesh is None else shard_attention(attention, mesh, config)
+        # More devices than KV heads: each device holds a copy of one KV head (vLLM's way).
+        self.kv_head_replicas = 1 if mesh is None else kv_head_replicas(mesh, config)
         self.scheduler = Scheduler(
             num_pages=num_pages,
             page_size=page_size,
@@ -274,11 +283,12 @@ class Engine:
             enable_prefix_caching=bool(enable_prefix_caching),
         )
         # One pool per layer, NaN until written: a read of a slot no token owns shows at once.
-        shape = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
+        num_kv_heads = config.num_kv_heads * self.kv_head_replicas
+        shape = (num_pages, page_size, 2 * num_kv_heads, config.head_dim)
         self.kv_pages = [jnp.full(shape, jnp.nan, config.dtype) for _ in range(config.num_layers)]
         if mesh is not None:
             self.kv_pages = [shard_kv_pages(pages, mesh) for pages in self.kv_pages]
-            self.params = shard_params(params, mesh)
+            self.params = shard_params(replicate_kv_heads(params, self.kv_head_replicas), mesh)
         self.requests: dict[int, Request] = {}  # every request not yet popped, finished too
         self.last_batch: PackedBatch | None = None
         self.stats: list[StepStats] = []
