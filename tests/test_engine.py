@@ -832,3 +832,28 @@ def test_live_view_is_real_widgets_and_replays_every_step():
         assert f">r{owner}</div>" in view.pages.value
     for request_id, kind, num_tokens in first.batch:
         assert f"r{request_id} {kind[0]}{num_tokens}" in view.text
+
+
+def test_live_view_shows_shared_pages_and_page_tables():
+    from minilib.engine.view import EngineView
+
+    prompts, _ = shared_prefix_prompts()
+    eng = engine(page_size=PAGE, enable_prefix_caching=True)
+    view = EngineView(eng, "prefix caching")
+    eng.add_request(prompts[0], 3)
+    view.show(checked_step(eng))
+    for p in prompts[1:4]:
+        eng.add_request(p, 3)
+    view.run()
+    shared = next(s for s in eng.stats if s.shared_pages)
+    view.slider.value = shared.step
+    page = shared.shared_pages[0]
+    holders = "+".join(f"r{o}" for o in shared.page_owners[page])
+    assert f"title='page {page}: shared by " in view.pages.value
+    assert f">{holders}</div>" in view.pages.value
+    for request_id, pages in shared.page_tables:  # every request's row of page_indices
+        assert f"r{request_id}: " in view.text
+        assert all(f"title='page {p}:" in view.tables.value for p in pages)
+    assert f"prompt tokens from the prefix cache: {shared.num_cached_tokens}" in view.text
+    view.slider.value = len(eng.stats) - 1  # at the end: every page free, the full ones cached
+    assert view.pages.value.count(">c</div>") == len(eng.stats[-1].cached_pages) > 0

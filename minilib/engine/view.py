@@ -177,7 +177,7 @@ def _pages_html(owners, cached_pages) -> str:
         cells.append(_page_cell(page, holders, page in cached, label))
     legend = (
         "page pool (· free; c free but still cached; heavy border: a cached full page; "
-        "two colours: one page, two requests)"
+        "several colours: one page that several requests hold)"
     )
     return f"<div>{legend}</div><div style='max-width:720px'>{''.join(cells)}</div>"
 
