@@ -96,6 +96,15 @@ def run_engine(rule=can_admit, preempt_fn=preempt, *, seed: int = 0) -> dict:
     }
 
 
+def _compare_state_or_run(want: dict, got: dict, case: Case) -> None:
+    """A case is a state after the function (each field compared) or an engine run."""
+    if case.args[0] == "engine":
+        _compare_runs(want, got)
+        return
+    for key in want:
+        compare_values(want[key], got[key], key)
+
+
 def _compare_runs(want: dict, got: dict) -> None:
     for key in want:
         if want[key] != got[key]:
@@ -229,13 +238,6 @@ def check_preempt(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Check
 
         return run
 
-    def compare(want, got, case):
-        if case.args[0] == "engine":
-            _compare_runs(want, got)
-            return
-        for key in want:
-            compare_values(want[key], got[key], key)
-
     def keeps_num_computed(request, allocator):
         allocator.free(request.pages)
         request.pages = []
@@ -261,7 +263,12 @@ def check_preempt(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Check
         "request may get them next).": call(keeps_page_list),
     }
     return run_check(
-        "preempt", call(fn), call(preempt), cases, diagnose(compare, mistakes), verbose=verbose
+        "preempt",
+        call(fn),
+        call(preempt),
+        cases,
+        diagnose(_compare_state_or_run, mistakes),
+        verbose=verbose,
     )
 
 
@@ -431,13 +438,6 @@ def check_cache_full_pages(fn: Callable, *, seed: int = 0, verbose: bool = True)
 
         return run
 
-    def compare(want, got, case):
-        if case.args[0] == "engine":
-            _compare_runs(want, got)
-            return
-        for key in want:
-            compare_values(want[key], got[key], key)
-
     def page_holds_tokens(request, pool, page_size):  # full of tokens, not of computed K/V
         for i in range(len(request.block_hashes), len(request.tokens) // page_size):
             parent = request.block_hashes[-1] if request.block_hashes else None
@@ -501,7 +501,7 @@ def check_cache_full_pages(fn: Callable, *, seed: int = 0, verbose: bool = True)
         call(fn),
         call(cache_full_pages),
         cases,
-        diagnose(compare, mistakes),
+        diagnose(_compare_state_or_run, mistakes),
         verbose=verbose,
     )
 
