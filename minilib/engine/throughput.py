@@ -330,7 +330,8 @@ class ServingBench:
                 row(self.at_once["continuous"]),
                 row(self.at_once["static"]),
                 f"Poisson arrivals at {self.request_rate:.1f} requests/s ({self.load:.0%} of "
-                "continuous batching's capacity above):",
+                "continuous batching's capacity above; tok/s follows the arrivals while a "
+                "policy keeps up):",
                 head,
                 row(self.arriving["continuous"]),
                 row(self.arriving["static"]),
