@@ -4,7 +4,9 @@
 
 The device count is fixed when JAX starts, hence the separate process. Runs the engine with
 its attention and KV cache sharded over meshes of 1, 2 and 4 devices, for every attention
-implementation, next to the unsharded engine and the dense model, and tries bad meshes.
+implementation, next to the unsharded engine and the dense model; a model with 2 KV heads on
+4 devices (KV heads replicated); a serving run on 4 devices with prefix caching, sampling,
+preemption and an abort, the pool's accounting checked after every step; and bad meshes.
 Prints one JSON line with what it saw; the test judges it.
 """
 
@@ -17,7 +19,14 @@ import numpy as np
 from jax.sharding import Mesh
 
 import minilib
-from minilib.engine import Engine, EngineError, ModelConfig, dense_generate, init_params
+from minilib.engine import (
+    Engine,
+    EngineError,
+    ModelConfig,
+    SamplingParams,
+    dense_generate,
+    init_params,
+)
 
 CONFIG = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=8, num_kv_heads=4, head_dim=32)
 PARAMS = init_params(CONFIG, seed=1)
@@ -52,6 +61,70 @@ def error_text(make) -> str:
     return "no error"
 
 
+def replicated_run() -> dict:
+    """2 KV heads on 4 devices: each device holds a copy of one KV head."""
+    config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32)
+    params = init_params(config, seed=3)
+    prompts = PROMPTS[:3]
+    dense = [dense_generate(params, config, p, 5) for p in prompts]
+    eng = Engine(params, config, attention=ATTENTION["jnp"], mesh=mesh_of(4), **SIZES)
+    tokens = eng.generate(prompts, 5)
+    return {
+        "tokens": tokens,
+        "dense": dense,
+        "replicas": eng.kv_head_replicas,
+        "shard_shapes": [list(s.data.shape) for s in eng.kv_pages[0].addressable_shards],
+        "pages_free": eng.scheduler.allocator.num_free == SIZES["num_pages"],
+    }
+
+
+def serving_run() -> dict:
+    """Prefix caching, sampling, preemption and aborts (of a waiting and of a running
+    request) on 4 devices, against the dense model; the pool's books are checked after every
+    step and every abort."""
+    shared = rng.integers(0, 64, 9).tolist()
+    prompts = [shared + rng.integers(0, 64, n).tolist() for n in (3, 6, 1, 4, 2)]
+    params_of = [
+        SamplingParams(max_tokens=6, temperature=0.9, top_k=16, seed=10 + i)
+        for i in range(len(prompts))
+    ]
+    sizes = SIZES | {"num_pages": 8}
+    eng = Engine(
+        PARAMS, CONFIG, attention=ATTENTION["jnp"], mesh=mesh_of(4), enable_prefix_caching=True,
+        **sizes,
+    )  # fmt: skip
+    ids = [eng.add_request(p, sampling_params=sp) for p, sp in zip(prompts, params_of, strict=True)]
+    aborts = {1: ids[4], 3: ids[0]}  # after step 1: a waiting request; after 3: a running one
+    problems, states = [], {}
+    while eng.has_unfinished:
+        stats = eng.step()
+        problems += [f"step {stats.step}: {p}" for p in eng.scheduler.accounting_problems()]
+        if stats.step in aborts:
+            victim = eng.requests[aborts[stats.step]]
+            states[stats.step] = "running" if victim in eng.scheduler.running else "waiting"
+            eng.abort_request(victim.request_id)
+            problems += [f"after abort: {p}" for p in eng.scheduler.accounting_problems()]
+    outputs = [eng.request_output(i) for i in ids]
+    dense = [
+        dense_generate(PARAMS, CONFIG, p, sampling_params=sp)
+        for p, sp in zip(prompts, params_of, strict=True)
+    ]
+    return {
+        "tokens": [list(o.token_ids) for o in outputs[1:4]],
+        "dense": dense[1:4],
+        "aborted": [
+            [o.finish_reason, list(o.token_ids), d]
+            for o, d in ((outputs[4], dense[4]), (outputs[0], dense[0]))
+        ],
+        "aborted_states": [states[1], states[3]],
+        "num_cached_tokens": [o.num_cached_tokens for o in outputs],
+        "preempted": sum(s.num_preempted for s in eng.stats),
+        "shared_pages_seen": any(s.shared_pages for s in eng.stats),
+        "problems": problems,
+        "pages_free": eng.scheduler.allocator.num_free == sizes["num_pages"],
+    }
+
+
 def main() -> None:
     runs = []
     for name, sizes, num_prompts, max_new in PLAN:
@@ -76,12 +149,15 @@ def main() -> None:
     eng = Engine(PARAMS, CONFIG, attention=ATTENTION["jnp"], mesh=mesh_of(4), **SIZES)
     shard_shapes = [list(s.data.shape) for s in eng.kv_pages[0].addressable_shards]
     weight_specs = {name: str(w.sharding.spec) for name, w in eng.params["layers"][0].items()}
-    two_kv_heads = ModelConfig(
-        vocab_size=64, num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=32
+    six_q_heads = ModelConfig(
+        vocab_size=64, num_layers=1, num_q_heads=6, num_kv_heads=2, head_dim=32
     )
     errors = {
         "kv heads not divisible": error_text(
-            lambda: Engine(init_params(two_kv_heads), two_kv_heads, mesh=mesh_of(4), **SIZES)
+            lambda: Engine(PARAMS, CONFIG, mesh=mesh_of(3), **SIZES)
+        ),
+        "q heads not divisible": error_text(
+            lambda: Engine(init_params(six_q_heads), six_q_heads, mesh=mesh_of(4), **SIZES)
         ),
         "unknown axis": error_text(
             lambda: Engine(PARAMS, CONFIG, mesh=mesh_of(2, "model"), **SIZES)
@@ -96,6 +172,8 @@ def main() -> None:
                 "shard_shapes": {"4": shard_shapes},
                 "weight_specs": weight_specs,
                 "errors": errors,
+                "replicated": replicated_run(),
+                "serving": serving_run(),
             }
         )
     )

@@ -1,4 +1,4 @@
-"""minilib.engine: the engine's greedy tokens equal `dense_generate`'s, token for token.
+"""minilib.engine: the engine's tokens equal `dense_generate`'s, token for token.
 
 Exactness is checked for a mix of prompt lengths, chunked prefill (prompts longer than the
 step's token budget), a pool small enough to force waiting and preemption, and every attention
@@ -13,14 +13,25 @@ closer than `BF16_MARGIN` a greedy token may legitimately flip, and from there t
 sequences continue from different text. So in bfloat16 each request's tokens must be equal up
 to its first token chosen by a gap below `BF16_MARGIN`; after it they are not compared. The
 compared prefixes must cover at least half of all tokens, so the check cannot pass vacuously.
+
+Sampled tokens follow the same policy. A draw is the argmax of logits / temperature plus
+Gumbel noise that depends only on the request's seed and the token's index, so a draw's
+margin (the gap between its two best scores, in logits) plays the part of the greedy gap:
+equal in float32, and in bfloat16 equal up to the first draw with a margin below
+`BF16_MARGIN`.
+
+The pool's books (reference counts, the free queue, the cached pages) are checked after every
+step of the runs that preempt, share or abort, and after every abort (`accounting_problems`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -28,8 +39,18 @@ import numpy as np
 import pytest
 
 import minilib
-from minilib.engine import Engine, EngineError, ModelConfig, dense_generate, init_params
+from minilib.engine import (
+    Engine,
+    EngineError,
+    ModelConfig,
+    SamplingParams,
+    dense_generate,
+    init_params,
+)
 from minilib.engine.model import dense_generate_with_margins
+from minilib.engine.prefix_cache import BlockPool, find_longest_cache_hit, hash_request_tokens
+from minilib.errors import KVCacheError
+from minilib.kv_cache import pages_needed
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32)
@@ -61,6 +82,24 @@ def assert_all_pages_free(eng: Engine):
     assert not eng.has_unfinished
 
 
+def checked_step(eng: Engine):
+    """One step, then the pool's books: every count, the free queue, the cached pages."""
+    stats = eng.step()
+    problems = eng.scheduler.accounting_problems()
+    assert not problems, f"after step {stats.step}: {problems}"
+    return stats
+
+
+def run_checked(eng: Engine, aborts=None):
+    """Step to the end, checking the books after every step; `aborts` maps a step to the
+    request ids aborted right after it (checked too)."""
+    while eng.has_unfinished:
+        stats = checked_step(eng)
+        for request_id in (aborts or {}).get(stats.step, ()):
+            eng.abort_request(request_id)
+            assert not eng.scheduler.accounting_problems(), f"abort of {request_id}"
+
+
 # --- exactness -------------------------------------------------------------------------------
 
 
@@ -82,7 +121,9 @@ def test_mixed_lengths_and_chunked_prefill_match_dense(name, dense_tokens):
 @pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
 def test_small_pool_waits_and_preempts_without_changing_outputs(name, dense_tokens):
     eng = engine(IMPLEMENTATIONS[name], num_pages=10)
-    assert eng.generate(PROMPTS, MAX_NEW) == dense_tokens
+    ids = [eng.add_request(p, MAX_NEW) for p in PROMPTS]
+    run_checked(eng)
+    assert [eng.output(i) for i in ids] == dense_tokens
     assert any(s.num_waiting for s in eng.stats), "no request ever waited"
     assert sum(s.num_preempted for s in eng.stats) > 0, "no request was preempted"
     assert max(s.num_pages_used for s in eng.stats) <= 10
@@ -146,7 +187,7 @@ def test_steps_and_statistics(dense_tokens):
     ids = [eng.add_request(p, MAX_NEW) for p in PROMPTS]
     while eng.has_unfinished:
         stats = eng.step()
-        assert stats.num_pages_used == sum(o is not None for o in stats.page_owners)
+        assert stats.num_pages_used == sum(bool(o) for o in stats.page_owners)
         assert stats.num_running <= eng.max_num_seqs
     assert [eng.output(i) for i in ids] == dense_tokens
     # every generated token but the last of each request went through the model as a decode,
@@ -227,6 +268,8 @@ def test_dense_generate_refuses_bad_prompts():
         ({"max_num_seqs": True}, "max_num_seqs=True"),
         ({"attention": "jnp"}, "not callable"),
         ({"config": "tiny"}, "ModelConfig"),
+        ({"enable_prefix_caching": "yes"}, "enable_prefix_caching='yes'"),
+        ({"seed": -1}, "seed=-1"),
     ],
 )
 def test_bad_engine_settings(kwargs, words):
@@ -252,6 +295,438 @@ def test_bad_model_configs(kwargs, words):
 def test_init_params_is_seeded():
     a, b, c = init_params(CONFIG, 3), init_params(CONFIG, 3), init_params(CONFIG, 4)
     assert np.array_equal(a["embed"], b["embed"]) and not np.array_equal(a["embed"], c["embed"])
+
+
+# --- prefix caching --------------------------------------------------------------------------
+
+PAGE = 4
+SYSTEM = np.random.default_rng(5).integers(0, 64, 10).tolist()  # 2 full pages and 2 tokens
+
+
+def shared_prefix_prompts():
+    rng = np.random.default_rng(6)
+    a = SYSTEM + rng.integers(0, 64, 3).tolist()  # 13 tokens: 3 full pages
+    b = SYSTEM + rng.integers(0, 64, 5).tolist()  # shares pages 0 and 1 with a
+    c = list(a)  # wholly cached but for its last token: 12 of 13 hit
+    d = SYSTEM[:8]  # 8 tokens, both pages cached: the last page is computed anew
+    e = rng.integers(0, 64, 6).tolist()  # nothing in common
+    f = rng.integers(0, 64, 4).tolist() + SYSTEM[4:8]  # a's page 1, after another page 0
+    return [a, b, c, d, e, f], [0, 8, 12, 4, 0, 0]
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [False, True])
+def test_prefix_caching_computes_only_what_is_not_cached(enable_prefix_caching):
+    prompts, want_cached = shared_prefix_prompts()
+    eng = engine(page_size=PAGE, enable_prefix_caching=enable_prefix_caching)
+    first = eng.add_request(prompts[0], 5)
+    checked_step(eng)  # a's whole prompt in one step: its full pages are cached now
+    ids = [first] + [eng.add_request(p, 5) for p in prompts[1:]]
+    run_checked(eng)
+    outputs = [eng.request_output(i) for i in ids]
+    assert [list(o.token_ids) for o in outputs] == [
+        dense_generate(PARAMS, CONFIG, p, 5) for p in prompts
+    ]
+    cached = [o.num_cached_tokens for o in outputs]
+    assert cached == (want_cached if enable_prefix_caching else [0] * len(prompts))
+    # Only the uncached prompt tokens ran as prefill (no preemption in this run) ...
+    assert sum(s.num_preempted for s in eng.stats) == 0
+    prefill = sum(s.num_prefill_tokens for s in eng.stats)
+    assert prefill == sum(len(p) for p in prompts) - sum(cached)
+    # ... and a prompt that is cached but for its last token computes just that one, or the
+    # whole page that holds it when the hit would end on a page boundary.
+    first_chunks = {i: n for s in eng.stats for i, kind, n in s.batch[::-1] if kind == "prefill"}
+    if enable_prefix_caching:
+        assert (first_chunks[ids[2]], first_chunks[ids[3]]) == (1, PAGE)
+        assert any(s.shared_pages for s in eng.stats), "no page was ever shared"
+        shared = next(s for s in eng.stats if s.shared_pages)
+        page = shared.shared_pages[0]  # two page tables point at one page
+        holders = [i for i, pages in shared.page_tables if page in pages]
+        assert len(holders) >= 2 and list(shared.page_owners[page]) == sorted(holders)
+        assert eng.scheduler.allocator.cached_pages, "finished requests' pages stay cached"
+    assert_all_pages_free(eng)
+
+
+def test_sharing_a_prefix_uses_fewer_pages():
+    prompts, _ = shared_prefix_prompts()
+    peaks = {}
+    for caching in (False, True):
+        eng = engine(page_size=PAGE, max_num_seqs=6, enable_prefix_caching=caching)
+        eng.add_request(prompts[0], 5)
+        checked_step(eng)
+        for p in prompts[1:4]:
+            eng.add_request(p, 5)
+        run_checked(eng)
+        peaks[caching] = max(s.num_pages_used for s in eng.stats)
+    assert peaks[True] < peaks[False], peaks
+
+
+def test_prefix_caching_under_preemption_and_abort():
+    rng = np.random.default_rng(7)
+    prompts = [SYSTEM + rng.integers(0, 64, n).tolist() for n in (5, 2, 7, 1, 3)]
+    sampling = [SamplingParams(max_tokens=8, temperature=0.8, seed=20 + i) for i in range(5)]
+    eng = engine(page_size=PAGE, num_pages=9, max_num_batched_tokens=8, max_num_seqs=4,
+                 enable_prefix_caching=True)  # fmt: skip
+    ids = [eng.add_request(p, sampling_params=sp) for p, sp in zip(prompts, sampling, strict=True)]
+    run_checked(eng, aborts={2: [ids[4]], 6: [ids[0]]})  # a waiting one, then a running one
+    outputs = [eng.request_output(i) for i in ids]
+    dense = [
+        dense_generate(PARAMS, CONFIG, p, sampling_params=sp)
+        for p, sp in zip(prompts, sampling, strict=True)
+    ]
+    for out, want in zip(outputs, dense, strict=True):
+        if out.finish_reason == "abort":
+            assert list(out.token_ids) == want[: len(out.token_ids)] != want
+        else:
+            assert (list(out.token_ids), out.finish_reason) == (want, "length")
+    assert [o.finish_reason for o in outputs].count("abort") == 2
+    assert sum(s.num_preempted for s in eng.stats) > 0, "no preemption: make the pool smaller"
+    assert any(s.shared_pages for s in eng.stats)
+    readmitted_hits = sum(s.num_cached_tokens for s in eng.stats) - sum(
+        o.num_cached_tokens for o in outputs
+    )
+    assert readmitted_hits > 0, "a preempted request should find its own pages again"
+    assert_all_pages_free(eng)
+
+
+def test_block_pool_evicts_least_recently_used_and_counts_references():
+    pool = BlockPool(4)
+    prompt = list(range(12))
+    hashes = hash_request_tokens(prompt, PAGE)
+    pages = pool.allocate(3)
+    for page, h in zip(pages, hashes, strict=True):
+        pool.cache_page(page, h)
+    assert find_longest_cache_hit(hashes, pool, max_cache_hit_length=12, page_size=PAGE) == pages
+    pool.touch(pages[:2])  # a second request shares the first two pages
+    pool.free(pages)  # the first one finishes: page 2 is free, pages 0 and 1 still in use
+    assert [pool.ref_cnt(p) for p in range(4)] == [1, 1, 0, 0]
+    assert pool.free_pages == (3, 2)  # uncached page 3 first; cached page 2 kept longest
+    pool.free(pages[:2])  # the second finishes: the prefix's start is evicted last
+    assert pool.free_pages == (3, 2, 1, 0) and pool.cached_pages == (0, 1, 2)
+    assert pool.allocate(2) == [3, 2]  # page 2 is evicted: its hash is forgotten
+    assert pool.cached_pages == (0, 1)
+    assert find_longest_cache_hit(hashes, pool, max_cache_hit_length=12, page_size=PAGE) == [0, 1]
+    pool.touch([0])  # a hit on a free cached page takes it out of the free queue
+    assert pool.free_pages == (1,) and pool.ref_cnt(0) == 1
+    # Chained hashes: the same four tokens after another first page are not a hit.
+    other = hash_request_tokens([63] * 4 + prompt[4:8], PAGE)
+    assert find_longest_cache_hit(other, pool, max_cache_hit_length=8, page_size=PAGE) == []
+    assert hash_request_tokens(prompt[:7], PAGE) == hashes[:1], "a partial page has no hash"
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda pool: pool.free([2]), "not in use"),
+        (lambda pool: pool.free([0, 0]), "twice"),
+        (lambda pool: pool.touch([1]), "not cached"),
+        (lambda pool: pool.touch([9]), "page=9"),
+        (lambda pool: pool.allocate(5), "Out of pages"),
+        (lambda pool: pool.free(0), "list of page numbers"),
+        (lambda pool: pool.cache_page(3, b"x"), "free"),
+    ],
+)
+def test_block_pool_refuses_bad_calls_and_changes_nothing(call, words):
+    pool = BlockPool(4)
+    pages = pool.allocate(2)
+    pool.cache_page(pages[0], b"h")
+    before = (pool.free_pages, pool.cached_pages, [pool.ref_cnt(p) for p in range(4)])
+    with pytest.raises(KVCacheError, match=words):
+        call(pool)
+    assert before == (pool.free_pages, pool.cached_pages, [pool.ref_cnt(p) for p in range(4)])
+
+
+# --- sampling --------------------------------------------------------------------------------
+
+SAMPLED = SamplingParams(max_tokens=8, temperature=1.0, top_k=20, top_p=0.9, seed=5)
+
+
+def test_sampled_tokens_do_not_depend_on_the_batch_or_preemption():
+    prompt = PROMPTS[2]
+    want = dense_generate(PARAMS, CONFIG, prompt, sampling_params=SAMPLED)
+    assert want != dense_generate(PARAMS, CONFIG, prompt, MAX_NEW), "sampling changed nothing"
+    other_seed = dense_generate(PARAMS, CONFIG, prompt, sampling_params=SAMPLED.with_seed(6))
+    assert want != other_seed, "the seed changed nothing"
+    alone = engine().generate([prompt], sampling_params=SAMPLED)[0]
+    others = [SamplingParams(max_tokens=8, temperature=0.7, seed=s) for s in range(len(PROMPTS))]
+    first = engine().generate([prompt] + PROMPTS, sampling_params=[SAMPLED] + others)
+    eng = engine(num_pages=13)  # last in line, and so the newest when the pool runs short
+    ids = [eng.add_request(p, sampling_params=sp) for p, sp in zip(PROMPTS, others, strict=True)]
+    ours = eng.add_request(prompt, sampling_params=SAMPLED)
+    run_checked(eng)
+    assert eng.requests[ours].num_preemptions > 0, "make the pool smaller"
+    assert alone == first[0] == eng.output(ours) == want
+    assert (
+        [eng.output(i) for i in ids]
+        == first[1:]
+        == [
+            dense_generate(PARAMS, CONFIG, p, sampling_params=sp)
+            for p, sp in zip(PROMPTS, others, strict=True)
+        ]
+    )
+
+
+def test_requests_without_a_seed_get_one_from_the_engine():
+    params = SamplingParams(max_tokens=6, temperature=1.0)
+    runs = []
+    for engine_seed in (3, 3, 4):
+        eng = engine(seed=engine_seed)
+        ids = [eng.add_request(p, sampling_params=params) for p in PROMPTS[:3]]
+        run_checked(eng)
+        seeds = [eng.requests[i].sampling_params.seed for i in ids]
+        tokens = [eng.output(i) for i in ids]
+        assert len(set(seeds)) == 3, "each request gets a seed of its own"
+        assert tokens == [
+            dense_generate(PARAMS, CONFIG, p, sampling_params=params.with_seed(s))
+            for p, s in zip(PROMPTS[:3], seeds, strict=True)
+        ]
+        runs.append(tokens)
+    assert runs[0] == runs[1] != runs[2]
+
+
+def test_bfloat16_sampling_matches_dense_up_to_near_ties():
+    config = ModelConfig(
+        vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype="bfloat16"
+    )
+    params = init_params(config, seed=0)
+    sampling = [SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=i) for i in range(6)]
+    dense = [
+        dense_generate_with_margins(params, config, p, sampling_params=sp)
+        for p, sp in zip(PROMPTS, sampling, strict=True)
+    ]
+    eng = engine(params=params, config=config, num_pages=10)
+    outputs = eng.generate(PROMPTS, sampling_params=sampling)
+    compared = 0
+    for got, (want, margins) in zip(outputs, dense, strict=True):
+        # Equal before the first draw that won by less than rounding; from it on, free.
+        clear = next((i for i, m in enumerate(margins) if m < BF16_MARGIN), len(want))
+        assert got[:clear] == want[:clear], (got, want, margins)
+        compared += clear
+    assert compared >= 0.5 * len(PROMPTS) * MAX_NEW, f"only {compared} tokens compared"
+
+
+def test_stop_tokens_end_a_request_with_stop_and_max_tokens_with_length(dense_tokens):
+    i = next(i for i, t in enumerate(dense_tokens) if t[2] not in t[:2])
+    stop = dense_tokens[i][2]
+    greedy_stop = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, stop_token_ids=[stop])
+    j = next(j for j, t in enumerate(dense_tokens) if stop not in t)
+    sampled = dense_generate(PARAMS, CONFIG, PROMPTS[i], sampling_params=SAMPLED)
+    k = next(k for k in range(1, MAX_NEW) if sampled[k] not in sampled[:k])
+    sampled_stop = dataclasses.replace(SAMPLED, stop_token_ids=(sampled[k],))
+    eng = engine()
+    ids = [
+        eng.add_request(PROMPTS[i], sampling_params=greedy_stop),
+        eng.add_request(PROMPTS[j], sampling_params=greedy_stop),
+        eng.add_request(PROMPTS[i], sampling_params=sampled_stop),
+    ]
+    run_checked(eng)
+    outputs = [eng.request_output(r) for r in ids]
+    assert (list(outputs[0].token_ids), outputs[0].finish_reason) == (dense_tokens[i][:3], "stop")
+    assert (list(outputs[1].token_ids), outputs[1].finish_reason) == (dense_tokens[j], "length")
+    assert (list(outputs[2].token_ids), outputs[2].finish_reason) == (sampled[: k + 1], "stop")
+    assert (
+        dense_generate(PARAMS, CONFIG, PROMPTS[i], sampling_params=sampled_stop) == sampled[: k + 1]
+    )
+    assert_all_pages_free(eng)
+
+
+def test_sampling_params_have_vllms_defaults():
+    params = SamplingParams()
+    assert (params.max_tokens, params.temperature, params.top_k, params.top_p) == (16, 1.0, 0, 1.0)
+    assert (params.seed, params.stop_token_ids) == (None, ())
+    assert SamplingParams(temperature=0.0).greedy and not params.greedy
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"max_tokens": 0}, "max_tokens=0"),
+        ({"max_tokens": 2.0}, "max_tokens=2.0"),
+        ({"temperature": -0.5}, "temperature=-0.5"),
+        ({"temperature": float("nan")}, "temperature=nan"),
+        ({"top_k": -2}, "top_k=-2"),
+        ({"top_k": 1.5}, "top_k=1.5"),
+        ({"top_p": 0.0}, "top_p=0.0"),
+        ({"top_p": 1.5}, "top_p=1.5"),
+        ({"seed": -1}, "seed=-1"),
+        ({"seed": 2**64}, "seed="),
+        ({"stop_token_ids": 3}, "stop_token_ids=3"),
+        ({"stop_token_ids": [1, -4]}, "stop_token_ids"),
+    ],
+)
+def test_bad_sampling_params(kwargs, words):
+    with pytest.raises(EngineError, match=words) as err:
+        SamplingParams(**kwargs)
+    assert "Hint:" in str(err.value)
+
+
+# --- abort, request ids and outputs ----------------------------------------------------------
+
+
+def test_abort_frees_pages_at_once_and_the_others_carry_on(dense_tokens):
+    eng = engine(max_num_seqs=2)
+    ids = [eng.add_request(p, MAX_NEW) for p in PROMPTS[:3]]
+    checked_step(eng)
+    checked_step(eng)
+    running, waiting = eng.requests[ids[1]], eng.requests[ids[2]]
+    assert running in eng.scheduler.running and waiting in eng.scheduler.waiting
+    free_before, held = eng.scheduler.allocator.num_free, len(running.pages)
+    eng.abort_request(ids[1])
+    assert eng.scheduler.allocator.num_free == free_before + held > free_before
+    eng.abort_request(ids[2])
+    assert not eng.scheduler.accounting_problems()
+    for i in ids[1:]:
+        out = eng.request_output(i)
+        assert out.finish_reason == "abort" and out.metrics.finished_step == 2
+        assert list(out.token_ids) == dense_tokens[ids.index(i)][: len(out.token_ids)]
+    eng.abort_request(ids[1])  # already finished: nothing changes
+    assert eng.request_output(ids[1]).finish_reason == "abort"
+    run_checked(eng)
+    assert eng.output(ids[0]) == dense_tokens[0]
+    assert eng.request_output(ids[0]).finish_reason == "length"
+    assert_all_pages_free(eng)
+
+
+def test_request_ids_are_never_reused_and_finished_requests_can_be_forgotten(dense_tokens):
+    eng = engine()
+    a = eng.add_request(PROMPTS[0], MAX_NEW)
+    b = eng.add_request(PROMPTS[1], MAX_NEW)
+    checked_step(eng)
+    assert eng.pop_finished_outputs() == []
+    run_checked(eng)
+    c = eng.add_request(PROMPTS[2], MAX_NEW)
+    popped = eng.pop_finished_outputs()
+    assert [(o.request_id, list(o.token_ids)) for o in popped] == [
+        (a, dense_tokens[0]),
+        (b, dense_tokens[1]),
+    ]
+    assert set(eng.requests) == {c}
+    d = eng.add_request(PROMPTS[3], MAX_NEW)
+    assert (a, b, c, d) == (0, 1, 2, 3)
+    with pytest.raises(EngineError, match="forgotten") as err:
+        eng.request_output(a)
+    assert "Hint:" in str(err.value)
+    for bad, words in ((7, "ids 0 .. 3 only"), ("0", "ints"), (True, "ints"), (1.0, "ints")):
+        with pytest.raises(EngineError, match=words):
+            eng.abort_request(bad)
+    run_checked(eng)
+    assert [eng.output(c), eng.output(d)] == dense_tokens[2:4]
+
+
+def test_request_metrics_in_seconds_and_steps():
+    eng = engine(max_num_seqs=1)  # one at a time: the second waits for the first
+    early = time.perf_counter() - 0.5
+    ids = [eng.add_request(PROMPTS[0], 4, arrival_time=early), eng.add_request(PROMPTS[2], 4)]
+    checked_step(eng)
+    running = eng.request_output(ids[0])
+    assert running.finish_reason is None and running.metrics.finished_time is None
+    run_checked(eng)
+    assert running.metrics.finished_time is None, "an output is a snapshot"
+    m0, m1 = (eng.request_output(i).metrics for i in ids)
+    for m in (m0, m1):
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        assert m.steps_per_output_token(4) == 1.0  # alone in the batch: a token every step
+        assert m.time_per_output_token(4) > 0
+    assert m0.arrival_time == early and m0.time_to_first_token >= 0.5
+    assert (m0.arrival_step, m0.first_scheduled_step, m0.first_token_step) == (0, 0, 0)
+    assert m0.finished_step == 3 and m1.first_scheduled_step == 4 and m1.time_in_queue > 0
+    assert m1.steps_to_first_token == 5
+
+
+BAD_ADDS = {
+    "both max_new_tokens and sampling_params": (
+        {"max_new_tokens": 4, "sampling_params": SamplingParams()},
+        "Both",
+    ),
+    "neither": ({}, "Neither"),
+    "sampling_params of another type": ({"sampling_params": {"temperature": 0.5}}, "not a"),
+    "stop token outside the vocabulary": (
+        {"sampling_params": SamplingParams(stop_token_ids=[64])},
+        "outside the vocabulary",
+    ),
+    "too many tokens for the pool": (
+        {"sampling_params": SamplingParams(max_tokens=40)},
+        "whole pool",
+    ),
+    "arrival_time in the future": (
+        {"max_new_tokens": 4, "arrival_time": time.perf_counter() + 1e6},
+        "arrival_time",
+    ),
+    "arrival_time not a number": ({"max_new_tokens": 4, "arrival_time": "now"}, "arrival_time"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ADDS))
+def test_bad_sampling_request_is_refused_and_changes_nothing(case):
+    kwargs, words = BAD_ADDS[case]
+    seedless = SamplingParams(max_tokens=4)
+    reference = engine(num_pages=10)
+    reference.add_request(PROMPTS[1], sampling_params=seedless)
+    want = reference.generate([PROMPTS[0]], sampling_params=seedless)
+    eng = engine(num_pages=10)
+    first = eng.add_request(PROMPTS[1], sampling_params=seedless)
+    checked_step(eng)
+    with pytest.raises(EngineError, match=words) as err:
+        eng.add_request(PROMPTS[0], **kwargs)
+    assert "Hint:" in str(err.value)
+    # Nothing changed: the next id is the next one, and the engine's generator was not
+    # advanced (a seedless request gets the seed it would have got).
+    second = eng.add_request(PROMPTS[0], sampling_params=seedless)
+    assert second == first + 1
+    run_checked(eng)
+    assert eng.output(second) == want[0]
+    assert eng.output(first) == reference.output(0)
+
+
+def test_dense_generate_refuses_bad_sampling_requests():
+    for kwargs, words in list(BAD_ADDS.values())[:4]:
+        with pytest.raises(EngineError, match=words):
+            dense_generate(PARAMS, CONFIG, PROMPTS[0], **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(12))
+def test_random_serving_runs_match_dense_and_keep_the_books(seed):
+    """A sweep: shared prefixes, sampled and greedy requests, small pools (preemption),
+    aborts at random steps; books after every step, tokens against the dense model."""
+    rng = np.random.default_rng(100 + seed)
+    prefix = rng.integers(0, 64, int(rng.integers(4, 14))).tolist()
+    prompts = [
+        (prefix if rng.random() < 0.7 else [])
+        + rng.integers(0, 64, int(rng.integers(1, 9))).tolist()
+        for _ in range(6)
+    ]
+    sampling = [
+        SamplingParams(
+            max_tokens=int(rng.integers(1, 9)),
+            temperature=float(rng.choice([0.0, 0.7, 1.0])),
+            top_k=int(rng.choice([0, 5])),
+            top_p=float(rng.choice([1.0, 0.8])),
+            seed=int(rng.integers(1000)),
+        )
+        for _ in prompts
+    ]
+    page_size = int(rng.choice([2, 4]))
+    largest = max(
+        pages_needed(len(p) + sp.max_tokens - 1, page_size)
+        for p, sp in zip(prompts, sampling, strict=True)
+    )
+    eng = engine(
+        page_size=page_size,
+        num_pages=largest + int(rng.integers(0, 8)),  # the largest request fits, maybe no more
+        max_num_batched_tokens=int(rng.choice([6, 16])),
+        max_num_seqs=int(rng.integers(2, 5)),
+        enable_prefix_caching=bool(rng.random() < 0.8),
+    )
+    ids = [eng.add_request(p, sampling_params=sp) for p, sp in zip(prompts, sampling, strict=True)]
+    aborts = {int(rng.integers(0, 8)): [int(rng.choice(ids))]}
+    run_checked(eng, aborts=aborts)
+    for i, p, sp in zip(ids, prompts, sampling, strict=True):
+        out, want = eng.request_output(i), dense_generate(PARAMS, CONFIG, p, sampling_params=sp)
+        if out.finish_reason == "abort":
+            assert list(out.token_ids) == want[: len(out.token_ids)]
+        else:
+            assert list(out.token_ids) == want, (seed, i)
+    assert_all_pages_free(eng)
 
 
 # --- sharded over 1, 2 and 4 simulated devices -----------------------------------------------
@@ -297,8 +772,29 @@ def test_sharded_projections_are_split_by_head(sharded):
     assert "kv_heads" not in specs["w_in"] + specs["w_out"], specs
 
 
+def test_more_devices_than_kv_heads_replicate_them(sharded):
+    run = sharded["replicated"]
+    assert run["tokens"] == run["dense"] and run["pages_free"], run
+    assert run["replicas"] == 2
+    # each of the 4 devices holds K and V of one KV head: a copy of one of the 2
+    assert run["shard_shapes"] == [[16, 4, 2, 32]] * 4
+
+
+def test_sharded_serving_with_prefix_caching_sampling_and_abort(sharded):
+    run = sharded["serving"]
+    assert run["problems"] == [], run["problems"]
+    assert run["tokens"] == run["dense"], run
+    assert run["aborted_states"] == ["waiting", "running"]
+    for reason, tokens, dense in run["aborted"]:
+        assert reason == "abort" and tokens == dense[: len(tokens)] and len(tokens) < len(dense)
+    assert any(tokens for _, tokens, _ in run["aborted"]), "the running one had tokens"
+    assert run["num_cached_tokens"][1:4] == [8, 8, 8], run["num_cached_tokens"]
+    assert run["preempted"] > 0 and run["shared_pages_seen"] and run["pages_free"], run
+
+
 def test_bad_meshes_get_clear_errors(sharded):
-    assert "num_kv_heads=2 is not divisible" in sharded["errors"]["kv heads not divisible"]
+    assert "num_kv_heads=4 is not divisible" in sharded["errors"]["kv heads not divisible"]
+    assert "num_q_heads=6 is not divisible" in sharded["errors"]["q heads not divisible"]
     assert "'model'" in sharded["errors"]["unknown axis"]
     assert "Hint:" in sharded["errors"]["unknown axis"]
     assert "not a jax.sharding.Mesh" in sharded["errors"]["not a mesh"]
@@ -332,7 +828,32 @@ def test_live_view_is_real_widgets_and_replays_every_step():
     assert f"step {first.step} of {n}" in view.text
     assert f"preempted: r{first.preempted[0]}" in view.text
     assert view.pages.value.count("title='page ") == eng.num_pages
-    for owner in {o for o in first.page_owners if o is not None}:
+    for owner in {o for owners in first.page_owners for o in owners}:
         assert f">r{owner}</div>" in view.pages.value
     for request_id, kind, num_tokens in first.batch:
         assert f"r{request_id} {kind[0]}{num_tokens}" in view.text
+
+
+def test_live_view_shows_shared_pages_and_page_tables():
+    from minilib.engine.view import EngineView
+
+    prompts, _ = shared_prefix_prompts()
+    eng = engine(page_size=PAGE, enable_prefix_caching=True)
+    view = EngineView(eng, "prefix caching")
+    eng.add_request(prompts[0], 3)
+    view.show(checked_step(eng))
+    for p in prompts[1:4]:
+        eng.add_request(p, 3)
+    view.run()
+    shared = next(s for s in eng.stats if s.shared_pages)
+    view.slider.value = shared.step
+    page = shared.shared_pages[0]
+    holders = "+".join(f"r{o}" for o in shared.page_owners[page])
+    assert f"title='page {page}: shared by " in view.pages.value
+    assert f">{holders}</div>" in view.pages.value
+    for request_id, pages in shared.page_tables:  # every request's row of page_indices
+        assert f"r{request_id}: " in view.text
+        assert all(f"title='page {p}:" in view.tables.value for p in pages)
+    assert f"prompt tokens from the prefix cache: {shared.num_cached_tokens}" in view.text
+    view.slider.value = len(eng.stats) - 1  # at the end: every page free, the full ones cached
+    assert view.pages.value.count(">c</div>") == len(eng.stats[-1].cached_pages) > 0

@@ -116,6 +116,18 @@ def preempt_keeps_num_computed(request, allocator):
     request.pages = []
 
 
+def cache_full_pages_taking_a_reference(request, pool, page_size):
+    # Counts the cache as a holder: the count never drops to 0 when the request lets go.
+    from minilib.engine.prefix_cache import hash_block_tokens
+
+    for i in range(len(request.block_hashes), request.num_computed // page_size):
+        parent = request.block_hashes[-1] if request.block_hashes else None
+        block_hash = hash_block_tokens(parent, request.tokens[i * page_size : (i + 1) * page_size])
+        pool.cache_page(request.pages[i], block_hash)
+        pool.touch([request.pages[i]])
+        request.block_hashes.append(block_hash)
+
+
 def flash_attention_without_init():
     # Forgets to reset m, l and acc on the first KV block: scratch starts as NaN here.
     from minilib.ladder import flash
@@ -310,6 +322,12 @@ EXERCISES = [
     ),
     (ex.check_can_admit, "ex10_engine", "can_admit", can_admit_whole_prompt),
     (ex.check_preempt, "ex10_engine", "preempt", preempt_keeps_num_computed),
+    (
+        ex.check_cache_full_pages,
+        "ex10_engine",
+        "cache_full_pages",
+        cache_full_pages_taking_a_reference,
+    ),
 ]
 IDS = [checker.__name__.removeprefix("check_") for checker, *_ in EXERCISES]
 
@@ -608,9 +626,20 @@ def preempt_counting_in_a_string(request, allocator):
     request.pages, request.num_computed = [], "0"  # a string where a count belongs
 
 
+def cache_full_pages_with_text_hashes(request, pool, page_size):
+    from minilib.engine.prefix_cache import hash_block_tokens
+
+    for i in range(len(request.block_hashes), request.num_computed // page_size):
+        parent = bytes.fromhex(request.block_hashes[-1]) if request.block_hashes else None
+        block_hash = hash_block_tokens(parent, request.tokens[i * page_size : (i + 1) * page_size])
+        pool.cache_page(request.pages[i], block_hash.hex())  # a str where the hash belongs
+        request.block_hashes.append(block_hash.hex())
+
+
 WRONG_TYPE = {
     ex.check_validate_page_indices: validator_returning_false,
     ex.check_preempt: preempt_counting_in_a_string,
+    ex.check_cache_full_pages: cache_full_pages_with_text_hashes,
     ex.check_softmax_kernel: kernel_returning_instead_of_writing,
 }
 

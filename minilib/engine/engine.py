@@ -2,22 +2,32 @@
 
 Each `Engine.step()`:
 
-  1. asks the `Scheduler` for this step's sequences (admitting, allocating pages, preempting);
+  1. asks the `Scheduler` for this step's sequences (admitting, allocating pages, preempting,
+     and with prefix caching, starting new requests from their longest cached prefix);
   2. packs their new tokens into one ragged batch (`pack_batch`): token ids, positions,
      where each token's K/V goes in the pool, and the four index arrays of ragged paged
      attention (`kv_lens`, `page_indices`, `cu_q_lens`, `num_seqs`);
   3. runs the model layer by layer: K/V of the new tokens into the pages with the cache's
      jitted scatter (`write_tokens`), then the chosen attention implementation;
-  4. samples greedily from the last row of every sequence that reached its end;
-  5. records the tokens, and frees the pages of finished requests.
+  4. samples from the last row of every sequence that reached its end, each with its own
+     `SamplingParams` and seed (`minilib.engine.sampling`);
+  5. records the tokens, names the pages that became full (prefix caching), and frees the
+     pages of finished requests.
 
 Every array the model sees has a fixed size (`max_num_batched_tokens` rows, `max_num_seqs`
 sequence slots, `num_pages` pages per sequence), so each jitted piece compiles once.
+
+Continuous batching is this loop: the batch is re-formed at every step (iteration-level
+scheduling), so a request that finishes leaves at once and a waiting one takes its place in
+the very next step. Static batching, which forms a batch and runs it until its longest
+request is done, is the comparison `minilib.engine.throughput` measures.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +40,18 @@ from minilib.engine.model import (
     check_request,
     embed_tokens,
     final_logits,
+    resolve_sampling_params,
 )
+from minilib.engine.outputs import RequestMetrics, RequestOutput
+from minilib.engine.sampling import SamplingParams, request_key, sample_tokens
 from minilib.engine.scheduler import Request, Scheduler, StepPlan
-from minilib.engine.sharding import shard_attention, shard_kv_pages, shard_params
+from minilib.engine.sharding import (
+    kv_head_replicas,
+    replicate_kv_heads,
+    shard_attention,
+    shard_kv_pages,
+    shard_params,
+)
 from minilib.errors import EngineError
 from minilib.kv_cache import pages_needed, write_tokens
 from minilib.reference import ref_ragged_paged_attention
@@ -45,15 +64,18 @@ class StepStats:
     """What one step did, and the state it left.
 
     `batch` lists the step's sequences in batch order as (request_id, kind, num_tokens),
-    kind 'prefill' or 'decode'; `page_owners` gives, page by page, the request that owns it
-    (None: free).
+    kind 'prefill' or 'decode'. After the step: `page_tables` holds each running request's
+    (request_id, pages), its row of `page_indices`; `page_owners` gives, page by page, the
+    requests holding it: () for a free page, two or more for a page shared through the
+    prefix cache. `cached_pages` are the pages holding a cached full page (in use or free),
+    and `num_cached_tokens` the prompt tokens that this step's admissions found there.
 
     >>> stats = StepStats(step=3, num_prefill_tokens=5, num_decode_tokens=2, num_pages_used=4,
     ...                   num_waiting=0, num_running=3, preempted=(), admitted=(2,),
     ...                   finished=(), batch=((0, "decode", 1), (1, "decode", 1),
-    ...                   (2, "prefill", 5)), page_owners=(0, 1, 2, 2, None))
-    >>> stats.num_tokens, stats.num_preempted    # a step of two decodes and one prefill
-    (7, 0)
+    ...                   (2, "prefill", 5)), page_owners=((0, 2), (1,), (2,), (2,), ()))
+    >>> stats.num_tokens, stats.num_preempted, stats.shared_pages   # page 0: r0 and r2
+    (7, 0, (0,))
     """
 
     step: int
@@ -66,7 +88,10 @@ class StepStats:
     admitted: tuple[int, ...]
     finished: tuple[int, ...]
     batch: tuple[tuple[int, str, int], ...]
-    page_owners: tuple[int | None, ...]
+    page_owners: tuple[tuple[int, ...], ...]
+    cached_pages: tuple[int, ...] = ()
+    num_cached_tokens: int = 0
+    page_tables: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def num_preempted(self) -> int:
@@ -75,6 +100,11 @@ class StepStats:
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def shared_pages(self) -> tuple[int, ...]:
+        """Pages that two or more requests hold."""
+        return tuple(page for page, owners in enumerate(self.page_owners) if len(owners) > 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,9 +184,13 @@ def pack_batch(
 
 
 @jax.jit
-def greedy_tokens(params: dict, x: jax.Array, rows: jax.Array) -> jax.Array:  # i32[len(rows)]
-    """The most likely next token after each of `rows` of the final activations x."""
-    return jnp.argmax(final_logits(params, x[rows]), axis=-1)
+def next_tokens(params, x, rows, keys, token_indices, temperature, top_k, top_p):
+    """The next token after each of `rows` of the final activations x: the logits of those
+    rows, then `sample_tokens` (one seed, token index and setting per row)."""
+    tokens, _ = sample_tokens(
+        final_logits(params, x[rows]), keys, token_indices, temperature, top_k, top_p
+    )
+    return tokens
 
 
 class Engine:
@@ -170,7 +204,13 @@ class Engine:
       attention: any function with the signature of JAX's ragged paged attention that
         returns an array shaped like q (as all of minilib's do).
       mesh: None, or a `jax.sharding.Mesh` with one axis "kv_heads": attention and the KV
-        cache are split by KV head over its devices (see `minilib.engine.sharding`).
+        cache are split by KV head over its devices (see `minilib.engine.sharding`); with
+        more devices than KV heads, each device holds a copy of one KV head.
+      enable_prefix_caching: share full pages of equal prefixes between requests
+        (`minilib.engine.prefix_cache`). vLLM turns it on by default; here it is off by
+        default, so that the first look at the engine shows plain page tables.
+      seed: seeds the engine's generator, which gives every request added without a seed
+        its own (so a whole run is repeatable, and each request's draws are its own).
 
     >>> from minilib import ragged_paged_attention_jnp
     >>> from minilib.engine import init_params
@@ -195,6 +235,8 @@ class Engine:
         max_num_seqs: int,
         attention=ref_ragged_paged_attention,
         mesh=None,
+        enable_prefix_caching: bool = False,
+        seed: int = 0,
     ):
         for name, value in (
             ("num_pages", num_pages),
@@ -217,75 +259,189 @@ class Engine:
                 f"attention={attention!r} is not callable.",
                 "pass a function such as minilib.ragged_paged_attention_jnp.",
             )
+        if not isinstance(enable_prefix_caching, bool | np.bool_):
+            raise EngineError(
+                f"Engine: enable_prefix_caching={enable_prefix_caching!r} must be True or False.",
+                "pass enable_prefix_caching=True to share cached prefixes between requests.",
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+            raise EngineError(
+                f"Engine: seed={seed!r} must be a non-negative int.",
+                "it seeds the generator that gives seedless requests their seeds.",
+            )
         self.params, self.config, self.mesh = params, config, mesh
         self.page_size, self.num_pages = page_size, num_pages
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.attention = attention if mesh is None else shard_attention(attention, mesh, config)
+        # More devices than KV heads: each device holds a copy of one KV head (vLLM's way).
+        self.kv_head_replicas = 1 if mesh is None else kv_head_replicas(mesh, config)
         self.scheduler = Scheduler(
             num_pages=num_pages,
             page_size=page_size,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
+            enable_prefix_caching=bool(enable_prefix_caching),
         )
         # One pool per layer, NaN until written: a read of a slot no token owns shows at once.
-        shape = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
+        num_kv_heads = config.num_kv_heads * self.kv_head_replicas
+        shape = (num_pages, page_size, 2 * num_kv_heads, config.head_dim)
         self.kv_pages = [jnp.full(shape, jnp.nan, config.dtype) for _ in range(config.num_layers)]
         if mesh is not None:
             self.kv_pages = [shard_kv_pages(pages, mesh) for pages in self.kv_pages]
-            self.params = shard_params(params, mesh)
-        self.requests: dict[int, Request] = {}
+            self.params = shard_params(replicate_kv_heads(params, self.kv_head_replicas), mesh)
+        self.requests: dict[int, Request] = {}  # every request not yet popped, finished too
         self.last_batch: PackedBatch | None = None
         self.stats: list[StepStats] = []
+        self._num_issued = 0  # request ids come from this counter: never reused
+        self._seeds = np.random.default_rng(seed)
 
     # --- requests ---------------------------------------------------------------------------
 
-    def add_request(self, prompt, max_new_tokens: int) -> int:
-        """Queue one request; returns its id. A bad request raises `EngineError` and changes
-        nothing: the requests already queued or running carry on."""
-        self.check_request(prompt, max_new_tokens)
-        request = Request(len(self.requests), [int(t) for t in prompt], int(max_new_tokens))
+    def add_request(
+        self,
+        prompt,
+        max_new_tokens: int | None = None,
+        *,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> int:
+        """Queue one request; returns its id (ids count up from 0 and are never reused).
+
+        Give `max_new_tokens` (greedy) or `sampling_params`. A `SamplingParams` without a
+        seed gets one from the engine's generator now, kept on the request. `arrival_time`
+        (seconds on `time.perf_counter`'s clock) says when the request arrived, if earlier
+        than now; latency is measured from it.
+
+        A bad request raises `EngineError` and changes nothing: the requests already queued
+        or running carry on.
+        """
+        max_tokens, sampling = self.check_request(prompt, max_new_tokens, sampling_params)
+        now = time.perf_counter()
+        if arrival_time is not None and (
+            isinstance(arrival_time, bool)
+            or not isinstance(arrival_time, int | float | np.integer | np.floating)
+            or not math.isfinite(arrival_time)
+            or arrival_time > now
+        ):
+            raise EngineError(
+                f"arrival_time={arrival_time!r} must be a time.perf_counter() reading no "
+                f"later than now ({now:.3f}).",
+                "leave it out to mean now, or pass the perf_counter time the request arrived.",
+            )
+        if sampling.seed is None:
+            sampling = sampling.with_seed(int(self._seeds.integers(2**63)))
+        request_id, self._num_issued = self._num_issued, self._num_issued + 1
+        request = Request(
+            request_id,
+            [int(t) for t in prompt],
+            max_tokens,
+            sampling_params=sampling,
+            metrics=RequestMetrics(
+                arrival_time=now if arrival_time is None else float(arrival_time),
+                arrival_step=len(self.stats),
+            ),
+        )
         self.requests[request.request_id] = request
-        if request.finished:  # max_new_tokens == 0: nothing to do
+        if max_tokens == 0:  # nothing to do
+            self._finish(request, "length")
             return request.request_id
         self.scheduler.add(request)
         return request.request_id
 
-    def check_request(self, prompt, max_new_tokens: int) -> None:
-        """Raise `EngineError` for a request the engine can never serve."""
-        check_request(prompt, max_new_tokens, self.config)
-        # The last sampled token never enters the cache: len(prompt) + max_new_tokens - 1.
-        num_tokens = len(prompt) + max_new_tokens - 1
-        pages_for_request = pages_needed(num_tokens, self.page_size)
+    def check_request(
+        self, prompt, max_new_tokens=None, sampling_params=None
+    ) -> tuple[int, SamplingParams]:
+        """Raise `EngineError` for a request the engine can never serve. Returns its
+        (max_tokens, sampling params)."""
+        max_tokens, sampling = resolve_sampling_params(max_new_tokens, sampling_params, self.config)
+        check_request(prompt, max_tokens, self.config)
+        # The last sampled token never enters the cache: len(prompt) + max_tokens - 1.
+        num_tokens = len(prompt) + max_tokens - 1
+        pages_for_request = pages_needed(max(num_tokens, 0), self.page_size)
         if pages_for_request > self.num_pages:
             raise EngineError(
                 f"A prompt of len(prompt)={len(prompt)} tokens with "
-                f"max_new_tokens={max_new_tokens} needs {num_tokens} tokens of cache, "
+                f"max_tokens={max_tokens} needs {num_tokens} tokens of cache, "
                 f"{pages_for_request} pages of page_size="
                 f"{self.page_size}, but the whole pool is num_pages={self.num_pages} pages.",
                 "shorten the prompt, ask for fewer tokens, or build the engine with more "
                 "num_pages.",
             )
+        return max_tokens, sampling
+
+    def abort_request(self, request_id: int) -> None:
+        """End a request now, waiting or running: its pages go back to the pool at once, and
+        its output so far is kept, with finish_reason "abort". A request that has already
+        finished is left as it was. An unknown id raises `EngineError`."""
+        request = self._request(request_id)
+        if request.finished:
+            return
+        self.scheduler.abort(request)
+        self._finish(request, "abort")
+
+    def request_output(self, request_id: int) -> RequestOutput:
+        """What `request_id` has produced so far: tokens, finish reason, cached tokens and
+        its metrics (a copy: it does not change as the engine runs on)."""
+        request = self._request(request_id)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=tuple(request.prompt),
+            token_ids=tuple(request.output),
+            finish_reason=request.finish_reason,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            metrics=dataclasses.replace(request.metrics),
+        )
+
+    def pop_finished_outputs(self) -> list[RequestOutput]:
+        """The outputs of every finished request, oldest first, and forget those requests:
+        call it as a server hands results back, so that a long run does not keep every
+        request it ever served. Their ids stay used; asking for one later raises
+        `EngineError`."""
+        done = [i for i, request in self.requests.items() if request.finished]
+        outputs = [self.request_output(i) for i in done]
+        for i in done:
+            del self.requests[i]
+        return outputs
 
     def output(self, request_id: int) -> list[int]:
         """The tokens generated so far for `request_id`."""
-        return list(self.requests[request_id].output)
+        return list(self._request(request_id).output)
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy generation of every prompt, all served together; outputs in prompt order.
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int | None = None,
+        *,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[list[int]]:
+        """Generate for every prompt, all served together; outputs in prompt order.
 
-        Every prompt is checked before any runs: one bad prompt raises `EngineError`, naming
-        it, and nothing is queued.
+        `sampling_params` is one `SamplingParams` for all prompts, or a list of one per
+        prompt. Every prompt is checked before any runs: one bad prompt raises
+        `EngineError`, naming it, and nothing is queued.
         """
-        for i, prompt in enumerate(prompts):
+        if isinstance(sampling_params, list | tuple):
+            if len(sampling_params) != len(prompts):
+                raise EngineError(
+                    f"{len(sampling_params)} sampling_params for {len(prompts)} prompts.",
+                    "give one SamplingParams for all prompts, or a list of one per prompt.",
+                )
+            each = list(sampling_params)
+        else:
+            each = [sampling_params] * len(prompts)
+        for i, (prompt, params) in enumerate(zip(prompts, each, strict=True)):
             try:
-                self.check_request(prompt, max_new_tokens)
+                self.check_request(prompt, max_new_tokens, params)
             except EngineError as err:
                 raise EngineError(f"prompts[{i}]: {err.message}", err.hint) from None
-        ids = [self.add_request(prompt, max_new_tokens) for prompt in prompts]
+        ids = [
+            self.add_request(prompt, max_new_tokens, sampling_params=params)
+            for prompt, params in zip(prompts, each, strict=True)
+        ]
         while any(not self.requests[i].finished for i in ids):
             self.step()
         return [self.output(i) for i in ids]
@@ -294,6 +450,7 @@ class Engine:
 
     def step(self) -> StepStats:
         """Schedule, pack, run the model, sample, free: one step of continuous batching."""
+        step = len(self.stats)
         plan = self.scheduler.schedule()
         if not plan.seqs and self.has_unfinished:
             raise RuntimeError(
@@ -302,8 +459,20 @@ class Engine:
                 f"{self.scheduler.allocator.num_free} of {self.num_pages} pages free. "
                 "The admission rule refused every waiting request."
             )
+        started = time.perf_counter()
+        for seq in plan.seqs:
+            metrics = seq.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time, metrics.first_scheduled_step = started, step
         sampled = self.run_model(plan) if plan.seqs else {}
         finished = self.scheduler.finish_step(plan, sampled)
+        ended = time.perf_counter()
+        for seq in plan.seqs:
+            metrics = seq.request.metrics
+            if seq.samples and metrics.first_token_time is None:
+                metrics.first_token_time, metrics.first_token_step = ended, step
+        for request in finished:
+            request.metrics.finished_time, request.metrics.finished_step = ended, step
         stats = self._stats(plan, finished)
         self.stats.append(stats)
         return stats
@@ -327,11 +496,45 @@ class Engine:
             kv_pages[i] = write_tokens(kv_pages[i], batch.page_ids, batch.slot_ids, k, v)
             attn = self.attention(q, kv_pages[i], *metadata, sm_scale=self.config.sm_scale)
             x = attention_output_and_mlp(layer, x, attn)
-        tokens = np.asarray(greedy_tokens(self.params, x, batch.sample_rows))
+        tokens = np.asarray(next_tokens(self.params, x, batch.sample_rows, *self._draws(plan)))
         self.kv_pages = kv_pages  # only now: a step that raised leaves the cache as it was
         return {
             seq.request.request_id: int(tokens[i]) for i, seq in enumerate(plan.seqs) if seq.samples
         }
+
+    def _draws(self, plan: StepPlan):
+        """Each sequence slot's key, output token index and settings (greedy for padding)."""
+        s = self.max_num_seqs
+        keys, indices = np.zeros((s, 2), np.uint32), np.zeros(s, np.int32)
+        temperature, top_k, top_p = np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s)
+        for i, seq in enumerate(plan.seqs):
+            params = seq.request.sampling_params
+            keys[i] = request_key(params.seed)
+            indices[i] = len(seq.request.output)  # the index of the token this row picks
+            temperature[i], top_k[i], top_p[i] = params.temperature, params.top_k, params.top_p
+        return keys, indices, temperature, top_k, top_p.astype(np.float32)
+
+    def _request(self, request_id) -> Request:
+        is_id = isinstance(request_id, int | np.integer) and not isinstance(request_id, bool)
+        if is_id and request_id in self.requests:
+            return self.requests[request_id]
+        if not is_id:
+            why = "request ids are the ints that add_request returns"
+        elif 0 <= request_id < self._num_issued:
+            why = "it finished and pop_finished_outputs() has forgotten it"
+        elif self._num_issued:
+            why = f"the engine has issued ids 0 .. {self._num_issued - 1} only"
+        else:
+            why = "the engine has issued no ids yet"
+        raise EngineError(
+            f"request_id={request_id!r} is not a request of this engine: {why}.",
+            "use an id that add_request returned, before its output was popped.",
+        )
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        request.metrics.finished_time = time.perf_counter()
+        request.metrics.finished_step = len(self.stats)
 
     def _stats(self, plan: StepPlan, finished: list[Request]) -> StepStats:
         decode = sum(seq.num_tokens for seq in plan.seqs if seq.kind == "decode")
@@ -348,5 +551,8 @@ class Engine:
             admitted=plan.admitted,
             finished=tuple(r.request_id for r in finished),
             batch=tuple((s.request.request_id, s.kind, s.num_tokens) for s in plan.seqs),
-            page_owners=allocator.owners,
+            page_owners=self.scheduler.page_owners,
+            cached_pages=getattr(allocator, "cached_pages", ()),
+            num_cached_tokens=plan.num_cached_tokens,
+            page_tables=tuple((r.request_id, tuple(r.pages)) for r in self.scheduler.running),
         )

@@ -11,7 +11,9 @@ and at the end `final_logits` (RMSNorm, unembedding). Steps 1, 2 and 4 treat eve
 on its own, so they do not care how rows are batched. Step 3 is where a serving engine
 differs from a plain model: `dense_generate` keeps one contiguous K/V buffer per layer and
 runs plain causal attention; the engine writes K/V into pages and runs ragged paged
-attention over many sequences at once. Greedy decoding makes the comparison token for token.
+attention over many sequences at once. Both pick tokens with the same `SamplingParams`
+(greedy, or seeded sampling whose draws do not depend on the batch), so the comparison is
+token for token.
 
 The weights are random (`init_params`), so the text is gibberish; what matters is that both
 paths compute the same function of the same weights.
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from minilib.engine.sampling import SamplingParams, request_key, sample_tokens
 from minilib.errors import EngineError
 from minilib.heads import check_head_counts
 from minilib.kv_cache import bucket_size
@@ -36,6 +39,7 @@ __all__ = [
     "ModelConfig",
     "attention_inputs",
     "attention_output_and_mlp",
+    "check_max_new_tokens",
     "check_request",
     "dense_attention",
     "dense_forward",
@@ -44,6 +48,7 @@ __all__ = [
     "embed_tokens",
     "final_logits",
     "init_params",
+    "resolve_sampling_params",
     "rms_norm",
     "rotary",
 ]
@@ -309,8 +314,18 @@ def dense_forward(params, config: ModelConfig, tokens, start, k_cache, v_cache):
     return final_logits(params, x), k_cache, v_cache
 
 
-def dense_generate(params: dict, config: ModelConfig, prompt, max_new_tokens: int) -> list[int]:
-    """Greedy generation of one sequence: the prompt in one pass, then one token at a time.
+def dense_generate(
+    params: dict,
+    config: ModelConfig,
+    prompt,
+    max_new_tokens: int | None = None,
+    *,
+    sampling_params: SamplingParams | None = None,
+) -> list[int]:
+    """Generation of one sequence: the prompt in one pass, then one token at a time.
+
+    Give either `max_new_tokens` (greedy, that many tokens) or `sampling_params`. Without a
+    seed, sampling draws a fresh one: its tokens differ from run to run, as in vLLM.
 
     The cache is one contiguous buffer per layer, `bucket_size(len(prompt) + max_new_tokens)`
     long (at least `MIN_DENSE_LEN`), so that sequences of similar length share the two
@@ -320,16 +335,25 @@ def dense_generate(params: dict, config: ModelConfig, prompt, max_new_tokens: in
 
     >>> config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
     ...                      head_dim=32)
-    >>> tokens = dense_generate(init_params(config), config, [1, 2, 3], max_new_tokens=4)
+    >>> params = init_params(config)
+    >>> tokens = dense_generate(params, config, [1, 2, 3], max_new_tokens=4)
     >>> len(tokens), all(0 <= t < 64 for t in tokens)
     (4, True)
+    >>> seeded = SamplingParams(max_tokens=4, temperature=0.8, seed=1)
+    >>> dense_generate(params, config, [1, 2, 3], sampling_params=seeded) == dense_generate(
+    ...     params, config, [1, 2, 3], sampling_params=seeded)            # seeded: repeatable
+    True
     """
-    return dense_generate_with_margins(params, config, prompt, max_new_tokens)[0]
+    return dense_generate_with_margins(
+        params, config, prompt, max_new_tokens, sampling_params=sampling_params
+    )[0]
 
 
-def dense_generate_with_margins(params, config: ModelConfig, prompt, max_new_tokens: int):
-    """`dense_generate`, and for each token the gap between the top two logits it was chosen
-    by: where the gap is tiny, a rounding difference may legitimately pick the other token.
+def dense_generate_with_margins(
+    params, config: ModelConfig, prompt, max_new_tokens=None, *, sampling_params=None
+):
+    """`dense_generate`, and for each token the margin it was chosen by (`sample_tokens`):
+    where the margin is tiny, a rounding difference may legitimately pick another token.
 
     >>> config = ModelConfig(vocab_size=64, num_layers=1, num_q_heads=2, num_kv_heads=1,
     ...                      head_dim=8)
@@ -337,29 +361,103 @@ def dense_generate_with_margins(params, config: ModelConfig, prompt, max_new_tok
     >>> len(margins), all(m >= 0 for m in margins)
     (3, True)
     """
-    check_request(prompt, max_new_tokens, config)
+    max_tokens, sampling = resolve_sampling_params(max_new_tokens, sampling_params, config)
+    check_request(prompt, max_tokens, config)
     prompt = [int(t) for t in prompt]
-    if max_new_tokens == 0:
+    if max_tokens == 0:
         return [], []
-    max_len = max(MIN_DENSE_LEN, bucket_size(len(prompt) + max_new_tokens))
+    if sampling.seed is None:
+        sampling = sampling.with_seed(int(np.random.default_rng().integers(2**63)))
+    max_len = max(MIN_DENSE_LEN, bucket_size(len(prompt) + max_tokens))
     shape = (config.num_layers, max_len, config.num_kv_heads, config.head_dim)
     k_cache, v_cache = jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype)
     padded = np.zeros(max_len, np.int32)  # the prompt, padded to the cache's length
     padded[: len(prompt)] = prompt
     logits, k_cache, v_cache = dense_forward(params, config, padded, 0, k_cache, v_cache)
     tokens, margins = [], []
-    last = np.asarray(logits[len(prompt) - 1])
+    last = logits[len(prompt) - 1]
+    key = request_key(sampling.seed)[None]
+    settings = (
+        np.array([sampling.temperature], np.float32),
+        np.array([sampling.top_k], np.int32),
+        np.array([sampling.top_p], np.float32),
+    )
     while True:
-        top2 = np.sort(last)[-2:]
-        tokens.append(int(np.argmax(last)))
-        margins.append(float(top2[1] - top2[0]))
-        if len(tokens) == max_new_tokens:
+        index = np.array([len(tokens)], np.int32)  # which output token this draw picks
+        token, margin = sample_tokens(last[None], key, index, *settings)
+        tokens.append(int(token[0]))
+        margins.append(float(margin[0]))
+        if len(tokens) == max_tokens or tokens[-1] in sampling.stop_token_ids:
             return tokens, margins
         position = len(prompt) + len(tokens) - 1  # the newest token, not yet in the cache
         logits, k_cache, v_cache = dense_forward(
             params, config, np.array(tokens[-1:], np.int32), position, k_cache, v_cache
         )
-        last = np.asarray(logits[0])
+        last = logits[0]
+
+
+def resolve_sampling_params(
+    max_new_tokens, sampling_params, config: ModelConfig
+) -> tuple[int, SamplingParams]:
+    """(max_tokens, sampling params) of a request given as `max_new_tokens` (greedy) or as
+    `sampling_params`: exactly one of the two. Raises `EngineError` otherwise, or for a stop
+    token outside the vocabulary.
+
+    >>> config = ModelConfig(vocab_size=64, num_layers=1, num_q_heads=2, num_kv_heads=1,
+    ...                      head_dim=8)
+    >>> max_tokens, greedy = resolve_sampling_params(5, None, config)
+    >>> max_tokens, greedy.temperature
+    (5, 0.0)
+    >>> resolve_sampling_params(None, SamplingParams(max_tokens=3, seed=1), config)[0]
+    3
+    """
+    if sampling_params is None:
+        if max_new_tokens is None:
+            raise EngineError(
+                "Neither max_new_tokens nor sampling_params was given.",
+                "pass max_new_tokens=N for N greedy tokens, or "
+                "sampling_params=SamplingParams(max_tokens=N, ...).",
+            )
+        check_max_new_tokens(max_new_tokens)
+        # Greedy: the seed cannot matter, so none is drawn.
+        return int(max_new_tokens), SamplingParams(
+            max_tokens=max(int(max_new_tokens), 1), temperature=0.0, seed=0
+        )
+    if max_new_tokens is not None:
+        raise EngineError(
+            f"Both max_new_tokens={max_new_tokens!r} and sampling_params were given.",
+            "give one: sampling_params.max_tokens is the number of tokens to generate.",
+        )
+    if not isinstance(sampling_params, SamplingParams):
+        raise EngineError(
+            f"sampling_params={sampling_params!r} is not a SamplingParams.",
+            "build one: SamplingParams(max_tokens=16, temperature=0.8, seed=0).",
+        )
+    outside = [t for t in sampling_params.stop_token_ids if t >= config.vocab_size]
+    if outside:
+        raise EngineError(
+            f"stop_token_ids={list(sampling_params.stop_token_ids)} holds ids {outside} "
+            f"outside the vocabulary [0, vocab_size={config.vocab_size}): the model can "
+            "never produce them.",
+            "use the ids of tokens in the vocabulary, such as the end-of-sequence id.",
+        )
+    return sampling_params.max_tokens, sampling_params
+
+
+def check_max_new_tokens(max_new_tokens) -> None:
+    """Raise `EngineError` unless `max_new_tokens` is a non-negative int.
+
+    >>> check_max_new_tokens(0)        # allowed: a request that is done at once
+    """
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int | np.integer)
+        or max_new_tokens < 0
+    ):
+        raise EngineError(
+            f"max_new_tokens={max_new_tokens!r} must be a non-negative int.",
+            "it counts the tokens to generate after the prompt.",
+        )
 
 
 def check_request(prompt, max_new_tokens, config: ModelConfig) -> None:
@@ -376,15 +474,7 @@ def check_request(prompt, max_new_tokens, config: ModelConfig) -> None:
     prompt=[1, 99] holds token ids [99] outside the vocabulary [0, vocab_size=64).
     Hint: token ids index the embedding table: keep them in 0 .. vocab_size - 1.
     """
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int | np.integer)
-        or max_new_tokens < 0
-    ):
-        raise EngineError(
-            f"max_new_tokens={max_new_tokens!r} must be a non-negative int.",
-            "it counts the tokens to generate after the prompt.",
-        )
+    check_max_new_tokens(max_new_tokens)
     try:
         ids = np.asarray(prompt)
     except Exception:

@@ -12,11 +12,23 @@ One step of `Scheduler.schedule`, in order:
      budget (`max_num_batched_tokens`) has left, and the pages to hold them. When the pool is
      out of pages, the newest running request is *preempted*: its pages go back to the pool,
      it forgets its cache, and it waits at the front of the queue. When it is admitted again
-     it recomputes its prompt and the tokens it had generated (greedy decoding computes
-     the same K/V again), so its output does not change.
+     it recomputes its prompt and the tokens it had generated, in as many prefill chunks as
+     the token budget needs, and carries on from there. Its output so far is kept, not
+     sampled again, so it changes only if the recomputed K/V differs by enough rounding to
+     flip a later near-tie (see `minilib.engine.sampling` on batch invariance).
   2. Then waiting requests, first come first served, while `can_admit` says yes: a sequence
      slot is free, the budget has tokens left, and the pool has the pages of the first chunk.
      Nobody is admitted in a step that preempted: the pool is short already.
+
+With prefix caching (`enable_prefix_caching=True`) the pool is a `BlockPool`, and two more
+things happen (vLLM's KVCacheManager does the same; `minilib.engine.prefix_cache` explains
+the pool):
+
+  * on admission, `get_computed_pages` finds the longest cached prefix of the request's
+    tokens in whole pages, stopping before its last token; the request takes a reference on
+    those pages (`touch`) and computes only the rest;
+  * after every step, `cache_full_pages` names each page that has just become full, so that
+    later requests can find it.
 
 Progress is guaranteed: the oldest running request is never preempted for a newer one, and
 `Engine` refuses any request that could not fit in the whole pool alone.
@@ -27,6 +39,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from minilib.engine.prefix_cache import (
+    BlockPool,
+    accounting_problems,
+    find_longest_cache_hit,
+    hash_block_tokens,
+    hash_request_tokens,
+)
+from minilib.engine.sampling import SamplingParams
 from minilib.kv_cache import PageAllocator, pages_needed
 
 __all__ = [
@@ -34,7 +54,9 @@ __all__ = [
     "ScheduledSeq",
     "Scheduler",
     "StepPlan",
+    "cache_full_pages",
     "can_admit",
+    "get_computed_pages",
     "preempt",
     "schedule_tokens",
 ]
@@ -43,6 +65,10 @@ __all__ = [
 @dataclasses.dataclass(eq=False)
 class Request:
     """One generation request and how far it has got.
+
+    `sampling_params` None means greedy, `max_new_tokens` tokens, no stop tokens.
+    `finish_reason` is None while it runs, then "stop", "length" or "abort".
+    `block_hashes` are the hashes of its first pages, which are in the prefix cache.
 
     >>> r = Request(0, prompt=[5, 6, 7], max_new_tokens=2, output=[9], num_computed=3)
     >>> r.tokens, r.num_uncomputed, r.finished   # 9 was sampled, not yet in the cache
@@ -56,6 +82,11 @@ class Request:
     pages: list[int] = dataclasses.field(default_factory=list)  # its page table row
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_preemptions: int = 0
+    sampling_params: SamplingParams | None = None
+    finish_reason: str | None = None
+    num_cached_tokens: int | None = None  # prompt tokens hit in the prefix cache, on admission
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    metrics: object = None  # the engine's RequestMetrics
 
     @property
     def tokens(self) -> list[int]:
@@ -69,7 +100,28 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return len(self.output) >= self.max_new_tokens
+        return self.finish_reason is not None
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return () if self.sampling_params is None else self.sampling_params.stop_token_ids
+
+    def record_token(self, token: int) -> None:
+        """Append a sampled token, and finish: "stop" on a stop token, "length" at
+        max_new_tokens.
+
+        >>> r = Request(0, prompt=[1], max_new_tokens=3,
+        ...             sampling_params=SamplingParams(max_tokens=3, stop_token_ids=[2]))
+        >>> r.record_token(5); r.finish_reason is None
+        True
+        >>> r.record_token(2); r.output, r.finish_reason      # the stop token is kept
+        ([5, 2], 'stop')
+        """
+        self.output.append(int(token))
+        if token in self.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.output) >= self.max_new_tokens:
+            self.finish_reason = "length"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +167,8 @@ def schedule_tokens(request: Request, num_tokens: int) -> ScheduledSeq:
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """What one step runs: the sequences in batch order, and who was admitted or preempted.
+    """What one step runs: the sequences in batch order, who was admitted or preempted, and
+    how many tokens the admitted requests found in the prefix cache.
 
     >>> s = Scheduler(num_pages=4, page_size=4, max_num_batched_tokens=8, max_num_seqs=2)
     >>> s.add(Request(0, prompt=[1] * 3, max_new_tokens=1))
@@ -128,6 +181,7 @@ class StepPlan:
     seqs: tuple[ScheduledSeq, ...]
     admitted: tuple[int, ...]
     preempted: tuple[int, ...]
+    num_cached_tokens: int = 0
 
 
 def can_admit(
@@ -160,9 +214,13 @@ def can_admit(
     )
 
 
-def preempt(request: Request, allocator: PageAllocator) -> None:
+def preempt(request: Request, allocator: PageAllocator | BlockPool) -> None:
     """Evict `request` from the cache: its pages go back to the pool and it forgets its
     cached tokens, so that it recomputes them all when it runs again. Its output is kept.
+
+    With prefix caching, `free` drops the request's reference on each page: a page another
+    request shares stays in use, and a full page stays cached, so the request may find it
+    again when it comes back.
 
     >>> allocator = PageAllocator(4)
     >>> r = Request(0, prompt=[5, 6, 7], max_new_tokens=3, output=[9], num_computed=3)
@@ -176,8 +234,54 @@ def preempt(request: Request, allocator: PageAllocator) -> None:
     request.num_computed = 0
 
 
+def get_computed_pages(token_ids: list[int], pool: BlockPool, page_size: int) -> list[int]:
+    """The pages of the longest cached prefix of `token_ids`: whole pages, and never the
+    last token, which must run through the model to give logits to sample from.
+    (vLLM: `KVCacheManager.get_computed_blocks`.) It only looks; the caller touches them.
+
+    >>> pool = BlockPool(4)
+    >>> prompt = list(range(8))
+    >>> pages = pool.allocate(2)
+    >>> for page, h in zip(pages, hash_request_tokens(prompt, page_size=4)):
+    ...     pool.cache_page(page, h)
+    >>> get_computed_pages(prompt, pool, page_size=4)   # all 8 cached; the last page reruns
+    [0]
+    >>> get_computed_pages(prompt + [9], pool, page_size=4)
+    [0, 1]
+    """
+    max_cache_hit_length = len(token_ids) - 1
+    hashes = hash_request_tokens(token_ids[:max_cache_hit_length], page_size)
+    return find_longest_cache_hit(
+        hashes, pool, max_cache_hit_length=max_cache_hit_length, page_size=page_size
+    )
+
+
+def cache_full_pages(request: Request, pool: BlockPool, page_size: int) -> None:
+    """Name every page of `request` that is now full of computed K/V, so that later requests
+    can share it: its hash chains from the page before, and `request.block_hashes` grows.
+
+    A page counts as full only when all its tokens' K/V are in it (`num_computed`), not when
+    the request merely *has* its tokens: a prompt chunk or a sampled token may still be on
+    its way. The cache takes no reference: the page stays the request's, counted once.
+
+    >>> pool = BlockPool(4)
+    >>> r = Request(0, prompt=list(range(10)), max_new_tokens=2, num_computed=6)
+    >>> r.pages = pool.allocate(2)            # 6 tokens computed: page 0 full, page 1 not
+    >>> cache_full_pages(r, pool, page_size=4)
+    >>> pool.cached_pages, len(r.block_hashes), pool.ref_cnt(0)
+    ((0,), 1, 1)
+    """
+    for i in range(len(request.block_hashes), request.num_computed // page_size):
+        parent = request.block_hashes[-1] if request.block_hashes else None
+        block_hash = hash_block_tokens(parent, request.tokens[i * page_size : (i + 1) * page_size])
+        pool.cache_page(request.pages[i], block_hash)
+        request.block_hashes.append(block_hash)
+
+
 class Scheduler:
     """Requests waiting and running, the page pool, and the rule of one step.
+
+    `allocator` is chapter 02's `PageAllocator`, or a `BlockPool` with prefix caching.
 
     >>> s = Scheduler(num_pages=4, page_size=4, max_num_batched_tokens=6, max_num_seqs=2)
     >>> s.add(Request(0, prompt=[1] * 10, max_new_tokens=2))
@@ -189,9 +293,17 @@ class Scheduler:
     """
 
     def __init__(
-        self, *, num_pages: int, page_size: int, max_num_batched_tokens: int, max_num_seqs: int
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        enable_prefix_caching: bool = False,
     ):
-        self.allocator = PageAllocator(num_pages)
+        self.enable_prefix_caching = enable_prefix_caching
+        pool = BlockPool if enable_prefix_caching else PageAllocator
+        self.allocator: PageAllocator | BlockPool = pool(num_pages)
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -200,6 +312,7 @@ class Scheduler:
         # Hooks, so the notebook's exercises can swap in the learner's versions.
         self.admission_rule = can_admit
         self.preempt_request = preempt
+        self.cache_pages = cache_full_pages
 
     def add(self, request: Request) -> None:
         """Queue a new request at the back."""
@@ -219,42 +332,109 @@ class Scheduler:
                 break  # it was the newest, and preempted itself
             seqs.append(schedule_tokens(request, num_tokens))
             budget -= num_tokens
-        admitted = []
+        admitted, num_cached_tokens = [], 0
         while self.waiting and not preempted:  # 2. admit waiting requests, in order
             request = self.waiting[0]
+            hit = self._cache_hit(request)
+            num_hit_tokens = len(hit) * self.page_size
+            # Hit pages nobody holds sit in the free queue: taking them leaves fewer free.
+            idle_hits = sum(self.allocator.ref_cnt(page) == 0 for page in hit)
             admit = self.admission_rule(
-                request.num_uncomputed,
+                request.num_uncomputed - num_hit_tokens,
                 token_budget_left=budget,
-                num_free_pages=self.allocator.num_free,
+                num_free_pages=self.allocator.num_free - idle_hits,
                 page_size=self.page_size,
                 num_running=len(self.running),
                 max_num_seqs=self.max_num_seqs,
             )
             if not admit:
                 break
+            if hit:
+                self.allocator.touch(hit)
+                request.pages = list(hit)
+                request.num_computed = num_hit_tokens
+            if self.enable_prefix_caching:  # the pages it starts from are named already
+                request.block_hashes = [self.allocator.block_hash(page) for page in hit]
+            if request.num_cached_tokens is None:  # as vLLM: what the first admission found
+                request.num_cached_tokens = num_hit_tokens
+            num_cached_tokens += num_hit_tokens
             num_tokens = min(request.num_uncomputed, budget)
-            self._grow(request, num_tokens)
+            self._grow(request, request.num_computed + num_tokens)
             self.running.append(self.waiting.popleft())
             seqs.append(schedule_tokens(request, num_tokens))
             admitted.append(request.request_id)
             budget -= num_tokens
-        return StepPlan(tuple(seqs), tuple(admitted), tuple(preempted))
+        return StepPlan(tuple(seqs), tuple(admitted), tuple(preempted), num_cached_tokens)
 
     def finish_step(self, plan: StepPlan, sampled: dict[int, int]) -> list[Request]:
-        """Record the step: new tokens are in the cache, and sampled tokens are appended.
-        Finished requests leave, and their pages go back to the pool. Returns them."""
+        """Record the step: new tokens are in the cache (and full pages in the prefix cache),
+        and sampled tokens are appended. Finished requests leave, and their pages go back to
+        the pool. Returns them."""
         finished = []
         for seq in plan.seqs:
             request = seq.request
             request.num_computed = seq.start + seq.num_tokens
+            if self.enable_prefix_caching:
+                self.cache_pages(request, self.allocator, self.page_size)
             if seq.samples:
-                request.output.append(sampled[request.request_id])
+                request.record_token(sampled[request.request_id])
             if request.finished:
-                self.allocator.free(request.pages)
-                request.pages = []
-                self.running.remove(request)
+                self._release(request)
                 finished.append(request)
         return finished
+
+    def abort(self, request: Request) -> None:
+        """End `request` now, waiting or running: its pages go back to the pool at once."""
+        if request in self.running:
+            self._release(request)
+        else:
+            self.waiting.remove(request)
+        request.finish_reason = "abort"
+
+    def accounting_problems(self) -> list[str]:
+        """What is wrong with the pool's books, given the running requests' page tables
+        (an empty list: nothing). Tests check it after every step.
+
+        >>> s = Scheduler(num_pages=4, page_size=4, max_num_batched_tokens=8, max_num_seqs=2,
+        ...               enable_prefix_caching=True)
+        >>> s.add(Request(0, prompt=[1] * 6, max_new_tokens=1))
+        >>> _ = s.schedule()
+        >>> s.accounting_problems()
+        []
+        """
+        tables = [request.pages for request in self.running]
+        if isinstance(self.allocator, BlockPool):
+            return accounting_problems(self.allocator, tables)
+        problems = []
+        owners = self.allocator.owners
+        held = {page: r.request_id for r in self.running for page in r.pages}
+        for page, owner in enumerate(owners):
+            if held.get(page) != owner:
+                problems.append(f"page {page}: owner {owner}, but held by {held.get(page)}")
+        if sum(len(t) for t in tables) != len(held):
+            problems.append("two requests hold one page")
+        return problems
+
+    @property
+    def page_owners(self) -> tuple[tuple[int, ...], ...]:
+        """For every page, the running requests holding it (several, for a shared prefix)."""
+        owners: list[list[int]] = [[] for _ in range(self.allocator.total_num_pages)]
+        for request in self.running:
+            for page in request.pages:
+                owners[page].append(request.request_id)
+        return tuple(tuple(sorted(o)) for o in owners)
+
+    def _cache_hit(self, request: Request) -> list[int]:
+        """The cached pages a waiting request would start from (none without caching, or for
+        a request that still holds pages)."""
+        if not self.enable_prefix_caching or request.pages:
+            return []
+        return get_computed_pages(request.tokens, self.allocator, self.page_size)
+
+    def _release(self, request: Request) -> None:
+        self.allocator.free(request.pages)
+        request.pages = []
+        self.running.remove(request)
 
     def _make_room(self, request: Request, num_tokens: int, preempted: list[int]) -> bool:
         """Give `request` the pages for `num_tokens`, preempting the newest running requests

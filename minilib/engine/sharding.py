@@ -18,6 +18,12 @@ The projections around attention are split the same way (`shard_params`): each d
 q, k and v for its own heads only, and the output projection ends with one sum over devices.
 The MLP, norms and embeddings stay replicated.
 
+More devices than KV heads (say 2 KV heads on 4 chips) cannot split the KV heads; vLLM then
+*replicates* them, and so does `replicate_kv_heads`: each KV head is copied to D/num_kv_heads
+devices (its K and V projections repeated), so every device holds exactly one KV head and the
+num_q_heads/D q heads that read it. Each copy costs a device's share of the pool, and each
+device still computes only its own q heads.
+
 On a CPU, `XLA_FLAGS=--xla_force_host_platform_device_count=4` (set before JAX starts) makes
 four simulated devices. On a TPU slice the devices are chips, and the same code runs.
 """
@@ -27,6 +33,7 @@ from __future__ import annotations
 import inspect
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -38,7 +45,14 @@ except ImportError:  # pragma: no cover - depends on the installed jax
 from minilib.engine.model import ModelConfig
 from minilib.errors import EngineError
 
-__all__ = ["check_mesh", "shard_attention", "shard_kv_pages", "shard_params"]
+__all__ = [
+    "check_mesh",
+    "kv_head_replicas",
+    "replicate_kv_heads",
+    "shard_attention",
+    "shard_kv_pages",
+    "shard_params",
+]
 
 AXIS = "kv_heads"
 Q_SPEC = PartitionSpec(None, AXIS, None)  # q and the output: q heads split
@@ -75,14 +89,56 @@ def check_mesh(mesh, config: ModelConfig) -> int:
             f"name the mesh axis {AXIS!r}: Mesh(devices, ({AXIS!r},)).",
         )
     size = mesh.shape[AXIS]
-    if config.num_kv_heads % size:
+    nq, nkv = config.num_q_heads, config.num_kv_heads
+    fits = [d for d in range(1, nq + 1) if nq % d == 0 and (nkv % d == 0 or d % nkv == 0)]
+    if nkv % size and size % nkv:
         raise EngineError(
-            f"num_kv_heads={config.num_kv_heads} is not divisible by the mesh axis "
-            f"{AXIS!r} of size {size}: the devices cannot hold equal shares of the KV heads.",
-            f"use a mesh whose size divides num_kv_heads (one of "
-            f"{[d for d in range(1, config.num_kv_heads + 1) if config.num_kv_heads % d == 0]}).",
+            f"num_kv_heads={nkv} is not divisible by the mesh axis {AXIS!r} of size {size}, "
+            f"nor is {size} a multiple of it: the devices can neither split the KV heads "
+            "evenly nor hold equal numbers of copies of them.",
+            f"use a mesh of one of these sizes: {fits}.",
+        )
+    if nq % size:
+        raise EngineError(
+            f"num_q_heads={nq} is not divisible by the mesh axis {AXIS!r} of size {size}: "
+            "the devices cannot hold equal shares of the q heads.",
+            f"use a mesh of one of these sizes: {fits}.",
         )
     return size
+
+
+def kv_head_replicas(mesh, config: ModelConfig) -> int:
+    """How many copies of each KV head the mesh needs: 1 when the devices split the KV
+    heads, D / num_kv_heads when there are more devices than KV heads.
+
+    >>> config = ModelConfig(vocab_size=8, num_layers=1, num_q_heads=4, num_kv_heads=2,
+    ...                      head_dim=8)
+    >>> kv_head_replicas(Mesh(np.array(jax.devices()[:1]), ("kv_heads",)), config)
+    1
+    """
+    return max(check_mesh(mesh, config) // config.num_kv_heads, 1)
+
+
+def replicate_kv_heads(params: dict, replicas: int) -> dict:
+    """`params` with every KV head's K and V projections repeated `replicas` times, in place:
+    KV head k becomes heads k*replicas .. k*replicas + replicas - 1. q head h then reads head
+    h * (num_kv_heads * replicas) // num_q_heads, a copy of the KV head it read before, so
+    attention computes exactly what it did.
+
+    >>> from minilib.engine.model import init_params
+    >>> config = ModelConfig(vocab_size=8, num_layers=1, num_q_heads=4, num_kv_heads=2,
+    ...                      head_dim=8)
+    >>> layer = replicate_kv_heads(init_params(config), 2)["layers"][0]
+    >>> layer["wk"].shape, bool((layer["wk"][:, 2] == layer["wk"][:, 3]).all())
+    ((64, 4, 8), True)
+    """
+    if replicas == 1:
+        return params
+
+    def repeat(layer):
+        return layer | {name: jnp.repeat(layer[name], replicas, axis=1) for name in ("wk", "wv")}
+
+    return params | {"layers": [repeat(layer) for layer in params["layers"]]}
 
 
 def shard_kv_pages(kv_pages: jax.Array, mesh: Mesh) -> jax.Array:

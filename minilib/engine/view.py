@@ -1,12 +1,16 @@
 """`EngineView`: a live ipywidgets view of an `Engine`, step by step.
 
-Three panels, redrawn after every step:
+Four panels, redrawn after every step:
 
-    counters   step, prefill and decode tokens, pages in use, waiting, running, preempted
-    pages      the page pool, one cell per page, coloured by the request that owns it
-               (`minilib.explore.style.color`, as in the figures)
-    batch      the step's ragged batch: one segment per sequence, as wide as its tokens,
-               striped for a prefill chunk, solid for a decode token
+    counters     step, prefill and decode tokens, pages in use, waiting, running, preempted,
+                 and the prompt tokens found in the prefix cache
+    pages        the page pool, one cell per page, coloured by the requests that hold it: a
+                 page two requests share (a prefix cache hit) has both colours; a cached
+                 full page has a heavy border, and a free page still cached is marked "c"
+    page tables  each running request's row of `page_indices`: shared pages, and so two
+                 sequences pointing at one page, show side by side
+    batch        the step's ragged batch: one segment per sequence, as wide as its tokens,
+                 striped for a prefill chunk, solid for a decode token
 
 Everything is HTML in `HTML` widgets (no images, no front-end extension), so it renders as
 real widgets in Jupyter and Colab with ipywidgets 7 or 8, and its text can be read without a
@@ -63,15 +67,17 @@ class EngineView(widgets.VBox):
     def __init__(self, engine: Engine, title: str = "Engine"):
         self.engine = engine
         self.counters, self.pages, self.batch = widgets.HTML(), widgets.HTML(), widgets.HTML()
+        self.tables = widgets.HTML()
         self.slider = widgets.IntSlider(
             value=0, min=0, max=0, description="step", continuous_update=True, disabled=True
         )
         self.slider.observe(self._on_slide, names="value")
         header = widgets.HTML(f"<b style='font-size:1.1em'>{html.escape(title)}</b>")
-        super().__init__([header, self.counters, self.pages, self.batch, self.slider])
+        panels = [header, self.counters, self.pages, self.tables, self.batch, self.slider]
+        super().__init__(panels)
         self._showing_live = False
         self.counters.value = _counters_html(None, engine)
-        self.pages.value = _pages_html(engine.scheduler.allocator.owners)
+        self.pages.value = _pages_html(engine.scheduler.page_owners, ())
 
     def run(self, max_steps: int | None = None, delay: float = 0.0) -> None:
         """Step the engine until every request is done (or `max_steps`), redrawing after each
@@ -86,7 +92,8 @@ class EngineView(widgets.VBox):
     def show(self, stats: StepStats) -> None:
         """Draw `stats`, and let the slider reach every step recorded so far."""
         self.counters.value = _counters_html(stats, self.engine)
-        self.pages.value = _pages_html(stats.page_owners)
+        self.pages.value = _pages_html(stats.page_owners, stats.cached_pages)
+        self.tables.value = _page_tables_html(stats)
         self.batch.value = _batch_html(stats, self.engine.max_num_batched_tokens)
         self._showing_live = True  # the slider moves with the run without redrawing twice
         self.slider.max = len(self.engine.stats) - 1
@@ -97,7 +104,7 @@ class EngineView(widgets.VBox):
     @property
     def text(self) -> str:
         """What the panels say, without markup."""
-        parts = [self.counters.value, self.pages.value, self.batch.value]
+        parts = [self.counters.value, self.pages.value, self.tables.value, self.batch.value]
         text = re.sub(r"<br>|</div>", "\n", "\n".join(parts))
         return html.unescape(re.sub(r"<[^>]+>", "", text))
 
@@ -111,26 +118,72 @@ def _counters_html(stats: StepStats | None, engine: Engine) -> str:
         return "<div>no step yet</div>"
     preempted = ", ".join(f"r{i}" for i in stats.preempted) or "none"
     finished = ", ".join(f"r{i}" for i in stats.finished) or "none"
+    cached = ""
+    if engine.scheduler.enable_prefix_caching:
+        cached = f"; prompt tokens from the prefix cache: {stats.num_cached_tokens}"
     return (
         f"<div><b>step {stats.step} of {len(engine.stats)}</b>: "
         f"{stats.num_prefill_tokens} prefill + {stats.num_decode_tokens} decode tokens "
         f"(budget {engine.max_num_batched_tokens}); "
         f"pages in use: {stats.num_pages_used} of {engine.num_pages}; "
         f"waiting: {stats.num_waiting}; running: {stats.num_running}; "
-        f"preempted: {preempted}; finished: {finished}</div>"
+        f"preempted: {preempted}; finished: {finished}"
+        f"{cached}</div>"
     )
 
 
-def _pages_html(owners) -> str:
+def _fill(owners) -> str:
+    """One colour per owner, side by side: a shared page shows every request holding it."""
+    if not owners:
+        return LIGHT_GREY
+    if len(owners) == 1:
+        return color(owners[0])
+    width = 100 / len(owners)
+    stops = ",".join(
+        f"{color(o)} {i * width:.1f}% {(i + 1) * width:.1f}%" for i, o in enumerate(owners)
+    )
+    return f"linear-gradient(90deg,{stops})"
+
+
+def _page_cell(page: int, owners, cached: bool, label: str) -> str:
+    border = "border:2px solid #000;" if cached else "border:2px solid transparent;"
+    state = "shared by " if len(owners) > 1 else "held by " if owners else "free"
+    who = " and ".join(f"r{o}" for o in owners)
+    note = ", cached" if cached else ""
+    width = max(30, 8 * len(label) + 6)
+    return (
+        f"<div title='page {page}: {state}{who}{note}' style='{CELL}{border}width:{width}px;"
+        f"height:24px;line-height:20px;margin:1px;background:{_fill(owners)}'>{label}</div>"
+    )
+
+
+def _pages_html(owners, cached_pages) -> str:
+    cached = set(cached_pages)
     cells = []
-    for page, owner in enumerate(owners):
-        fill = LIGHT_GREY if owner is None else color(owner)
-        label = "·" if owner is None else f"r{owner}"
-        cells.append(
-            f"<div title='page {page}' style='{CELL}width:30px;height:22px;"
-            f"line-height:22px;margin:1px;background:{fill}'>{label}</div>"
+    for page, holders in enumerate(owners):
+        if holders:
+            label = "+".join(f"r{o}" for o in holders)
+        else:
+            label = "c" if page in cached else "·"
+        cells.append(_page_cell(page, holders, page in cached, label))
+    legend = (
+        "page pool (· free; c free but still cached; heavy border: a cached full page; "
+        "several colours: one page that several requests hold)"
+    )
+    return f"<div>{legend}</div><div style='max-width:720px'>{''.join(cells)}</div>"
+
+
+def _page_tables_html(stats: StepStats) -> str:
+    if not stats.page_tables:
+        return "<div>page tables: no request running</div>"
+    cached = set(stats.cached_pages)
+    rows = []
+    for request_id, pages in stats.page_tables:
+        cells = "".join(
+            _page_cell(page, stats.page_owners[page], page in cached, str(page)) for page in pages
         )
-    return f"<div>page pool (· free)</div><div style='max-width:720px'>{''.join(cells)}</div>"
+        rows.append(f"<div>r{request_id}: {cells}</div>")
+    return "<div>page tables (each request's pages, in token order)</div>" + "".join(rows)
 
 
 def _batch_html(stats: StepStats, budget: int) -> str:

@@ -45,12 +45,17 @@ from minilib.exercises.ex09_performance import (
     check_arithmetic_intensity,
     check_num_kv_pages_per_block,
 )
-from minilib.exercises.ex10_engine import check_can_admit, check_preempt
+from minilib.exercises.ex10_engine import (
+    check_cache_full_pages,
+    check_can_admit,
+    check_preempt,
+)
 
 __all__ = [
     "CheckResult",
     "check_arithmetic_intensity",
     "check_attend_soft_cap",
+    "check_cache_full_pages",
     "check_can_admit",
     "check_causal_mask",
     "check_decode_attention",

@@ -1,9 +1,11 @@
-"""Notebook 10's exercises: the scheduler's admission rule, and preemption's page-freeing step.
+"""Notebook 10's exercises: the scheduler's admission rule, preemption's page-freeing step,
+and the step of prefix caching that names full pages.
 
 Each checker first compares your function with minilib's on many small situations, then
-plugs it into a real `Engine` (its scheduler's hooks `admission_rule` and `preempt_request`)
-on a pool small enough to make requests wait and be preempted, and checks that the engine
-still gives every request the same tokens and leaves every page free.
+plugs it into a real `Engine` (its scheduler's hooks `admission_rule`, `preempt_request` and
+`cache_pages`) on a pool small enough to make requests wait and be preempted, and checks that
+the engine still gives every request the same tokens and leaves every page free; with
+prefix caching, it also checks the pool's books after every step.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from minilib.engine.scheduler import Request, can_admit, preempt
+from minilib.engine.prefix_cache import BlockPool, hash_block_tokens, hash_request_tokens
+from minilib.engine.scheduler import Request, cache_full_pages, can_admit, preempt
 from minilib.exercises.checking import (
     Case,
     CheckResult,
@@ -26,7 +29,13 @@ from minilib.exercises.checking import (
 )
 from minilib.kv_cache import PageAllocator, pages_needed
 
-__all__ = ["check_can_admit", "check_preempt", "run_engine"]
+__all__ = [
+    "check_cache_full_pages",
+    "check_can_admit",
+    "check_preempt",
+    "run_caching_engine",
+    "run_engine",
+]
 
 
 @functools.cache
@@ -85,6 +94,15 @@ def run_engine(rule=can_admit, preempt_fn=preempt, *, seed: int = 0) -> dict:
         "preempted per step": [list(s.preempted) for s in engine.stats],
         "pages still in use at the end": engine.scheduler.allocator.num_used,
     }
+
+
+def _compare_state_or_run(want: dict, got: dict, case: Case) -> None:
+    """A case is a state after the function (each field compared) or an engine run."""
+    if case.args[0] == "engine":
+        _compare_runs(want, got)
+        return
+    for key in want:
+        compare_values(want[key], got[key], key)
 
 
 def _compare_runs(want: dict, got: dict) -> None:
@@ -220,13 +238,6 @@ def check_preempt(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Check
 
         return run
 
-    def compare(want, got, case):
-        if case.args[0] == "engine":
-            _compare_runs(want, got)
-            return
-        for key in want:
-            compare_values(want[key], got[key], key)
-
     def keeps_num_computed(request, allocator):
         allocator.free(request.pages)
         request.pages = []
@@ -246,11 +257,258 @@ def check_preempt(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Check
         "num_computed must go back to 0: the K/V of those tokens is gone with the pages, so "
         "the request must recompute them all.": call(keeps_num_computed),
         "keep request.output: the tokens generated so far are recomputed together with the "
-        "prompt (one prefill), not generated again one by one.": call(forgets_output),
+        "prompt (as prefill, in chunks), not generated again one by one.": call(forgets_output),
         "the pages never went back to the pool: allocator.free(request.pages).": call(leaks_pages),
         "after freeing, clear request.pages: the request no longer owns those pages (another "
         "request may get them next).": call(keeps_page_list),
     }
     return run_check(
-        "preempt", call(fn), call(preempt), cases, diagnose(compare, mistakes), verbose=verbose
+        "preempt",
+        call(fn),
+        call(preempt),
+        cases,
+        diagnose(_compare_state_or_run, mistakes),
+        verbose=verbose,
     )
+
+
+# --- Exercise 10.3: naming full pages for the prefix cache ----------------------------------
+
+SYSTEM_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]  # shared by most requests of the engine run
+
+
+def run_caching_engine(cache_fn=cache_full_pages, *, seed: int = 0) -> dict:
+    """Run a small prefix-caching engine with `cache_fn` as its scheduler's `cache_pages`:
+    requests sharing a system prompt, a pool small enough to preempt, chunked prefill.
+    Returns the outputs, the prompt tokens each found in the cache, and what was wrong with
+    the pool's books after each step (`accounting_problems`), if anything.
+
+    >>> result = run_caching_engine()
+    >>> result["pool's books after each step"], result["pages still in use at the end"]
+    ('right after every step', 0)
+    >>> result["prompt tokens found in the prefix cache"]
+    [0, 8, 8, 8, 8, 0]
+    >>> any(result["preempted per step"])
+    True
+    """
+    from minilib.engine import Engine
+    from minilib.vectorized import ragged_paged_attention_jnp
+
+    config, params = _tiny_model()
+    engine = Engine(
+        params,
+        config,
+        num_pages=10,
+        page_size=4,
+        max_num_batched_tokens=8,
+        max_num_seqs=4,
+        attention=ragged_paged_attention_jnp,
+        enable_prefix_caching=True,
+    )
+    engine.scheduler.cache_pages = cache_fn
+    rng = np.random.default_rng(2000 + seed)
+    prompts = [SYSTEM_PROMPT + rng.integers(0, 32, n).tolist() for n in (3, 6, 1, 4, 2)]
+    prompts.append(rng.integers(0, 32, 5).tolist())
+    ids = [engine.add_request(prompts[0], 5)]
+    books = "right after every step"
+    for step in range(200):  # a pool whose pages never come back would loop forever
+        if step == 1:  # the first request's system prompt is in pages by now
+            ids += [engine.add_request(p, 5) for p in prompts[1:]]
+        if not engine.has_unfinished:
+            break
+        try:
+            stats = engine.step()
+        except RuntimeError as err:  # out of pages for good
+            books = f"the engine stopped at step {step}: {err}"
+            break
+        problems = engine.scheduler.accounting_problems()
+        if problems and books == "right after every step":
+            books = f"after step {stats.step}: {problems[0]}"
+    return {
+        "outputs": [engine.output(i) for i in ids],
+        "prompt tokens found in the prefix cache": [
+            engine.request_output(i).num_cached_tokens for i in ids
+        ],
+        "preempted per step": [list(s.preempted) for s in engine.stats],
+        "pool's books after each step": books,
+        "pages still in use at the end": engine.scheduler.allocator.num_used,
+    }
+
+
+def _caching_situation(rng, *, num_computed: int, num_generated: int, hit_pages: int):
+    """A request part way through its tokens, holding its pages in a BlockPool; its first
+    `hit_pages` pages came from the cache (their hashes are in request.block_hashes). One
+    page of someone else is cached too."""
+    pool = BlockPool(12)
+    other = pool.allocate(1)
+    pool.cache_page(other[0], hash_block_tokens(None, [31, 31, 31, 31]))
+    prompt = rng.integers(0, 32, int(rng.integers(9, 15))).tolist()
+    output = rng.integers(0, 32, num_generated).tolist()
+    request = Request(3, prompt, max_new_tokens=8, output=output)
+    request.num_computed = min(num_computed, len(prompt) + len(output))
+    hashes = hash_request_tokens(request.tokens, 4)[:hit_pages]
+    pages = pool.allocate(hit_pages)
+    for page, block_hash in zip(pages, hashes, strict=True):
+        pool.cache_page(page, block_hash)
+    request.pages = pages + pool.allocate(-(-request.num_computed // 4) - hit_pages)
+    request.block_hashes = list(hashes)
+    return request, pool
+
+
+def _after_caching(fn, request, pool):
+    """State of a copy of (request, pool) after fn(request, pool, 4)."""
+    request, pool = copy.deepcopy((request, pool))
+    fn(request, pool, 4)
+    return {
+        "the pool's cached pages": list(pool.cached_pages),
+        "each of the request's pages: cached under the hash of which tokens": [
+            _hash_name(pool.block_hash(page), request) for page in request.pages
+        ],
+        "reference counts of the request's pages": [pool.ref_cnt(p) for p in request.pages],
+        "request.block_hashes, named by tokens": [
+            _hash_name(h, request) for h in request.block_hashes
+        ],
+    }
+
+
+def _hash_name(block_hash, request) -> str:
+    """A hash, told as the tokens it names: 'tokens 0..7' (a chained hash covers every token
+    from 0), 'tokens 4..7 alone' (not chained), or 'none'."""
+    if block_hash is None:
+        return "none"
+    tokens = request.tokens
+    chained = hash_request_tokens(tokens, 4)
+    if block_hash in chained:
+        return f"tokens 0..{4 * chained.index(block_hash) + 3}"
+    for start in range(0, len(tokens), 4):
+        if block_hash == hash_block_tokens(None, tokens[start : start + 4]):
+            return f"tokens {start}..{start + 3} alone, not chained"
+        for end in range(start + 1, min(start + 4, len(tokens))):
+            parent = chained[start // 4 - 1] if start else None
+            if block_hash == hash_block_tokens(parent, tokens[start:end]):
+                return f"tokens 0..{end - 1}: a page with {end - start} of 4 tokens"
+    return "some other hash"
+
+
+def check_cache_full_pages(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
+    """Check `fn(request, pool, page_size) -> None`, which puts every page of `request` that
+    is now full of computed K/V into the prefix cache (`pool.cache_page(page, block_hash)`,
+    the hash chained from the page before) and appends its hash to `request.block_hashes`;
+    then run a prefix-caching engine that preempts, with it.
+
+    >>> check_cache_full_pages(cache_full_pages)
+    Passed: cache_full_pages matches the reference on all 7 cases.
+    CheckResult('cache_full_pages', status='passed')
+    """
+    rng = np.random.default_rng(1030 + seed)
+    situations = [  # (num_computed, num_generated, hit_pages)
+        (6, 0, 0),  # a prompt chunk that ends inside page 1
+        (8, 0, 0),  # ... that ends on a page boundary
+        (13, 2, 2),  # started from 2 cached pages; a generated token completes page 2
+        (9, 0, 1),  # one cached page, one more full now, a chunk part way into the third
+        (3, 0, 0),  # not one full page yet
+        (12, 3, 0),  # after a preemption: prompt and generated tokens recomputed together
+    ]
+    cases = []
+    for num_computed, num_generated, hit_pages in situations:
+        request, pool = _caching_situation(
+            rng, num_computed=num_computed, num_generated=num_generated, hit_pages=hit_pages
+        )
+        cases.append(
+            Case(
+                f"{len(request.tokens)} tokens ({len(request.output)} generated), "
+                f"num_computed={request.num_computed}, pages={request.pages}, "
+                f"{len(request.block_hashes)} of them cached already, page_size=4",
+                ("state", (request, pool)),
+            )
+        )
+    cases.append(
+        Case(
+            "a prefix-caching engine: 5 requests sharing a 10-token system prompt, a pool "
+            "too small for all (preemption), prefill chunks of 8 tokens",
+            ("engine", seed),
+        )
+    )
+
+    def call(f):
+        def run(kind, value):
+            if kind == "engine":
+                return run_caching_engine(f, seed=value)
+            return _after_caching(f, *value)
+
+        return run
+
+    def page_holds_tokens(request, pool, page_size):  # full of tokens, not of computed K/V
+        for i in range(len(request.block_hashes), len(request.tokens) // page_size):
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            block_hash = hash_block_tokens(
+                parent, request.tokens[i * page_size : (i + 1) * page_size]
+            )
+            if i < len(request.pages):
+                pool.cache_page(request.pages[i], block_hash)
+            request.block_hashes.append(block_hash)
+
+    def partial_page_too(request, pool, page_size):  # the page being written, too
+        for i in range(len(request.block_hashes), -(-request.num_computed // page_size)):
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            tokens = request.tokens[i * page_size : min((i + 1) * page_size, request.num_computed)]
+            pool.cache_page(request.pages[i], hash_block_tokens(parent, tokens))
+            request.block_hashes.append(hash_block_tokens(parent, tokens))
+
+    def not_chained(request, pool, page_size):
+        for i in range(len(request.block_hashes), request.num_computed // page_size):
+            block_hash = hash_block_tokens(
+                None, request.tokens[i * page_size : (i + 1) * page_size]
+            )
+            pool.cache_page(request.pages[i], block_hash)
+            request.block_hashes.append(block_hash)
+
+    def takes_a_reference(request, pool, page_size):
+        for i in range(len(request.block_hashes), request.num_computed // page_size):
+            _cache_page(request, pool, page_size, i)
+            pool.touch([request.pages[i]])
+
+    def forgets_block_hashes(request, pool, page_size):
+        hashes = list(request.block_hashes)
+        for i in range(len(hashes), request.num_computed // page_size):
+            parent = hashes[-1] if hashes else None
+            hashes.append(
+                hash_block_tokens(parent, request.tokens[i * page_size : (i + 1) * page_size])
+            )
+            pool.cache_page(request.pages[i], hashes[-1])
+
+    mistakes = {
+        "a page is full when its K/V is computed (i <  request.num_computed // page_size), not "
+        "when the request merely has its tokens: a prompt chunk or the token just sampled may "
+        "not be in the page yet, and a request that hit it would share a partly written page.": (
+            call(page_holds_tokens)
+        ),
+        "only full pages are cached: the page that is still being written belongs to this "
+        "request alone, and a request that hit it would write its own tokens into a shared "
+        "page.": call(partial_page_too),
+        "chain each hash to the page before (hash_block_tokens(request.block_hashes[-1], "
+        "tokens)): K/V depends on every earlier token, so the same four tokens after another "
+        "prefix hold other K/V.": call(not_chained),
+        "the cache takes no reference of its own (no pool.touch): the page is counted once, "
+        "for the request holding it, so that the count drops to 0 when the request is "
+        "preempted or finishes and the page can be freed or evicted. Here a count was never "
+        "dropped, and the page never came back.": call(takes_a_reference),
+        "append each new hash to request.block_hashes: the next page's hash chains from it, "
+        "and the next call starts after the pages already named.": call(forgets_block_hashes),
+    }
+    return run_check(
+        "cache_full_pages",
+        call(fn),
+        call(cache_full_pages),
+        cases,
+        diagnose(_compare_state_or_run, mistakes),
+        verbose=verbose,
+    )
+
+
+def _cache_page(request, pool, page_size: int, i: int) -> None:
+    """The reference's step for page `i` alone (for the mistakes above)."""
+    parent = request.block_hashes[-1] if request.block_hashes else None
+    block_hash = hash_block_tokens(parent, request.tokens[i * page_size : (i + 1) * page_size])
+    pool.cache_page(request.pages[i], block_hash)
+    request.block_hashes.append(block_hash)

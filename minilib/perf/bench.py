@@ -2,7 +2,7 @@
 
     python -m minilib bench --quick                       # one small case
     python -m minilib bench --workload mixed --num-seqs 32
-    python -m minilib bench --engine                      # serving engine vs dense, tokens/s
+    python -m minilib bench --engine                      # continuous vs static batching
     python -m minilib bench --help
 
 For each implementation and each case (workload x number of sequences x head config; the
@@ -398,7 +398,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument(
         "--engine", action="store_true",
-        help="engine workload: minilib.engine against dense_generate one request at a time",
+        help="serving workload: minilib.engine with continuous against static batching",
     )  # fmt: skip
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
 

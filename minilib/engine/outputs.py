@@ -1,0 +1,107 @@
+"""What the engine tells a caller about a request: `RequestOutput` and its `RequestMetrics`.
+
+The names are vLLM's (`vllm.outputs.RequestOutput`, `RequestMetrics`), flattened to one
+sequence per request. Latency, as serving measures it:
+
+    time to first token (TTFT)   first_token_time - arrival_time: queueing, then the prefill
+    time per output token (TPOT) (finished_time - first_token_time) / (num tokens - 1): decode
+    queue time                   first_scheduled_time - arrival_time
+
+Each time is kept twice: in seconds (`time.perf_counter`), and in engine steps (the index of
+the step in which it happened). Seconds depend on the machine; steps depend only on the
+scheduler, so they compare runs across machines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["FINISH_REASONS", "RequestMetrics", "RequestOutput"]
+
+# Why a request ended: a stop token, max_tokens reached, or abort_request. (vLLM's names.)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """When a request arrived, was first scheduled, got its first token, and finished.
+
+    Times are seconds (`time.perf_counter`); `*_step` fields are engine step indices (the
+    step in which it happened; `arrival_step` is the first step that could run it). None:
+    not yet. An aborted request's `finished_step` is the step that would have run next.
+
+    >>> m = RequestMetrics(arrival_time=1.0, arrival_step=0, first_scheduled_time=1.5,
+    ...                    first_scheduled_step=2, first_token_time=2.0, first_token_step=3,
+    ...                    finished_time=3.0, finished_step=7)
+    >>> m.time_to_first_token, m.time_in_queue, m.time_per_output_token(num_tokens=5)
+    (1.0, 0.5, 0.25)
+    >>> m.steps_to_first_token, m.steps_per_output_token(num_tokens=5)
+    (4, 1.0)
+    """
+
+    arrival_time: float
+    arrival_step: int
+    first_scheduled_time: float | None = None
+    first_scheduled_step: int | None = None
+    first_token_time: float | None = None
+    first_token_step: int | None = None
+    finished_time: float | None = None
+    finished_step: int | None = None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """Seconds from arrival to the first step that ran it."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """TTFT, seconds from arrival to the end of the step that sampled its first token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def steps_to_first_token(self) -> int | None:
+        """TTFT in steps: how many steps ran from its arrival to its first token, that one
+        included."""
+        if self.first_token_step is None:
+            return None
+        return self.first_token_step - self.arrival_step + 1
+
+    def time_per_output_token(self, num_tokens: int) -> float | None:
+        """TPOT, seconds per token after the first (None with fewer than two tokens)."""
+        if self.finished_time is None or self.first_token_time is None or num_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (num_tokens - 1)
+
+    def steps_per_output_token(self, num_tokens: int) -> float | None:
+        """TPOT in steps: 1.0 when the request decoded in every step until it finished."""
+        if self.finished_step is None or self.first_token_step is None or num_tokens < 2:
+            return None
+        return (self.finished_step - self.first_token_step) / (num_tokens - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """One request as the engine sees it now: its tokens so far, why it ended (None while
+    it runs), how many prompt tokens came from the prefix cache, and its metrics.
+
+    >>> out = RequestOutput(request_id=3, prompt_token_ids=(1, 2), token_ids=(7, 9),
+    ...                     finish_reason="length", num_cached_tokens=0,
+    ...                     metrics=RequestMetrics(arrival_time=0.0, arrival_step=0))
+    >>> out.finished, out.token_ids
+    (True, (7, 9))
+    """
+
+    request_id: int
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    num_cached_tokens: int
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
