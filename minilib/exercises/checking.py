@@ -63,6 +63,7 @@ PASSED, FAILED, NOT_ATTEMPTED = "passed", "failed", "not attempted"
 # SLOWER_THAN_REFERENCE times what the reference took on it (compiles included), if more.
 TIME_LIMIT_SECONDS = 5.0
 SLOWER_THAN_REFERENCE = 20
+STOP_GRACE_SECONDS = 5.0  # how long a stopped function may take to wind down
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,15 +250,22 @@ class _TookTooLong(BaseException):
 
 
 def call_with_time_limit(
-    fn: Callable, args: tuple, kwargs: dict, seconds: float
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    seconds: float,
+    *,
+    on_timeout: Callable[[], None] | None = None,
 ) -> tuple[bool, Any, BaseException | None]:
     """Run fn(*args, **kwargs) for at most `seconds`: (finished, result, exception raised).
 
     The call runs in a worker thread while this one waits, so the wait ends on time whatever
     the function does, even inside compiled code or a C call: the notebook cell returns.
     A function still running at the deadline is then stopped where Python can stop it (an
-    exception is injected into its thread: this ends a Python `while True:` loop); a loop
-    inside compiled XLA code cannot be stopped, and runs on in the background. Every
+    exception is injected into its thread: this ends a Python `while True:` loop), after
+    `on_timeout()` had its chance to stop it in its own way (the kernel checkers stop a
+    kernel inside TPU interpret mode); a loop inside compiled XLA code that calls back into
+    nothing cannot be stopped, and runs on in the background. Every
     exception, `SystemExit` and `KeyboardInterrupt` included, comes back as a value. The
     result is waited for (`jax.block_until_ready`), so the time limit covers JAX's
     asynchronous work too.
@@ -278,9 +286,14 @@ def call_with_time_limit(
     try:
         worker.join(seconds)
     except KeyboardInterrupt as err:  # the Stop button, while waiting: stop the learner's
-        _stop(worker)  # function and report it, as if it had raised
+        if on_timeout is not None:  # function and report it, as if it had raised
+            on_timeout()
+        _stop(worker)
         return True, None, err
     if worker.is_alive():
+        if on_timeout is not None:
+            on_timeout()
+            worker.join(STOP_GRACE_SECONDS)
         _stop(worker)
         return False, None, None
     return True, outcome.get("result"), outcome.get("error")
