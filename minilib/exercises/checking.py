@@ -176,6 +176,7 @@ def run_check(
     verbose: bool = True,
     time_limit: float | None = None,
     check_answer_type: bool = True,
+    explain_error: Callable[[BaseException, Case], str | None] | None = None,
 ) -> CheckResult:
     """Run `fn` and `reference` on every case; stop at the first mismatch, and report.
 
@@ -185,7 +186,8 @@ def run_check(
     A case may take `time_limit` seconds; by default TIME_LIMIT_SECONDS, or
     SLOWER_THAN_REFERENCE times the reference's time if that is longer. `check_answer_type`
     off leaves the answer's type to `compare` (for checkers whose `fn` wraps the learner's
-    answer, such as the kernel checkers).
+    answer, such as the kernel checkers). `explain_error(error, case)` may add the likely cause
+    of an error the learner's function raised.
 
     >>> cases = [Case("two small ints", (2, 3)), Case("a negative one", (-1, 4))]
     >>> def compare(expected, got, case):
@@ -222,9 +224,11 @@ def run_check(
             )
             return _finish(name, NOT_ATTEMPTED, report, i, verbose)
         if error is not None:  # the learner's bug: report it, don't raise it
+            cause = explain_error(error, case) if explain_error is not None else None
             report = (
                 f"{heading}  your function raised {type(error).__name__}: {error}"
                 f"{_why_it_matters(error)}\n{_where_it_raised(error)}"
+                + (f"\n  Likely cause: {cause}" if cause else "")
             )
             return _finish(name, FAILED, report, i + 1, verbose)
         type_problem = answer_type_problem if check_answer_type else lambda *_: None

@@ -330,8 +330,8 @@ def _short(line: str) -> str:
 
 
 _OOB_BLOCK = re.compile(
-    r"Out-of-bounds block index \(([^)]*)\) for input \"(\w+)\" in iteration \(([^)]*)\).*?"
-    r"input has shape \(([^)]*)\)"
+    r"Out-of-bounds block index \(([^)]*)\) for (?:input|output) \"(\w+)\" in iteration "
+    r"\(([^)]*)\).*?(?:input|output) has shape \(([^)]*)\)"
 )
 _OOB_ACCESS = re.compile(
     r"Out-of-bounds (read|write|swap) of \((\S+) (\S+) (\S+) (\d+)\): (?:reading|writing)? ?"
@@ -439,7 +439,8 @@ def compare_kernel_output(
 
     def compare(expected, got: KernelRun, case: Case) -> None:
         named = names(case) if names is not None else Names()
-        raw = f"\nJAX's own output:\n{_indent(got.output)}" if details and got.output else ""
+        shown = "\n".join(x for x in (got.output, got.error or "") if x)
+        raw = f"\nJAX's own output:\n{_indent(shown)}" if details and shown else ""
         if got.hung:
             raise Mismatch(
                 f"expected the kernel to finish; it was stopped after "
@@ -525,6 +526,7 @@ def check_kernel(
     num_cores: int = 1,
     record_grid: bool = False,
     extra_check: Callable | None = None,
+    explain_error: Callable | None = None,
 ) -> CheckResult:
     """Run `fn` against `reference` on `cases` in strict TPU interpret mode, watched, then
     compile it for v5e on `compile_case` (shapes and dtypes only) when libtpu is installed.
@@ -533,7 +535,8 @@ def check_kernel(
     output, explains an out-of-bounds access and probes a wrong output (see
     `compare_kernel_output`). `num_cores` and `record_grid`: run the kernel on that many
     simulated TensorCores, recording the grid steps; `extra_check(run, case)` may then fail a
-    run whose output is right (a "parallel" axis that carries state). `details`: add JAX's own
+    run whose output is right (a "parallel" axis that carries state); `explain_error(error,
+    case)` may name the likely cause of an error the learner's code raised. `details`: add JAX's own
     output (race detector, interpreter) to a failure. Prints (unless `verbose=False`) and
     returns a CheckResult; never raises for the learner's mistakes.
 
@@ -567,6 +570,7 @@ def check_kernel(
         verbose=False,
         time_limit=KERNEL_TIMEOUT_SECONDS + 30,
         check_answer_type=False,
+        explain_error=explain_error,
     )
     notes = []
     if MISSING_OPTIONS:
