@@ -29,7 +29,12 @@ from minilib.exercises.kernel_checking import check_kernel
 from minilib.ladder.flash import flash_attention, flash_attention_reference
 from minilib.options import DEFAULT_MASK_VALUE
 
-__all__ = ["check_flash_attention", "check_flash_pallas_call", "flash_attention", "flash_simulation"]
+__all__ = [
+    "check_flash_attention",
+    "check_flash_pallas_call",
+    "flash_attention",
+    "flash_simulation",
+]
 
 
 def _cases(seed: int) -> list[Case]:
@@ -255,8 +260,10 @@ def _probe_pallas_call(fn: Callable, case: Case) -> str | None:
     block_q, block_kv = o["block_q"], o["block_kv"]
     tags = [
         jnp.asarray(
-            np.broadcast_to((np.arange(num_heads)[:, None] * _TAG + np.arange(n)[None, :]
-                             + offset)[..., None], (num_heads, n, head_dim)),
+            np.broadcast_to(
+                (np.arange(num_heads)[:, None] * _TAG + np.arange(n)[None, :] + offset)[..., None],
+                (num_heads, n, head_dim),
+            ),
             jnp.float32,
         )  # fmt: skip
         for n, offset in ((q_len, 0), (k.shape[1], 0), (k.shape[1], 0.5))
@@ -269,8 +276,9 @@ def _probe_pallas_call(fn: Callable, case: Case) -> str | None:
             shapes[n] = (tuple(ref.shape), jnp.dtype(ref.dtype))
         shapes["scratch"] = len(scratch)
         ids = [pl.program_id(a) for a in range(3)]
-        first = [r[0, 0] if len(r.shape) == 2 else r[(0,) * len(r.shape)] for r in (q_ref, k_ref,
-                                                                                     v_ref)]
+        first = [
+            r[0, 0] if len(r.shape) == 2 else r[(0,) * len(r.shape)] for r in (q_ref, k_ref, v_ref)
+        ]
         jax.debug.callback(lambda *x: steps.append([float(t) for t in x]), *ids, *first)
         o_ref[...] = jnp.broadcast_to(q_ref[...], o_ref.shape).astype(o_ref.dtype)
 
@@ -371,4 +379,3 @@ def _block_advice(kind: str) -> str | None:
         "not element offsets: (h, i, 0) for q and the output, (h, j, 0) for K and V (block j "
         "starts at row j * block_kv); the output's block is the same for every KV step j."
     )
-
