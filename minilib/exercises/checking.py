@@ -455,7 +455,9 @@ def compare_arrays(
     ]
     if want.dtype.kind == "f":
         err = np.abs(have.astype(np.float64) - want.astype(np.float64))
-        lines.append(f"  max abs error {float(np.nanmax(err)):.3g} (tolerance {atol:g})")
+        if np.isfinite(err).any():  # both NaN everywhere: no error to show
+            largest = float(np.max(err[np.isfinite(err)]))
+            lines.append(f"  max abs error {largest:.3g} (tolerance {atol:g})")
     if want.size <= show and want.ndim <= 2:
         lines += ["expected:", _indent(_format(want)), "got:", _indent(_format(have))]
     raise Mismatch("\n".join(lines))

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from minilib.exercises.checking import Case, CheckResult
+from minilib.exercises.checking import Case, CheckResult, call_with_time_limit
 from minilib.exercises.kernel_checking import check_kernel
 from minilib.ladder.flash import flash_attention, flash_attention_reference
 from minilib.options import DEFAULT_MASK_VALUE
@@ -282,12 +282,14 @@ def _probe_pallas_call(fn: Callable, case: Case) -> str | None:
         jax.debug.callback(lambda *x: steps.append([float(t) for t in x]), *ids, *first)
         o_ref[...] = jnp.broadcast_to(q_ref[...], o_ref.shape).astype(o_ref.dtype)
 
-    try:
-        with watch_kernel():
-            out = fn(*tags, interpret=strict_interpret_params(), kernel=probe, **o)
-            out = np.asarray(jax.block_until_ready(out))
-    except Exception:
+    def run_probe():
+        return fn(*tags, interpret=strict_interpret_params(), kernel=probe, **o)
+
+    with watch_kernel() as watch:  # the learner's code: any error, any loop, is no answer
+        finished, out, error = call_with_time_limit(run_probe, (), {}, 30, on_timeout=watch.stop)
+    if not finished or error is not None:
         return None
+    out = np.asarray(out)
     want = {
         "q_ref": (block_q, head_dim), "k_ref": (block_kv, head_dim),
         "v_ref": (block_kv, head_dim), "o_ref": (block_q, head_dim),
@@ -366,7 +368,9 @@ def check_flash_pallas_call(
         record_grid=True,
         diagnose=lambda run, case: _probe_pallas_call(fn, case) or _grid_problem(run, case),
         extra_check=_grid_problem,
-        explain_error=lambda error, case: _probe_pallas_call(fn, case),
+        explain_error=lambda error, case: (
+            _probe_pallas_call(fn, case) if isinstance(error, Exception) else None
+        ),
         advice=_block_advice,
     )
 

@@ -55,13 +55,14 @@ GARBAGE_PAGE = 1000  # past-the-end garbage: total_num_pages + GARBAGE_PAGE + co
 
 def _decode_cases(seed: int) -> list[Case]:
     rng = np.random.default_rng(850 + seed)
-    random_lens = [int(n) for n in rng.integers(0, 49, size=3)]
-    random_lens.insert(int(rng.integers(0, 4)), 16 * int(rng.integers(1, 4)))  # whole pages
+    random_lens = [int(n) for n in rng.integers(1, 49, size=2)]
+    random_lens.insert(int(rng.integers(0, 3)), 16 * int(rng.integers(1, 4)))  # whole pages
     # (kv_lens, page_size, pages_per_seq, num_q_heads, num_kv_heads, head_dim, garbage)
     specs = [
-        # 2 whole pages (not last), an empty slot, all 4 page slots, one token, a partial page
-        ([16, 5, 0, 32, 1, 13], 8, 4, 4, 2, 128, "past the end of kv_pages"),
-        (random_lens, 16, 3, 4, 1, 64, "unused pages of NaN"),  # MQA: one KV head
+        # 2 whole pages (not last), an empty slot, all 4 page slots, one token, a partial page,
+        # an empty slot last
+        ([16, 5, 0, 32, 1, 13, 0], 8, 4, 4, 2, 128, "past the end of kv_pages"),
+        ([0, *random_lens], 16, 3, 4, 1, 64, "unused pages of NaN"),  # MQA; an empty slot first
     ]
     cases = []
     for i, (kv_lens, page_size, pages_per_seq, num_q_heads, num_kv_heads, head_dim,
@@ -245,11 +246,20 @@ def _advice(rung: int) -> Callable[[str], str | None]:
                 "in iteration i), or a wait on the other slot's semaphore: page i waits on "
                 "`sems.at[i % 2]`, the one its copy signals."
             )
-        if kind == "never_waited" and rung == 5:
+        if kind in ("never_waited", "overwrite") and rung == 5:
             return (
-                "a copy started that no step waits for: the page after a sequence's last page "
-                "(`<=` for `<`), a first page started again on every grid step (only grid step "
-                "0 starts one), or a next work after the very last one."
+                "a copy started that no step waits for, or into a slot that holds a page still "
+                "to be computed: the next work goes into the other slot (`1 - slot`); a grid "
+                "step starts from the slot the step before left in `slot_ref[0]`, not from 0; "
+                "only grid step 0 starts a copy of its own (not every step); a next page must "
+                "exist (`<`, not `<=`); the very last work has no next."
+            )
+        if kind == "overwrite" and rung == 4:
+            return (
+                "the next page must go into the *other* slot (`1 - slot`), the one the page "
+                "before has finished with; and page i must be waited for on its own slot's "
+                "semaphore (`sems.at[i % 2]`) before its slot is reused: a wait on the other "
+                "semaphore takes the other copy's signal instead."
             )
         return None
 
@@ -261,7 +271,8 @@ def _advice(rung: int) -> Callable[[str], str | None]:
 
 @np.errstate(invalid="ignore", divide="ignore", over="ignore")  # NaN pages: NaN, silently
 def _paged_softmax(q, kv_pages, kv_lens, page_indices, *, sm_scale, page_of=None,
-                   first_pos=None, reset_each_page=False, stop_after_first=False):  # fmt: skip
+                   first_pos=None, reset_each_page=False, reset_each_grid_step=False,
+                   stop_after_first=False):  # fmt: skip
     """Decode attention page by page, as the kernels do it, in NumPy: the online softmax over
     the pages of each sequence. The keywords make the kernel's usual mistakes."""
     q, kv = np.asarray(q, np.float64), np.asarray(kv_pages, np.float64)
@@ -276,8 +287,11 @@ def _paged_softmax(q, kv_pages, kv_lens, page_indices, *, sm_scale, page_of=None
         kv_len = int(lens[seq])
         m = np.full(num_q_heads, -np.inf)
         l, acc = np.zeros(num_q_heads), np.zeros((num_q_heads, head_dim))
-        for i in range(pages_needed(kv_len, page_size)):
-            if reset_each_page:
+        num_pages = pages_needed(kv_len, page_size)
+        if reset_each_grid_step and num_pages < table.shape[1]:
+            continue  # the last grid step, past the last page, reset it all: output 0
+        for i in range(num_pages):
+            if reset_each_page or reset_each_grid_step:
                 m, l, acc = np.full(num_q_heads, -np.inf), l * 0, acc * 0
             page = kv[int(page_of(seq, i)) % kv.shape[0]]
             pos = first_pos(i) + np.arange(page_size)
@@ -293,7 +307,7 @@ def _paged_softmax(q, kv_pages, kv_lens, page_indices, *, sm_scale, page_of=None
             m = m_next
             if stop_after_first:
                 break
-        out[seq] = np.where(l[:, None] > 0, acc / np.where(l > 0, l, 1)[:, None], 0)
+        out[seq] = acc / np.where(l == 0, 1, l)[:, None]  # l = 0: no key, acc = 0: output 0
     return out
 
 
@@ -323,6 +337,9 @@ def _decode_mistakes() -> dict[str, Callable]:
     def reset_each_page(*args, sm_scale):
         return _paged_softmax(*args, sm_scale=sm_scale, reset_each_page=True)
 
+    def reset_each_grid_step(*args, sm_scale):  # rungs 2 and 3: one grid step per page slot
+        return _paged_softmax(*args, sm_scale=sm_scale, reset_each_grid_step=True)
+
     def first_page_only(*args, sm_scale):
         return _paged_softmax(*args, sm_scale=sm_scale, stop_after_first=True)
 
@@ -342,16 +359,75 @@ def _decode_mistakes() -> dict[str, Callable]:
         "(`first_pos`), not 0 ... page_size - 1.": positions_from_zero,
         "the softmax state is initialised on every page: only on the first (`i == 0`, or "
         "before the page loop); m, l and acc carry the earlier pages.": reset_each_page,
+        "the softmax state is initialised on every grid step: only on the first page "
+        "(`pl.when(i == 0)`); m, l and acc carry the earlier pages.": reset_each_grid_step,
         "only the first page counts: the output was written, or the loop stopped, after page "
         "0; write `acc / l` after the last page.": first_page_only,
         "sm_scale is not applied to the scores.": no_sm_scale,
     }
 
 
+def _ledger_check(rung: int) -> Callable:
+    """The rung's own checks of its copies, which hold whatever the output."""
+
+    def check(run, case: Case) -> str | None:
+        problem = _copy_through_garbage(run, case, rung)
+        if problem is None and rung == 5:
+            problem = _started_by_the_step_before(run, case)
+        return problem
+
+    return check
+
+
+def _copy_through_garbage(run, case: Case, rung: int) -> str | None:
+    """A copy through a page-table entry past a sequence's pages reads garbage, even when the
+    garbage happens to be a page number that exists."""
+    _, kv_pages, kv_lens, page_indices = case.args
+    page_size = kv_pages.shape[1]
+    table, lens = np.asarray(page_indices), [int(n) for n in np.asarray(kv_lens)]
+    owned = {
+        int(table[s, i]) for s, n in enumerate(lens) for i in range(pages_needed(n, page_size))
+    }
+    in_the_table = {int(p) for p in table.ravel()}
+    for copy in run.watch.copies:
+        if copy.page is None or copy.page in owned:
+            continue
+        if copy.page in in_the_table:
+            cause = _advice(rung)("copy")
+        else:
+            cause = (
+                "the page table is not used: page i of sequence seq is "
+                "kv_pages[page_indices[seq, i]], not kv_pages[i]."
+            )
+        name = _page_namer(case)(copy.page)
+        return f"a copy of a page no sequence has: {name}. Likely cause: {cause}"
+    return None
+
+
+def _started_by_the_step_before(run, case: Case) -> str | None:
+    """Rung 5: the first page of every sequence but the first one with pages must be started by
+    an earlier grid step (grid step s computes sequence s)."""
+    _, kv_pages, kv_lens, page_indices = case.args
+    lens, table = [int(n) for n in np.asarray(kv_lens)], np.asarray(page_indices)
+    with_pages = [s for s, n in enumerate(lens) if n > 0]
+    for seq in with_pages[1:]:
+        first_page = int(table[seq, 0])
+        mine = [c for c in run.watch.copies if c.page == first_page and c.step >= 0]
+        if mine and min(c.step for c in mine) >= seq:
+            return (
+                f"page 0 of sequence {seq} was copied in its own grid step ({seq}): nothing "
+                "overlaps that copy. Prefetching across grid steps means the step before "
+                "starts it, when it computes its last page (next_work); a grid step starts no "
+                "copy of its own, but grid step 0 the very first."
+            )
+    return None
+
+
 def _check_decode_kernel(
     name: str, fn: Callable, seed: int, verbose: bool, details: bool, *, rung: int,
     buffer: str = "buf", semaphores: tuple[str, ...] = ("sem",),
 ) -> CheckResult:  # fmt: skip
+    prefetching = rung == 5
     return check_kernel(
         name,
         fn,
@@ -365,6 +441,8 @@ def _check_decode_kernel(
         names=_names(buffer, semaphores),
         locate=_locate,
         advice=_advice(rung),
+        record_grid=prefetching,
+        ledger_check=_ledger_check(rung),
     )
 
 
@@ -440,8 +518,8 @@ def check_prefetching_decode(
 
 
 def _schedule_of(next_work_fn: Callable) -> Callable:
-    def run(kv_lens, page_size):
-        return decode_schedule(_plain_work(next_work_fn), kv_lens, page_size)
+    def run(kv_lens, page_size, num_seqs):
+        return decode_schedule(_plain_work(next_work_fn), kv_lens, page_size, num_seqs)
 
     return run
 
@@ -505,27 +583,30 @@ def check_next_work(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Che
 
     >>> from minilib.ladder.prefetch import next_work
     >>> check_next_work(next_work)
-    Passed: next_work matches the reference on all 7 cases.
+    Passed: next_work matches the reference on all 8 cases.
     CheckResult('next_work', status='passed')
     """
     rng = np.random.default_rng(880 + seed)
+    # (kv_lens, page_size, num_seqs): the slots past num_seqs are padding, with garbage
     specs = [
-        ([20, 5], 8),
-        ([8, 8, 8], 8),  # whole pages, none of them last but one
-        ([1], 16),
-        ([3, 17, 1, 9], 4),
-        ([16, 0, 0, 7, 0], 8),  # empty slots after a whole-page sequence, and at the end
-        ([0, 4, 0], 4),  # an empty slot first
+        ([20, 5], 8, 2),
+        ([8, 8, 8], 8, 3),  # whole pages, every sequence
+        ([1], 16, 1),
+        ([3, 17, 1, 9], 4, 4),
+        ([16, 0, 0, 7, 0], 8, 5),  # empty slots after a whole-page sequence, and at the end
+        ([0, 4, 0], 4, 3),  # an empty slot first
+        ([9, 3, 77, 5], 8, 2),  # two padding slots past num_seqs
     ]
-    specs.append(([int(n) for n in rng.integers(0, 30, size=4)], int(rng.choice([4, 8]))))
+    random_lens = [int(n) for n in rng.integers(0, 30, size=4)]
+    specs.append((random_lens, int(rng.choice([4, 8])), 4))
     as_given = [list, np.asarray, jnp.asarray]
     cases = [
         Case(
             f"kv_lens={kv_lens} (as {('a list', 'a NumPy array', 'a JAX array')[i % 3]}), "
-            f"page_size={page_size}",
-            (as_given[i % 3](kv_lens), page_size),
+            f"num_seqs={num_seqs}, page_size={page_size}",
+            (as_given[i % 3](kv_lens), page_size, num_seqs),
         )
-        for i, (kv_lens, page_size) in enumerate(specs)
+        for i, (kv_lens, page_size, num_seqs) in enumerate(specs)
     ]
 
     def no_next_sequence(seq, page, kv_lens, num_seqs, page_size):
@@ -541,6 +622,11 @@ def check_next_work(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Che
             return seq, page + 1
         return (seq + 1, 0) if seq + 1 < num_seqs else None
 
+    def past_num_seqs(seq, page, kv_lens, num_seqs, page_size):
+        if (page + 1) * page_size < kv_lens[seq]:
+            return seq, page + 1
+        return (seq + 1, 0) if seq + 1 < len(kv_lens) else None
+
     mistakes = {
         "after a sequence's last page comes page 0 of the next sequence: prefetching across "
         "grid steps means the last page of one sequence starts the copy of the next one's "
@@ -551,6 +637,8 @@ def check_next_work(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Che
         ),
         "a sequence with kv_len 0 (an empty slot) has no page 0: skip it, to the next "
         "sequence that has pages (its page-table row is garbage).": _schedule_of(into_empty_slots),
+        "only the first num_seqs sequences are live: the slots past them are padding, with "
+        "garbage in them (use num_seqs, not len(kv_lens)).": _schedule_of(past_num_seqs),
     }
     return run_check(
         "next_work",

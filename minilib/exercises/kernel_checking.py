@@ -158,22 +158,23 @@ def run_in_strict_interpret_mode(
 
     def run(*args, **kwargs):
         points = []
-
-        def record(*point):  # (token,) grid point, core; jax 0.8 and later want the token back
-            points.append((tuple(int(x) for x in np.asarray(point[-2])), int(point[-1])))
-            return point[0] if len(point) == 3 else None
-
-        params = strict_interpret_params(
-            num_cores=num_cores,
-            random_seed=random_seed,
-            grid_point_recorder=record if record_grid else None,
-        )
-
-        def kernel_run():
-            return jax.block_until_ready(fn(*args, interpret=params, **kwargs))
-
         seconds = KERNEL_TIMEOUT_SECONDS if timeout is None else timeout
         with watch_kernel() as watch:
+
+            def record(*point):  # (token,) grid point, core; from jax 0.8, return the token
+                points.append((tuple(int(x) for x in np.asarray(point[-2])), int(point[-1])))
+                watch.step = len(points) - 1  # the copies started from now on are this step's
+                return point[0] if len(point) == 3 else None
+
+            params = strict_interpret_params(
+                num_cores=num_cores,
+                random_seed=random_seed,
+                grid_point_recorder=record if record_grid else None,
+            )
+
+            def kernel_run():
+                return jax.block_until_ready(fn(*args, interpret=params, **kwargs))
+
             finished, out, error = call_with_time_limit(
                 kernel_run, (), {}, seconds, on_timeout=watch.stop
             )
@@ -224,10 +225,18 @@ def dma_problem(
     def cause(kind: str, general: str) -> str:
         return f"Likely cause: {(advice(kind) if advice else None) or general}"
 
-    if watch.deadlock is not None:
+    first = min(watch.found, key=watch.found.get, default=None)  # what went wrong first
+    if first == "deadlock":
         return _deadlock(watch, names, cause)
-    if watch.overwrite is not None:
+    if first == "overwrite":
         new, old = watch.overwrite
+        if old.outstanding > 0:  # and nothing ever waited for the old one
+            return (
+                f"a copy was started and never waited for: {names.copy(old)}; the next copy "
+                f"into the same place, {names.copy(new)}, then overwrote it. "
+                + cause("never_waited", "every `start()` needs its `wait()` before the buffer "
+                        "is read, or the next copy into it is started.")
+            )  # fmt: skip
         return (
             f"the next copy overwrote a slot still in use: {names.copy(new)} started while "
             f"{names.copy(old)}, into the same place, had not been waited for. "
@@ -238,7 +247,7 @@ def dma_problem(
                 "waited for and its page computed.",
             )
         )
-    if watch.shared is not None:
+    if first == "shared":
         a, b = watch.shared[:2]
         sem = names.semaphore(watch, a.semaphore)
         return (
@@ -420,11 +429,13 @@ def compare_kernel_output(
     advice: Callable[[str], str] | None = None,
     diagnose: Callable | None = None,
     details: bool = False,
+    ledger_check: Callable | None = None,
 ):
     """Compare a KernelRun with the reference; on any problem, say what it means.
 
     In order: a run that hung; a deadlock or other interpreter error; a DMA problem of the
-    ledger; a race; a wrong output, with `locate(expected, got, case)` (which sequences or rows
+    ledger, then the rung's own `ledger_check(run, case)`; a race; a wrong output, with
+    `locate(expected, got, case)` (which sequences or rows
     differ) and the likely cause: `diagnose(got, case)` (a rung's own probe), else the first
     of `mistakes` (explanation -> a jnp function making that mistake) that the output matches.
 
@@ -450,6 +461,8 @@ def compare_kernel_output(
         if got.error is not None:
             raise Mismatch(interpreter_error(got, named, advice) + raw)
         problem = dma_problem(got, named, advice)
+        if problem is None and ledger_check is not None and got.watch is not None:
+            problem = ledger_check(got, case)
         if problem is None and got.raced:
             problem = race_report(got, named)
         if problem is not None:
@@ -527,18 +540,21 @@ def check_kernel(
     record_grid: bool = False,
     extra_check: Callable | None = None,
     explain_error: Callable | None = None,
+    ledger_check: Callable | None = None,
 ) -> CheckResult:
     """Run `fn` against `reference` on `cases` in strict TPU interpret mode, watched, then
     compile it for v5e on `compile_case` (shapes and dtypes only) when libtpu is installed.
 
-    `names`, `locate`, `advice`, `diagnose`: how a rung names its copies, places a wrong
-    output, explains an out-of-bounds access and probes a wrong output (see
-    `compare_kernel_output`). `num_cores` and `record_grid`: run the kernel on that many
-    simulated TensorCores, recording the grid steps; `extra_check(run, case)` may then fail a
-    run whose output is right (a "parallel" axis that carries state); `explain_error(error,
-    case)` may name the likely cause of an error the learner's code raised. `details`: add JAX's own
-    output (race detector, interpreter) to a failure. Prints (unless `verbose=False`) and
-    returns a CheckResult; never raises for the learner's mistakes.
+    `names`, `locate`, `advice`, `diagnose`, `ledger_check`: how a rung names its copies,
+    places a wrong output, explains an out-of-bounds access, probes a wrong output and checks
+    its copies further (see `compare_kernel_output`). `num_cores`, `record_grid`: run the
+    kernel on that many simulated TensorCores, recording its grid steps; `extra_check(run,
+    case)` may then fail a run whose output is right (a "parallel" axis that carries state).
+    `explain_error(error, case)` may name the likely cause of an error the learner's code
+    raised. `details`: add JAX's own output (race detector, interpreter) to a failure.
+
+    Prints (unless `verbose=False`) and returns a CheckResult; never raises for the learner's
+    mistakes.
 
     >>> import jax.numpy as jnp
     >>> from jax.experimental import pallas as pl
@@ -555,7 +571,7 @@ def check_kernel(
     """
     compare = compare_kernel_output(
         mistakes, atol, rtol, names=names, locate=locate, advice=advice, diagnose=diagnose,
-        details=details,
+        details=details, ledger_check=ledger_check,
     )  # fmt: skip
     if extra_check is not None:
         compare = _then(compare, extra_check)

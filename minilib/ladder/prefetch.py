@@ -76,17 +76,18 @@ def first_seq_with_pages(seq: int, kv_lens, num_seqs: int):
     return seq if seq < num_seqs else None
 
 
-def decode_schedule(next_work_fn, kv_lens, page_size: int) -> list[tuple]:
+def decode_schedule(next_work_fn, kv_lens, page_size: int, num_seqs: int | None = None):
     """The events (kind, seq, page, slot) of a decode batch, as `next_work_fn` orders the work.
 
     The same events, in the same order, as `plan_schedule` lists for this kernel:
     one start of the first work (page 0 of the first sequence with pages), then per work:
     start the next one (if any) into the other slot, wait for this one, compute it.
+    `num_seqs` (default: all of kv_lens) are live; the slots past them are padding.
 
     >>> decode_schedule(next_work, [9, 3], page_size=8)[:4]
     [('start', 0, 0, 0), ('start', 0, 1, 1), ('wait', 0, 0, 0), ('compute', 0, 0, 0)]
     """
-    num_seqs = len(kv_lens)
+    num_seqs = len(kv_lens) if num_seqs is None else num_seqs
     first = first_seq_with_pages(0, kv_lens, num_seqs)
     if first is None:  # no sequence has a page: no work at all
         return []
@@ -111,9 +112,10 @@ def _index_or_repr(x):
         return repr(x)
 
 
-def planned_decode_schedule(kv_lens, page_size: int) -> list[tuple]:
+def planned_decode_schedule(kv_lens, page_size: int, num_seqs: int | None = None) -> list:
     """`plan_schedule`'s events for a decode batch with these kv_lens, as (kind, seq, page,
-    slot): one page per KV block, one q row (one sequence) per q block.
+    slot): one page per KV block, one q row (one sequence) per q block. Only the first
+    `num_seqs` (default: all) are live.
 
     >>> planned_decode_schedule([9, 3], 8) == decode_schedule(next_work, [9, 3], 8)
     True
@@ -122,8 +124,10 @@ def planned_decode_schedule(kv_lens, page_size: int) -> list[tuple]:
     from minilib.schedule import plan_schedule
 
     # An empty slot (kv_len 0) is an idle sequence with no q row: no work in the full kernel.
-    seq_lens = [(1, int(n)) if int(n) > 0 else (0, 0) for n in kv_lens]
-    batch = make_batch(seq_lens, num_q_heads=1, num_kv_heads=1, head_dim=8, page_size=page_size)
+    live = list(kv_lens)[: len(kv_lens) if num_seqs is None else num_seqs]
+    seq_lens = [(1, int(n)) if int(n) > 0 else (0, 0) for n in live]
+    batch = make_batch(seq_lens, num_q_heads=1, num_kv_heads=1, head_dim=8, page_size=page_size,
+                       max_num_seqs=max(len(kv_lens), 1))  # fmt: skip
     plan = plan_schedule(*batch.args(), num_kv_pages_per_block=1, num_queries_per_block=1)
     return [(e.kind, e.seq, e.kv_blk, e.slot) for e in plan.events]
 

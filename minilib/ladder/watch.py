@@ -75,6 +75,7 @@ class Copy:
     waited: int = 0  # how many of its bytes waits have taken back
     dma_id: int = -1  # the interpreter's id of the DMA (the race detector names it)
     started_at: str = ""  # the line of code that started it, when JAX says
+    step: int = -1  # the grid step that started it, when the grid steps are recorded
 
     @property
     def outstanding(self) -> int:
@@ -267,6 +268,8 @@ class Watch:
         self._starting = threading.local()  # the copy whose start is running in this thread
         self._blocked: dict[int, tuple] = {}  # thread -> (semaphore, value, core) it waits on
         self.raced = False  # the race detector's verdict, read before the state is reset
+        self.found: dict[str, int] = {}  # "deadlock", "shared", "overwrite": copies started by then
+        self.step = -1  # the grid step running now, when a grid point recorder says so
 
     # What the kernel printed or logged, as text.
     @property
@@ -319,6 +322,7 @@ class Watch:
                 core=int(dma.dst_local_core_id),
                 dma_id=int(dma.id),
                 started_at=_line(getattr(dma, "source_info", None)),
+                step=self.step,
             )
             for old in self.copies:
                 if (
@@ -329,6 +333,7 @@ class Watch:
                     and _overlap(old.destination, copy.destination)
                 ):
                     self.overwrite = (copy, old)
+                    self.found["overwrite"] = copy.number
             self.copies.append(copy)
             self._remember_semaphores()
         self._starting.dma, self._starting.copy = dma, copy
@@ -350,11 +355,13 @@ class Watch:
             places = {(c.buffer, c.destination) for c in in_flight}
             if self.shared is None and len(places) > 1:
                 self.shared = in_flight
+                self.found["shared"] = len(self.copies)
             count = _count(sem, core)
             alone = is_dma or self._num_cores() == 1  # no other core could signal it
             if count < value and _copies_pending(sem, core, self.parts) == 0 and alone:
                 self.deadlock = dict(semaphore=sem.id, core=core, wanted=value, count=count,
                                      copies=mine)  # fmt: skip
+                self.found["deadlock"] = len(self.copies)
                 raise KernelDeadlock(
                     f"a wait on semaphore {sem.id} for {value} bytes, which has {count}, and "
                     "no copy in flight will signal it"
