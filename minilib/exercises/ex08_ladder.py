@@ -54,19 +54,29 @@ GARBAGE_PAGE = 1000  # past-the-end garbage: total_num_pages + GARBAGE_PAGE + co
 
 
 def _decode_cases(seed: int) -> list[Case]:
+    """Two batches of the same shapes (so that one compile serves both), whose shapes change
+    with the seed: 4 q heads on 2 KV heads and pages of 8 tokens for seed 0, one KV head (MQA)
+    and pages of 16 for odd seeds, 8 q heads on 2 KV heads for the other even ones."""
     rng = np.random.default_rng(850 + seed)
-    random_lens = [int(n) for n in rng.integers(1, 49, size=2)]
-    random_lens.insert(int(rng.integers(0, 3)), 16 * int(rng.integers(1, 4)))  # whole pages
-    # (kv_lens, page_size, pages_per_seq, num_q_heads, num_kv_heads, head_dim, garbage)
-    specs = [
-        # 2 whole pages (not last), an empty slot, all 4 page slots, one token, a partial page,
-        # an empty slot last
-        ([16, 5, 0, 32, 1, 13, 0], 8, 4, 4, 2, 128, "past the end of kv_pages"),
-        ([0, *random_lens], 16, 3, 4, 1, 64, "unused pages of NaN"),  # MQA; an empty slot first
-    ]
+    # page_size, pages_per_seq, num_q_heads, num_kv_heads, head_dim
+    if seed == 0:
+        shape = (8, 4, 4, 2, 128)
+    elif seed % 2:
+        shape = (16, 3, 4, 1, 64)
+    else:
+        shape = (8, 4, 8, 2, 128)
+    page_size, pages_per_seq, num_q_heads, num_kv_heads, head_dim = shape
+    full = page_size * pages_per_seq
+    # 2 whole pages (not the last sequence), a partial page, an empty slot, every page slot,
+    # one token, a partial page, an empty slot last
+    edges = [2 * page_size, 5, 0, full, 1, page_size + 5, 0]
+    random_lens = [int(n) for n in rng.integers(1, full + 1, size=len(edges) - 2)]
+    random_lens.insert(int(rng.integers(0, len(random_lens))), page_size * int(rng.integers(1, 3)))
+    random_lens.insert(0, 0)  # an empty slot first
     cases = []
-    for i, (kv_lens, page_size, pages_per_seq, num_q_heads, num_kv_heads, head_dim,
-            garbage) in enumerate(specs):  # fmt: skip
+    for i, (kv_lens, garbage) in enumerate(
+        [(edges, "past the end of kv_pages"), (random_lens, "unused pages of NaN")]
+    ):
         batch = make_batch(
             [(1, n) if n else (0, 0) for n in kv_lens],  # kv_len 0: an empty slot
             num_q_heads=num_q_heads,
@@ -74,6 +84,7 @@ def _decode_cases(seed: int) -> list[Case]:
             head_dim=head_dim,
             page_size=page_size,
             pages_per_seq=pages_per_seq,
+            total_num_pages=len(kv_lens) * pages_per_seq + 3,
             seed=seed * 10 + i,
         )
         q = _one_row_per_slot(batch, kv_lens)
@@ -85,8 +96,8 @@ def _decode_cases(seed: int) -> list[Case]:
                 page_indices[seq, used:] = total + GARBAGE_PAGE + np.arange(used, pages_per_seq)
         what = (
             f"kv_lens={kv_lens}, page_size={page_size}, pages_per_seq={pages_per_seq}, "
-            f"{num_q_heads} q heads on {num_kv_heads} KV heads, head_dim={head_dim}; the "
-            f"page-table entries past each sequence's pages hold garbage ({garbage})"
+            f"num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads}, head_dim={head_dim}; "
+            f"the page-table entries past each sequence's pages hold garbage ({garbage})"
         )
         args = (q, batch.kv_pages, batch.kv_lens, jnp.asarray(page_indices))
         cases.append(Case(what, args, dict(sm_scale=float(head_dim) ** -0.5)))

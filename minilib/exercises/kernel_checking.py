@@ -156,24 +156,37 @@ def run_in_strict_interpret_mode(
     ([0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0], False, False, None)
     """
 
+    # One jitted function per set of options: cases of the same shapes share one compile (a
+    # compile in interpret mode takes seconds, a run a fraction of one). The recorder is the
+    # same function for every run, so that a compiled kernel calls the current run's.
+    now = {"points": [], "watch": None}
+
+    def record(*point):  # (token,) grid point, core; from jax 0.8, return the token
+        now["points"].append((tuple(int(x) for x in np.asarray(point[-2])), int(point[-1])))
+        now["watch"].step = len(now["points"]) - 1  # the copies started now are this step's
+        return point[0] if len(point) == 3 else None
+
+    params = strict_interpret_params(
+        num_cores=num_cores,
+        random_seed=random_seed,
+        grid_point_recorder=record if record_grid else None,
+    )
+    compiled = {}
+
+    def jitted(kwargs: dict):
+        key = tuple(sorted(kwargs.items()))
+        if key not in compiled:
+            compiled[key] = jax.jit(functools.partial(fn, interpret=params, **kwargs))
+        return compiled[key]
+
     def run(*args, **kwargs):
-        points = []
+        points = now["points"] = []
         seconds = KERNEL_TIMEOUT_SECONDS if timeout is None else timeout
         with watch_kernel() as watch:
-
-            def record(*point):  # (token,) grid point, core; from jax 0.8, return the token
-                points.append((tuple(int(x) for x in np.asarray(point[-2])), int(point[-1])))
-                watch.step = len(points) - 1  # the copies started from now on are this step's
-                return point[0] if len(point) == 3 else None
-
-            params = strict_interpret_params(
-                num_cores=num_cores,
-                random_seed=random_seed,
-                grid_point_recorder=record if record_grid else None,
-            )
+            now["watch"] = watch
 
             def kernel_run():
-                return jax.block_until_ready(fn(*args, interpret=params, **kwargs))
+                return jax.block_until_ready(jitted(kwargs)(*args))
 
             finished, out, error = call_with_time_limit(
                 kernel_run, (), {}, seconds, on_timeout=watch.stop
