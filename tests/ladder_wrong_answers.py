@@ -403,7 +403,7 @@ WRONG_ANSWERS = [
     W("1b", "K/V index map as offsets", ex.check_flash_pallas_call,
       lambda: flash_call("kv_map_offsets"), "not element offsets"),
     W("1b", "output index map uses j", ex.check_flash_pallas_call,
-      lambda: flash_call("out_map_uses_j"), "o_ref"),
+      lambda: flash_call("out_map_uses_j"), "out-of-bounds", "the output's block is the same"),
     W("1b", "grid to max_kv_len", ex.check_flash_pallas_call,
       lambda: flash_call("grid_to_max_kv_len"), "the grid is (2, 2, 4)"),
     W("1b", "acc in bf16", ex.check_flash_pallas_call, lambda: flash_call("acc_bf16"),

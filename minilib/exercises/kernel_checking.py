@@ -357,8 +357,21 @@ _OOB_BLOCK = re.compile(
 )
 _OOB_ACCESS = re.compile(
     r"Out-of-bounds (read|write|swap) of \((\S+) (\S+) (\S+) (\d+)\): (?:reading|writing)? ?"
-    r"\[\(?(-?\d+)?.*?\] but buffer has shape \(([^)]*)\)"
+    r"\[(.*?)\] but buffer has shape \(([^)]*)\)"
 )
+_INDEX = re.compile(r"slice\((-?\d+), (-?\d+), -?\d+\)|(-?\d+)")
+
+
+def _past_the_end(where: str, shape: str) -> str:
+    """'index 1007 of axis 0 (it has 7)' for the first axis an index runs past."""
+    dims = [int(x) for x in shape.replace(",", " ").split()]
+    for axis, (m, dim) in enumerate(zip(_INDEX.finditer(where), dims, strict=False)):
+        start, stop, single = m.groups()
+        if single is not None and not 0 <= int(single) < dim:
+            return f"index {single} of axis {axis} (it has {dim})"
+        if start is not None and (int(start) < 0 or int(stop) > dim):
+            return f"indices {start}..{int(stop) - 1} of axis {axis} (it has {dim})"
+    return "an index past its end"
 
 
 def interpreter_error(
@@ -396,17 +409,22 @@ def interpreter_error(
         return f"{what} Likely cause: {advice_for('block')} {DETAILS_HINT}"
     access = _OOB_ACCESS.search(text)
     if access:
-        kind, space, buffer, first, shape = (access.group(i) for i in (1, 4, 5, 6, 7))
+        kind, space, where, shape = (access.group(i) for i in (1, 4, 6, 7))
         copies = run.watch.copies if run.watch is not None else []
         source = next((c for c in reversed(copies) if c.page is not None), None)
-        if kind == "read" and space in ("hbm", "any") and source is not None:
+        in_hbm = space in ("hbm", "any")
+        if kind == "read" and in_hbm and source is not None:
             what = (
                 f"an out-of-bounds read: a copy read {names.page(source.page)}, but kv_pages "
                 f"has shape ({shape})."
             )
             return f"{what} Likely cause: {advice_for('copy')} {DETAILS_HINT}"
-        where = f"index {first}" if first is not None else "an index"
-        what = f"an out-of-bounds {kind} of a {space.upper()} array of shape ({shape}) at {where}."
+        past = _past_the_end(where, shape)
+        if kind == "write" and in_hbm:  # an output block written back past the output's end
+            what = f"an out-of-bounds write: an output block went to {past} of the output."
+            return f"{what} Likely cause: {advice_for('block')} {DETAILS_HINT}"
+        memory = {"smem": "SMEM", "vmem": "VMEM"}.get(space, space)
+        what = f"an out-of-bounds {kind} of a {memory} array of shape ({shape}), at {past}."
         return f"{what} Likely cause: {advice_for(space)} {DETAILS_HINT}"
     if "Revisited block" in text:
         line = next(x for x in text.splitlines() if "Revisited block" in x)
