@@ -45,7 +45,13 @@ import jax
 import jax.numpy as jnp
 
 from minilib.kv_cache import cdiv
-from minilib.masking import is_masked, kv_blocks_to_visit, q_position
+from minilib.masking import (
+    apply_mask_value,
+    is_masked,
+    kv_blocks_to_visit,
+    mask_value_vanishes,
+    q_position,
+)
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.reference import apply_soft_cap, dequantize
 from minilib.validation import validate_inputs
@@ -302,12 +308,15 @@ def attend_q_block(
 
     kv_tokens_per_block = num_kv_pages_per_block * kv_pages.shape[1]
     last_row = jnp.minimum(block_start + num_queries_per_block, q_end) - 1
-    first_block, end_block = kv_blocks_to_visit(
-        q_position(block_start, q_end, kv_len),  # position of the block's first live row
-        q_position(last_row, q_end, kv_len),  # ... and of its last one
-        kv_tokens_per_block,
-        sliding_window,
-    )
+    if mask_value_vanishes(options.mask_value):  # masked keys weigh 0: skip their blocks
+        first_block, end_block = kv_blocks_to_visit(
+            q_position(block_start, q_end, kv_len),  # position of the block's first live row
+            q_position(last_row, q_end, kv_len),  # ... and of its last one
+            kv_tokens_per_block,
+            sliding_window,
+        )
+    else:  # a small mask_value: masked keys weigh something, every block before kv_len counts
+        first_block, end_block = 0, -(-kv_len // kv_tokens_per_block)
 
     def one_kv_block(j, state):
         k, v = gather_kv_block(kv_pages, pages, kv_len, j, num_kv_pages_per_block)
@@ -320,7 +329,7 @@ def attend_q_block(
         scores = block_scores(
             q_folded, k, q_pos, k_pos, sm_scale=options.sm_scale,
             sliding_window=sliding_window, soft_cap=options.soft_cap,
-            mask_value=options.mask_value,
+            mask_value=options.mask_value, kv_len=kv_len,
         )  # fmt: skip
         return online_softmax_update(state, scores, v)
 
@@ -433,25 +442,28 @@ def block_scores(
     sliding_window: int | None,
     soft_cap: float | None,
     mask_value: float,
+    kv_len=None,
 ) -> jax.Array:  # f32[num_kv_heads, rows, kv_tokens_per_block]
     """Scaled, soft-capped and masked scores of a (folded) q block against one KV block.
 
-    A score is masked (`is_masked`) when its key is in the future of its q row (keys past
-    kv_len are, for every row of the sequence), or (with a sliding window) sliding_window or
-    more keys back. Masked scores become mask_value with `jnp.where`, which also drops any
-    NaN computed from a padding slot.
+    A score is masked (`is_masked`) when its key is in the future of its q row, or (with a
+    sliding window) sliding_window or more keys back: mask_value is added to it
+    (`apply_mask_value`, JAX's rule). A key at or past `kv_len` (if given) is no key: its
+    score is dropped, and any NaN computed from its padding slot with it.
 
     >>> s = block_scores(jnp.ones((1, 2, 4)), jnp.ones((3, 1, 4)), jnp.array([0, 1]),
     ...                  jnp.arange(3), sm_scale=0.5, sliding_window=None, soft_cap=None,
     ...                  mask_value=-1.0)
-    >>> s[0].tolist()   # row 0 sees key 0, row 1 keys 0 and 1
-    [[2.0, -1.0, -1.0], [2.0, 2.0, -1.0]]
+    >>> s[0].tolist()   # row 0 sees key 0, row 1 keys 0 and 1; the others get 2.0 + -1.0
+    [[2.0, 1.0, 1.0], [2.0, 2.0, 1.0]]
     """
     group = q_folded.shape[1] // q_pos.shape[0]
     scores = jnp.einsum("hrd,khd->hrk", q_folded, k, preferred_element_type=jnp.float32)
     scores = apply_soft_cap(scores * sm_scale, soft_cap)
     row_pos = jnp.repeat(q_pos, group)[:, None]  # [rows, 1]: folded row q * group + g is row q
-    return jnp.where(is_masked(row_pos, k_pos[None, :], sliding_window), mask_value, scores)
+    masked = is_masked(row_pos, k_pos[None, :], sliding_window)
+    past_kv_len = None if kv_len is None else k_pos[None, :] >= kv_len
+    return apply_mask_value(scores, masked, mask_value, past_kv_len)
 
 
 def init_online_softmax(
@@ -480,8 +492,9 @@ def online_softmax_update(
 
     With m_new = max(m, max(scores)), the old sums were computed relative to m, so they are
     rescaled by alpha = exp(m - m_new) (which is 0 on the first block, where m = -inf), and
-    the new block adds p = exp(scores - m_new). A masked score is mask_value, very negative
-    but finite, so p is 0 for it once any real key has been seen.
+    the new block adds p = exp(scores - m_new). Every block holds a real key, so m_new is
+    finite: a masked score (score + mask_value) gets a tiny p, exactly 0 for the default, and
+    a padding slot's -inf gets 0.
 
     Two KV blocks of one key each, with equal scores: the result is the mean of the values,
     as one softmax over both keys would give.

@@ -34,16 +34,19 @@ replays the same walk in plain Python, and its tests check that it is the kernel
 
 Compared with JAX's kernel (jax/experimental/pallas/ops/tpu/ragged_paged_attention), which
 makes the same walk: KV blocks that no row of the q block can see (past the causal diagonal,
-or before the sliding window) are skipped; only the pages a sequence has are copied; idle
-sequences (q_len 0) are skipped; and the softmax state is reset once per q block, so no masked
-stores are needed.
+or before the sliding window) are skipped when masked keys weigh exactly 0, as with the default
+mask value (a small `mask_value` gives them a weight, as in JAX's reference, and then every
+block before kv_len is visited: `masking.mask_value_vanishes`); only the pages a sequence has
+are copied; idle sequences (q_len 0) are skipped; and the softmax state is reset once per q
+block, so no masked stores are needed.
 
 What makes it lean on the chip (each measured in bundles per KV block, with
 `minilib.tpu.compile`):
 * K and V of a head are read with one strided load through a flat 32-bit view of the slot; in
   bf16 a shift and a mask split each word into K and V (`load_kv_head_strided`).
 * K is never cleaned: no row can see a key at or past kv_len, so the score mask replaces
-  whatever is there. Only V is zeroed there, in float32 (0 * NaN = NaN in p @ v).
+  whatever is there (`apply_mask_value`). Only V is zeroed there, in float32 (0 * NaN = NaN in
+  p @ v).
 * m and l are kept 128 lanes wide, so the softmax update needs no cross-lane broadcasts.
 * What follows a sequence (for the prefetch) is worked out once per sequence.
 
@@ -77,7 +80,13 @@ from jax.experimental.pallas import tpu as pltpu
 
 from minilib.block_sizes import default_block_sizes, num_kv_heads_per_block, packing
 from minilib.kernel_trace import TRACE_COMPUTE, TRACE_FIELDS, TRACE_START, TRACE_WAIT, Trace
-from minilib.masking import is_masked, kv_blocks_to_visit, q_position
+from minilib.masking import (
+    apply_mask_value,
+    is_masked,
+    kv_blocks_to_visit,
+    mask_value_vanishes,
+    q_position,
+)
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions, attention_options
 from minilib.reference import apply_soft_cap, dequantize
 from minilib.validation import validate_inputs
@@ -491,14 +500,14 @@ class QBlockWalker:
 
         self.dma.wait(here, slot)
         self.trace.record(TRACE_WAIT, step, here, slot)
-        masked, in_seq = score_mask(span, self.q_blk, kv_blk, self.config)
+        masked, past_kv_len, in_seq = score_mask(span, self.q_blk, kv_blk, self.config)
         kv_buf = self.dma.buffer(slot)
         for kv_head in range(self.config.num_kv_heads_per_block):
             k, v = load_kv_head(kv_buf, kv_head, self.config)
             v = zero_tokens_past_kv_len(v, kv_blk, span.kv_len, self.config)
             q = load_q_group(self.q_ref, kv_head, self.config)
             k, v = dequantize_kv(k, v, q.dtype, self.config)
-            self.softmax.update(kv_head, q, k, v, masked, in_seq)
+            self.softmax.update(kv_head, q, k, v, masked, past_kv_len, in_seq)
         self.trace.record(TRACE_COMPUTE, step, here, slot)
         return other
 
@@ -609,12 +618,15 @@ def seq_kv_blocks(batch: SeqTable, seq, q_blk):
     q_start, q_end, kv_len = batch.q_start(seq), batch.q_end(seq), batch.kv_len(seq)
     first_row = jnp.maximum(q_start, q_blk * c.num_queries_per_block)
     last_row = jnp.minimum(q_end, (q_blk + 1) * c.num_queries_per_block) - 1
-    first, end = kv_blocks_to_visit(
-        q_position(first_row, q_end, kv_len),
-        q_position(last_row, q_end, kv_len),
-        c.kv_tokens_per_block,
-        c.sliding_window,
-    )
+    if mask_value_vanishes(c.mask_value):  # masked keys weigh exactly 0: skip their blocks
+        first, end = kv_blocks_to_visit(
+            q_position(first_row, q_end, kv_len),
+            q_position(last_row, q_end, kv_len),
+            c.kv_tokens_per_block,
+            c.sliding_window,
+        )
+    else:  # a small mask_value gives masked keys a weight (JAX's rule): visit every block
+        first, end = 0, pl.cdiv(kv_len, c.kv_tokens_per_block)
     # Clamped to at least one block, all within pages_per_seq: a garbage batch (kv_len < q_len)
     # must neither loop long nor leave a prefetched block without its compute.
     max_kv_blks = pl.cdiv(c.pages_per_seq, c.num_kv_pages_per_block)
@@ -851,17 +863,21 @@ def score_mask(span: SeqSpan, q_blk, kv_blk, config: KernelConfig):
     """Which scores are hidden, and which rows belong to `seq`.
 
     Returns masked: bool[rows_per_kv_head, kv_tokens_per_block] (`is_masked`: causal, sliding
-    window) and in_seq: bool[rows_per_kv_head, LANES] (rows of other sequences, or padding,
-    must not change).
+    window); past_kv_len, of the same shape, the padding slots (None when the mask value
+    vanishes: masked covers them); and in_seq: bool[rows_per_kv_head, LANES] (rows of other
+    sequences, or padding, must not change).
     """
     c = config
     shape = (c.rows_per_kv_head, c.kv_tokens_per_block)
     q_pos = q_position(q_row(shape, q_blk, c), span.q_end, span.kv_len)
     k_pos = kv_blk * c.kv_tokens_per_block + lax.broadcasted_iota(jnp.int32, shape, 1)
     masked = is_masked(q_pos, k_pos, c.sliding_window)
+    # With the default mask_value a padding slot (a future key of every row) is masked like
+    # any other; a small one would give it a weight, so it is named apart (`apply_mask_value`).
+    past_kv_len = None if mask_value_vanishes(c.mask_value) else k_pos >= span.kv_len
     row = q_row((c.rows_per_kv_head, LANES), q_blk, c)
     in_seq = (row >= span.q_start) & (row < span.q_end)
-    return masked, in_seq
+    return masked, past_kv_len, in_seq
 
 
 def q_row(shape, q_blk, config: KernelConfig):
@@ -907,13 +923,14 @@ class OnlineSoftmax:
         k,  # [kv_tokens_per_block, head_dim]
         v,  # [kv_tokens_per_block, head_dim]
         masked,  # bool[rows_per_kv_head, kv_tokens_per_block]
+        past_kv_len,  # bool[rows_per_kv_head, kv_tokens_per_block], or None (see score_mask)
         in_seq,  # bool[rows_per_kv_head, LANES]
     ):
         """Fold one KV block into the rows `in_seq`, for one KV head and its q heads."""
         c = self.config
         s = jnp.einsum("rd,td->rt", q, k, preferred_element_type=jnp.float32) * c.sm_scale
         s = apply_soft_cap(s, c.soft_cap)
-        s = jnp.where(masked, c.mask_value, s)  # [rows, kv_tokens]
+        s = apply_mask_value(s, masked, c.mask_value, past_kv_len)  # [rows, kv_tokens]
         lanes = (c.rows_per_kv_head, LANES)
 
         m_prev = self.m_ref[kv_head]  # [rows, LANES]

@@ -18,6 +18,13 @@ figures use these functions, so the rule is written once:
 
 They are plain arithmetic and comparisons, so they run on Python ints, NumPy arrays, jnp
 arrays under `jit`, and values inside a Pallas kernel alike.
+
+What a masked score becomes is JAX's rule, `apply_mask_value`: `mask_value` is *added* to it
+(JAX's reference: `attn += jnp.where(mask, mask_value, 0.0)`), and a key at or past kv_len is no
+key at all (JAX's reference slices it off). With a small mask_value a masked key still has a
+weight, so the KV blocks that hold only masked keys count too; with a mask_value at or below
+`NEGLIGIBLE_MASK_VALUE` (the default, -0.7 * float32 max, is far below) every masked weight is
+exactly 0 in float32, and those blocks may be skipped: `mask_value_vanishes`.
 """
 
 from __future__ import annotations
@@ -25,7 +32,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["causal_mask", "is_masked", "kv_blocks_to_visit", "q_position"]
+__all__ = [
+    "NEGLIGIBLE_MASK_VALUE",
+    "apply_mask_value",
+    "causal_mask",
+    "is_masked",
+    "kv_blocks_to_visit",
+    "mask_value_vanishes",
+    "q_position",
+]
+
+# At or below this, score + mask_value rounds to mask_value itself in float32 for any score of
+# size < 1e22 (half its ulp), and exp(mask_value - m) is 0: masked keys weigh exactly nothing.
+NEGLIGIBLE_MASK_VALUE = -1e30
 
 
 def is_masked(q_pos, k_pos, sliding_window: int | None = None):
@@ -95,3 +114,37 @@ def kv_blocks_to_visit(
         return 0, end
     first_key = jnp.maximum(first_q_pos - sliding_window + 1, 0)
     return first_key // kv_tokens_per_block, end
+
+
+def mask_value_vanishes(mask_value: float) -> bool:
+    """True when masked keys weigh exactly 0 in float32 (mask_value <= NEGLIGIBLE_MASK_VALUE):
+    then adding mask_value or replacing the score with it give the same answer, and a KV block
+    whose keys are all masked for every row may be skipped. A static Python check: every
+    implementation takes mask_value as a Python float.
+
+    >>> mask_value_vanishes(-0.7 * 3.4028235e38), mask_value_vanishes(-1e4)
+    (True, False)
+    """
+    return mask_value <= NEGLIGIBLE_MASK_VALUE
+
+
+def apply_mask_value(scores, masked, mask_value: float, past_kv_len=None):
+    """JAX's rule for masked scores: `scores + mask_value` where `masked`; and where
+    `past_kv_len` (a padding slot, no key at all) -inf, so that it weighs nothing and a NaN
+    computed from it is dropped. masked and past_kv_len broadcast against scores.
+
+    When the mask value vanishes (`mask_value_vanishes`) both are simply replaced by
+    mask_value: one select, the same answer in float32.
+
+    >>> s = jnp.array([[1.0, 2.0, 3.0]])
+    >>> masked, past = jnp.array([[False, True, True]]), jnp.array([[False, False, True]])
+    >>> apply_mask_value(s, masked, -5.0, past).tolist()
+    [[1.0, -3.0, -inf]]
+    >>> apply_mask_value(s, masked, -1e30, past).tolist()
+    [[1.0, -1.0000000150474662e+30, -1.0000000150474662e+30]]
+    """
+    if mask_value_vanishes(mask_value):
+        hidden = masked if past_kv_len is None else masked | past_kv_len
+        return jnp.where(hidden, mask_value, scores)
+    scores = jnp.where(masked, scores + mask_value, scores)
+    return scores if past_kv_len is None else jnp.where(past_kv_len, -jnp.inf, scores)

@@ -7,7 +7,9 @@ and gathers the keywords into one frozen `AttentionOptions`. Building it checks 
 (the checks that need no array) and turns each into a plain Python number, so the object is
 hashable: the validators read it, and the jitted body takes it as one static argument.
 
-`DEFAULT_MASK_VALUE` is the score a masked key gets; `mask_value=None` means it.
+`DEFAULT_MASK_VALUE` is what is added to a masked key's score, as JAX does; `mask_value=None`
+means it. (vLLM's RPA v3 *replaces* the score instead: the same answer only for a mask value
+this large.)
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ class AttentionOptions:
 
     Each must be a concrete scalar (a Python, NumPy or concrete JAX number), as jit needs:
       sm_scale, soft_cap: finite real numbers; soft_cap not 0 (None turns soft capping off);
-      mask_value: finite and negative, so that masked scores become exp() = 0 and never NaN
-        (None means DEFAULT_MASK_VALUE);
+      mask_value: finite and negative: added to every masked score, as JAX does (None means
+        DEFAULT_MASK_VALUE, whose masked keys weigh exactly 0);
       k_scale, v_scale: positive, finite Python floats (JAX's kernel asserts the float);
       sliding_window and the kernel's num_kv_pages_per_block, num_queries_per_block and
         vmem_limit_bytes: positive whole numbers, or None for the default.
@@ -139,9 +141,9 @@ def _mask_value(mask_value) -> float:
     if not -math.inf < _real("mask_value", mask_value) < 0:
         raise RPAInputError(
             f"mask_value={mask_value!r} must be a finite negative number.",
-            "masked scores are set to mask_value before the softmax: it must be very negative "
-            "(so that exp() gives 0 and rows never see future keys) and finite (-inf gives "
-            "NaN on a fully masked block). Use None for the default, -0.7 * float32 max.",
+            "mask_value is added to every masked score before the softmax (JAX's rule): it must "
+            "be negative, and very negative for masked keys to weigh nothing; finite (-inf "
+            "gives NaN on a fully masked block). Use None for the default, -0.7 * float32 max.",
         )
     return float(mask_value)
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from minilib.blockwise import clamp_lengths
-from minilib.masking import is_masked, q_position
+from minilib.masking import apply_mask_value, is_masked, q_position
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.reference import apply_soft_cap, dequantize
 from minilib.validation import validate_inputs
@@ -339,8 +339,9 @@ def attention_kernel(
         # Folded row r is q row first_row + r // group of the sequence; key c is token c.
         row = first_row + jnp.arange(rows * group)[:, None] // group
         q_pos = q_position(row, q_len, kv_len)  # [rows * group, 1]
-        masked = is_masked(q_pos, jnp.arange(k.shape[0])[None, :], sliding_window)
-        scores = jnp.where(masked, mask_value, scores)
+        k_pos = jnp.arange(k.shape[0])[None, :]
+        masked = is_masked(q_pos, k_pos, sliding_window)
+        scores = apply_mask_value(scores, masked, mask_value, past_kv_len=k_pos >= kv_len)
         probs = jax.nn.softmax(scores, axis=-1)
         out = jnp.dot(probs, v)  # [rows * group, head_dim]
         o_ref[...] = out.reshape(rows, group, head_dim).astype(o_ref.dtype)

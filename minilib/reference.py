@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minilib.kv_cache import gather_kv
-from minilib.masking import causal_mask
+from minilib.masking import apply_mask_value, causal_mask
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.validation import validate_inputs
 
@@ -160,7 +160,7 @@ def attend(
     # 5. Scores, accumulated in float32 whatever the input dtype.
     scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32)
     scores = apply_soft_cap(scores * sm_scale, soft_cap)
-    # 6. Mask, 7. softmax and weighted sum.
-    scores = jnp.where(causal_mask(q_len, kv_len, sliding_window), mask_value, scores)
+    # 6. Mask: mask_value is added to the hidden scores (JAX's rule), 7. softmax, weighted sum.
+    scores = apply_mask_value(scores, causal_mask(q_len, kv_len, sliding_window), mask_value)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("hqk,khd->qhd", probs, v).astype(q.dtype)

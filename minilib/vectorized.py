@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from minilib.kv_cache import cdiv
-from minilib.masking import is_masked, q_position
+from minilib.masking import apply_mask_value, is_masked, q_position
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.reference import apply_soft_cap, dequantize
 from minilib.validation import validate_inputs
@@ -222,9 +222,10 @@ def attend_tile(
     qg = q.reshape(tile, num_kv_heads, group, head_dim)
     scores = jnp.einsum("qkgd,lkd->kgql", qg, k, preferred_element_type=jnp.float32)
     scores = apply_soft_cap(scores * sm_scale, soft_cap)
-    # Keys past kv_len (zeroed slots) are past every row's position: hidden too.
-    masked = is_masked(q_pos[:, None], jnp.arange(max_kv_len)[None, :], sliding_window)
-    scores = jnp.where(masked, mask_value, scores)  # [num_kv_heads, group, TILE, max_kv_len]
+    # Keys past kv_len (zeroed slots) are no keys at all: as JAX's reference slices them off.
+    k_pos = jnp.arange(max_kv_len)[None, :]
+    masked = is_masked(q_pos[:, None], k_pos, sliding_window)
+    scores = apply_mask_value(scores, masked, mask_value, past_kv_len=k_pos >= kv_len)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("kgql,lkd->qkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(tile, num_q_heads, head_dim)

@@ -1,7 +1,9 @@
-"""Solution to notebook 07's kernel exercise: the body of the flash-attention kernel (rung 1).
+"""Solutions to notebook 07's kernel exercises, rung 1: the body of the flash-attention kernel,
+and the `pallas_call` around it.
 
-`flash_attention` is the notebook's `pallas_call` (`minilib.ladder.flash.flash_attention`)
-around this body; the checker calls it.
+`flash_attention` is the library's `pallas_call` (`minilib.ladder.flash.flash_attention`)
+around this body; `flash_attention_call` is the `pallas_call` written out, around the library's
+body. The checkers call them.
 """
 
 import functools
@@ -9,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from minilib.ladder import flash
 
@@ -48,3 +51,33 @@ def flash_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, kv_len, q
 
 
 flash_attention = functools.partial(flash.flash_attention, kernel=flash_kernel)
+
+
+# --- Rung 1b: the pallas_call around the tested kernel body --------------------------------
+
+
+def flash_attention_call(
+    q, k, v, *, kv_len, sm_scale, block_q=8, block_kv=8, interpret=False, kernel=flash.flash_kernel
+):
+    # q: [num_heads, q_len, head_dim]; k, v: [num_heads, max_kv_len, head_dim]
+    num_heads, q_len, head_dim = q.shape
+    grid = (num_heads, q_len // block_q, pl.cdiv(kv_len, block_kv))  # no block past kv_len
+    q_spec = pl.BlockSpec((None, block_q, head_dim), lambda h, i, j: (h, i, 0))  # block indices
+    kv_spec = pl.BlockSpec((None, block_kv, head_dim), lambda h, i, j: (h, j, 0))
+    return pl.pallas_call(
+        functools.partial(kernel, kv_len=kv_len, q_len=q_len, sm_scale=sm_scale),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=grid,
+        in_specs=[q_spec, kv_spec, kv_spec],
+        out_specs=q_spec,  # one output block per (h, i), written on the last KV step
+        scratch_shapes=[
+            pltpu.VMEM((block_q, 1), jnp.float32),  # m
+            pltpu.VMEM((block_q, 1), jnp.float32),  # l
+            pltpu.VMEM((block_q, head_dim), jnp.float32),  # acc
+        ],
+        # The KV axis carries m, l and acc from step to step: "arbitrary". The others do not.
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")
+        ),
+        interpret=interpret,
+    )(q, k, v)

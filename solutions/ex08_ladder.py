@@ -2,7 +2,8 @@
 
 Each kernel body goes into the rung's `pallas_call` from `minilib.ladder` (the `kernel=`
 argument); the names the checkers call are bound at the end. The helpers used here,
-`init_online_softmax`, `attend_kv_block` and `write_output`, are the ones the notebook gives.
+`init_online_softmax`, `attend_kv_block`, `write_output` and `next_seq_with_pages`, are the ones
+the notebook gives.
 """
 
 import functools
@@ -14,15 +15,18 @@ from jax.experimental.pallas import tpu as pltpu
 
 from minilib.ladder import async_copy, double_buffer, prefetch, scalar_prefetch
 from minilib.ladder.flash import init_online_softmax
+from minilib.ladder.prefetch import next_seq_with_pages
 from minilib.ladder.scalar_prefetch import attend_kv_block, write_output
 
 # --- Rung 2: the index map reads the page table (scalar prefetch) ------------------------------
 
 
 def page_index_map(seq, i, kv_lens_ref, page_indices_ref, *, page_size):
-    # Past the sequence's last page, stay on it: Pallas skips a copy when the block repeats.
-    last_page = jnp.maximum(pl.cdiv(kv_lens_ref[seq], page_size) - 1, 0)
-    return (page_indices_ref[seq, jnp.minimum(i, last_page)], 0, 0, 0)
+    # Past the sequence's last page, stay on it: Pallas skips a copy when the block repeats,
+    # and the entries past it are garbage. An empty slot (kv_len 0) has no page: use page 0.
+    num_pages = pl.cdiv(kv_lens_ref[seq], page_size)
+    page = page_indices_ref[seq, jnp.minimum(i, jnp.maximum(num_pages - 1, 0))]
+    return (jnp.where(num_pages > 0, page, 0), 0, 0, 0)
 
 
 def scalar_prefetch_kernel(
@@ -35,7 +39,7 @@ def scalar_prefetch_kernel(
     def _init():
         init_online_softmax(m_ref, l_ref, acc_ref)
 
-    @pl.when(i * page_size < kv_len)  # a page the sequence really has
+    @pl.when(i * page_size < kv_len)  # a page the sequence really has (saves the work)
     def _attend():
         attend_kv_block(page_ref, q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len, sm_scale)
 
@@ -96,7 +100,11 @@ def double_buffer_kernel(
                         sm_scale)  # fmt: skip
 
     init_online_softmax(m_ref, l_ref, acc_ref)
-    page_copy(0, 0).start()
+
+    @pl.when(kv_len > 0)  # an empty slot has no page 0
+    def _():
+        page_copy(0, 0).start()
+
     lax.fori_loop(0, pl.cdiv(kv_len, page_size), body, None)
     write_output(o_ref, l_ref, acc_ref)
 
@@ -107,8 +115,11 @@ def double_buffer_kernel(
 def next_work(seq, page, kv_lens, num_seqs, page_size):
     if (page + 1) * page_size < kv_lens[seq]:  # this sequence has another page
         return seq, page + 1
-    if seq + 1 < num_seqs:  # the first page of the next sequence
-        return seq + 1, 0
+    seq += 1
+    while seq < num_seqs and kv_lens[seq] == 0:  # an empty slot has no page
+        seq += 1
+    if seq < num_seqs:  # the first page of the next sequence with pages
+        return seq, 0
     return None  # the very last page of the batch
 
 
@@ -126,14 +137,19 @@ def prefetch_kernel(
     @pl.when(seq == 0)
     def _first():
         slot_ref[0] = 0
-        page_copy(0, 0, 0).start()
+        first = next_seq_with_pages(0, kv_lens_ref, num_seqs)
+
+        @pl.when(first < num_seqs)
+        def _():
+            page_copy(first, 0, 0).start()
 
     def body(i, slot):
         more_pages = (i + 1) * page_size < kv_len  # next_work, on traced scalars
-        next_seq = jnp.where(more_pages, seq, seq + 1)
+        later = next_seq_with_pages(seq + 1, kv_lens_ref, num_seqs)
+        next_seq = jnp.where(more_pages, seq, later)
         next_page = jnp.where(more_pages, i + 1, 0)
 
-        @pl.when(more_pages | (seq + 1 < num_seqs))
+        @pl.when(more_pages | (later < num_seqs))
         def _():
             page_copy(next_seq, next_page, 1 - slot).start()
 

@@ -142,3 +142,66 @@ def test_extreme_settings_answer_at_once(case):
     assert message in ex.text, ex.text
     assert not shows_figure(ex)
     assert elapsed < 2.0, f"{case}: {elapsed:.1f} s"
+
+
+# --- fuzz: no input, typed as a learner might, makes an explorer show "Unexpected" -------------
+
+# What a learner may type into a text box: valid lists (kv_len 0, idle sequences, one value),
+# typos, floats, signs, huge and empty values.
+TEXT_INPUTS = [
+    "1, 0", "5, 0", "0", "0, 0", "1", "3, 1, 0", "16, 8, 0, 33", "", " ", ",", "1,,2", "1 2 3",
+    "a", "1.5", "-1", "-3, 4", "1e3", "0x10", "99999999999999999999", "1, 2, 3, 4, 5, 6, 7, 8, 9",
+    "٣", "None", "[1, 2]", "(2, 3)", "1;2", "8192", "4096, 4096",
+]  # fmt: skip
+INT_INPUTS = [0, 1, 2, 3, 7, 8, 13, 16, 64, 128, 4096, -1, -8, 10**9, 10**20]
+# Valid (q_lens, kv_lens) batches at the edges, typed into both boxes: empty slots (kv_len 0),
+# idle sequences, one token, no sequence at all, the largest drawn.
+BATCHES = [
+    ("1, 0", "5, 0"), ("0", "0"), ("0, 1", "0, 7"), ("2, 0, 1", "2, 0, 9"), ("0, 0", "3, 0"),
+    ("1", "1"), ("", ""), ("8", "8"), ("1, 1", "16, 17"), ("3", "8192"),
+]  # fmt: skip
+
+
+def fuzz_values(control, rng, n: int) -> list:
+    options = getattr(control, "options", None)
+    if options:
+        pool = list(options)
+    elif isinstance(control, widgets.IntText):
+        pool = INT_INPUTS
+    else:
+        pool = TEXT_INPUTS
+    return [pool[i] for i in rng.choice(len(pool), size=min(n, len(pool)), replace=False)]
+
+
+@pytest.mark.parametrize(
+    "make, per_control, combos",
+    [(make, 6, 6) for make in EXPLORERS]
+    + [pytest.param(make, 40, 60, marks=pytest.mark.slow) for make in EXPLORERS],
+    ids=[m.__name__ for m in EXPLORERS] + [f"{m.__name__}-sweep" for m in EXPLORERS],
+)
+def test_no_typed_input_shows_unexpected(make, per_control, combos):
+    """Each control alone, then several at once, from the explorer's defaults and from the
+    values before: valid, invalid and extreme. Every answer is a result or a plain message."""
+    import numpy as np
+
+    rng = np.random.default_rng(sum(map(ord, make.__name__)))
+    ex = make()
+    names = list(ex.controls)
+    tried = []
+    for name in names:
+        for value in fuzz_values(ex.controls[name], rng, per_control):
+            ex.controls[name].value = value
+            tried.append((name, value))
+            assert "Unexpected" not in ex.text, (tried[-3:], ex.text)
+    if {"q_lens", "kv_lens"} <= set(names):
+        for q_lens, kv_lens in BATCHES:
+            ex.controls["q_lens"].value, ex.controls["kv_lens"].value = q_lens, kv_lens
+            tried.append(("q_lens, kv_lens", (q_lens, kv_lens)))
+            assert "Unexpected" not in ex.text, (tried[-3:], ex.text)
+    for _ in range(combos):
+        for name in rng.choice(names, size=min(3, len(names)), replace=False):
+            control = ex.controls[name]
+            value = fuzz_values(control, rng, 1)[0]
+            control.value = value
+            tried.append((name, value))
+        assert "Unexpected" not in ex.text, (tried[-3:], ex.text)

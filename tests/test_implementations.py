@@ -112,3 +112,19 @@ def test_accepts_traced_num_seqs(name):
     rows = MIXED[0][0] + MIXED[1][0]
     np.testing.assert_allclose(np.asarray(fewer[:rows]), np.asarray(eager[:rows]), atol=1e-6)
     np.testing.assert_array_equal(np.asarray(fewer[rows:]), 0.0)
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+@pytest.mark.parametrize("mask_value", [-1.0, -5.0, -40.0, None], ids=str)
+def test_mask_value_means_what_jax_means(name, mask_value):
+    """JAX adds mask_value to the masked scores; a small one leaves the masked keys a weight.
+    A prefill split into q blocks (whose later KV blocks the kernel may skip), a chunk, and a
+    sliding window, on a NaN-padded batch: every implementation equals JAX's reference."""
+    fn = implementation(name)
+    batch = padded_batch([(20, 20), (6, 30), (1, 17)], num_q_heads=4, num_kv_heads=2,
+                         page_size=4)  # fmt: skip
+    blocks = dict(num_queries_per_block=8, num_kv_pages_per_block=2)
+    options = {**blocks} if name in ("blockwise", "kernel") else {}
+    for window in (None, 6):
+        assert_matches_jax(fn, batch, sm_scale=0.3, mask_value=mask_value,
+                           sliding_window=window, **options)  # fmt: skip

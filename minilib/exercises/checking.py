@@ -63,6 +63,7 @@ PASSED, FAILED, NOT_ATTEMPTED = "passed", "failed", "not attempted"
 # SLOWER_THAN_REFERENCE times what the reference took on it (compiles included), if more.
 TIME_LIMIT_SECONDS = 5.0
 SLOWER_THAN_REFERENCE = 20
+STOP_GRACE_SECONDS = 5.0  # how long a stopped function may take to wind down
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +176,7 @@ def run_check(
     verbose: bool = True,
     time_limit: float | None = None,
     check_answer_type: bool = True,
+    explain_error: Callable[[BaseException, Case], str | None] | None = None,
 ) -> CheckResult:
     """Run `fn` and `reference` on every case; stop at the first mismatch, and report.
 
@@ -184,7 +186,8 @@ def run_check(
     A case may take `time_limit` seconds; by default TIME_LIMIT_SECONDS, or
     SLOWER_THAN_REFERENCE times the reference's time if that is longer. `check_answer_type`
     off leaves the answer's type to `compare` (for checkers whose `fn` wraps the learner's
-    answer, such as the kernel checkers).
+    answer, such as the kernel checkers). `explain_error(error, case)` may add the likely cause
+    of an error the learner's function raised.
 
     >>> cases = [Case("two small ints", (2, 3)), Case("a negative one", (-1, 4))]
     >>> def compare(expected, got, case):
@@ -221,9 +224,11 @@ def run_check(
             )
             return _finish(name, NOT_ATTEMPTED, report, i, verbose)
         if error is not None:  # the learner's bug: report it, don't raise it
+            cause = explain_error(error, case) if explain_error is not None else None
             report = (
                 f"{heading}  your function raised {type(error).__name__}: {error}"
                 f"{_why_it_matters(error)}\n{_where_it_raised(error)}"
+                + (f"\n  Likely cause: {cause}" if cause else "")
             )
             return _finish(name, FAILED, report, i + 1, verbose)
         type_problem = answer_type_problem if check_answer_type else lambda *_: None
@@ -249,15 +254,22 @@ class _TookTooLong(BaseException):
 
 
 def call_with_time_limit(
-    fn: Callable, args: tuple, kwargs: dict, seconds: float
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    seconds: float,
+    *,
+    on_timeout: Callable[[], None] | None = None,
 ) -> tuple[bool, Any, BaseException | None]:
     """Run fn(*args, **kwargs) for at most `seconds`: (finished, result, exception raised).
 
     The call runs in a worker thread while this one waits, so the wait ends on time whatever
     the function does, even inside compiled code or a C call: the notebook cell returns.
     A function still running at the deadline is then stopped where Python can stop it (an
-    exception is injected into its thread: this ends a Python `while True:` loop); a loop
-    inside compiled XLA code cannot be stopped, and runs on in the background. Every
+    exception is injected into its thread: this ends a Python `while True:` loop), after
+    `on_timeout()` had its chance to stop it in its own way (the kernel checkers stop a
+    kernel inside TPU interpret mode); a loop inside compiled XLA code that calls back into
+    nothing cannot be stopped, and runs on in the background. Every
     exception, `SystemExit` and `KeyboardInterrupt` included, comes back as a value. The
     result is waited for (`jax.block_until_ready`), so the time limit covers JAX's
     asynchronous work too.
@@ -278,9 +290,14 @@ def call_with_time_limit(
     try:
         worker.join(seconds)
     except KeyboardInterrupt as err:  # the Stop button, while waiting: stop the learner's
-        _stop(worker)  # function and report it, as if it had raised
+        if on_timeout is not None:  # function and report it, as if it had raised
+            on_timeout()
+        _stop(worker)
         return True, None, err
     if worker.is_alive():
+        if on_timeout is not None:
+            on_timeout()
+            worker.join(STOP_GRACE_SECONDS)
         _stop(worker)
         return False, None, None
     return True, outcome.get("result"), outcome.get("error")
@@ -438,7 +455,9 @@ def compare_arrays(
     ]
     if want.dtype.kind == "f":
         err = np.abs(have.astype(np.float64) - want.astype(np.float64))
-        lines.append(f"  max abs error {float(np.nanmax(err)):.3g} (tolerance {atol:g})")
+        if np.isfinite(err).any():  # both NaN everywhere: no error to show
+            largest = float(np.max(err[np.isfinite(err)]))
+            lines.append(f"  max abs error {largest:.3g} (tolerance {atol:g})")
     if want.size <= show and want.ndim <= 2:
         lines += ["expected:", _indent(_format(want)), "got:", _indent(_format(have))]
     raise Mismatch("\n".join(lines))

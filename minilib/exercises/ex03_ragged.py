@@ -90,24 +90,34 @@ def check_seq_for_row(fn: Callable, *, seed: int = 0, verbose: bool = True) -> C
     """Check `fn(cu_q_lens, num_seqs, row) -> int`: the sequence i whose q rows
     [cu_q_lens[i], cu_q_lens[i+1]) hold `row`. Every live row of each batch is tried.
 
-    Idle sequences (q_len 0) own no row; entries past num_seqs are padding garbage.
+    Idle sequences (q_len 0) own no row; entries past num_seqs are padding garbage, sometimes
+    larger than every row and sometimes not, so a search that reads them shows.
 
     >>> check_seq_for_row(_seq_for_row)
-    Passed: seq_for_row matches the reference on all 6 cases.
+    Passed: seq_for_row matches the reference on all 7 cases.
     CheckResult('seq_for_row', status='passed')
     """
     rng = np.random.default_rng(410 + seed)
-    batches = [[3, 1, 1, 4], [2, 0, 3], [0, 1, 2, 0, 2], [5], [1, 1, 1]]
-    batches += [[int(x) for x in rng.integers(0, 4, size=4)]]
+    # (q_lens, the padding slots' garbage)
+    batches = [
+        ([3, 1, 1, 4], [99, 99]),  # garbage larger than every row
+        ([2, 0, 3], [1, 0]),  # garbage smaller than the rows, not in order
+        ([0, 1, 2, 0, 2], [2, 4, 1]),  # garbage inside the rows' range
+        ([5], [0, 3]),
+        ([1, 1, 1], [1, 1]),
+        ([2, 0, 0, 3, 0], []),  # idle sequences in a row, and last; no padding slot
+    ]
+    random_lens = [int(x) for x in rng.integers(0, 4, size=4)]
+    batches.append((random_lens, [int(x) for x in rng.integers(0, sum(random_lens) + 2, size=2)]))
     cases = []
-    for q_lens in batches:
+    for q_lens, garbage in batches:
         n = len(q_lens)
-        cu = np.full(n + 3, 99, np.int32)  # two padding slots of garbage
-        cu[: n + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+        cu = np.asarray([0, *np.cumsum(q_lens), *garbage], np.int32)
         cu_q_lens, num_seqs = jnp.asarray(cu), jnp.asarray([n], jnp.int32)
         cases.append(
             Case(
-                f"q_lens={q_lens}: cu_q_lens={cu.tolist()}, num_seqs=[{n}], every live row",
+                f"q_lens={q_lens}: cu_q_lens={cu.tolist()} (past num_seqs: padding), "
+                f"num_seqs=[{n}], every live row",
                 (cu_q_lens, num_seqs),
             )
         )
@@ -120,22 +130,41 @@ def check_seq_for_row(fn: Callable, *, seed: int = 0, verbose: bool = True) -> C
         return rows
 
     def compare(want, got, case):
+        n = int(np.asarray(case.args[1])[0])
         for r, (w, g) in enumerate(zip(want, got, strict=True)):
             if w != g:
+                past = isinstance(g, int) and not 0 <= g < n
                 raise Mismatch(
                     f"row {r}: expected sequence {w}, got {g}\n"
                     + expected_vs_got(f"sequence of rows 0..{len(want) - 1}", want, got)
+                    + (
+                        f"\nLikely cause: sequence {g} is not live (num_seqs={n}): past "
+                        "num_seqs, cu_q_lens holds padding garbage, which may be <= the row or "
+                        "out of order. Look only at cu_q_lens[:num_seqs + 1]."
+                        if past
+                        else ""
+                    )
                 )
+
+    def live(cu, n):
+        return np.asarray(cu)[: int(np.asarray(n)[0]) + 1]
+
+    def without_idle_sequences(cu, n, r):  # counts only the sequences that have rows
+        starts = np.unique(live(cu, n))
+        return int(np.searchsorted(starts[1:], r, side="right"))
 
     mistakes = {
         "a row equal to cu_q_lens[i+1] already belongs to the next sequence: the rows of "
         "sequence i are [cu_q_lens[i], cu_q_lens[i+1]), end excluded. (With searchsorted: "
-        "side='right' on cu_q_lens[1:].)": every_row(
-            lambda cu, n, r: int(np.searchsorted(np.asarray(cu)[1 : int(n[0]) + 1], r))
+        "side='right' on cu_q_lens[1:num_seqs + 1].)": every_row(
+            lambda cu, n, r: int(np.searchsorted(live(cu, n)[1:], r))
         ),
-        "an idle sequence (q_len 0) owns no row: skip it. Rows [cu_q_lens[i], cu_q_lens[i+1]) "
-        "is empty when the two are equal.": every_row(
-            lambda cu, n, r: int(np.searchsorted(np.asarray(cu)[: int(n[0])], r, "right")) - 1
+        "an idle sequence (q_len 0) owns no row, but it keeps its place: the answer is the "
+        "index of the sequence in the batch, idle ones counted.": every_row(without_idle_sequences),
+        "only cu_q_lens[:num_seqs + 1] holds the batch: the entries past it are padding, "
+        "garbage that need not be sorted nor larger than every row. Search only the live "
+        "part.": every_row(
+            lambda cu, n, r: int(np.searchsorted(np.asarray(cu)[1:], r, side="right"))
         ),
     }
     return run_check(

@@ -1,16 +1,42 @@
-"""Notebook 07's kernel exercise: flash attention over dense K/V (rung 1 of the ladder)."""
+"""Notebook 07's kernel exercises: flash attention over dense K/V, rung 1 of the ladder.
+
+Two checkers, one per half of a Pallas kernel:
+
+* `check_flash_attention`: the kernel body, in the library's `pallas_call`
+  (`minilib.ladder.flash.flash_attention`);
+* `check_flash_pallas_call`: the `pallas_call` itself (the grid, the BlockSpecs and their
+  index maps, the scratch shapes, `dimension_semantics`), around the library's kernel body.
+  Interpret mode visits a "parallel" axis in a shuffled order, as a megacore chip (v4, v5p) may
+  split it over its two TensorCores: an axis that carries state and is marked "parallel" shows
+  in the order its grid steps ran. The semantics of the other axes are read from the call.
+
+Both compare with plain jnp on cases the notebook never showed, K and V NaN past kv_len. A
+wrong output is matched against the usual mistakes, made by `flash_simulation` (the kernel's
+algorithm in NumPy, one mistake at a time). A wrong `pallas_call` is probed: the library's kernel
+is swapped for one that reports, per grid step, which blocks of q, K and V it was given.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
-from minilib.exercises.checking import Case, CheckResult
+from minilib.exercises.checking import Case, CheckResult, call_with_time_limit
 from minilib.exercises.kernel_checking import check_kernel
 from minilib.ladder.flash import flash_attention, flash_attention_reference
+from minilib.options import DEFAULT_MASK_VALUE
+
+__all__ = [
+    "check_flash_attention",
+    "check_flash_pallas_call",
+    "flash_attention",
+    "flash_simulation",
+]
 
 
 def _cases(seed: int) -> list[Case]:
@@ -19,7 +45,7 @@ def _cases(seed: int) -> list[Case]:
     # (num_heads, q_len, max_kv_len, kv_len, head_dim, block_q, block_kv)
     specs = [
         (2, 16, 32, 21, 128, 8, 8),  # NaN past key 21; two q blocks, three KV blocks
-        (1, 8, 32, int(rng.integers(9, 32)), 64, 8, 16),
+        (2, 8, 32, 16 * int(rng.integers(1, 3)), 64, 8, 16),  # a whole number of KV blocks
     ]
     for num_heads, q_len, max_kv_len, kv_len, head_dim, block_q, block_kv in specs:
         q, k, v = (
@@ -38,22 +64,119 @@ def _cases(seed: int) -> list[Case]:
     return cases
 
 
-def _mistakes() -> dict[str, Callable]:
-    def no_causal_mask(q, k, v, *, kv_len, sm_scale, **_):
-        scores = jnp.einsum("hqd,hkd->hqk", q, k[:, :kv_len]) * sm_scale
-        return jnp.einsum("hqk,hkd->hqd", jax.nn.softmax(scores, axis=-1), v[:, :kv_len])
+def _compile_case() -> Case:
+    num_heads, q_len, max_kv_len, head_dim = 2, 128, 256, 128
+    return Case(
+        f"bf16, num_heads={num_heads}, q_len={q_len}, kv_len=200, head_dim={head_dim}, "
+        "block_q=32, block_kv=128",
+        (
+            jax.ShapeDtypeStruct((num_heads, q_len, head_dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((num_heads, max_kv_len, head_dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((num_heads, max_kv_len, head_dim), jnp.bfloat16),
+        ),
+        dict(kv_len=200, sm_scale=head_dim**-0.5, block_q=32, block_kv=128),
+    )
 
-    def no_sm_scale(q, k, v, *, kv_len, sm_scale, **_):
-        return flash_attention_reference(q, k, v, kv_len=kv_len, sm_scale=1.0)
+
+# --- the usual mistakes ------------------------------------------------------------------------
+
+
+@np.errstate(invalid="ignore", divide="ignore", over="ignore")  # NaN keys give NaN, silently
+def flash_simulation(
+    q, k, v, *, kv_len: int, sm_scale: float, block_q: int, block_kv: int,
+    rescale: bool = True, init_every_step: bool = False, q_offset: str = "right",
+    write_after_first_block: bool = False, causal: bool = True, zero_v: bool = True,
+    mask_past_kv_len: bool = True, mask_value: float = DEFAULT_MASK_VALUE,
+) -> np.ndarray:  # fmt: skip
+    """The flash kernel's algorithm in NumPy, grid step by grid step; each keyword makes one
+    of the usual mistakes (the defaults make none).
+
+      rescale=False                 acc and l are not multiplied by alpha = exp(m_prev - m_next)
+      init_every_step=True          m, l and acc are reset on every KV block, not only the first
+      q_offset="no kv_len - q_len"  row r of q block i at position i * block_q + r
+      q_offset="no block offset"    row r of q block i at position kv_len - q_len + r
+      write_after_first_block=True  acc / l written on the first KV block, not the last
+      causal=False, zero_v=False, mask_past_kv_len=False: a mask or the V zeroing left out
+
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 8, 4)) for _ in range(3))
+    >>> ref = flash_attention_reference(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+    ...                                 kv_len=8, sm_scale=0.5)
+    >>> sim = flash_simulation(q, k, v, kv_len=8, sm_scale=0.5, block_q=4, block_kv=4)
+    >>> bool(np.allclose(sim, ref, atol=1e-5))
+    True
+    >>> bool(np.allclose(flash_simulation(q, k, v, kv_len=8, sm_scale=0.5, block_q=4,
+    ...                                   block_kv=4, rescale=False), ref, atol=1e-3))
+    False
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    num_heads, q_len, head_dim = q.shape
+    out = np.zeros_like(q)
+    for h in range(num_heads):
+        for i in range(q_len // block_q):
+            rows = np.arange(i * block_q, (i + 1) * block_q)
+            q_pos = {
+                "right": kv_len - q_len + rows,
+                "no kv_len - q_len": rows,
+                "no block offset": kv_len - q_len + rows - i * block_q,
+            }[q_offset][:, None]
+            m = np.full((block_q, 1), -np.inf)
+            l, acc = np.zeros((block_q, 1)), np.zeros((block_q, head_dim))
+            for j in range(-(-kv_len // block_kv)):
+                if init_every_step:
+                    m, l, acc = np.full((block_q, 1), -np.inf), l * 0, acc * 0
+                cols = np.arange(j * block_kv, (j + 1) * block_kv)
+                k_pos = cols[None, :]
+                masked = (k_pos > q_pos) if causal else np.zeros((block_q, block_kv), bool)
+                if mask_past_kv_len:
+                    masked = masked | (k_pos >= kv_len)
+                kb, vb = k[h, cols], v[h, cols]
+                if zero_v:
+                    vb = np.where((cols < kv_len)[:, None], vb, 0.0)
+                s = np.where(masked, mask_value, q[h, rows] @ kb.T * sm_scale)
+                m_next = np.maximum(m, s.max(axis=1, keepdims=True))
+                p = np.exp(s - m_next)
+                alpha = np.exp(m - m_next) if rescale else 1.0
+                l = alpha * l + p.sum(axis=1, keepdims=True)
+                acc = alpha * acc + p @ vb
+                m = m_next
+                if write_after_first_block and j == 0:
+                    break
+            out[h, rows] = acc / l
+    return out
+
+
+def _mistakes() -> dict[str, Callable]:
+    def simulated(**mistake):
+        return lambda q, k, v, **options: flash_simulation(q, k, v, **options, **mistake)
 
     return {
+        "acc and l are not rescaled: when the running max grows from m_prev to m_next, what was "
+        "summed under m_prev must be multiplied by alpha = exp(m_prev - m_next) "
+        "(`l = alpha * l + ...`, `acc = alpha * acc + ...`).": simulated(rescale=False),
+        "m, l and acc are initialised on every KV block: initialise them only on the first, "
+        "`pl.when(j == 0)`; scratch keeps them from one grid step to the next.": simulated(
+            init_every_step=True
+        ),
+        "the q rows' positions: row r of q block i sits at kv_len - q_len + i * block_q + r; "
+        "the `kv_len - q_len` is missing (the q rows are the *last* q_len tokens).": simulated(
+            q_offset="no kv_len - q_len"
+        ),
+        "the q rows' positions: row r of q block i sits at kv_len - q_len + i * block_q + r; "
+        "the `i * block_q` of the q block is missing.": simulated(q_offset="no block offset"),
+        "the output was written on the first KV block: write acc / l on the last one, "
+        "`pl.when(j == pl.num_programs(2) - 1)`.": simulated(write_after_first_block=True),
         "no causal mask: row i of q sits at position kv_len - q_len + i, and sees only the keys "
-        "at positions <= its own.": no_causal_mask,
-        "sm_scale is not applied to the scores (q @ k.T * sm_scale).": no_sm_scale,
+        "at positions <= its own.": simulated(causal=False),
+        "sm_scale is not applied to the scores (q @ k.T * sm_scale).": lambda q, k, v, **o: (
+            flash_attention_reference(q, k, v, kv_len=o["kv_len"], sm_scale=1.0)
+        ),
     }
 
 
-def check_flash_attention(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
+def check_flash_attention(
+    fn: Callable, *, seed: int = 0, verbose: bool = True, details: bool = False
+) -> CheckResult:
     """Check `fn(q, k, v, *, kv_len, sm_scale, block_q, block_kv, interpret)`: causal flash
     attention as a Pallas kernel, q: [num_heads, q_len, head_dim], k and v:
     [num_heads, max_kv_len, head_dim] with NaN past kv_len.
@@ -66,26 +189,230 @@ def check_flash_attention(fn: Callable, *, seed: int = 0, verbose: bool = True) 
     Passed: flash_attention matches the reference on all 2 cases...
     'passed'
     """
-    num_heads, q_len, max_kv_len, head_dim = 2, 128, 256, 128
-    compile_case = Case(
-        f"bf16, num_heads={num_heads}, q_len={q_len}, kv_len=200, head_dim={head_dim}, "
-        "block_q=32, block_kv=128",
-        (
-            jax.ShapeDtypeStruct((num_heads, q_len, head_dim), jnp.bfloat16),
-            jax.ShapeDtypeStruct((num_heads, max_kv_len, head_dim), jnp.bfloat16),
-            jax.ShapeDtypeStruct((num_heads, max_kv_len, head_dim), jnp.bfloat16),
-        ),
-        dict(kv_len=200, sm_scale=head_dim**-0.5, block_q=32, block_kv=128),
-    )
     return check_kernel(
         "flash_attention",
         fn,
         flash_attention_reference,
         _cases(seed),
-        compile_case=compile_case,
+        compile_case=_compile_case(),
         mistakes=_mistakes(),
         verbose=verbose,
+        details=details,
     )
 
 
-__all__ = ["check_flash_attention", "flash_attention"]
+# --- the pallas_call -----------------------------------------------------------------------------
+
+
+def _grid_problem(run, case: Case) -> str | None:
+    """What the order of the grid steps says about the call's grid and `dimension_semantics`:
+    interpret mode shuffles the steps of a "parallel" axis. None if nothing is wrong."""
+    points = [point for point, _ in run.grid]
+    if not points or len(points[0]) != 3:
+        return None
+    q, _, _ = case.args
+    o = case.kwargs
+    expected = (q.shape[0], q.shape[1] // o["block_q"], -(-o["kv_len"] // o["block_kv"]))
+    extents = tuple(max(p[a] for p in points) + 1 for a in range(len(points[0])))
+    if extents != expected:
+        return (
+            f"the grid is {extents}; expected (num_heads, q_len // block_q, "
+            f"cdiv(kv_len, block_kv)) = {expected}. KV blocks past kv_len hold no key at all, "
+            "so the KV axis stops at cdiv(kv_len, block_kv); flash_kernel reads "
+            "pl.program_id(1) as the q block and pl.program_id(2) as the KV block."
+        )
+    by_block: dict = {}
+    for step, (point, core) in enumerate(run.grid):
+        by_block.setdefault(point[:2], []).append((step, point[2], core))
+    for (h, i), visits in sorted(by_block.items()):
+        steps, js, cores = zip(*visits, strict=True)
+        in_order = list(js) == sorted(js) and list(steps) == list(range(steps[0], steps[-1] + 1))
+        if not in_order or len(set(cores)) > 1:
+            return (
+                f'the KV axis is "parallel": the KV blocks of head {h}, q block {i} ran in the '
+                f"order {list(js)}" + (f", on cores {sorted(set(cores))}" if len(set(cores)) > 1
+                                       else ", with other steps between them") + ". "
+                "Its steps share state (m, l and acc in scratch: initialised at j == 0, read "
+                "at every j, written out at the last), so they must run in order on one core: "
+                'mark it "arbitrary". On one TensorCore the order happens to hold; a megacore '
+                "chip (v4, v5p) may split and reorder a parallel axis."
+            )  # fmt: skip
+    return None
+
+
+_TAG = 1000  # q, K, V of the probe: element [h, row, :] holds h * _TAG + row (+ an offset)
+
+
+def _probe_pallas_call(fn: Callable, case: Case) -> str | None:
+    """Run the learner's call with a kernel that reports, per grid step, its refs' shapes and
+    the first row of each block; name the first block, shape or grid axis that is wrong."""
+    from minilib.ladder.interpret import strict_interpret_params
+    from minilib.ladder.watch import watch_kernel
+
+    q, k, v = case.args
+    o = case.kwargs
+    num_heads, q_len, head_dim = q.shape
+    block_q, block_kv = o["block_q"], o["block_kv"]
+    tags = [
+        jnp.asarray(
+            np.broadcast_to(
+                (np.arange(num_heads)[:, None] * _TAG + np.arange(n)[None, :] + offset)[..., None],
+                (num_heads, n, head_dim),
+            ),
+            jnp.float32,
+        )  # fmt: skip
+        for n, offset in ((q_len, 0), (k.shape[1], 0), (k.shape[1], 0.5))
+    ]
+    shapes, steps = {}, []
+
+    def probe(q_ref, k_ref, v_ref, o_ref, *scratch, **_):
+        names = ("q_ref", "k_ref", "v_ref", "o_ref", "m_ref", "l_ref", "acc_ref")
+        for n, ref in zip(names, (q_ref, k_ref, v_ref, o_ref, *scratch), strict=False):
+            shapes[n] = (tuple(ref.shape), jnp.dtype(ref.dtype))
+        shapes["scratch"] = len(scratch)
+        ids = [pl.program_id(a) for a in range(3)]
+        first = [
+            r[0, 0] if len(r.shape) == 2 else r[(0,) * len(r.shape)] for r in (q_ref, k_ref, v_ref)
+        ]
+        jax.debug.callback(lambda *x: steps.append([float(t) for t in x]), *ids, *first)
+        o_ref[...] = jnp.broadcast_to(q_ref[...], o_ref.shape).astype(o_ref.dtype)
+
+    def run_probe():
+        return fn(*tags, interpret=strict_interpret_params(), kernel=probe, **o)
+
+    with watch_kernel() as watch:  # the learner's code: any error, any loop, is no answer
+        finished, out, error = call_with_time_limit(run_probe, (), {}, 30, on_timeout=watch.stop)
+    if not finished or error is not None:
+        return None
+    out = np.asarray(out)
+    want = {
+        "q_ref": (block_q, head_dim), "k_ref": (block_kv, head_dim),
+        "v_ref": (block_kv, head_dim), "o_ref": (block_q, head_dim),
+        "m_ref": (block_q, 1), "l_ref": (block_q, 1), "acc_ref": (block_q, head_dim),
+    }  # fmt: skip
+    for n, shape in want.items():
+        got = shapes.get(n)
+        if got is None:
+            return f"the kernel gets no `{n}`: scratch_shapes must hold m, l and acc, in order."
+        scratch = n in ("m_ref", "l_ref", "acc_ref")
+        if got[0] != shape or (scratch and got[1] != jnp.float32):
+            if scratch:
+                return (
+                    f"the scratch `{n}` is {got[1]}{list(got[0])}; the kernel wants "
+                    f"float32{list(shape)}: m and l (block_q, 1), acc (block_q, head_dim), in "
+                    "float32 so that the running sums keep their precision."
+                )
+            return (
+                f"`{n}` is a block of shape {got[0]}; the kernel wants {shape}: the "
+                "BlockSpec's block shape is (None, block, head_dim), None squeezing the head "
+                "axis away."
+            )
+    for h, i, j, q_tag, k_tag, v_tag in steps:
+        step = (int(h), int(i), int(j))
+        expect = {
+            "q": (h * _TAG + i * block_q, f"rows {int(i) * block_q}.. of head {int(h)}"),
+            "K": (h * _TAG + j * block_kv, f"keys {int(j) * block_kv}.. of head {int(h)}"),
+            "V": (h * _TAG + j * block_kv + 0.5, f"values {int(j) * block_kv}.. of head {int(h)}"),
+        }
+        for name, tag in (("q", q_tag), ("K", k_tag), ("V", v_tag)):
+            want_tag, what = expect[name]
+            if tag != want_tag:
+                base = int(tag - 0.5) if name == "V" else int(tag)
+                return (
+                    f"the index map of {name}: grid step (h, i, j) = {step} was given "
+                    f"{'keys' if name != 'q' else 'rows'} {base % _TAG}.. of head "
+                    f"{base // _TAG}; it should see {what}. The index map returns *block* "
+                    "indices: (h, i, 0) for q and the output, (h, j, 0) for K and V."
+                )
+    expected_out = np.asarray(tags[0])
+    if out.shape != expected_out.shape or not np.array_equal(out, expected_out):
+        return (
+            "the output's index map: the blocks the kernel wrote did not land where their q "
+            "rows came from. It is q's: (h, i, 0), the same block for every KV step j."
+        )
+    return None
+
+
+def _declared_semantics(fn: Callable, case: Case) -> tuple | None:
+    """The `dimension_semantics` the call gives its `pallas_call`, read from its jaxpr (None
+    if it cannot be read). The pallas_call's compiler params hold them: a CompilerParams, or
+    (jax 0.7) a dict of them by backend."""
+    try:
+        call = functools.partial(fn, interpret=False, **case.kwargs)
+        jaxpr = jax.make_jaxpr(call)(*case.args)
+    except Exception:
+        return None
+    for eqn in jaxpr.jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            params = eqn.params.get("compiler_params")
+            if isinstance(params, Mapping):
+                params = params.get("mosaic_tpu") or params.get("mosaic")
+            semantics = getattr(params, "dimension_semantics", None)
+            return tuple(str(x).lower() for x in semantics) if semantics else ()
+    return None
+
+
+def _semantics_problem(fn: Callable, case: Case) -> str | None:
+    """The heads and q-block axes carry no state: they should be "parallel", so that a
+    megacore chip may split them. (A "parallel" KV axis shows in the run itself: shuffled.)"""
+    semantics = _declared_semantics(fn, case)
+    if semantics is None:
+        return None
+    if len(semantics) != 3 or any("parallel" not in x for x in semantics[:2]):
+        return (
+            f"dimension_semantics={semantics or None}: the heads and q-block axes carry no "
+            'state from one step to the next, so mark them "parallel", which lets a megacore '
+            "chip (v4, v5p) split them over its two TensorCores; only the KV axis is "
+            '"arbitrary": ("parallel", "parallel", "arbitrary").'
+        )
+    return None
+
+
+def check_flash_pallas_call(
+    fn: Callable, *, seed: int = 0, verbose: bool = True, details: bool = False
+) -> CheckResult:
+    """Check `fn(q, k, v, *, kv_len, sm_scale, block_q, block_kv, interpret, kernel)`: the
+    `pallas_call` of rung 1 around `kernel` (default `minilib.ladder.flash.flash_kernel`),
+    q: [num_heads, q_len, head_dim], k and v: [num_heads, max_kv_len, head_dim].
+
+    The call must give the kernel the grid (num_heads, q_len // block_q,
+    cdiv(kv_len, block_kv)), BlockSpecs whose index maps pick q block i and KV block j of
+    head h, the scratch m, l (block_q, 1) and acc (block_q, head_dim) in float32, and
+    `dimension_semantics` ("parallel", "parallel", "arbitrary"). The order of its grid steps is
+    recorded (interpret mode shuffles a "parallel" axis), the semantics it declares are read
+    from its jaxpr, and a wrong output is probed.
+
+    >>> check_flash_pallas_call(flash_attention).status
+    Passed: flash_pallas_call matches the reference on all 2 cases...
+    'passed'
+    """
+    cases = _cases(seed)
+    return check_kernel(
+        "flash_pallas_call",
+        fn,
+        flash_attention_reference,
+        cases,
+        compile_case=_compile_case(),
+        mistakes=_mistakes(),
+        verbose=verbose,
+        details=details,
+        record_grid=True,
+        diagnose=lambda run, case: _probe_pallas_call(fn, case) or _grid_problem(run, case),
+        extra_check=lambda run, case: (
+            _grid_problem(run, case) or (_semantics_problem(fn, case) if case is cases[0] else None)
+        ),
+        explain_error=lambda error, case: (
+            _probe_pallas_call(fn, case) if isinstance(error, Exception) else None
+        ),
+        advice=_block_advice,
+    )
+
+
+def _block_advice(kind: str) -> str | None:
+    if kind != "block":
+        return None
+    return (
+        "an index map returned a block past the last one. Index maps return *block* indices, "
+        "not element offsets: (h, i, 0) for q and the output, (h, j, 0) for K and V (block j "
+        "starts at row j * block_kv); the output's block is the same for every KV step j."
+    )

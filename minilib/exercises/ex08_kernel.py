@@ -49,7 +49,7 @@ def check_kv_blocks_to_visit(fn: Callable, *, seed: int = 0, verbose: bool = Tru
     sliding_window may be None.
 
     >>> check_kv_blocks_to_visit(_reference)
-    Passed: kv_blocks_to_visit matches the reference on all 13 cases.
+    Passed: kv_blocks_to_visit matches the reference on all 14 cases.
     CheckResult('kv_blocks_to_visit', status='passed')
     """
     rng = np.random.default_rng(900 + seed)
@@ -63,6 +63,7 @@ def check_kv_blocks_to_visit(fn: Callable, *, seed: int = 0, verbose: bool = Tru
         (32, 40, (8, 16), 8, None),  # a middle q block of a chunk
         (3, 20, (0, 3), 16, None),
         (1, 41, (0, 1), 16, 8),  # decode with a window: early blocks are skipped
+        (1, 25, (0, 1), 16, 9),  # ... the window's first key starts a block (key 16)
         (16, 64, (0, 8), 8, 5),
         (6, 6, (2, 6), 2, 3),
     ]
@@ -108,13 +109,15 @@ def check_kv_blocks_to_visit(fn: Callable, *, seed: int = 0, verbose: bool = Tru
         first, _ = _reference(first_q_pos, last_q_pos, kv_tokens_per_block, sliding_window)
         return first, first_q_pos // kv_tokens_per_block + 1
 
+    # A case where two mistakes give the same answer is named after the first that matches:
+    # the window off by one comes first, as ignoring the window fails an earlier case.
     mistakes = {
-        "the sliding window: no row sees a key before first_q_pos - sliding_window + 1, so the "
-        "blocks before the one holding it are never needed (copying them would waste "
-        "bandwidth).": _as_ints(ignoring_the_window),
         "the window's first key: a row at position p sees keys p - sliding_window + 1 .. p, "
         "so the first block is max(first_q_pos - sliding_window + 1, 0) // "
         "kv_tokens_per_block.": _as_ints(window_off_by_one),
+        "the sliding window: no row sees a key before first_q_pos - sliding_window + 1, so the "
+        "blocks before the one holding it are never needed (copying them would waste "
+        "bandwidth).": _as_ints(ignoring_the_window),
         "the window of the *first* row reaches back furthest: start from first_q_pos, not "
         "last_q_pos.": _as_ints(window_of_the_last_row),
         "end is exclusive: the block holding key last_q_pos is last_q_pos // "

@@ -266,9 +266,10 @@ def _ragged_details(batch: RaggedBatch, window: int | None) -> str:
     rows = []
     for i, (q_len, kv_len) in enumerate(batch.seq_lens):
         offset = kv_len - q_len
-        sees = [_keys_seen(position, window) for position in (offset, kv_len - 1)]
-        if q_len == 0:
+        if q_len == 0:  # idle, kv_len 0 included: no row, so no key seen
             sees = ["(no q rows)", "(no q rows)"]
+        else:
+            sees = [_keys_seen(position, window) for position in (offset, kv_len - 1)]
         rows.append(
             (
                 f"seq {i}",

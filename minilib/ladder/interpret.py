@@ -2,12 +2,24 @@
 
 `strict_interpret_params()` turns on what catches kernel bugs on a CPU:
 
-  detect_races=True            a DMA that writes a buffer while the kernel reads it, or two
-                               copies into one buffer at once, is recorded as a race;
-  uninitialized_memory="nan"   scratch and output buffers start as NaN, so a state the kernel
-                               forgot to initialise shows up in the answer;
-  dma_execution_mode="eager"   a copy lands as soon as it starts, so reading a buffer that a
-                               copy is about to overwrite gives a wrong answer, not a lucky one.
+  detect_races=True            a buffer access that no wait orders with a DMA's write into
+                               that buffer is recorded as a race: a read of a buffer before
+                               the wait for the copy into it, a read of a slot while a copy
+                               into it has started. (Two copies into one slot, neither waited
+                               for, may go unreported: the checkers' ledger,
+                               `minilib.ladder.watch`, catches those.)
+  uninitialized_memory="nan"   scratch and output buffers start as NaN (integers at their
+                               largest value), so a state the kernel forgot to initialise shows
+                               up in the answer; interpret mode itself reports nothing;
+  dma_execution_mode="eager"   a copy lands the moment it starts. A read before the wait then
+                               still sees the right data (only the race detector catches it),
+                               but a read after a *later* copy into the same buffer started
+                               sees the later data: a wrong answer.
+
+`num_cores=2` simulates two TensorCores behind one device (megacore: v4, v5p), which split the
+"parallel" grid axes between them, each with its own scratch. The interpreter always visits a
+"parallel" axis in a shuffled order (`random_seed` picks the shuffle); "arbitrary" axes run in
+order.
 
 Options this JAX's `pltpu.InterpretParams` lacks are left out, and named in
 `MISSING_OPTIONS`, so that a report can say what was not checked.
@@ -31,13 +43,25 @@ _FIELDS = {f.name for f in dataclasses.fields(pltpu.InterpretParams)}
 MISSING_OPTIONS = tuple(name for name in STRICT_OPTIONS if name not in _FIELDS)
 
 
-def strict_interpret_params() -> pltpu.InterpretParams:
+def strict_interpret_params(
+    *, num_cores: int = 1, random_seed: int | None = None, grid_point_recorder=None
+) -> pltpu.InterpretParams:
     """`pltpu.InterpretParams` with every option of `STRICT_OPTIONS` this JAX has.
+
+    `num_cores`: TensorCores per device (2: megacore). `random_seed`: the shuffle of the
+    "parallel" grid axes. `grid_point_recorder`: called with each grid point the interpreter
+    runs and its core (and, from jax 0.8, a token first, which it must return).
 
     >>> strict_interpret_params().detect_races
     True
     """
     options = {k: v for k, v in STRICT_OPTIONS.items() if k in _FIELDS}
+    cores = "num_cores_or_threads" if "num_cores_or_threads" in _FIELDS else "num_cores_per_device"
+    options[cores] = num_cores
+    if random_seed is not None:
+        options["random_seed"] = random_seed
+    if grid_point_recorder is not None:
+        options["grid_point_recorder"] = grid_point_recorder
     return pltpu.InterpretParams(**options)
 
 

@@ -11,10 +11,14 @@ and every step of it starts the copy of the next one:
         if there is one: start the copy of nxt into slot 1 - slot
         wait for (seq, page) in slot;  compute;  slot = 1 - slot
 
+A sequence slot with kv_len 0 (an empty slot) has no pages, so no work: the stream skips it,
+and the very first work is page 0 of the first sequence that has pages, as in the full
+kernel, which skips the sequences with no q rows.
+
 `next_work` is the whole difficulty, so it is written in plain Python first (`next_work`) and
 checked event by event against `minilib.schedule.plan_schedule`, the plan of the full kernel,
 which does exactly this on a decode batch with one page per KV block. Then the same function in
-jnp (`next_work_in_kernel`) runs inside the kernel.
+jnp (`next_work_in_kernel`, with `next_seq_with_pages`) runs inside the kernel.
 
 A copy started in one grid step is waited for in the next, and the slot to use next is kept in
 SMEM scratch between them: the grid steps are no longer independent, so the axis is
@@ -39,6 +43,7 @@ from minilib.ladder.scalar_prefetch import attend_kv_block, decode_pallas_call, 
 
 __all__ = [
     "decode_schedule",
+    "first_seq_with_pages",
     "next_work",
     "paged_decode_attention_prefetch",
     "planned_decode_schedule",
@@ -46,32 +51,47 @@ __all__ = [
 
 
 def next_work(seq: int, page: int, kv_lens, num_seqs: int, page_size: int):
-    """The (seq, page) the kernel works on after page `page` of sequence `seq`; None after the
-    last page of the last sequence. Every decode sequence has at least one page.
+    """The (seq, page) the kernel works on after page `page` of sequence `seq`: the next page of
+    this sequence, else page 0 of the next sequence that has pages (kv_len 0: none); None after
+    the last page of the last such sequence.
 
     >>> [next_work(0, 0, [20, 5], 2, 8), next_work(0, 2, [20, 5], 2, 8),
-    ...  next_work(1, 0, [20, 5], 2, 8)]
-    [(0, 1), (1, 0), None]
+    ...  next_work(1, 0, [20, 5], 2, 8), next_work(0, 0, [3, 0, 9], 3, 8)]
+    [(0, 1), (1, 0), None, (2, 0)]
     """
     if page + 1 < pages_needed(int(kv_lens[seq]), page_size):
         return seq, page + 1
-    if seq + 1 < num_seqs:
-        return seq + 1, 0
-    return None
+    later = first_seq_with_pages(seq + 1, kv_lens, num_seqs)
+    return None if later is None else (later, 0)
 
 
-def decode_schedule(next_work_fn, kv_lens, page_size: int) -> list[tuple]:
+def first_seq_with_pages(seq: int, kv_lens, num_seqs: int):
+    """The first sequence from `seq` on whose kv_len is not 0, or None.
+
+    >>> first_seq_with_pages(0, [0, 0, 4], 3), first_seq_with_pages(1, [5, 0], 2)
+    (2, None)
+    """
+    while seq < num_seqs and int(kv_lens[seq]) == 0:
+        seq += 1
+    return seq if seq < num_seqs else None
+
+
+def decode_schedule(next_work_fn, kv_lens, page_size: int, num_seqs: int | None = None):
     """The events (kind, seq, page, slot) of a decode batch, as `next_work_fn` orders the work.
 
     The same events, in the same order, as `plan_schedule` lists for this kernel:
-    one start of the first work, then per work: start the next one (if any) into the other
-    slot, wait for this one, compute it.
+    one start of the first work (page 0 of the first sequence with pages), then per work:
+    start the next one (if any) into the other slot, wait for this one, compute it.
+    `num_seqs` (default: all of kv_lens) are live; the slots past them are padding.
 
     >>> decode_schedule(next_work, [9, 3], page_size=8)[:4]
     [('start', 0, 0, 0), ('start', 0, 1, 1), ('wait', 0, 0, 0), ('compute', 0, 0, 0)]
     """
-    num_seqs = len(kv_lens)
-    events, here, slot = [("start", 0, 0, 0)], (0, 0), 0
+    num_seqs = len(kv_lens) if num_seqs is None else num_seqs
+    first = first_seq_with_pages(0, kv_lens, num_seqs)
+    if first is None:  # no sequence has a page: no work at all
+        return []
+    events, here, slot = [("start", first, 0, 0)], (first, 0), 0
     limit = 2 + sum(pages_needed(int(n), page_size) for n in kv_lens)  # work items, and some slack
     while here is not None and len(events) < 3 * limit:
         nxt = next_work_fn(*here, kv_lens, num_seqs, page_size)
@@ -92,9 +112,10 @@ def _index_or_repr(x):
         return repr(x)
 
 
-def planned_decode_schedule(kv_lens, page_size: int) -> list[tuple]:
+def planned_decode_schedule(kv_lens, page_size: int, num_seqs: int | None = None) -> list:
     """`plan_schedule`'s events for a decode batch with these kv_lens, as (kind, seq, page,
-    slot): one page per KV block, one q row (one sequence) per q block.
+    slot): one page per KV block, one q row (one sequence) per q block. Only the first
+    `num_seqs` (default: all) are live.
 
     >>> planned_decode_schedule([9, 3], 8) == decode_schedule(next_work, [9, 3], 8)
     True
@@ -102,18 +123,33 @@ def planned_decode_schedule(kv_lens, page_size: int) -> list[tuple]:
     from minilib.batch import make_batch
     from minilib.schedule import plan_schedule
 
-    batch = make_batch([(1, int(n)) for n in kv_lens], num_q_heads=1, num_kv_heads=1,
-                       head_dim=8, page_size=page_size)  # fmt: skip
+    # An empty slot (kv_len 0) is an idle sequence with no q row: no work in the full kernel.
+    live = list(kv_lens)[: len(kv_lens) if num_seqs is None else num_seqs]
+    seq_lens = [(1, int(n)) if int(n) > 0 else (0, 0) for n in live]
+    batch = make_batch(seq_lens, num_q_heads=1, num_kv_heads=1, head_dim=8, page_size=page_size,
+                       max_num_seqs=max(len(kv_lens), 1))  # fmt: skip
     plan = plan_schedule(*batch.args(), num_kv_pages_per_block=1, num_queries_per_block=1)
     return [(e.kind, e.seq, e.kv_blk, e.slot) for e in plan.events]
+
+
+def next_seq_with_pages(seq, kv_lens_ref, num_seqs):
+    """`first_seq_with_pages` on traced scalars: the first sequence from `seq` on with
+    kv_len > 0, or `num_seqs` if there is none. (kv_lens_ref is read at `num_seqs - 1` at
+    most: `&` evaluates both sides.)"""
+
+    def empty(s):
+        return (s < num_seqs) & (kv_lens_ref[jnp.minimum(s, num_seqs - 1)] == 0)
+
+    return lax.while_loop(empty, lambda s: s + 1, seq)
 
 
 def next_work_in_kernel(seq, page, kv_lens_ref, num_seqs, page_size: int):
     """`next_work` on traced scalars: returns (has_next, next_seq, next_page)."""
     more_pages = (page + 1) * page_size < kv_lens_ref[seq]
-    next_seq = jnp.where(more_pages, seq, seq + 1)
+    later = next_seq_with_pages(seq + 1, kv_lens_ref, num_seqs)
+    next_seq = jnp.where(more_pages, seq, later)
     next_page = jnp.where(more_pages, page + 1, 0)
-    return more_pages | (seq + 1 < num_seqs), next_seq, next_page
+    return more_pages | (later < num_seqs), next_seq, next_page
 
 
 def paged_decode_attention_prefetch(
@@ -180,7 +216,11 @@ def prefetch_kernel(
     @pl.when(seq == 0)
     def _start_the_very_first_copy():
         slot_ref[0] = 0
-        page_copy(0, 0, 0).start()
+        first = next_seq_with_pages(0, kv_lens_ref, num_seqs)
+
+        @pl.when(first < num_seqs)  # some sequence has a page
+        def _():
+            page_copy(first, 0, 0).start()
 
     def attend_page(i, slot):
         has_next, next_seq, next_page = next_work_in_kernel(

@@ -10,8 +10,12 @@ the grid runs and passed to every index map, so the index map of `kv_pages` can 
 page grid step (seq, i) needs. Pallas then copies that page into VMEM for us, and already
 fetches the next step's page while this one computes (its pipeline is double-buffered).
 
-Steps past a sequence's last page map to that last page again. Pallas skips the copy when a
-block index repeats, and the kernel skips the compute (`pl.when`).
+Steps past a sequence's last page map to that last page again: entries of `page_indices` past
+a sequence's last page hold garbage (any number, even one past the end of `kv_pages`), so they
+are never read through. Pallas skips the copy when a block index repeats, and the kernel skips
+the compute (`pl.when`), which saves work: `attend_kv_block` masks every key at a position
+`>= kv_len`, so the answer would be the same. A slot with no sequence in it (kv_len 0) has no
+page at all: its steps see page 0 of the pool, which nothing computes with, and its output is 0.
 
 Rungs 3 to 5 keep this call's shape (`decode_pallas_call`: scalar prefetch, one q block per
 sequence, the softmax state in scratch) and change only the grid, how `kv_pages` reaches the
@@ -48,7 +52,8 @@ def paged_decode_reference(
     sm_scale: float,
     **interpret,
 ) -> jax.Array:  # [num_seqs, num_q_heads, head_dim]
-    """Decode attention in plain jnp, one sequence at a time, with the kernels' signature.
+    """Decode attention in plain jnp, one sequence at a time, with the kernels' signature. Only
+    a sequence's own pages are read; a sequence with kv_len 0 (an empty slot) gives 0.
 
     >>> from minilib.batch import make_batch
     >>> b = make_batch([(1, 5), (1, 9)])
@@ -60,6 +65,9 @@ def paged_decode_reference(
     out = []
     for seq in range(num_seqs):
         kv_len = int(kv_lens[seq])
+        if kv_len == 0:  # an empty slot: no key to attend to, output 0
+            out.append(jnp.zeros((num_q_heads, head_dim), jnp.float32))
+            continue
         pages = np.asarray(page_indices[seq, : pages_needed(kv_len, page_size)])
         kv = kv_pages[pages].reshape(-1, 2 * num_kv_heads, head_dim)[:kv_len]
         k = jnp.repeat(kv[:, 0::2], num_q_heads // num_kv_heads, axis=1).astype(jnp.float32)
@@ -161,10 +169,12 @@ def decode_pallas_call(
 def page_index_map(seq, i, kv_lens_ref, page_indices_ref, *, page_size: int):
     """The block of `kv_pages` that grid step (seq, i) sees: page i of the sequence, looked up in
     the page table (in SMEM). Steps past the last page see the last page again, which Pallas
-    does not copy twice. Returns a block index: (page, 0, 0, 0).
+    does not copy twice; a sequence with no page (kv_len 0) sees page 0 of the pool: its row of
+    the page table is garbage. Returns a block index: (page, 0, 0, 0).
     """
-    last_page = jnp.maximum(pl.cdiv(kv_lens_ref[seq], page_size) - 1, 0)
-    return (page_indices_ref[seq, jnp.minimum(i, last_page)], 0, 0, 0)
+    num_pages = pl.cdiv(kv_lens_ref[seq], page_size)
+    page = page_indices_ref[seq, jnp.minimum(i, jnp.maximum(num_pages - 1, 0))]
+    return (jnp.where(num_pages > 0, page, 0), 0, 0, 0)
 
 
 def softmax_scratch(num_kv_heads: int, group: int, head_dim: int) -> list:
@@ -245,7 +255,13 @@ def attend_kv_block(
 
 
 def write_output(o_ref, l_ref, acc_ref):
-    """o = acc / l, the q heads of KV head h in rows h * group ... (h + 1) * group."""
+    """o = acc / l, the q heads of KV head h in rows h * group ... (h + 1) * group.
+
+    A sequence with no keys (kv_len 0, an empty slot) has l = 0 and acc = 0: its output is 0,
+    not 0 / 0 = NaN.
+    """
     num_kv_heads, group = l_ref.shape[0], l_ref.shape[1]
     for h in range(num_kv_heads):
-        o_ref[h * group : (h + 1) * group, :] = (acc_ref[h] / l_ref[h]).astype(o_ref.dtype)
+        l = l_ref[h]
+        out = acc_ref[h] / jnp.where(l == 0.0, 1.0, l)
+        o_ref[h * group : (h + 1) * group, :] = out.astype(o_ref.dtype)

@@ -1,0 +1,481 @@
+"""Plausible wrong answers to the kernel ladder's exercises, as a learner writes them.
+
+Each `WrongAnswer` names its rung, the checker, how to build the learner's function, and words
+its report must contain (the named cause). `tests/test_ladder_checkers.py` runs them: one per
+rung in the default run (`fast=True`), the rest under `-m slow`.
+
+The kernels start from the solutions (solutions/ex07_flash.py, ex08_ladder.py) and change one
+thing, the `variant`; each variant is commented with the mistake it makes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+import minilib.exercises as ex
+from minilib.ladder import async_copy, double_buffer, flash, prefetch, scalar_prefetch
+from minilib.ladder.flash import init_online_softmax
+from minilib.ladder.prefetch import next_seq_with_pages
+from minilib.ladder.scalar_prefetch import attend_kv_block, write_output
+
+MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class WrongAnswer:
+    rung: str
+    name: str
+    checker: Callable
+    make: Callable[[], Callable]
+    expect: tuple[str, ...]  # words the report must contain
+    fast: bool = False
+
+
+# --- rung 1a: the flash kernel body ----------------------------------------------------------
+
+
+def flash_body(variant: str) -> Callable:
+    def kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, kv_len, q_len, sm_scale):
+        i, j = pl.program_id(1), pl.program_id(2)
+        block_q, block_kv = q_ref.shape[0], k_ref.shape[0]
+
+        init = j == 0
+        if variant == "init_every_step":  # resets m, l, acc on every KV block
+            init = j >= 0
+
+        @pl.when(init)
+        def _init():
+            if variant == "no_init":  # forgets to initialise: scratch starts as NaN
+                return
+            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+        row = jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+        q_pos = {
+            "no_kv_offset": i * block_q + row,  # forgets kv_len - q_len
+            "no_block_offset": kv_len - q_len + row,  # forgets i * block_q
+        }.get(variant, kv_len - q_len + i * block_q + row)
+        k_pos = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+        q, k = q_ref[...].astype(jnp.float32), k_ref[...].astype(jnp.float32)
+        v = v_ref[...].astype(jnp.float32)
+        if variant != "v_not_zeroed":  # masks the scores, but 0 * NaN = NaN in p @ v
+            v = jnp.where(k_pos.T < kv_len, v, 0.0)
+        s = jnp.dot(q, k.T)
+        if variant != "no_sm_scale":
+            s = s * sm_scale
+        visible = (k_pos <= q_pos) & (k_pos < kv_len)
+        if variant == "no_causal_mask":
+            visible = k_pos < kv_len
+        s = jnp.where(visible, s, MASK)
+        m_prev = m_ref[...]
+        m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+        p = jnp.exp(s - m_next)
+        alpha = jnp.exp(m_prev - m_next)
+        if variant == "no_rescale":  # forgets alpha
+            alpha = jnp.ones_like(alpha)
+        l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v)
+        m_ref[...] = m_next
+
+        last = j == pl.num_programs(2) - 1
+        if variant == "write_first":  # writes acc / l after the first KV block
+            last = j == 0
+
+        @pl.when(last)
+        def _finish():
+            o_ref[...] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
+
+    return functools.partial(flash.flash_attention, kernel=kernel)
+
+
+# --- rung 1b: the flash pallas_call ------------------------------------------------------------
+
+
+def flash_call(variant: str) -> Callable:
+    def fn(q, k, v, *, kv_len, sm_scale, block_q=8, block_kv=8, interpret=False,
+           kernel=flash.flash_kernel):  # fmt: skip
+        num_heads, q_len, head_dim = q.shape
+        num_kv_blocks = pl.cdiv(kv_len, block_kv)
+        if variant == "grid_to_max_kv_len":  # walks the NaN blocks past kv_len too
+            num_kv_blocks = k.shape[1] // block_kv
+        grid = (num_heads, q_len // block_q, num_kv_blocks)
+        q_map = lambda h, i, j: (h, i, 0)
+        kv_map = {
+            "kv_map_uses_i": lambda h, i, j: (h, i, 0),  # the q block's index for K and V
+            "kv_map_offsets": lambda h, i, j: (h, j * block_kv, 0),  # an element offset
+            "kv_map_ignores_j": lambda h, i, j: (h, 0, 0),  # always the first KV block
+        }.get(variant, lambda h, i, j: (h, j, 0))
+        out_map = (lambda h, i, j: (h, j, 0)) if variant == "out_map_uses_j" else q_map
+        semantics = {
+            "all_parallel": ("parallel", "parallel", "parallel"),  # the KV axis carries state
+            "all_arbitrary": ("arbitrary", "arbitrary", "arbitrary"),
+        }.get(variant, ("parallel", "parallel", "arbitrary"))
+        acc = pltpu.VMEM((block_q, head_dim), jnp.float32)
+        if variant == "acc_bf16":  # the running sum in bf16
+            acc = pltpu.VMEM((block_q, head_dim), jnp.bfloat16)
+        stat = (block_q, head_dim) if variant == "m_l_full_width" else (block_q, 1)
+        return pl.pallas_call(
+            functools.partial(kernel, kv_len=kv_len, q_len=q_len, sm_scale=sm_scale),
+            out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            grid=grid,
+            in_specs=[
+                pl.BlockSpec((None, block_q, head_dim), q_map),
+                pl.BlockSpec((None, block_kv, head_dim), kv_map),
+                pl.BlockSpec((None, block_kv, head_dim), kv_map),
+            ],
+            out_specs=pl.BlockSpec((None, block_q, head_dim), out_map),
+            scratch_shapes=[pltpu.VMEM(stat, jnp.float32), pltpu.VMEM(stat, jnp.float32), acc],
+            compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+            interpret=interpret,
+        )(q, k, v)
+
+    return fn
+
+
+# --- rung 2: scalar prefetch ---------------------------------------------------------------------
+
+
+def rung2(variant: str) -> Callable:
+    def index_map(seq, i, kv_lens_ref, page_indices_ref, *, page_size):
+        num_pages = pl.cdiv(kv_lens_ref[seq], page_size)
+        if variant == "no_clamp":  # reads the garbage entries past the last page
+            return (page_indices_ref[seq, i], 0, 0, 0)
+        if variant == "clamp_off_by_one":  # min(i, num_pages): one past the last page
+            return (page_indices_ref[seq, jnp.minimum(i, num_pages)], 0, 0, 0)
+        if variant == "page_by_position":  # page i of the pool, not of the sequence
+            return (jnp.minimum(i, num_pages), 0, 0, 0)
+        page = page_indices_ref[seq, jnp.minimum(i, jnp.maximum(num_pages - 1, 0))]
+        if variant == "empty_slot_reads_its_row":  # kv_len 0: its whole row is garbage
+            return (page, 0, 0, 0)
+        return (jnp.where(num_pages > 0, page, 0), 0, 0, 0)
+
+    def kernel(kv_lens_ref, page_indices_ref, q_ref, page_ref, o_ref, m_ref, l_ref, acc_ref, *,
+               sm_scale):  # fmt: skip
+        seq, i = pl.program_id(0), pl.program_id(1)
+        kv_len, page_size = kv_lens_ref[seq], page_ref.shape[0]
+
+        @pl.when((i >= 0) if variant == "init_every_page" else (i == 0))
+        def _init():
+            init_online_softmax(m_ref, l_ref, acc_ref)
+
+        first_pos = 0 if variant == "positions_from_zero" else i * page_size
+
+        @pl.when(i * page_size < kv_len)
+        def _attend():
+            attend_kv_block(page_ref, q_ref, m_ref, l_ref, acc_ref, first_pos, kv_len, sm_scale)
+
+        @pl.when((i == 0) if variant == "write_first_page" else (i == pl.num_programs(1) - 1))
+        def _finish():
+            write_output(o_ref, l_ref, acc_ref)
+
+    return functools.partial(scalar_prefetch.paged_decode_attention, kernel=kernel,
+                             index_map=index_map)  # fmt: skip
+
+
+# --- rung 3: one buffer, one copy ---------------------------------------------------------------
+
+
+def rung3(variant: str) -> Callable:
+    def kernel(kv_lens_ref, page_indices_ref, q_ref, kv_hbm_ref, o_ref, buf, sem, m_ref, l_ref,
+               acc_ref, *, sm_scale):  # fmt: skip
+        seq, i = pl.program_id(0), pl.program_id(1)
+        kv_len, page_size = kv_lens_ref[seq], buf.shape[0]
+
+        @pl.when(i == 0)
+        def _init():
+            init_online_softmax(m_ref, l_ref, acc_ref)
+
+        page = i if variant == "page_by_position" else page_indices_ref[seq, i]
+        copy = pltpu.make_async_copy(kv_hbm_ref.at[page], buf, sem)
+
+        def copy_and_attend():
+            if variant == "wait_before_start":  # waits for a copy not started yet
+                copy.wait()
+                copy.start()
+            elif variant == "no_wait":  # reads the buffer, never waiting for the copy
+                copy.start()
+            else:
+                copy.start()
+                if variant != "compute_then_wait":
+                    copy.wait()
+            attend_kv_block(buf, q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len, sm_scale)
+            if variant == "compute_then_wait":
+                copy.wait()
+
+        if variant == "copy_every_step":  # copies page i even past the sequence's last page
+            copy_and_attend()
+        else:
+            pl.when(i * page_size < kv_len)(copy_and_attend)
+
+        @pl.when(i == pl.num_programs(1) - 1)
+        def _finish():
+            write_output(o_ref, l_ref, acc_ref)
+
+    return functools.partial(async_copy.paged_decode_attention_async_copy, kernel=kernel)
+
+
+# --- rung 4: double buffering --------------------------------------------------------------------
+
+
+def rung4(variant: str) -> Callable:
+    def kernel(kv_lens_ref, page_indices_ref, q_ref, kv_hbm_ref, o_ref, bufs, sems, m_ref, l_ref,
+               acc_ref, *, sm_scale):  # fmt: skip
+        seq = pl.program_id(0)
+        kv_len, page_size = kv_lens_ref[seq], bufs.shape[1]
+        num_pages = pl.cdiv(kv_len, page_size)
+
+        def page_copy(i, slot):
+            page = page_indices_ref[seq, i]
+            sem = sems.at[0] if variant == "one_semaphore" else sems.at[slot]
+            if variant == "one_slot":  # every page into slot 0
+                slot = 0
+            return pltpu.make_async_copy(kv_hbm_ref.at[page], bufs.at[slot], sem)
+
+        def body(i, _):
+            slot = i % 2
+            if variant == "unguarded_next":  # starts page i + 1 even after the last page
+                page_copy(jnp.minimum(i + 1, page_indices_ref.shape[1] - 1), 1 - slot).start()
+            else:
+
+                @pl.when(i + 1 < num_pages)
+                def _():
+                    page_copy(i + 1, 1 - slot).start()
+
+            if variant == "compute_before_wait":
+                attend_kv_block(bufs.at[slot], q_ref, m_ref, l_ref, acc_ref, i * page_size,
+                                kv_len, sm_scale)  # fmt: skip
+                page_copy(i, slot).wait()
+                return
+            wait_slot = 1 - slot if variant == "wait_other_slot" else slot
+            page_copy(i, wait_slot).wait()
+            read = 0 if variant == "one_slot" else slot
+            attend_kv_block(bufs.at[read], q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len,
+                            sm_scale)  # fmt: skip
+
+        init_online_softmax(m_ref, l_ref, acc_ref)
+        if variant == "first_copy_unguarded":  # page 0 even for an empty slot
+            page_copy(0, 0).start()
+        else:
+            pl.when(num_pages > 0)(lambda: page_copy(0, 0).start())
+        lax.fori_loop(0, num_pages, body, None)
+        write_output(o_ref, l_ref, acc_ref)
+
+    return functools.partial(double_buffer.paged_decode_attention_double_buffered, kernel=kernel)
+
+
+# --- rung 5: prefetching across grid steps -----------------------------------------------------
+
+
+def rung5(variant: str) -> Callable:
+    def kernel(kv_lens_ref, page_indices_ref, q_ref, kv_hbm_ref, o_ref, bufs, sems, slot_ref,
+               m_ref, l_ref, acc_ref, *, sm_scale):  # fmt: skip
+        seq, num_seqs = pl.program_id(0), pl.num_programs(0)
+        kv_len, page_size = kv_lens_ref[seq], bufs.shape[1]
+
+        def page_copy(s, i, slot):
+            page = page_indices_ref[s, i]
+            return pltpu.make_async_copy(kv_hbm_ref.at[page], bufs.at[slot], sems.at[slot])
+
+        first_step = seq >= 0 if variant == "first_copy_every_step" else seq == 0
+
+        @pl.when(first_step)
+        def _first():
+            slot_ref[0] = 0
+            first = next_seq_with_pages(0, kv_lens_ref, num_seqs)
+            if variant == "first_copy_of_seq_0":  # seq 0 even when it is an empty slot
+                first = 0
+
+            @pl.when(first < num_seqs)
+            def _():
+                page_copy(first, 0, 0).start()
+
+        def body(i, slot):
+            if variant == "le_for_lt":  # <= : a page past the last one of a whole-page sequence
+                more_pages = (i + 1) * page_size <= kv_len
+            else:
+                more_pages = (i + 1) * page_size < kv_len
+            if variant == "no_skip_empty":  # the next slot even if it is empty
+                later = seq + 1
+            else:
+                later = next_seq_with_pages(seq + 1, kv_lens_ref, num_seqs)
+            next_seq = jnp.where(more_pages, seq, later)
+            next_page = jnp.where(more_pages, i + 1, 0)
+            has_next = more_pages | (later < num_seqs)
+            if variant == "next_past_the_last":  # forgets that the last sequence has no next
+                has_next = jnp.bool_(True)
+            into = slot if variant == "next_into_same_slot" else 1 - slot
+
+            @pl.when(has_next)
+            def _():
+                page_copy(jnp.minimum(next_seq, num_seqs - 1) if variant != "next_past_the_last"
+                          else next_seq, next_page, into).start()  # fmt: skip
+
+            page_copy(seq, i, slot).wait()
+            attend_kv_block(bufs.at[slot], q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len,
+                            sm_scale)  # fmt: skip
+            return 1 - slot
+
+        init_online_softmax(m_ref, l_ref, acc_ref)
+        start = 0 if variant == "slot_not_carried" else slot_ref[0]
+        slot_ref[0] = lax.fori_loop(0, pl.cdiv(kv_len, page_size), body, start)
+        write_output(o_ref, l_ref, acc_ref)
+
+    return functools.partial(prefetch.paged_decode_attention_prefetch, kernel=kernel)
+
+
+def rung5_no_prefetch_across_steps() -> Callable:
+    """Rung 4's kernel in rung 5's call: every grid step starts its own first page."""
+
+    def kernel(kv_lens_ref, page_indices_ref, q_ref, kv_hbm_ref, o_ref, bufs, sems, slot_ref,
+               m_ref, l_ref, acc_ref, *, sm_scale):  # fmt: skip
+        del slot_ref
+        double_buffer.double_buffer_kernel(kv_lens_ref, page_indices_ref, q_ref, kv_hbm_ref,
+                                           o_ref, bufs, sems, m_ref, l_ref, acc_ref,
+                                           sm_scale=sm_scale)  # fmt: skip
+
+    return functools.partial(prefetch.paged_decode_attention_prefetch, kernel=kernel)
+
+
+# --- rung 5a: next_work in Python ----------------------------------------------------------------
+
+
+def next_work_variant(variant: str) -> Callable:
+    def next_work(seq, page, kv_lens, num_seqs, page_size):
+        if variant == "le_for_lt":
+            if (page + 1) * page_size <= kv_lens[seq]:
+                return seq, page + 1
+        elif (page + 1) * page_size < kv_lens[seq]:
+            return seq, page + 1
+        if variant == "stops_at_sequence_end":
+            return None
+        seq += 1
+        while variant != "no_skip_empty" and seq < num_seqs and kv_lens[seq] == 0:
+            seq += 1
+        live = len(kv_lens) if variant == "ignores_num_seqs" else num_seqs  # padding too
+        while variant == "ignores_num_seqs" and seq < live and kv_lens[seq] == 0:
+            seq += 1
+        return (seq, 0) if seq < live else None
+
+    return next_work
+
+
+def W(rung, name, checker, make, *expect, fast=False):  # noqa: N802  (a table row)
+    return WrongAnswer(rung, name, checker, make, expect, fast)
+
+
+WRONG_ANSWERS = [
+    # rung 1a: the kernel body
+    W("1a", "no alpha rescale", ex.check_flash_attention, lambda: flash_body("no_rescale"),
+      "not rescaled", fast=True),
+    W("1a", "init on every step", ex.check_flash_attention,
+      lambda: flash_body("init_every_step"), "initialised on every KV block"),
+    W("1a", "q offset without kv_len - q_len", ex.check_flash_attention,
+      lambda: flash_body("no_kv_offset"), "kv_len - q_len` is missing"),
+    W("1a", "q offset without the block", ex.check_flash_attention,
+      lambda: flash_body("no_block_offset"), "i * block_q` of the q block is missing"),
+    W("1a", "output written early", ex.check_flash_attention, lambda: flash_body("write_first"),
+      "written on the first KV block"),
+    W("1a", "no init", ex.check_flash_attention, lambda: flash_body("no_init"), "initialised"),
+    W("1a", "V not zeroed", ex.check_flash_attention, lambda: flash_body("v_not_zeroed"),
+      "0 * NaN"),
+    W("1a", "no causal mask", ex.check_flash_attention, lambda: flash_body("no_causal_mask"),
+      "no causal mask"),
+    W("1a", "no sm_scale", ex.check_flash_attention, lambda: flash_body("no_sm_scale"),
+      "sm_scale"),
+    # rung 1b: the pallas_call
+    W("1b", "KV axis parallel", ex.check_flash_pallas_call, lambda: flash_call("all_parallel"),
+      'the KV axis is "parallel"', fast=True),
+    W("1b", "no axis parallel", ex.check_flash_pallas_call, lambda: flash_call("all_arbitrary"),
+      'mark them "parallel"'),
+    W("1b", "K/V index map uses i", ex.check_flash_pallas_call,
+      lambda: flash_call("kv_map_uses_i"), "index map of K"),
+    W("1b", "K/V index map ignores j", ex.check_flash_pallas_call,
+      lambda: flash_call("kv_map_ignores_j"), "index map of K"),
+    W("1b", "K/V index map as offsets", ex.check_flash_pallas_call,
+      lambda: flash_call("kv_map_offsets"), "not element offsets"),
+    W("1b", "output index map uses j", ex.check_flash_pallas_call,
+      lambda: flash_call("out_map_uses_j"), "out-of-bounds", "the output's block is the same"),
+    W("1b", "grid to max_kv_len", ex.check_flash_pallas_call,
+      lambda: flash_call("grid_to_max_kv_len"), "the grid is (2, 2, 4)"),
+    W("1b", "acc in bf16", ex.check_flash_pallas_call, lambda: flash_call("acc_bf16"),
+      "acc_ref", "float32"),
+    W("1b", "m and l full width", ex.check_flash_pallas_call,
+      lambda: flash_call("m_l_full_width"), "m_ref"),
+    # rung 2
+    W("2", "no clamp", ex.check_paged_decode_attention, lambda: rung2("no_clamp"),
+      "out-of-bounds", "Clamp", fast=True),
+    W("2", "clamp off by one", ex.check_paged_decode_attention,
+      lambda: rung2("clamp_off_by_one"), "out-of-bounds", "Clamp"),
+    W("2", "empty slot reads its row", ex.check_paged_decode_attention,
+      lambda: rung2("empty_slot_reads_its_row"), "out-of-bounds", "no page at all"),
+    W("2", "page by position", ex.check_paged_decode_attention,
+      lambda: rung2("page_by_position"), "page table is not used"),
+    W("2", "init every page", ex.check_paged_decode_attention, lambda: rung2("init_every_page"),
+      "initialised on every grid step"),
+    W("2", "positions from zero", ex.check_paged_decode_attention,
+      lambda: rung2("positions_from_zero"), "first_pos"),
+    W("2", "written after the first page", ex.check_paged_decode_attention,
+      lambda: rung2("write_first_page"), "only the first page counts"),
+    # rung 3
+    W("3", "no wait", ex.check_paged_decode_async_copy, lambda: rung3("no_wait"),
+      "never waited for", fast=True),
+    W("3", "compute before wait", ex.check_paged_decode_async_copy,
+      lambda: rung3("compute_then_wait"), "DMA race on buf"),
+    W("3", "wait before start", ex.check_paged_decode_async_copy,
+      lambda: rung3("wait_before_start"), "deadlock"),
+    W("3", "copy every step", ex.check_paged_decode_async_copy,
+      lambda: rung3("copy_every_step"), "out-of-bounds", "does not have"),
+    W("3", "page by position", ex.check_paged_decode_async_copy,
+      lambda: rung3("page_by_position"), "page table is not used"),
+    # rung 4
+    W("4", "one slot", ex.check_double_buffered_decode, lambda: rung4("one_slot"),
+      "overwrote a slot still in use", fast=True),
+    W("4", "one semaphore", ex.check_double_buffered_decode, lambda: rung4("one_semaphore"),
+      "two slots share one semaphore"),
+    W("4", "next page unguarded", ex.check_double_buffered_decode,
+      lambda: rung4("unguarded_next"), "out-of-bounds", "i + 1 < cdiv"),
+    W("4", "first copy unguarded", ex.check_double_buffered_decode,
+      lambda: rung4("first_copy_unguarded"), "out-of-bounds", "empty slot"),
+    W("4", "wait on the other slot", ex.check_double_buffered_decode,
+      lambda: rung4("wait_other_slot"), "overwrote",
+      "its own slot's semaphore"),
+    W("4", "compute before wait", ex.check_double_buffered_decode,
+      lambda: rung4("compute_before_wait"), "DMA race on bufs"),
+    # rung 5
+    W("5", "first page started every step", ex.check_prefetching_decode,
+      lambda: rung5("first_copy_every_step"), "overwrote",
+      "only grid step 0", fast=True),
+    W("5", "<= for <", ex.check_prefetching_decode, lambda: rung5("le_for_lt"),
+      "out-of-bounds", "not `<=`"),
+    W("5", "slot not carried", ex.check_prefetching_decode, lambda: rung5("slot_not_carried"),
+      "slot_ref"),
+    W("5", "empty slots not skipped", ex.check_prefetching_decode,
+      lambda: rung5("no_skip_empty"), "out-of-bounds", "skip kv_len 0"),
+    W("5", "first copy of seq 0", ex.check_prefetching_decode,
+      lambda: rung5("first_copy_of_seq_0"), "a copy of a page no sequence has"),
+    W("5", "next past the last", ex.check_prefetching_decode,
+      lambda: rung5("next_past_the_last"), "out-of-bounds"),
+    W("5", "next into the same slot", ex.check_prefetching_decode,
+      lambda: rung5("next_into_same_slot"), "overwrote a slot still in use"),
+    W("5", "no prefetch across steps", ex.check_prefetching_decode,
+      rung5_no_prefetch_across_steps, "in its own grid step"),
+    # rung 5a: next_work in Python
+    W("5a", "stops at sequence end", ex.check_next_work,
+      lambda: next_work_variant("stops_at_sequence_end"), "page 0 of the next sequence",
+      fast=True),
+    W("5a", "<= for <", ex.check_next_work, lambda: next_work_variant("le_for_lt"),
+      "ceil(kv_len / page_size)"),
+    W("5a", "empty slots not skipped", ex.check_next_work,
+      lambda: next_work_variant("no_skip_empty"), "kv_len 0"),
+    W("5a", "ignores num_seqs", ex.check_next_work,
+      lambda: next_work_variant("ignores_num_seqs"), "num_seqs, not len(kv_lens)"),
+]  # fmt: skip
