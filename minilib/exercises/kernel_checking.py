@@ -567,7 +567,6 @@ def check_kernel(
     locate: Callable | None = None,
     advice: Callable[[str], str] | None = None,
     diagnose: Callable | None = None,
-    num_cores: int = 1,
     record_grid: bool = False,
     extra_check: Callable | None = None,
     explain_error: Callable | None = None,
@@ -578,8 +577,8 @@ def check_kernel(
 
     `names`, `locate`, `advice`, `diagnose`, `ledger_check`: how a rung names its copies,
     places a wrong output, explains an out-of-bounds access, probes a wrong output and checks
-    its copies further (see `compare_kernel_output`). `num_cores`, `record_grid`: run the
-    kernel on that many simulated TensorCores, recording its grid steps; `extra_check(run,
+    its copies further (see `compare_kernel_output`). `record_grid`: record the kernel's grid
+    steps (`KernelRun.grid`, and `Copy.step` of each copy); `extra_check(run,
     case)` may then fail a run whose output is right (a "parallel" axis that carries state).
     `explain_error(error, case)` may name the likely cause of an error the learner's code
     raised. `details`: add JAX's own output (race detector, interpreter) to a failure.
@@ -610,7 +609,7 @@ def check_kernel(
     # limit only backs it up. The answer is a KernelRun, whose type `compare` checks.
     result = run_check(
         name,
-        run_in_strict_interpret_mode(fn, num_cores=num_cores, record_grid=record_grid),
+        run_in_strict_interpret_mode(fn, record_grid=record_grid),
         reference,
         cases,
         compare,

@@ -16,6 +16,9 @@ written it:
                      kernel, the step from these rungs to `minilib.kernel`.
   `interpret`        the strict TPU interpret mode the checkers run them in, and the race
                      detector's verdict.
+  `watch`            the ledger of a kernel's copies and waits in that mode, with which the
+                     checkers name a DMA bug (a deadlock the moment it happens, a copy never
+                     waited for, two slots on one semaphore, a slot overwritten).
 
 Each rung's `__all__` names what runs outside a kernel: the `pallas_call` wrapper, its
 reference, the Python plans. The kernel bodies (`*_kernel`) and their inner steps

@@ -10,8 +10,9 @@ heads) are neither.
 The fix here: block the head axes whole. Program (s, i) gets all q heads, `(rows, num_q_heads,
 head_dim)`, and all of K and V, `(max_kv_len, num_kv_heads, head_dim)`, and loops over the KV
 heads inside the kernel. The grid loses its head axis. A second rule appears once that is
-fixed: a 1-D block must be the whole array or a multiple of 1024 (or a power of 2 of at
-least 128) elements, so the lengths, (1,) blocks, go to SMEM whole instead, where the kernel
+fixed: a 1-D block must be the whole array or tile it (for 32-bit values, jax 0.10's TPU
+lowering takes a multiple of 1024 elements or a power of 2 of at least 128; jax 0.7's a
+multiple of 128), so the lengths, (1,) blocks, go to SMEM whole instead, where the kernel
 reads them as scalars: what notebook 08 does with scalar prefetch. (The TPU kernel of notebook
 08 blocks heads in groups that fill whole tiles instead: `num_kv_heads_per_block`.)
 """

@@ -20,7 +20,9 @@ __all__ = ["ChipMemories", "chip_memories", "why_unavailable"]
 
 @dataclasses.dataclass(frozen=True)
 class ChipMemories:
-    """One TensorCore of a chip: memory capacities in bytes, and its compute units.
+    """One TensorCore of a chip: memory capacities in bytes, and its compute units. On a
+    megacore chip (two TensorCores behind one device: v4, v5p) JAX's figures, HBM included,
+    are one TensorCore's.
 
     >>> print(ChipMemories("v5e", hbm_bytes=16 << 30, vmem_bytes=128 << 20, smem_bytes=1 << 20,
     ...                    sublanes=8, lanes=128, num_mxus=4, mxu_size=128).row())
@@ -36,11 +38,13 @@ class ChipMemories:
     lanes: int
     num_mxus: int
     mxu_size: int  # the MXU is mxu_size x mxu_size
+    tensor_cores: int = 1  # per chip: 2 on a megacore chip, whose HBM figure is one core's
 
     def row(self) -> str:
         gib, mib, kib = 2**30, 2**20, 2**10
+        share = f" per TensorCore ({self.tensor_cores} per chip)" if self.tensor_cores > 1 else ""
         return (
-            f"{self.chip:5s} HBM {self.hbm_bytes / gib:5.1f} GiB   "
+            f"{self.chip:5s} HBM {self.hbm_bytes / gib:5.1f} GiB{share}   "
             f"VMEM {self.vmem_bytes / mib:4.0f} MiB   SMEM {self.smem_bytes / kib:5.0f} KiB   "
             "vector register "
             f"{self.sublanes}x{self.lanes}   {self.num_mxus} MXU(s) of "
@@ -61,6 +65,11 @@ def chip_memories(chips=CHIPS) -> list[ChipMemories] | None:
     rows = []
     for chip in chips:
         info = get_info(pltpu.ChipVersion(chip), 1)  # one TensorCore per device
+        try:  # JAX accepts two TensorCores per device only for megacore chips (v4, v5p)
+            get_info(pltpu.ChipVersion(chip), 2)
+            tensor_cores = 2
+        except ValueError:
+            tensor_cores = 1
         rows.append(
             ChipMemories(
                 chip=chip,
@@ -71,6 +80,7 @@ def chip_memories(chips=CHIPS) -> list[ChipMemories] | None:
                 lanes=info.num_lanes,
                 num_mxus=info.num_mxus,
                 mxu_size=info.mxu_column_size,
+                tensor_cores=tensor_cores,
             )
         )
     return rows
