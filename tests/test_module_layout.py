@@ -40,11 +40,11 @@ TOOLS = {"explore", "tpu", "perf", "doctor", "__main__"}
 
 LAYERS = [
     # 0. Leaves, or nearly: what every layer may read (errors, the mask rule, the TPU chips
-    #    and the dump reader, the checkers' report machinery, the figures' style and the
-    #    explorers' words, which know nothing of attention).
+    #    and the dump reader, the checkers' report machinery and their comparisons, the
+    #    figures' style and the explorers' words, which know nothing of attention).
     ("errors", "masking", "kernel_trace", "tpu.chips", "tpu.dump_reader", "tpu.memory",
-     "tpu.compile", "perf.roofline", "exercises.checking", "ladder.interpret", "explore.style",
-     "explore.text"),
+     "tpu.compile", "perf.roofline", "exercises.checking", "exercises.comparisons",
+     "ladder.interpret", "explore.style", "explore.text"),
     # 1. Head grouping and the options object.
     ("heads", "options"),
     # 2. The paged KV cache (chapter 02).

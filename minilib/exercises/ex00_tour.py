@@ -7,15 +7,8 @@ from collections.abc import Callable
 import numpy as np
 
 from minilib.batch import make_batch
-from minilib.exercises.checking import (
-    Case,
-    CheckResult,
-    Mismatch,
-    as_int,
-    diagnose,
-    expected_vs_got,
-    run_check,
-)
+from minilib.exercises.checking import Case, CheckResult, diagnose, run_check
+from minilib.exercises.comparisons import Mismatch, as_int, expected_vs_got
 
 __all__ = ["check_live_seq_lens"]
 

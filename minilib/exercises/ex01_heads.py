@@ -8,16 +8,8 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from minilib.exercises.checking import (
-    Case,
-    CheckResult,
-    Mismatch,
-    compare_arrays,
-    diagnose,
-    expected_vs_got,
-    random_attention_case,
-    run_check,
-)
+from minilib.exercises.checking import Case, CheckResult, diagnose, random_attention_case, run_check
+from minilib.exercises.comparisons import Mismatch, compare_arrays, expected_vs_got
 from minilib.heads import attention_kind, merge_kv_pages, repeat_kv, split_kv_pages
 from minilib.options import DEFAULT_MASK_VALUE
 from minilib.reference import attend

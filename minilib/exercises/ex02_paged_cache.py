@@ -9,14 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from minilib.batch import make_batch
-from minilib.exercises.checking import (
-    Case,
-    CheckResult,
-    Mismatch,
-    compare_arrays,
-    diagnose,
-    run_check,
-)
+from minilib.exercises.checking import Case, CheckResult, diagnose, run_check
+from minilib.exercises.comparisons import Mismatch, compare_arrays
 from minilib.kv_cache import gather_kv, pages_needed
 
 __all__ = ["check_gather_kv", "check_write_new_tokens"]

@@ -8,16 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from minilib.batch import seq_kind
-from minilib.exercises.checking import (
-    Case,
-    CheckResult,
-    Mismatch,
-    as_int,
-    compare_arrays,
-    diagnose,
-    expected_vs_got,
-    run_check,
-)
+from minilib.exercises.checking import Case, CheckResult, diagnose, run_check
+from minilib.exercises.comparisons import Mismatch, as_int, compare_arrays, expected_vs_got
 from minilib.masking import causal_mask
 
 __all__ = ["check_causal_mask", "check_seq_for_row", "describe_seq"]

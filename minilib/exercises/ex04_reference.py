@@ -8,14 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minilib.exercises.checking import (
-    Case,
-    CheckResult,
-    compare_arrays,
-    diagnose,
-    random_attention_case,
-    run_check,
-)
+from minilib.exercises.checking import Case, CheckResult, diagnose, random_attention_case, run_check
+from minilib.exercises.comparisons import compare_arrays
 from minilib.exercises.ex03_ragged import describe_seq
 from minilib.masking import causal_mask
 from minilib.options import DEFAULT_MASK_VALUE

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from minilib.batch import make_batch
-from minilib.exercises.checking import Case, CheckResult, Mismatch, diagnose, run_check
+from minilib.exercises.checking import Case, CheckResult, diagnose, run_check
+from minilib.exercises.comparisons import Mismatch
 from minilib.kv_cache import pages_needed
 
 __all__ = ["check_validate_page_indices"]

@@ -8,14 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from minilib.blockwise import OnlineSoftmax, online_softmax_update
-from minilib.exercises.checking import (
-    Case,
-    CheckResult,
-    Mismatch,
-    compare_arrays,
-    diagnose,
-    run_check,
-)
+from minilib.exercises.checking import Case, CheckResult, diagnose, run_check
+from minilib.exercises.comparisons import Mismatch, compare_arrays
 from minilib.options import DEFAULT_MASK_VALUE
 
 __all__ = ["check_online_softmax_update"]

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from minilib.batch import make_batch
-from minilib.exercises.checking import Case, CheckResult, compare_arrays, diagnose, run_check
+from minilib.exercises.checking import Case, CheckResult, diagnose, run_check
+from minilib.exercises.comparisons import compare_arrays
 from minilib.kv_cache import pages_needed
 from minilib.options import DEFAULT_MASK_VALUE
 

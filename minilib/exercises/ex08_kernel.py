@@ -6,14 +6,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from minilib.exercises.checking import (
-    Case,
-    CheckResult,
-    as_int,
-    compare_values,
-    diagnose,
-    run_check,
-)
+from minilib.exercises.checking import Case, CheckResult, diagnose, run_check
+from minilib.exercises.comparisons import as_int, compare_values
 from minilib.kv_cache import cdiv
 from minilib.masking import kv_blocks_to_visit
 

@@ -7,15 +7,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from minilib.exercises.checking import (
-    Case,
-    CheckResult,
-    Mismatch,
-    as_int,
-    compare_values,
-    diagnose,
-    run_check,
-)
+from minilib.exercises.checking import Case, CheckResult, diagnose, run_check
+from minilib.exercises.comparisons import Mismatch, as_int, compare_values
 from minilib.kernel import LANES
 from minilib.kv_cache import pages_needed
 from minilib.perf.roofline import rpa_cost

@@ -19,14 +19,8 @@ import numpy as np
 
 from minilib.engine.prefix_cache import BlockPool, hash_block_tokens, hash_request_tokens
 from minilib.engine.scheduler import Request, cache_full_pages, can_admit, preempt
-from minilib.exercises.checking import (
-    Case,
-    CheckResult,
-    Mismatch,
-    compare_values,
-    diagnose,
-    run_check,
-)
+from minilib.exercises.checking import Case, CheckResult, diagnose, run_check
+from minilib.exercises.comparisons import Mismatch, compare_values
 from minilib.kv_cache import PageAllocator, pages_needed
 
 __all__ = [

@@ -40,11 +40,10 @@ from minilib.exercises.checking import (
     PASSED,
     Case,
     CheckResult,
-    Mismatch,
     call_with_time_limit,
-    compare_arrays,
     run_check,
 )
+from minilib.exercises.comparisons import Mismatch, compare_arrays
 from minilib.ladder.interpret import MISSING_OPTIONS, strict_interpret_params
 from minilib.ladder.watch import Copy, Watch, watch_kernel
 
