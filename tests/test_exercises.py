@@ -739,11 +739,11 @@ def test_any_exception_is_reported_not_raised(checker, module, name, wrong, erro
 
 @pytest.mark.parametrize("checker, module, name, wrong", ALL_EXERCISES, ids=ALL_IDS)
 def test_endless_loop_is_stopped_in_time(checker, module, name, wrong, monkeypatch):
-    from minilib.exercises import checking, kernel_checking
+    from minilib.exercises import checking, kernel_run
 
     monkeypatch.setattr(checking, "TIME_LIMIT_SECONDS", 1.0)
     monkeypatch.setattr(checking, "SLOWER_THAN_REFERENCE", 2)
-    monkeypatch.setattr(kernel_checking, "KERNEL_TIMEOUT_SECONDS", 1.0)  # the kernel checkers'
+    monkeypatch.setattr(kernel_run, "KERNEL_TIMEOUT_SECONDS", 1.0)  # the kernel checkers'
 
     def endless(*args, **kwargs):
         while True:

@@ -31,7 +31,8 @@ import numpy as np
 from minilib.batch import make_batch
 from minilib.exercises.checking import Case, CheckResult, diagnose, run_check
 from minilib.exercises.comparisons import Mismatch, expected_vs_got
-from minilib.exercises.kernel_checking import Names, check_kernel
+from minilib.exercises.kernel_checking import check_kernel
+from minilib.exercises.kernel_failures import Names
 from minilib.kv_cache import pages_needed
 from minilib.ladder.prefetch import decode_schedule, planned_decode_schedule
 from minilib.ladder.scalar_prefetch import paged_decode_reference

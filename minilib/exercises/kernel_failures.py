@@ -1,0 +1,340 @@
+"""What went wrong in a run of the learner's kernel, in plain words, with the likely cause.
+
+Each function turns one kind of evidence of a `KernelRun` (`minilib.exercises.kernel_run`) into
+one paragraph: what happened, then "Likely cause: ...".
+
+* `dma_problem`: the first problem in the ledger of the kernel's copies: a deadlock, a copy
+  started and never waited for, two copies in flight on one semaphore, a copy into a slot that
+  an earlier copy is still filling;
+* `race_report`: the race detector's first race, condensed;
+* `interpreter_error`: an out-of-bounds read or write, a revisited output block, or another
+  error of JAX's TPU interpreter;
+* `likely_cause`: for a wrong output, the known mistake it matches, or what NaN in it means.
+
+`Names` says how a report names a kernel's copies (its buffer, its semaphores, a page), and a
+rung's `advice(kind)` may put the likely cause in the rung's own words. JAX's own output (the
+race detector's, the interpreter's) stays out of these paragraphs; `DETAILS_HINT` says how to
+see it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+
+import numpy as np
+
+from minilib.exercises.checking import Case
+from minilib.exercises.comparisons import compare_arrays
+from minilib.exercises.kernel_run import KernelRun
+from minilib.ladder.watch import Copy, Watch
+
+__all__ = [
+    "DETAILS_HINT",
+    "NAN_CAUSES",
+    "Names",
+    "dma_problem",
+    "interpreter_error",
+    "likely_cause",
+    "race_report",
+]
+
+DETAILS_HINT = "(JAX's own output: run the check again with details=True.)"
+
+NAN_CAUSES = (
+    "NaN in the output. In this interpret mode scratch memory starts as NaN, and unused page "
+    "slots and the keys past kv_len hold NaN. Usual causes: m, l or acc not initialised before "
+    "the first KV block (`pl.when(... == 0)`); V rows past kv_len not zeroed (a masked score "
+    "gives p = 0, but 0 * NaN = NaN in p @ v); a page past the sequence's last one read or "
+    "computed; or the output written before the last KV block."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Names:
+    """How a report names the kernel's copies: its VMEM buffer, its semaphores in the order of
+    `scratch_shapes`, and a page of `kv_pages` (a function of the page number).
+
+    >>> names = Names(buffer="bufs", semaphores=("sems[0]", "sems[1]"))
+    >>> names.copy(Copy(0, source=(7, ":"), destination=(1, ":"), buffer=0, semaphore=0, core=0))
+    'the copy of kv_pages[7] into bufs[1]'
+    """
+
+    buffer: str = "buf"
+    semaphores: tuple[str, ...] = ("sem",)
+    page: Callable[[int], str] = "kv_pages[{}]".format
+
+    def place(self, copy: Copy) -> str:
+        return self.buffer if copy.slot is None else f"{self.buffer}[{copy.slot}]"
+
+    def copy(self, copy: Copy) -> str:
+        source = self.page(copy.page) if copy.page is not None else "kv_pages"
+        return f"the copy of {source} into {self.place(copy)}"
+
+    def semaphore(self, watch: Watch, sem_id: int) -> str:
+        index = watch.semaphore_index(sem_id)
+        return self.semaphores[index] if index < len(self.semaphores) else f"semaphore {index}"
+
+
+def dma_problem(
+    run: KernelRun, names: Names, advice: Callable[[str], str | None] | None = None
+) -> str | None:
+    """The first DMA problem in the run's ledger, as a paragraph, or None.
+
+    `advice(kind)` may replace the likely cause of a "deadlock", "overwrite", "shared" or
+    "never_waited" with the rung's own words (None keeps the general one).
+
+    >>> print(dma_problem(KernelRun(out=None), Names()))
+    None
+    """
+    watch = run.watch
+    if watch is None:
+        return None
+
+    def cause(kind: str, general: str) -> str:
+        return f"Likely cause: {(advice(kind) if advice else None) or general}"
+
+    first = min(watch.found, key=watch.found.get, default=None)  # what went wrong first
+    if first == "deadlock":
+        return _deadlock(watch, names, cause)
+    if first == "overwrite":
+        new, old = watch.overwrite
+        if old.outstanding > 0:  # and nothing ever waited for the old one
+            return (
+                f"a copy was started and never waited for: {names.copy(old)}; the next copy "
+                f"into the same place, {names.copy(new)}, then overwrote it. "
+                + cause("never_waited", "every `start()` needs its `wait()` before the buffer "
+                        "is read, or the next copy into it is started.")
+            )  # fmt: skip
+        return (
+            f"the next copy overwrote a slot still in use: {names.copy(new)} started while "
+            f"{names.copy(old)}, into the same place, had not been waited for. "
+            + cause(
+                "overwrite",
+                "the next page must go into the *other* slot (`1 - slot`), the one the page "
+                "before has finished with; a slot is free again only after its copy was "
+                "waited for and its page computed.",
+            )
+        )
+    if first == "shared":
+        a, b = watch.shared[:2]
+        sem = names.semaphore(watch, a.semaphore)
+        return (
+            f"two slots share one semaphore: {names.copy(a)} and {names.copy(b)} were in "
+            f"flight together, both signalling {sem}. A wait on it returns as soon as "
+            "*either* has landed, so the kernel may read a slot whose copy is still running "
+            "(here the counts balance at exit and, since copies land at once in interpret "
+            "mode, no race shows). "
+            + cause(
+                "shared",
+                "each slot needs its own semaphore: copy into `bufs.at[slot]` with "
+                "`sems.at[slot]`, and wait on the same one.",
+            )
+        )
+    never = watch.never_waited()
+    if never:
+        listed = "; ".join(names.copy(c) for c in never[:3])
+        more = f" (and {len(never) - 3} more)" if len(never) > 3 else ""
+        return (
+            f"a copy was started and never waited for: {listed}{more}. It is still in flight "
+            "when the kernel exits, writing into VMEM that no longer belongs to it (JAX's "
+            'interpreter only prints "Semaphore ... has non-zero count ... at kernel exit"). '
+            + cause(
+                "never_waited",
+                "a copy started when there is nothing left to compute (the page after the "
+                "last page, a page started again on every grid step): guard each start with "
+                "the same condition as its wait, so that every copy started is waited for.",
+            )
+        )
+    return None
+
+
+def _deadlock(watch: Watch, names: Names, cause) -> str:
+    d = watch.deadlock
+    sem = names.semaphore(watch, d["semaphore"])
+    if not d["copies"]:
+        history = f"No copy was ever started on {sem}."
+    else:
+        history = (
+            f"The copies started on {sem} were all waited for already (the last: "
+            f"{names.copy(d['copies'][-1])})."
+        )
+    return (
+        f"a deadlock: a `.wait()` on {sem} waits for {d['wanted']} bytes, {d['count']} have "
+        f"arrived, and no copy in flight will signal it: on a TPU the kernel would hang here "
+        f"for ever. {history} "
+        + cause(
+            "deadlock",
+            "a wait for a copy that was never started (the first copy, or one skipped by a "
+            "`pl.when`), or a wait on the other slot's semaphore.",
+        )
+    )
+
+
+def race_report(run: KernelRun, names: Names) -> str:
+    """The race detector's first race, condensed: the buffer, the two accesses, the fix.
+
+    >>> print(race_report(KernelRun(out=None, raced=True), Names()))   # no race in the ledger
+    the race detector of TPU interpret mode found a DMA race. Every `start()` needs its `wait()`
+    before the buffer is read, and the next copy may go only into the slot nobody reads. (JAX's
+    own output: run the check again with details=True.)
+    """
+    races = run.watch.races() if run.watch is not None else []
+    if not races:
+        return (
+            "the race detector of TPU interpret mode found a DMA race. Every `start()` "
+            "needs its `wait()` before the buffer is read, and the next copy may go only into "
+            f"the slot nobody reads. {DETAILS_HINT}"
+        )
+    race = races[0]
+    accesses = []
+    for kind, who, line in (race.first, race.second):
+        copy = run.watch.copy_by_dma_id(who)
+        if copy is not None:
+            accesses.append(f"{names.copy(copy)} ({kind}s it; started at {_short(line)})")
+        else:
+            accesses.append(f"the kernel {kind}s it at {_short(line)}")
+    slot = race.slot if names.buffer == "bufs" else None
+    buffer = names.buffer + (f"[{slot}]" if slot is not None else "")
+    return (
+        f"a DMA race on {buffer}: {accesses[0]}, while {accesses[1]}, and no wait orders "
+        "the two. A buffer may be read only after `.wait()` for the copy into it, and a copy "
+        f"may be started only into a slot nobody reads any more. {DETAILS_HINT}"
+    )
+
+
+def _short(line: str) -> str:
+    """'/long/path/x.py:12:4 (fn)' as 'x.py line 12 (fn)'."""
+    m = re.match(r"(.*?):(\d+)(?::\d+)? \((.*)\)$", line.strip())
+    if not m:
+        return line.strip() or "a line JAX does not name"
+    path, number, function = m.groups()
+    where = "your code" if ("ipykernel" in path or "<" in path) else path.rsplit("/", 1)[-1]
+    return f"{where} line {number} ({function})"
+
+
+_OOB_BLOCK = re.compile(
+    r"Out-of-bounds block index \(([^)]*)\) for (?:input|output) \"(\w+)\" in iteration "
+    r"\(([^)]*)\).*?(?:input|output) has shape \(([^)]*)\)"
+)
+_OOB_ACCESS = re.compile(
+    r"Out-of-bounds (read|write|swap) of \((\S+) (\S+) (\S+) (\d+)\): (?:reading|writing)? ?"
+    r"\[(.*?)\] but buffer has shape \(([^)]*)\)"
+)
+_INDEX = re.compile(r"slice\((-?\d+), (-?\d+), -?\d+\)|(-?\d+)")
+
+
+def _past_the_end(where: str, shape: str) -> str:
+    """'index 1007 of axis 0 (it has 7)' for the first axis an index runs past."""
+    dims = [int(x) for x in shape.replace(",", " ").split()]
+    for axis, (m, dim) in enumerate(zip(_INDEX.finditer(where), dims, strict=False)):
+        start, stop, single = m.groups()
+        if single is not None and not 0 <= int(single) < dim:
+            return f"index {single} of axis {axis} (it has {dim})"
+        if start is not None and (int(start) < 0 or int(stop) > dim):
+            return f"indices {start}..{int(stop) - 1} of axis {axis} (it has {dim})"
+    return "an index past its end"
+
+
+def interpreter_error(
+    run: KernelRun, names: Names, advice: Callable[[str], str] | None = None
+) -> str:
+    """The interpreter's error as one paragraph: what happened, then the likely cause.
+
+    `advice(kind)` gives the rung's likely cause for an out-of-bounds "block" (an index map),
+    "copy" (a DMA source), "smem" or "vmem" access (None: the general one).
+
+    >>> text = ('IndexError: Out-of-bounds block index (1007, 0, 0, 0) for input "page_ref" in '
+    ...         'iteration (0, 1) on device 0 (core 0): reading [...] but input has shape '
+    ...         '(7, 8, 4, 128).')
+    >>> message = interpreter_error(KernelRun(out=None, error=text), Names())
+    >>> print(message[:82])
+    an out-of-bounds read: at grid step (0, 1) the index map of `page_ref` chose block
+    >>> "Likely cause: an index past the end" in message
+    True
+    """
+    text = run.error or ""
+    general = _general_advice
+
+    def advice_for(kind: str) -> str:
+        return (advice(kind) if advice else None) or general(kind)
+
+    if run.watch is not None and run.watch.deadlock is not None:
+        return dma_problem(run, names, advice)
+    block = _OOB_BLOCK.search(text)
+    if block:
+        index, ref, step, shape = block.groups()
+        what = (
+            f"an out-of-bounds read: at grid step ({step}) the index map of `{ref}` chose "
+            f"block ({index}), but the array has shape ({shape})."
+        )
+        return f"{what} Likely cause: {advice_for('block')} {DETAILS_HINT}"
+    access = _OOB_ACCESS.search(text)
+    if access:
+        kind, space, where, shape = (access.group(i) for i in (1, 4, 6, 7))
+        copies = run.watch.copies if run.watch is not None else []
+        source = next((c for c in reversed(copies) if c.page is not None), None)
+        in_hbm = space in ("hbm", "any")
+        if kind == "read" and in_hbm and source is not None:
+            what = (
+                f"an out-of-bounds read: a copy read {names.page(source.page)}, but kv_pages "
+                f"has shape ({shape})."
+            )
+            return f"{what} Likely cause: {advice_for('copy')} {DETAILS_HINT}"
+        past = _past_the_end(where, shape)
+        if kind == "write" and in_hbm:  # an output block written back past the output's end
+            what = f"an out-of-bounds write: an output block went to {past} of the output."
+            return f"{what} Likely cause: {advice_for('block')} {DETAILS_HINT}"
+        memory = {"smem": "SMEM", "vmem": "VMEM"}.get(space, space)
+        what = f"an out-of-bounds {kind} of a {memory} array of shape ({shape}), at {past}."
+        return f"{what} Likely cause: {advice_for(space)} {DETAILS_HINT}"
+    if "Revisited block" in text:
+        line = next(x for x in text.splitlines() if "Revisited block" in x)
+        return (
+            f"an output block was revisited: {line.split('Revisited', 1)[1].strip()} Pallas "
+            "copies an output block back to HBM when the block index changes, so coming back to "
+            "it later overwrites what was written first. Likely cause: the output's index map "
+            f"depends on an axis it should not (the KV axis?). {DETAILS_HINT}"
+        )
+    first = next((x for x in text.splitlines() if x.strip()), "an unknown error")
+    return (
+        f"JAX's TPU interpreter stopped with an internal error: {first[:300]}. Likely cause: "
+        "a ref indexed with a shape or dtype it does not have, or a value read from a ref "
+        f"outside the kernel's grid step. {DETAILS_HINT}"
+    )
+
+
+def _general_advice(kind: str) -> str:
+    return (
+        "an index past the end of an array. Entries of page_indices past a sequence's last "
+        "page hold garbage (so does a whole row for an empty slot); a sequence index may run "
+        "past the last sequence; a slot index past the last slot."
+    )
+
+
+def likely_cause(out, case: Case, mistakes: dict[str, Callable]) -> str:
+    """The explanation of the first mistake in `mistakes` whose output `out` matches; else
+    what NaN in the output usually means; else advice to compare row by row.
+
+    >>> case = Case("x = 1", (np.array([1.0]),))
+    >>> likely_cause(np.array([2.0]), case, {"x was doubled.": lambda x: 2 * x})
+    'x was doubled.'
+    >>> likely_cause(np.array([np.nan]), case, {}) == NAN_CAUSES
+    True
+    """
+    for explanation, mistaken in mistakes.items():
+        try:
+            compare_arrays(mistaken(*case.args, **case.kwargs), out, "output", atol=1e-3)
+        except Exception:
+            continue
+        return explanation
+    try:
+        if not np.isfinite(np.asarray(out, np.float64)).all():
+            return NAN_CAUSES
+    except Exception:
+        pass
+    return (
+        "none of the usual mistakes. Run the reference and your kernel on this case, and compare "
+        "them row by row (which rows, heads or positions differ?)."
+    )
