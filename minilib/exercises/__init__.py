@@ -36,11 +36,11 @@ from minilib.exercises.ex07_pallas import check_softmax_kernel
 from minilib.exercises.ex08_kernel import check_kv_blocks_to_visit
 from minilib.exercises.ex08_ladder import (
     check_double_buffered_decode,
-    check_next_work,
     check_paged_decode_async_copy,
     check_paged_decode_attention,
     check_prefetching_decode,
 )
+from minilib.exercises.ex08_next_work import check_next_work
 from minilib.exercises.ex09_performance import (
     check_arithmetic_intensity,
     check_num_kv_pages_per_block,

@@ -13,15 +13,16 @@ In the first batch, every entry of `page_indices` past a sequence's last page ho
 past the end of `kv_pages`, so a copy or an index map that reads through one is an
 out-of-bounds read; in the second they point at unused pages full of NaN (JAX's test
 convention), so computing with one shows. A wrong output is placed (which sequences differ)
-and matched against the usual mistakes.
+and matched against the usual mistakes (`minilib.exercises.decode_mistakes`). Whatever the
+output, each copy must read a page its sequence has, and in rung 5 the first page of a
+sequence must be started by the grid step before its own.
 
-`check_next_work` checks a plain Python function, event by event against the full kernel's
-plan (`minilib.schedule.plan_schedule`).
+Notebook 08's `check_next_work`, for rung 5's plan in plain Python, is in
+`minilib.exercises.ex08_next_work`.
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 
 import jax
@@ -29,17 +30,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from minilib.batch import make_batch
-from minilib.exercises.checking import Case, CheckResult, diagnose, run_check
-from minilib.exercises.comparisons import Mismatch, expected_vs_got
+from minilib.exercises.checking import Case, CheckResult
+from minilib.exercises.decode_mistakes import decode_mistakes
 from minilib.exercises.kernel_checking import check_kernel
 from minilib.exercises.kernel_failures import Names
 from minilib.kv_cache import pages_needed
-from minilib.ladder.prefetch import decode_schedule, planned_decode_schedule
 from minilib.ladder.scalar_prefetch import paged_decode_reference
 
 __all__ = [
     "check_double_buffered_decode",
-    "check_next_work",
     "check_paged_decode_async_copy",
     "check_paged_decode_attention",
     "check_prefetching_decode",
@@ -272,105 +271,7 @@ def _advice(rung: int) -> Callable[[str], str | None]:
     return advice
 
 
-# --- the usual mistakes, as plain jnp/NumPy functions --------------------------------------------
-
-
-@np.errstate(invalid="ignore", divide="ignore", over="ignore")  # NaN pages: NaN, silently
-def _paged_softmax(q, kv_pages, kv_lens, page_indices, *, sm_scale, page_of=None,
-                   first_pos=None, reset_each_page=False, reset_each_grid_step=False,
-                   stop_after_first=False):  # fmt: skip
-    """Decode attention page by page, as the kernels do it, in NumPy: the online softmax over
-    the pages of each sequence. The keywords make the kernel's usual mistakes."""
-    q, kv = np.asarray(q, np.float64), np.asarray(kv_pages, np.float64)
-    table, lens = np.asarray(page_indices), np.asarray(kv_lens)
-    num_seqs, num_q_heads, head_dim = q.shape
-    page_size, num_kv_heads = kv.shape[1], kv.shape[2] // 2
-    group = num_q_heads // num_kv_heads
-    page_of = page_of or (lambda seq, i: table[seq, i])
-    first_pos = first_pos or (lambda i: i * page_size)
-    out = np.zeros_like(q)
-    for seq in range(num_seqs):
-        kv_len = int(lens[seq])
-        m = np.full(num_q_heads, -np.inf)
-        l, acc = np.zeros(num_q_heads), np.zeros((num_q_heads, head_dim))
-        num_pages = pages_needed(kv_len, page_size)
-        if reset_each_grid_step and num_pages < table.shape[1]:
-            continue  # the last grid step, past the last page, reset it all: output 0
-        for i in range(num_pages):
-            if reset_each_page or reset_each_grid_step:
-                m, l, acc = np.full(num_q_heads, -np.inf), l * 0, acc * 0
-            page = kv[int(page_of(seq, i)) % kv.shape[0]]
-            pos = first_pos(i) + np.arange(page_size)
-            keys = np.repeat(page[:, 0::2], group, axis=1)  # [tokens, num_q_heads, head_dim]
-            vals = np.where((pos < kv_len)[:, None, None], np.repeat(page[:, 1::2], group, 1), 0)
-            s = np.einsum("hd,thd->ht", q[seq], keys) * sm_scale
-            s = np.where(pos[None, :] < kv_len, s, -np.inf)
-            m_next = np.maximum(m, s.max(axis=1))
-            p = np.exp(s - m_next[:, None])
-            alpha = np.exp(m - m_next)
-            l = alpha * l + p.sum(axis=1)
-            acc = alpha[:, None] * acc + np.einsum("ht,thd->hd", p, vals)
-            m = m_next
-            if stop_after_first:
-                break
-        out[seq] = acc / np.where(l == 0, 1, l)[:, None]  # l = 0: no key, acc = 0: output 0
-    return out
-
-
-def _decode_mistakes() -> dict[str, Callable]:
-    def k_v_halves(q, kv_pages, kv_lens, page_indices, *, sm_scale):
-        # K as the first half of the combined heads, V as the second: not interleaved.
-        num_kv_heads = kv_pages.shape[2] // 2
-        halves = jnp.concatenate([kv_pages[:, :, :num_kv_heads], kv_pages[:, :, num_kv_heads:]])
-        interleaved = jnp.stack([halves[: len(kv_pages)], halves[len(kv_pages) :]], axis=3)
-        kv = interleaved.reshape(kv_pages.shape)
-        return paged_decode_reference(q, kv, kv_lens, page_indices, sm_scale=sm_scale)
-
-    def pages_by_position(*args, sm_scale):
-        return _paged_softmax(*args, sm_scale=sm_scale, page_of=lambda seq, i: i)
-
-    def first_page_of_the_table(*args, sm_scale):
-        table = np.asarray(args[3])
-        return _paged_softmax(*args, sm_scale=sm_scale, page_of=lambda seq, i: table[0, i])
-
-    def always_page_zero(*args, sm_scale):
-        table = np.asarray(args[3])
-        return _paged_softmax(*args, sm_scale=sm_scale, page_of=lambda seq, i: table[seq, 0])
-
-    def positions_from_zero(*args, sm_scale):
-        return _paged_softmax(*args, sm_scale=sm_scale, first_pos=lambda i: 0)
-
-    def reset_each_page(*args, sm_scale):
-        return _paged_softmax(*args, sm_scale=sm_scale, reset_each_page=True)
-
-    def reset_each_grid_step(*args, sm_scale):  # rungs 2 and 3: one grid step per page slot
-        return _paged_softmax(*args, sm_scale=sm_scale, reset_each_grid_step=True)
-
-    def first_page_only(*args, sm_scale):
-        return _paged_softmax(*args, sm_scale=sm_scale, stop_after_first=True)
-
-    def no_sm_scale(*args, sm_scale):
-        return _paged_softmax(*args, sm_scale=1.0)
-
-    return {
-        "K and V are interleaved on the combined head axis: K of KV head h is slot 2h, V is "
-        "slot 2h + 1 (not the first and second halves).": k_v_halves,
-        "the page table is not used: page i of sequence seq is kv_pages[page_indices[seq, i]], "
-        "not kv_pages[i].": pages_by_position,
-        "every sequence reads sequence 0's row of the page table: the row is "
-        "page_indices[seq].": first_page_of_the_table,
-        "every step reads the sequence's first page: page i is page_indices[seq, i], not "
-        "page_indices[seq, 0].": always_page_zero,
-        "the keys of page i sit at positions i * page_size ... (i + 1) * page_size - 1 "
-        "(`first_pos`), not 0 ... page_size - 1.": positions_from_zero,
-        "the softmax state is initialised on every page: only on the first (`i == 0`, or "
-        "before the page loop); m, l and acc carry the earlier pages.": reset_each_page,
-        "the softmax state is initialised on every grid step: only on the first page "
-        "(`pl.when(i == 0)`); m, l and acc carry the earlier pages.": reset_each_grid_step,
-        "only the first page counts: the output was written, or the loop stopped, after page "
-        "0; write `acc / l` after the last page.": first_page_only,
-        "sm_scale is not applied to the scores.": no_sm_scale,
-    }
+# --- the rung's own checks of its copies -------------------------------------------------------
 
 
 def _ledger_check(rung: int) -> Callable:
@@ -429,6 +330,9 @@ def _started_by_the_step_before(run, case: Case) -> str | None:
     return None
 
 
+# --- the checkers ------------------------------------------------------------------------------
+
+
 def _check_decode_kernel(
     name: str, fn: Callable, seed: int, verbose: bool, details: bool, *, rung: int,
     buffer: str = "buf", semaphores: tuple[str, ...] = ("sem",),
@@ -440,7 +344,7 @@ def _check_decode_kernel(
         paged_decode_reference,
         _decode_cases(seed),
         compile_case=_compile_case(),
-        mistakes=_decode_mistakes(),
+        mistakes=decode_mistakes(),
         atol=2e-5,
         verbose=verbose,
         details=details,
@@ -518,139 +422,3 @@ def check_prefetching_decode(
         "prefetching_decode", fn, seed, verbose, details, rung=5, buffer="bufs",
         semaphores=("sems[0]", "sems[1]"),
     )  # fmt: skip
-
-
-# --- next_work, in plain Python ---------------------------------------------------------------
-
-
-def _schedule_of(next_work_fn: Callable) -> Callable:
-    def run(kv_lens, page_size, num_seqs):
-        return decode_schedule(_plain_work(next_work_fn), kv_lens, page_size, num_seqs)
-
-    return run
-
-
-def _plain_work(next_work_fn: Callable) -> Callable:
-    """`next_work_fn` with its answer as Python ints: NumPy and JAX integers, 0-d arrays and
-    a 2-element array are as good as a tuple of ints; anything else is kept as it is, for the
-    events to show."""
-
-    def plain(*args):
-        nxt = next_work_fn(*args)
-        if nxt is None or isinstance(nxt, str | bytes) or np.ndim(nxt) != 1:
-            return nxt
-        try:
-            return tuple(_int_or_same(x) for x in nxt)
-        except TypeError:
-            return nxt
-
-    return plain
-
-
-def _int_or_same(x):
-    if isinstance(x, bool | np.bool_) or np.ndim(x) != 0:
-        return x
-    try:
-        return operator.index(np.asarray(x).item() if np.ndim(x) == 0 else x)
-    except TypeError:
-        return x
-
-
-def _compare_events(expected, got, case: Case) -> None:
-    if got == expected:
-        return
-    for i, (want, have) in enumerate(zip(expected, got, strict=False)):
-        if want != have:
-            raise Mismatch(
-                f"event {i} (as (kind, seq, page, slot)) differs:\n"
-                + expected_vs_got("  event", want, have)
-            )
-    shorter = "fewer" if len(got) < len(expected) else "more"
-    raise Mismatch(
-        f"{len(got)} events, {shorter} than the plan's {len(expected)}; the first "
-        f"{min(len(got), len(expected))} agree. "
-        + (
-            f"Next planned: {expected[len(got)]}"
-            if len(got) < len(expected)
-            else f"Extra: {got[len(expected)]}"
-        )  # fmt: skip
-    )
-
-
-def check_next_work(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
-    """Check `fn(seq, page, kv_lens, num_seqs, page_size) -> (seq, page) or None`: the work after
-    page `page` of sequence `seq` in a decode batch (a sequence with kv_len 0 has no page, so
-    no work), None after the very last.
-
-    The schedule it gives (`minilib.ladder.prefetch.decode_schedule`: start the first copy, then
-    for each work start the next one into the other slot, wait, compute) must be, event by
-    event, the full kernel's plan (`plan_schedule`, one page per KV block). kv_lens come as a
-    list, a NumPy array or a JAX array.
-
-    >>> from minilib.ladder.prefetch import next_work
-    >>> check_next_work(next_work)
-    Passed: next_work matches the reference on all 8 cases.
-    CheckResult('next_work', status='passed')
-    """
-    rng = np.random.default_rng(880 + seed)
-    # (kv_lens, page_size, num_seqs): the slots past num_seqs are padding, with garbage
-    specs = [
-        ([20, 5], 8, 2),
-        ([8, 8, 8], 8, 3),  # whole pages, every sequence
-        ([1], 16, 1),
-        ([3, 17, 1, 9], 4, 4),
-        ([16, 0, 0, 7, 0], 8, 5),  # empty slots after a whole-page sequence, and at the end
-        ([0, 4, 0], 4, 3),  # an empty slot first
-        ([9, 3, 77, 5], 8, 2),  # two padding slots past num_seqs
-    ]
-    random_lens = [int(n) for n in rng.integers(0, 30, size=4)]
-    specs.append((random_lens, int(rng.choice([4, 8])), 4))
-    as_given = [list, np.asarray, jnp.asarray]
-    cases = [
-        Case(
-            f"kv_lens={kv_lens} (as {('a list', 'a NumPy array', 'a JAX array')[i % 3]}), "
-            f"num_seqs={num_seqs}, page_size={page_size}",
-            (as_given[i % 3](kv_lens), page_size, num_seqs),
-        )
-        for i, (kv_lens, page_size, num_seqs) in enumerate(specs)
-    ]
-
-    def no_next_sequence(seq, page, kv_lens, num_seqs, page_size):
-        return (seq, page + 1) if (page + 1) * page_size < kv_lens[seq] else None
-
-    def page_count_off_by_one(seq, page, kv_lens, num_seqs, page_size):
-        if page + 1 <= kv_lens[seq] // page_size:
-            return seq, page + 1
-        return (seq + 1, 0) if seq + 1 < num_seqs else None
-
-    def into_empty_slots(seq, page, kv_lens, num_seqs, page_size):
-        if (page + 1) * page_size < kv_lens[seq]:
-            return seq, page + 1
-        return (seq + 1, 0) if seq + 1 < num_seqs else None
-
-    def past_num_seqs(seq, page, kv_lens, num_seqs, page_size):
-        if (page + 1) * page_size < kv_lens[seq]:
-            return seq, page + 1
-        return (seq + 1, 0) if seq + 1 < len(kv_lens) else None
-
-    mistakes = {
-        "after a sequence's last page comes page 0 of the next sequence: prefetching across "
-        "grid steps means the last page of one sequence starts the copy of the next one's "
-        "first page.": _schedule_of(no_next_sequence),
-        "the number of pages is ceil(kv_len / page_size): a sequence of kv_len=16 and "
-        "page_size=8 has pages 0 and 1, kv_len=17 has pages 0, 1 and 2.": _schedule_of(
-            page_count_off_by_one
-        ),
-        "a sequence with kv_len 0 (an empty slot) has no page 0: skip it, to the next "
-        "sequence that has pages (its page-table row is garbage).": _schedule_of(into_empty_slots),
-        "only the first num_seqs sequences are live: the slots past them are padding, with "
-        "garbage in them (use num_seqs, not len(kv_lens)).": _schedule_of(past_num_seqs),
-    }
-    return run_check(
-        "next_work",
-        _schedule_of(fn),
-        planned_decode_schedule,
-        cases,
-        diagnose(_compare_events, mistakes),
-        verbose=verbose,
-    )

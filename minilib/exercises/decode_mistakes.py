@@ -1,0 +1,168 @@
+"""The decode rungs' usual mistakes, each as a function that makes it.
+
+Rungs 2 to 5 of the ladder compute paged decode attention page by page: for each sequence, the
+online softmax over its pages, each page found through `page_indices`. `paged_decode_numpy`
+does the same in NumPy, and its keywords make the mistakes a learner makes in a kernel: pages
+taken by position instead of through the page table, the wrong row or column of the table,
+key positions counted from 0 on every page, the softmax state reset too often, the output
+written after the first page. `decode_mistakes()` names each of them in the words a report
+uses.
+
+A checker of a rung (`minilib.exercises.ex08_ladder`) compares a wrong output with each of
+these; the first that matches is its likely cause.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from minilib.kv_cache import pages_needed
+from minilib.ladder.scalar_prefetch import paged_decode_reference
+
+__all__ = ["decode_mistakes", "paged_decode_numpy"]
+
+
+@np.errstate(invalid="ignore", divide="ignore", over="ignore")  # NaN pages: NaN, silently
+def paged_decode_numpy(
+    q,  # [num_seqs, num_q_heads, head_dim], one row per sequence slot
+    kv_pages,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+    kv_lens,  # i32[num_seqs]
+    page_indices,  # i32[num_seqs, pages_per_seq]
+    *,
+    sm_scale,
+    page_of=None,
+    first_pos=None,
+    reset_each_page=False,
+    reset_each_grid_step=False,
+    stop_after_first=False,
+):  # -> f64[num_seqs, num_q_heads, head_dim]; 0 for a sequence with no key
+    """Decode attention page by page, as the kernels do it, in NumPy: the online softmax over
+    the pages of each sequence. The keywords make the kernels' usual mistakes:
+
+      page_of(seq, i)        the page that page i of sequence seq is read from
+                             (right: page_indices[seq, i])
+      first_pos(i)           the position of page i's first key (right: i * page_size)
+      reset_each_page        the softmax state initialised on every page
+      reset_each_grid_step   ... on every grid step (rungs 2 and 3: one step per page slot)
+      stop_after_first       the output written after the first page
+
+    >>> from minilib.batch import make_batch
+    >>> b = make_batch([(1, 5), (1, 12)], num_q_heads=2, num_kv_heads=1, head_dim=8,
+    ...                page_size=4)
+    >>> args = (b.q, b.kv_pages, b.kv_lens, b.page_indices)
+    >>> right = paged_decode_reference(*args, sm_scale=0.3)
+    >>> bool(np.allclose(paged_decode_numpy(*args, sm_scale=0.3), right, atol=1e-5))
+    True
+    >>> wrong = paged_decode_numpy(*args, sm_scale=0.3, stop_after_first=True)
+    >>> bool(np.allclose(wrong, right, atol=1e-5))   # both sequences have a second page
+    False
+    """
+    q, kv = np.asarray(q, np.float64), np.asarray(kv_pages, np.float64)
+    table, lens = np.asarray(page_indices), np.asarray(kv_lens)
+    num_seqs, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = kv.shape[1], kv.shape[2] // 2
+    group = num_q_heads // num_kv_heads
+    page_of = page_of or (lambda seq, i: table[seq, i])
+    first_pos = first_pos or (lambda i: i * page_size)
+    out = np.zeros_like(q)
+    for seq in range(num_seqs):
+        kv_len = int(lens[seq])
+        m = np.full(num_q_heads, -np.inf)
+        l, acc = np.zeros(num_q_heads), np.zeros((num_q_heads, head_dim))
+        num_pages = pages_needed(kv_len, page_size)
+        if reset_each_grid_step and num_pages < table.shape[1]:
+            continue  # the last grid step, past the last page, reset it all: output 0
+        for i in range(num_pages):
+            if reset_each_page or reset_each_grid_step:
+                m, l, acc = np.full(num_q_heads, -np.inf), l * 0, acc * 0
+            page = kv[int(page_of(seq, i)) % kv.shape[0]]
+            pos = first_pos(i) + np.arange(page_size)
+            keys = np.repeat(page[:, 0::2], group, axis=1)  # [tokens, num_q_heads, head_dim]
+            vals = np.where((pos < kv_len)[:, None, None], np.repeat(page[:, 1::2], group, 1), 0)
+            s = np.einsum("hd,thd->ht", q[seq], keys) * sm_scale
+            s = np.where(pos[None, :] < kv_len, s, -np.inf)
+            m_next = np.maximum(m, s.max(axis=1))
+            p = np.exp(s - m_next[:, None])
+            alpha = np.exp(m - m_next)
+            l = alpha * l + p.sum(axis=1)
+            acc = alpha[:, None] * acc + np.einsum("ht,thd->hd", p, vals)
+            m = m_next
+            if stop_after_first:
+                break
+        out[seq] = acc / np.where(l == 0, 1, l)[:, None]  # l = 0: no key, acc = 0: output 0
+    return out
+
+
+def decode_mistakes() -> dict[str, Callable]:
+    """The usual mistakes of the decode rungs: explanation -> a function that makes it, with
+    the arguments of `paged_decode_reference`.
+
+    >>> from minilib.batch import make_batch
+    >>> b = make_batch([(1, 9)], num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=4)
+    >>> args = (b.q, b.kv_pages, b.kv_lens, b.page_indices)
+    >>> mistakes = decode_mistakes()
+    >>> no_sm_scale = mistakes["sm_scale is not applied to the scores."]
+    >>> right = paged_decode_reference(*args, sm_scale=0.3)
+    >>> bool(np.allclose(no_sm_scale(*args, sm_scale=0.3), right, atol=1e-5))
+    False
+    >>> print(list(mistakes)[1])
+    the page table is not used: page i of sequence seq is kv_pages[page_indices[seq, i]], not
+    kv_pages[i].
+    """
+
+    def k_v_halves(q, kv_pages, kv_lens, page_indices, *, sm_scale):
+        # K as the first half of the combined heads, V as the second: not interleaved.
+        num_kv_heads = kv_pages.shape[2] // 2
+        halves = jnp.concatenate([kv_pages[:, :, :num_kv_heads], kv_pages[:, :, num_kv_heads:]])
+        interleaved = jnp.stack([halves[: len(kv_pages)], halves[len(kv_pages) :]], axis=3)
+        kv = interleaved.reshape(kv_pages.shape)
+        return paged_decode_reference(q, kv, kv_lens, page_indices, sm_scale=sm_scale)
+
+    def pages_by_position(*args, sm_scale):
+        return paged_decode_numpy(*args, sm_scale=sm_scale, page_of=lambda seq, i: i)
+
+    def first_page_of_the_table(*args, sm_scale):
+        table = np.asarray(args[3])
+        return paged_decode_numpy(*args, sm_scale=sm_scale, page_of=lambda seq, i: table[0, i])
+
+    def always_page_zero(*args, sm_scale):
+        table = np.asarray(args[3])
+        return paged_decode_numpy(*args, sm_scale=sm_scale, page_of=lambda seq, i: table[seq, 0])
+
+    def positions_from_zero(*args, sm_scale):
+        return paged_decode_numpy(*args, sm_scale=sm_scale, first_pos=lambda i: 0)
+
+    def reset_each_page(*args, sm_scale):
+        return paged_decode_numpy(*args, sm_scale=sm_scale, reset_each_page=True)
+
+    def reset_each_grid_step(*args, sm_scale):  # rungs 2 and 3: one grid step per page slot
+        return paged_decode_numpy(*args, sm_scale=sm_scale, reset_each_grid_step=True)
+
+    def first_page_only(*args, sm_scale):
+        return paged_decode_numpy(*args, sm_scale=sm_scale, stop_after_first=True)
+
+    def no_sm_scale(*args, sm_scale):
+        return paged_decode_numpy(*args, sm_scale=1.0)
+
+    return {
+        "K and V are interleaved on the combined head axis: K of KV head h is slot 2h, V is "
+        "slot 2h + 1 (not the first and second halves).": k_v_halves,
+        "the page table is not used: page i of sequence seq is kv_pages[page_indices[seq, i]], "
+        "not kv_pages[i].": pages_by_position,
+        "every sequence reads sequence 0's row of the page table: the row is "
+        "page_indices[seq].": first_page_of_the_table,
+        "every step reads the sequence's first page: page i is page_indices[seq, i], not "
+        "page_indices[seq, 0].": always_page_zero,
+        "the keys of page i sit at positions i * page_size ... (i + 1) * page_size - 1 "
+        "(`first_pos`), not 0 ... page_size - 1.": positions_from_zero,
+        "the softmax state is initialised on every page: only on the first (`i == 0`, or "
+        "before the page loop); m, l and acc carry the earlier pages.": reset_each_page,
+        "the softmax state is initialised on every grid step: only on the first page "
+        "(`pl.when(i == 0)`); m, l and acc carry the earlier pages.": reset_each_grid_step,
+        "only the first page counts: the output was written, or the loop stopped, after page "
+        "0; write `acc / l` after the last page.": first_page_only,
+        "sm_scale is not applied to the scores.": no_sm_scale,
+    }
