@@ -40,6 +40,8 @@ __all__ = [
     "PagedKVCache",
     "bucket_size",
     "cdiv",
+    "check_can_allocate",
+    "check_page_number",
     "fill_cache",
     "gather_kv",
     "pages_needed",
@@ -80,6 +82,54 @@ def bucket_size(n: int) -> int:
     [1, 2, 4, 8, 8, 16]
     """
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def check_can_allocate(n, num_free: int, total_num_pages: int, fix: str | None = None) -> None:
+    """The checks before a pool of `total_num_pages` pages, `num_free` of them free, hands out
+    `n`, all of them or none: `n` is a count, and that many pages are free. `PageAllocator`
+    makes them, and so does the serving engine's `BlockPool`, which names its own `fix`.
+
+    >>> check_can_allocate(3, num_free=2, total_num_pages=8)
+    Traceback (most recent call last):
+    ...
+    minilib.errors.KVCacheError: Out of pages: allocate(n=3) needs 3 free pages, but only \
+num_free=2 of total_num_pages=8 are free.
+    Hint: free finished sequences first (PagedKVCache.free(seq_id)), or build the cache with \
+more pages (total_num_pages >= 9).
+    """
+    if not _is_int(n) or n < 0:
+        raise KVCacheError(
+            f"allocate(n={n!r}): n must be a non-negative int.",
+            "n is the number of pages to take; 0 is allowed and takes none.",
+        )
+    if n > num_free:
+        num_used = total_num_pages - num_free
+        fix = fix or (
+            "free finished sequences first (PagedKVCache.free(seq_id)), or build the cache "
+            f"with more pages (total_num_pages >= {num_used + n})."
+        )
+        raise KVCacheError(
+            f"Out of pages: allocate(n={n}) needs {n} free pages, but only "
+            f"num_free={num_free} of total_num_pages={total_num_pages} are free.",
+            fix,
+        )
+
+
+def check_page_number(page, total_num_pages: int) -> None:
+    """Raise KVCacheError unless `page` is an int in [0, total_num_pages): a page of the pool.
+
+    >>> check_page_number(3, total_num_pages=4)
+    >>> check_page_number(True, total_num_pages=4)     # True is not page 1
+    Traceback (most recent call last):
+    ...
+    minilib.errors.KVCacheError: page=True is not a page number in [0, 4).
+    Hint: pages are numbered 0 .. total_num_pages - 1 = 3.
+    """
+    if not _is_int(page) or not 0 <= page < total_num_pages:
+        raise KVCacheError(
+            f"page={page!r} is not a page number in [0, {total_num_pages}).",
+            f"pages are numbered 0 .. total_num_pages - 1 = {total_num_pages - 1}.",
+        )
 
 
 class PageAllocator:
@@ -125,7 +175,7 @@ class PageAllocator:
 
     def owner(self, page: int) -> Hashable | None:
         """The `owner` that `page` was allocated with; None if it is free (or had no owner)."""
-        self._check_page(page)
+        check_page_number(page, self.total_num_pages)
         return self._owner.get(page)
 
     def allocate(self, n: int, owner: Hashable = None) -> list[int]:
@@ -134,18 +184,7 @@ class PageAllocator:
         `owner` (for example a sequence id) is recorded for each page, for bookkeeping and
         display.
         """
-        if not _is_int(n) or n < 0:
-            raise KVCacheError(
-                f"allocate(n={n!r}): n must be a non-negative int.",
-                "n is the number of pages to take; 0 is allowed and takes none.",
-            )
-        if n > self.num_free:
-            raise KVCacheError(
-                f"Out of pages: allocate(n={n}) needs {n} free pages, but only "
-                f"num_free={self.num_free} of total_num_pages={self.total_num_pages} are free.",
-                "free finished sequences first (PagedKVCache.free(seq_id)), or build the cache "
-                f"with more pages (total_num_pages >= {self.num_used + n}).",
-            )
+        check_can_allocate(n, self.num_free, self.total_num_pages)
         pages, self._free = self._free[:n], self._free[n:]
         for page in pages:
             self._owner[page] = owner
@@ -161,7 +200,7 @@ class PageAllocator:
         pages = list(pages)
         seen = set()
         for page in pages:  # check them all before changing anything
-            self._check_page(page)
+            check_page_number(page, self.total_num_pages)
             if page in seen:
                 raise KVCacheError(
                     f"free(pages={pages}) lists page {page} twice.",
@@ -179,13 +218,6 @@ class PageAllocator:
         for page in pages:
             del self._owner[page]
         self._free.extend(pages)
-
-    def _check_page(self, page: int) -> None:
-        if not _is_int(page) or not 0 <= page < self.total_num_pages:
-            raise KVCacheError(
-                f"page={page!r} is not a page number in [0, {self.total_num_pages}).",
-                f"pages are numbered 0 .. total_num_pages - 1 = {self.total_num_pages - 1}.",
-            )
 
     def __repr__(self) -> str:
         return (

@@ -41,6 +41,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from minilib.errors import KVCacheError
+from minilib.kv_cache import check_can_allocate, check_page_number
 
 __all__ = [
     "BlockPool",
@@ -149,12 +150,12 @@ class BlockPool:
 
     def ref_cnt(self, page: int) -> int:
         """How many requests hold `page` in their page tables."""
-        self._check_page(page)
+        check_page_number(page, self.total_num_pages)
         return self._ref_cnt[page]
 
     def block_hash(self, page: int) -> bytes | None:
         """The hash `page` is cached under, or None."""
-        self._check_page(page)
+        check_page_number(page, self.total_num_pages)
         return self._block_hash.get(page)
 
     def get_cached_page(self, block_hash: bytes) -> int | None:
@@ -170,18 +171,13 @@ class BlockPool:
         to be overwritten. (`owner` is accepted for `PageAllocator`'s signature: the pool
         counts holders, it does not name them.) vLLM: `get_new_blocks`.
         """
-        if not _is_int(n) or n < 0:
-            raise KVCacheError(
-                f"allocate(n={n!r}): n must be a non-negative int.",
-                "n is the number of pages to take; 0 is allowed and takes none.",
-            )
-        if n > self.num_free:
-            raise KVCacheError(
-                f"Out of pages: allocate(n={n}) needs {n} free pages, but only "
-                f"num_free={self.num_free} of total_num_pages={self.total_num_pages} are free.",
-                "free pages first (requests that finish or are preempted), or build the pool "
-                "with more pages.",
-            )
+        check_can_allocate(
+            n,
+            self.num_free,
+            self.total_num_pages,
+            fix="free pages first (requests that finish or are preempted), or build the pool "
+            "with more pages.",
+        )
         pages = [self.free_block_queue.popitem(last=False)[0] for _ in range(n)]
         for page in pages:
             self._evict(page)
@@ -234,7 +230,7 @@ class BlockPool:
         same prefix at once), `page` stays uncached: one copy is enough, and page tables
         never change under a running request. vLLM: `cache_full_blocks`.
         """
-        self._check_page(page)
+        check_page_number(page, self.total_num_pages)
         if self._ref_cnt[page] == 0:
             raise KVCacheError(
                 f"cache_page(page={page}): the page is free; only a page a request holds, "
@@ -267,20 +263,13 @@ class BlockPool:
             )
         pages = list(pages)
         for page in pages:
-            self._check_page(page)
+            check_page_number(page, self.total_num_pages)
         if len(set(pages)) != len(pages):
             raise KVCacheError(
                 f"{verb}(pages={pages}) lists a page twice.",
                 "a page table holds each page once: list each page once.",
             )
         return pages
-
-    def _check_page(self, page) -> None:
-        if not _is_int(page) or not 0 <= page < self.total_num_pages:
-            raise KVCacheError(
-                f"page={page!r} is not a page number in [0, {self.total_num_pages}).",
-                f"pages are numbered 0 .. total_num_pages - 1 = {self.total_num_pages - 1}.",
-            )
 
     def __repr__(self) -> str:
         return (
