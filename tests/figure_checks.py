@@ -23,6 +23,10 @@ def draw(make, name: str):
     """Build a figure and render it to PNG with every warning an error; save it if asked."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        # matplotlib 3.10.0 (Colab's) calls pyparsing 3.3 by names pyparsing has deprecated:
+        # their quarrel, not a fault of the figure.
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module="pyparsing")
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module="matplotlib")
         fig = make()
         png = figure_png(fig)
     assert png.startswith(b"\x89PNG")
