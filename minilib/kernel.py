@@ -507,16 +507,43 @@ class QBlockWalker:
 
         self.dma.wait(here, slot)
         self.trace.record(TRACE_WAIT, step, here, slot)
-        masked, past_kv_len, in_seq = score_mask(span, self.q_blk, kv_blk, self.config)
-        kv_buf = self.dma.buffer(slot)
-        for kv_head in range(self.config.num_kv_heads_per_block):
-            k, v = load_kv_head(kv_buf, kv_head, self.config)
-            v = zero_tokens_past_kv_len(v, kv_blk, span.kv_len, self.config)
-            q = self.q_fold_ref[kv_head]  # [rows_per_kv_head, head_dim]
-            k, v = dequantize_kv(k, v, q.dtype, self.config)
-            self.softmax.update(kv_head, q, k, v, masked, past_kv_len, in_seq)
+        mask = score_mask(span, self.q_blk, kv_blk, self.config)
+        attend_kv_heads(self.dma.buffer(slot), self.q_fold_ref, self.softmax, mask, kv_blk,
+                        span.kv_len, self.config)  # fmt: skip
         self.trace.record(TRACE_COMPUTE, step, here, slot)
         return other
+
+
+def attend_kv_heads(
+    kv_buf,  # [num_kv_pages_per_block, page_size, 2*num_kv_heads_per_block, head_dim], VMEM
+    q_fold_ref,  # [num_kv_heads_per_block, rows, head_dim]: each KV head's q heads as rows
+    softmax: OnlineSoftmax,
+    mask: ScoreMask,
+    kv_blk,
+    kv_len,
+    config: KernelConfig,
+):
+    """Fold one KV block into the softmax, one KV head (and its q heads) at a time, with
+    the heads software-pipelined: P·V of head h - 1 is issued after Q·K of head h.
+
+    Why: the MXU takes its matmuls in program order. In the plain order, P·V of head h must
+    wait for head h's softmax (a row max, exp on the EUP, a row sum), and Q·K of head h + 1
+    queues behind it, so the MXU idles while the vector units work, and the other way round.
+    Staggered, the softmax of head h runs while the MXU does P·V of head h - 1 and Q·K of
+    head h + 1. The cost: two heads' values are live at once (more vector registers, a few
+    more spills).
+    """
+    pending = None  # (kv_head, v, p, alpha) of the head whose P·V is still to come
+    for kv_head in range(config.num_kv_heads_per_block):
+        k, v = load_kv_head(kv_buf, kv_head, config)
+        v = zero_tokens_past_kv_len(v, kv_blk, kv_len, config)
+        q = q_fold_ref[kv_head]  # [rows, head_dim]
+        k, v = dequantize_kv(k, v, q.dtype, config)
+        p, alpha = softmax.scores_and_stats(kv_head, q, k, mask)
+        if pending is not None:
+            softmax.accumulate(*pending, mask)
+        pending = (kv_head, v, p, alpha)
+    softmax.accumulate(*pending, mask)
 
 
 def other_slot(slot):
@@ -769,7 +796,7 @@ def load_kv_head(
     kv_buf,  # [num_kv_pages_per_block, page_size, 2*num_kv_heads_per_block, head_dim]
     kv_head: int,  # within the heads block
     config: KernelConfig,
-):  # -> k, v: [kv_tokens_per_block, head_dim], kv dtype or float32
+):  # -> k, v: [kv_tokens_per_block, head_dim], kv dtype, bf16 or float32
     """K and V of one KV head from a slot, as [tokens, head_dim] matrices.
 
     K sits in combined slot 2*kv_head and V in 2*kv_head + 1 of every token. Tokens at or past
@@ -876,14 +903,22 @@ class SeqSpan:
     kv_len: jax.Array
 
 
-def score_mask(span: SeqSpan, q_blk, kv_blk, config: KernelConfig):
-    """Which scores are hidden, and which rows belong to `seq`.
+@dataclasses.dataclass(frozen=True)
+class ScoreMask:
+    """Which scores of a KV block are hidden, and which rows the block may change."""
 
-    Returns masked: bool[rows_per_kv_head, kv_tokens_per_block] (`is_masked`: causal, sliding
-    window); past_kv_len, of the same shape, the padding slots (None when the mask value
-    vanishes: masked covers them); and in_seq: bool[rows_per_kv_head, LANES] (rows of other
-    sequences, or padding, must not change).
-    """
+    masked: jax.Array  # bool[rows, kv_tokens_per_block]: `is_masked` (causal, sliding window)
+    # bool[rows, kv_tokens_per_block]: the padding slots, keys that do not exist; None when
+    # the mask value vanishes (then `masked` covers them).
+    past_kv_len: jax.Array | None
+    # bool[rows, LANES]: the rows of the walked sequence (rows of other sequences, or
+    # padding, must not change); None when every row is the sequence's.
+    in_seq: jax.Array | None
+
+
+def score_mask(span: SeqSpan, q_blk, kv_blk, config: KernelConfig) -> ScoreMask:
+    """The `ScoreMask` of KV block `kv_blk` for the rows of the sequence `span` in q block
+    `q_blk` (rows: rows_per_kv_head)."""
     c = config
     shape = (c.rows_per_kv_head, c.kv_tokens_per_block)
     q_pos = q_position(q_row(shape, q_blk, c), span.q_end, span.kv_len)
@@ -894,7 +929,7 @@ def score_mask(span: SeqSpan, q_blk, kv_blk, config: KernelConfig):
     past_kv_len = None if mask_value_vanishes(c.mask_value) else k_pos >= span.kv_len
     row = q_row((c.rows_per_kv_head, LANES), q_blk, c)
     in_seq = (row >= span.q_start) & (row < span.q_end)
-    return masked, past_kv_len, in_seq
+    return ScoreMask(masked, past_kv_len, in_seq)
 
 
 def q_row(shape, q_blk, config: KernelConfig):
@@ -912,6 +947,15 @@ def widen(x, width: int):  # x: [rows, LANES], every lane the same -> [rows, wid
     if width % LANES == 0:
         return jnp.concatenate([x] * (width // LANES), axis=1) if width > LANES else x
     return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
+
+
+def keep_other_rows(in_seq, new, old):  # in_seq: bool[rows, LANES]; new, old: [rows, width]
+    """`new` in the rows of the walked sequence, `old` elsewhere: rows of other sequences, and
+    padding rows (which may be NaN), keep their state. Nothing to select when every row is
+    the sequence's (in_seq None)."""
+    if in_seq is None:
+        return new
+    return jnp.where(widen(in_seq, new.shape[1]), new, old)
 
 
 class OnlineSoftmax:
@@ -933,37 +977,47 @@ class OnlineSoftmax:
         self.l_ref[...] = jnp.zeros(self.l_ref.shape, jnp.float32)
         self.acc_ref[...] = jnp.zeros(self.acc_ref.shape, jnp.float32)
 
-    def update(
+    def scores_and_stats(
         self,
         kv_head: int,
-        q,  # [rows_per_kv_head, head_dim]
+        q,  # [rows, head_dim]
         k,  # [kv_tokens_per_block, head_dim]
-        v,  # [kv_tokens_per_block, head_dim]
-        masked,  # bool[rows_per_kv_head, kv_tokens_per_block]
-        past_kv_len,  # bool[rows_per_kv_head, kv_tokens_per_block], or None (see score_mask)
-        in_seq,  # bool[rows_per_kv_head, LANES]
-    ):
-        """Fold one KV block into the rows `in_seq`, for one KV head and its q heads."""
+        mask: ScoreMask,
+    ):  # -> p: f32[rows, kv_tokens_per_block], alpha: f32[rows, LANES]
+        """The first half of one online-softmax step, for one KV head and its q heads: the
+        scores s = q k^T, the new running max m and sum l (stored), and what the second
+        half needs: the weights p = exp(s - m) and alpha, which rescales the old acc."""
         c = self.config
         s = jnp.einsum("rd,td->rt", q, k, preferred_element_type=jnp.float32) * c.sm_scale
         s = apply_soft_cap(s, c.soft_cap)
-        s = apply_mask_value(s, masked, c.mask_value, past_kv_len)  # [rows, kv_tokens]
-        lanes = (c.rows_per_kv_head, LANES)
+        s = apply_mask_value(s, mask.masked, c.mask_value, mask.past_kv_len)  # [rows, tokens]
+        lanes = (s.shape[0], LANES)
 
         m_prev = self.m_ref[kv_head]  # [rows, LANES]
         l_prev = self.l_ref[kv_head]  # [rows, LANES]
-        acc_prev = self.acc_ref[kv_head]  # [rows, head_dim]
         m_next = jnp.maximum(m_prev, jnp.broadcast_to(s.max(axis=1, keepdims=True), lanes))
-        p = jnp.exp(s - widen(m_next, c.kv_tokens_per_block))  # [rows, kv_tokens]
+        p = jnp.exp(s - widen(m_next, s.shape[1]))  # [rows, kv_tokens]
         alpha = jnp.exp(m_prev - m_next)  # rescales what was summed under the old max
         l_next = alpha * l_prev + jnp.broadcast_to(p.sum(axis=1, keepdims=True), lanes)
-        pv = jnp.einsum("rt,td->rd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        acc_next = widen(alpha, c.head_dim) * acc_prev + pv
+        self.m_ref[kv_head] = keep_other_rows(mask.in_seq, m_next, m_prev)
+        self.l_ref[kv_head] = keep_other_rows(mask.in_seq, l_next, l_prev)
+        return p, alpha
 
-        # Rows of other sequences (and padding rows, which may be NaN) keep their state.
-        self.m_ref[kv_head] = jnp.where(in_seq, m_next, m_prev)
-        self.l_ref[kv_head] = jnp.where(in_seq, l_next, l_prev)
-        self.acc_ref[kv_head] = jnp.where(widen(in_seq, c.head_dim), acc_next, acc_prev)
+    def accumulate(
+        self,
+        kv_head: int,
+        v,  # [kv_tokens_per_block, head_dim]
+        p,  # f32[rows, kv_tokens_per_block], from `scores_and_stats`
+        alpha,  # f32[rows, LANES], from `scores_and_stats`
+        mask: ScoreMask,
+    ):
+        """The second half: acc = alpha * acc + p v. (p is rounded to V's dtype for the
+        matmul, which keeps the MXU at its bf16 rate; its error stays below the bf16
+        output's own rounding step.)"""
+        acc_prev = self.acc_ref[kv_head]  # [rows, head_dim]
+        pv = jnp.einsum("rt,td->rd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        acc_next = widen(alpha, acc_prev.shape[1]) * acc_prev + pv
+        self.acc_ref[kv_head] = keep_other_rows(mask.in_seq, acc_next, acc_prev)
 
     def write_output(self, o_ref):
         """out = acc / l for each KV head's group of q heads. Rows that no sequence owns have
