@@ -831,9 +831,10 @@ def load_kv_head_strided(kv_buf, kv_head: int, config: KernelConfig):
     as a flat [tokens * 2*kvh, head_dim] matrix, for every token.
 
     In bf16 two rows share each 32-bit word (K in the low half, V in the high half), so one
-    load of 32-bit words brings K and V together. Shifted into the high half, a bf16 is the
-    float32 of the same value: a shift and a mask split them, and they stay float32 (exactly
-    the bf16 values) until `dequantize_kv` casts them.
+    load of 32-bit words brings K and V together. K is the low half: truncating each word to
+    16 bits keeps it, already bf16 (one pack). V is the high half: masked off its low half, a
+    word is the float32 of V's bf16 value, exactly; it stays float32 until `dequantize_kv`
+    casts it.
     """
     c = config
     tokens = c.kv_tokens_per_block
@@ -845,7 +846,7 @@ def load_kv_head_strided(kv_buf, kv_head: int, config: KernelConfig):
         return k, v
     words = flat.bitcast(jnp.uint32)  # [tokens * kvh, head_dim]: one (K, V) pair per row
     pair = words[pl.ds(kv_head, tokens, stride=c.num_kv_heads_per_block), :]  # [tokens, hd]
-    k = lax.bitcast_convert_type(pair << 16, jnp.float32)
+    k = lax.bitcast_convert_type(pair.astype(jnp.uint16), jnp.bfloat16)
     v = lax.bitcast_convert_type(pair & jnp.uint32(0xFFFF0000), jnp.float32)
     return k, v
 
