@@ -225,6 +225,12 @@ class KernelConfig(AttentionOptions):
         return self.num_kv_heads_per_block * self.num_q_heads_per_kv_head
 
     @property
+    def lane_blocks(self) -> int:
+        """How many 128-lane blocks a KV slot holds head_dim in (see `KVBlockCopier`): 2 at
+        head_dim 256; 1 when head_dim is 128, or not a multiple of 128."""
+        return self.head_dim // LANES if self.head_dim % LANES == 0 else 1
+
+    @property
     def rows_per_kv_head(self) -> int:
         """Rows of the folded q matrix of one KV head: each q row once per q head of the group."""
         return self.num_queries_per_block * self.num_q_heads_per_kv_head
@@ -343,10 +349,17 @@ def rpa_pallas_call(
         out_shape.append(jax.ShapeDtypeStruct((1 + trace_capacity, TRACE_FIELDS), jnp.int32))
     rows = c.rows_per_kv_head
     scratch_shapes = [
-        pltpu.VMEM(  # kv_bufs: two slots of one KV block each
-            (2, c.num_kv_pages_per_block, c.page_size, 2 * c.num_kv_heads_per_block, head_dim),
+        pltpu.VMEM(  # kv_bufs: two slots of one KV block each, head_dim in lane blocks
+            (
+                2,
+                c.lane_blocks,
+                c.num_kv_pages_per_block,
+                c.page_size,
+                2 * c.num_kv_heads_per_block,
+                head_dim // c.lane_blocks,
+            ),
             kv_pages.dtype,
-        ),
+        ),  # fmt: skip
         pltpu.SemaphoreType.DMA((2,)),  # sems: one per slot
         pltpu.VMEM((c.num_kv_heads_per_block, rows, LANES), jnp.float32),  # m_ref
         pltpu.VMEM((c.num_kv_heads_per_block, rows, LANES), jnp.float32),  # l_ref
@@ -408,7 +421,8 @@ def rpa_kernel(
     )
     o_ref, trace_ref = outputs[0], outputs[1] if trace_capacity else None
     # o_ref: [num_queries_per_block, num_q_heads_per_block, head_dim], VMEM
-    # kv_bufs: [2, num_kv_pages_per_block, page_size, 2*num_kv_heads_per_block, head_dim]
+    # kv_bufs: [2, lane_blocks, num_kv_pages_per_block, page_size, 2*num_kv_heads_per_block,
+    #          head_dim // lane_blocks]
     # m_ref, l_ref: f32[num_kv_heads_per_block, rows_per_kv_head, LANES]
     # acc_ref: f32[num_kv_heads_per_block, rows_per_kv_head, head_dim]
     # q_fold_ref: [num_kv_heads_per_block, rows_per_kv_head, head_dim], q's dtype
@@ -515,7 +529,7 @@ class QBlockWalker:
 
 
 def attend_kv_heads(
-    kv_buf,  # [num_kv_pages_per_block, page_size, 2*num_kv_heads_per_block, head_dim], VMEM
+    kv_buf,  # [lane_blocks, num_kv_pages_per_block, page_size, 2*kvh_per_blk, hd // lane_blocks]
     q_fold_ref,  # [num_kv_heads_per_block, rows, head_dim]: each KV head's q heads as rows
     softmax: OnlineSoftmax,
     mask: ScoreMask,
@@ -737,17 +751,29 @@ def next_work(here: Work, end_kv_blk, after_seq: Work) -> Work:
 
 
 class KVBlockCopier:
-    """Starts and waits for the page copies of one KV block into one slot of `kv_bufs`."""
+    """Starts and waits for the page copies of one KV block into one slot of `kv_bufs`.
+
+    A slot holds head_dim in `lane_blocks` blocks of 128 lanes when head_dim is a multiple
+    of 128: lane block f of page i is `kv_bufs[slot, f, i]`, [page_size, 2*kvh, 128]. Why not
+    [page_size, 2*kvh, head_dim] as in `kv_pages`: Mosaic's strided load (`load_kv_head_strided`)
+    needs a buffer whose rows are exactly 128 lanes. Each block of 128 lanes is whole tiles,
+    so it is still one plain DMA per page and lane block; the compute reads each lane block
+    with the strided load and puts them side by side. (At head_dim 256 this takes the KV
+    block's compute from the general load, which gathers a vector register per token, to
+    the strided one: a third of the bundles.)
+    """
 
     def __init__(self, kv_pages_hbm_ref, kv_bufs, sems, batch: SeqTable):
         self.kv_pages_hbm_ref = kv_pages_hbm_ref  # [total_num_pages, page_size, 2*kvh, hd]
-        self.kv_bufs = kv_bufs  # [2, num_kv_pages_per_block, page_size, 2*kvh_per_blk, hd]
+        # [2, lane_blocks, num_kv_pages_per_block, page_size, 2*kvh_per_blk, hd // lane_blocks]
+        self.kv_bufs = kv_bufs
         self.sems = sems  # DMA semaphores [2]
         self.batch = batch
         self.config = batch.config
 
     def buffer(self, slot):
-        """The VMEM buffer of a slot: [num_kv_pages_per_block, page_size, 2*kvh_per_blk, hd]."""
+        """The VMEM buffer of a slot: [lane_blocks, num_kv_pages_per_block, page_size,
+        2*kvh_per_blk, head_dim // lane_blocks]."""
         return self.kv_bufs.at[slot]
 
     def start(self, work: Work, slot):
@@ -757,7 +783,7 @@ class KVBlockCopier:
         self._for_each_page(work, slot, lambda copy: copy.wait())
 
     def _for_each_page(self, work: Work, slot, action):
-        """Page i of the block goes to kv_bufs[slot, i]; only the pages the sequence has.
+        """Page i of the block goes to kv_bufs[slot, :, i]; only the pages the sequence has.
 
         Pages past the end of the sequence are not copied at all: their part of the buffer
         keeps stale data, which the compute zeroes. `wait` must see the same pages as `start`,
@@ -771,20 +797,25 @@ class KVBlockCopier:
             )
 
     def _copy_page(self, work: Work, slot, i: int, page_pos, action):
-        """Copy (or wait for) one page: this heads block's K/V heads of every token in it."""
-        kv_heads = self.config.num_kv_heads_per_block
+        """Copy (or wait for) one page: this heads block's K/V heads of every token in it, one
+        copy per lane block."""
+        c = self.config
+        kv_heads = c.num_kv_heads_per_block
         combined_heads = pl.ds(work.heads_blk * 2 * kv_heads, 2 * kv_heads)
-        if self.config.num_heads_blocks == 1:
+        if c.num_heads_blocks == 1:
             # A static whole axis: Mosaic cannot prove a dynamic offset is tile-aligned when
             # the axis is shorter than a tile (MQA in fp8: 2 combined heads, tiles of 4 rows).
             combined_heads = slice(None)
         page = self.batch.page(work.seq, page_pos)
-        copy = pltpu.make_async_copy(
-            self.kv_pages_hbm_ref.at[page, :, combined_heads, :],  # [page_size, 2*kvh, hd]
-            self.buffer(slot).at[i],  # [page_size, 2*num_kv_heads_per_block, head_dim]
-            self.sems.at[slot],
-        )
-        action(copy)
+        width = c.head_dim // c.lane_blocks
+        for f in range(c.lane_blocks):
+            lanes = slice(None) if c.lane_blocks == 1 else pl.ds(f * width, width)
+            copy = pltpu.make_async_copy(
+                self.kv_pages_hbm_ref.at[page, :, combined_heads, lanes],  # [ps, 2*kvh, width]
+                self.buffer(slot).at[f, i],  # [page_size, 2*num_kv_heads_per_block, width]
+                self.sems.at[slot],
+            )
+            action(copy)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -793,24 +824,38 @@ class KVBlockCopier:
 
 
 def load_kv_head(
-    kv_buf,  # [num_kv_pages_per_block, page_size, 2*num_kv_heads_per_block, head_dim]
+    kv_buf,  # [lane_blocks, num_kv_pages_per_block, page_size, 2*kvh_per_blk, hd // lane_blocks]
     kv_head: int,  # within the heads block
     config: KernelConfig,
 ):  # -> k, v: [kv_tokens_per_block, head_dim], kv dtype, bf16 or float32
-    """K and V of one KV head from a slot, as [tokens, head_dim] matrices.
+    """K and V of one KV head from a slot, as [tokens, head_dim] matrices: each lane block
+    loaded on its own (`load_kv_lane_block`), side by side.
 
     K sits in combined slot 2*kv_head and V in 2*kv_head + 1 of every token. Tokens at or past
     kv_len hold anything (NaN padding, stale or never-written memory): see
     `zero_tokens_past_kv_len`.
     """
+    blocks = [load_kv_lane_block(kv_buf.at[f], kv_head, config) for f in range(config.lane_blocks)]
+    if len(blocks) == 1:
+        return blocks[0]
+    k = jnp.concatenate([k for k, _ in blocks], axis=1)
+    v = jnp.concatenate([v for _, v in blocks], axis=1)
+    return k, v
+
+
+def load_kv_lane_block(
+    kv_lanes,  # [num_kv_pages_per_block, page_size, 2*kvh_per_blk, width]: one lane block
+    kv_head: int,
+    config: KernelConfig,
+):  # -> k, v: [kv_tokens_per_block, width]
+    """K and V of one KV head in one lane block of a slot."""
     if config.strided_kv_loads:
-        return load_kv_head_strided(kv_buf, kv_head, config)
-    c = config
+        return load_kv_head_strided(kv_lanes, kv_head, config)
     # Index the ref and reshape the *value*: TPU interpret mode cannot reshape refs. On the chip
     # this reads one vector register per token and reassembles the rows: slow.
-    tokens = c.kv_tokens_per_block
-    k = kv_buf[:, :, 2 * kv_head, :].reshape(tokens, c.head_dim)
-    v = kv_buf[:, :, 2 * kv_head + 1, :].reshape(tokens, c.head_dim)
+    tokens, width = config.kv_tokens_per_block, kv_lanes.shape[-1]
+    k = kv_lanes[:, :, 2 * kv_head, :].reshape(tokens, width)
+    v = kv_lanes[:, :, 2 * kv_head + 1, :].reshape(tokens, width)
     return k, v
 
 
@@ -818,17 +863,18 @@ def can_load_kv_strided(config: KernelConfig, kv_dtype, interpret) -> bool:
     """Whether `load_kv_head_strided` applies: refs can be viewed (the chip, or plain
     `interpret=True`; not TPU interpret mode), the combined heads of a token fill whole
     (8 * packing, 128) tiles (so the flat view is free), the KV dtype is f32 or bf16, and
-    head_dim is 128 (Mosaic's strided loads need rows of exactly 128 lanes)."""
+    head_dim is a multiple of 128 (Mosaic's strided loads need rows of exactly 128 lanes: a
+    slot's lane blocks)."""
     if isinstance(interpret, pltpu.InterpretParams):
         return False
     combined = 2 * config.num_kv_heads_per_block
     tiles_whole = combined % (8 * packing(kv_dtype)) == 0
-    return packing(kv_dtype) in (1, 2) and tiles_whole and config.head_dim == LANES
+    return packing(kv_dtype) in (1, 2) and tiles_whole and config.head_dim % LANES == 0
 
 
-def load_kv_head_strided(kv_buf, kv_head: int, config: KernelConfig):
-    """`load_kv_head` with one strided load: row `token * 2*kvh + 2*kv_head` of the slot seen
-    as a flat [tokens * 2*kvh, head_dim] matrix, for every token.
+def load_kv_head_strided(kv_lanes, kv_head: int, config: KernelConfig):
+    """`load_kv_lane_block` with one strided load: row `token * 2*kvh + 2*kv_head` of the lane
+    block seen as a flat [tokens * 2*kvh, 128] matrix, for every token.
 
     In bf16 two rows share each 32-bit word (K in the low half, V in the high half), so one
     load of 32-bit words brings K and V together. K is the low half: truncating each word to
@@ -838,14 +884,14 @@ def load_kv_head_strided(kv_buf, kv_head: int, config: KernelConfig):
     """
     c = config
     tokens = c.kv_tokens_per_block
-    flat = kv_buf.reshape(tokens * 2 * c.num_kv_heads_per_block, c.head_dim)
-    if packing(kv_buf.dtype) == 1:  # f32: one row per combined head
+    flat = kv_lanes.reshape(tokens * 2 * c.num_kv_heads_per_block, LANES)
+    if packing(kv_lanes.dtype) == 1:  # f32: one row per combined head
         stride = 2 * c.num_kv_heads_per_block
         k = flat[pl.ds(2 * kv_head, tokens, stride=stride), :]
         v = flat[pl.ds(2 * kv_head + 1, tokens, stride=stride), :]
         return k, v
-    words = flat.bitcast(jnp.uint32)  # [tokens * kvh, head_dim]: one (K, V) pair per row
-    pair = words[pl.ds(kv_head, tokens, stride=c.num_kv_heads_per_block), :]  # [tokens, hd]
+    words = flat.bitcast(jnp.uint32)  # [tokens * kvh, 128]: one (K, V) pair per row
+    pair = words[pl.ds(kv_head, tokens, stride=c.num_kv_heads_per_block), :]  # [tokens, 128]
     k = lax.bitcast_convert_type(pair.astype(jnp.uint16), jnp.bfloat16)
     v = lax.bitcast_convert_type(pair & jnp.uint32(0xFFFF0000), jnp.float32)
     return k, v

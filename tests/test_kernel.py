@@ -101,6 +101,11 @@ KERNEL_CASES = {
         dict(page_size=16, dtype=jnp.bfloat16),
         dict(num_kv_pages_per_block=2, num_queries_per_block=16),
     ),
+    "head_dim 256 (two lane blocks per slot)": (
+        ONE_OF_EACH,
+        dict(num_q_heads=4, num_kv_heads=2, head_dim=256, page_size=8),
+        dict(num_kv_pages_per_block=2, num_queries_per_block=8),
+    ),
     "fp8 KV with scales": (
         ONE_OF_EACH,
         dict(page_size=16, kv_dtype=jnp.float8_e4m3fn),
@@ -125,6 +130,10 @@ STRIDED_CASES = {
         dict(sliding_window=9, soft_cap=20.0),
     ),
     "bfloat16, two heads blocks": (dict(num_kv_heads=16, dtype=jnp.bfloat16), {}),
+    "bfloat16, head_dim 256 (a strided load per lane block)": (
+        dict(num_kv_heads=8, dtype=jnp.bfloat16, head_dim=256),
+        {},
+    ),
 }
 
 
@@ -132,10 +141,9 @@ STRIDED_CASES = {
 def test_strided_kv_loads_match_jax_reference(name):
     """The compiled path's strided K/V loads, run by plain `interpret=True`."""
     batch_options, options = STRIDED_CASES[name]
+    batch_options = {"head_dim": 128, **batch_options}
     num_kv_heads = batch_options["num_kv_heads"]
-    batch = make_batch(
-        ONE_OF_EACH, num_q_heads=2 * num_kv_heads, head_dim=128, page_size=8, **batch_options
-    )
+    batch = make_batch(ONE_OF_EACH, num_q_heads=2 * num_kv_heads, page_size=8, **batch_options)
     options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8, **options)
     config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
     assert can_load_kv_strided(config, batch.kv_pages.dtype, interpret=True)
