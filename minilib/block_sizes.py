@@ -38,6 +38,7 @@ from minilib.tpu.chips import DEVICE_KINDS, FACTS
 __all__ = [
     "current_chip",
     "default_block_sizes",
+    "default_decode_seqs_per_block",
     "hbm_bytes_per_s",
     "modelled_seconds",
     "num_kv_heads_per_block",
@@ -53,6 +54,9 @@ MAX_PAGES_PER_BLOCK = 16
 # v6e's 32 MiB; q, the output and the softmax state need room too).
 KV_BUFFERS_VMEM_BUDGET = 4 * 1024 * 1024
 DEFAULT_NUM_QUERIES_PER_BLOCK = 32
+# The decode kernel's q block (one row per sequence) is kept to about this many bytes: Pallas
+# double-buffers it and the output block, so four of them sit in VMEM beside the KV slots.
+DECODE_Q_BLOCK_BYTES = 256 * 1024
 
 # Per chip: (KV tokens per block, most pages per block, q rows per block, KV buffers' VMEM
 # budget). Chosen with the cost model above on the course's GQA case (32 q heads, 8 KV heads,
@@ -85,6 +89,11 @@ def current_chip() -> str | None:
     if jax.default_backend() == "tpu":
         return DEVICE_KINDS.get(jax.local_devices()[0].device_kind)
     return None
+
+
+def packing_of_size(itemsize: int) -> int:
+    """How many values of `itemsize` bytes share one 32-bit word."""
+    return 4 // itemsize
 
 
 def packing(dtype) -> int:
@@ -168,6 +177,19 @@ def default_block_sizes(
     while pages > 1 and 2 * pages * bytes_per_page > budget:
         pages //= 2
     return pages, min(queries, max_num_batched_tokens)
+
+
+def default_decode_seqs_per_block(max_num_seqs: int, bytes_per_seq: int) -> int:
+    """Sequences per grid step of the decode kernel: as many as fit `DECODE_Q_BLOCK_BYTES` of
+    q (`bytes_per_seq`: one row of one heads block), at most max_num_seqs. A grid step has a
+    fixed cost (its set-up, its output block), which the sequences it walks share.
+
+    >>> default_decode_seqs_per_block(16, bytes_per_seq=32 * 128 * 2)   # GQA 32 q heads, bf16
+    16
+    >>> default_decode_seqs_per_block(256, bytes_per_seq=32 * 128 * 2)
+    32
+    """
+    return max(1, min(max_num_seqs, DECODE_Q_BLOCK_BYTES // bytes_per_seq))
 
 
 def hbm_bytes_per_s(chip: str) -> float:
