@@ -101,6 +101,7 @@ from jax.experimental.pallas import tpu as pltpu
 from minilib.block_sizes import (
     default_block_sizes,
     default_decode_seqs_per_block,
+    default_head_pipeline,
     num_kv_heads_per_block,
     packing,
     packing_of_size,
@@ -256,7 +257,7 @@ class KernelConfig(AttentionOptions):
     decode: bool = False
     leaves_decode: bool = False
     decode_seqs_per_block: int = 1  # the decode kernel's q block: sequences per grid step
-    # The software pipeline over KV heads (`attend_kv_heads`).
+    # The software pipeline over KV heads (`attend_kv_heads`), set by `with_head_pipeline`.
     heads_in_flight: int = 1
     reload_v: bool = False
 
@@ -333,7 +334,21 @@ def kernel_config(
         kv_itemsize=kv_pages.dtype.itemsize,
         decode_seqs_per_block=default_decode_seqs_per_block(max_num_seqs, bytes_per_q_row),
     )
-    return config
+    return with_head_pipeline(config)
+
+
+def with_head_pipeline(config: KernelConfig) -> KernelConfig:
+    """`config` with the default software pipeline over KV heads for its rows per KV head
+    (`block_sizes.default_head_pipeline`)."""
+    heads, reload_v = default_head_pipeline(
+        rows=config.rows_per_kv_head,
+        kv_tokens=config.kv_tokens_per_block,
+        head_dim=config.head_dim,
+        num_kv_heads=config.num_kv_heads_per_block,
+        itemsize=config.q_itemsize,
+        strided=can_load_kv_strided(config),
+    )
+    return dataclasses.replace(config, heads_in_flight=heads, reload_v=reload_v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,7 +405,7 @@ def split_configs(config: KernelConfig) -> tuple[KernelConfig, KernelConfig]:
         num_queries_per_block=config.decode_seqs_per_block,
         max_num_batched_tokens=config.max_num_seqs,  # the decode batch: one row per sequence
     )
-    return dataclasses.replace(config, leaves_decode=True), decode
+    return dataclasses.replace(config, leaves_decode=True), with_head_pipeline(decode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -744,6 +759,7 @@ def attend_kv_heads(
     softmax of one head runs while the MXU works on the others. The cost is registers: each
     head in flight holds its p until its P·V, and its V too unless V is loaded again just
     before (`reload_v`: a second strided load of the same words, cheaper than spilling).
+    `block_sizes.default_head_pipeline` chooses both, from measured bundle counts.
     """
     dtype = q_fold_ref.dtype
 

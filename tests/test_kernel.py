@@ -159,6 +159,23 @@ def test_strided_kv_loads_match_jax_reference(name):
     assert_output_matches_jax(out, batch, **options)
 
 
+@pytest.mark.parametrize("heads_in_flight, reload_v", [(1, False), (3, True), (8, False)], ids=str)
+@pytest.mark.parametrize("path", ["strided loads", "TPU interpret"])
+def test_every_head_pipeline_matches_jax_reference(heads_in_flight, reload_v, path):
+    """The software pipeline over KV heads (`attend_kv_heads`) in the mixed kernel, however
+    many heads are in flight (one, some, all 8) and wherever V comes from: the defaults pick
+    one per chip, so each is forced here. (The decode kernel takes its own default, all heads,
+    V kept on this batch's strided layout; the other cases reload it.)"""
+    batch = make_batch(ONE_OF_EACH, num_q_heads=16, num_kv_heads=8, head_dim=128, page_size=8,
+                       dtype=jnp.bfloat16)  # fmt: skip
+    options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8)
+    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
+    config = dataclasses.replace(config, heads_in_flight=heads_in_flight, reload_v=reload_v)
+    interpret = True if path == "strided loads" else INTERPRET
+    out, _ = _rpa_jit(*batch.args(), config=config, interpret=interpret, trace_capacity=0)
+    assert_output_matches_jax(out, batch, **options)
+
+
 def run_pallas_call(batch, config, *, interpret, copier_class=None):
     """The kernel's pallas_call itself, with any `interpret` value (the public function turns
     `True` into TPU interpret mode) and, for the mutation tests, another copier class."""
