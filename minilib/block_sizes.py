@@ -38,6 +38,8 @@ from minilib.tpu.chips import DEVICE_KINDS, FACTS
 __all__ = [
     "current_chip",
     "default_block_sizes",
+    "default_decode_seqs_per_block",
+    "default_head_pipeline",
     "hbm_bytes_per_s",
     "modelled_seconds",
     "num_kv_heads_per_block",
@@ -53,6 +55,9 @@ MAX_PAGES_PER_BLOCK = 16
 # v6e's 32 MiB; q, the output and the softmax state need room too).
 KV_BUFFERS_VMEM_BUDGET = 4 * 1024 * 1024
 DEFAULT_NUM_QUERIES_PER_BLOCK = 32
+# The decode kernel's q block (one row per sequence) is kept to about this many bytes: Pallas
+# double-buffers it and the output block, so four of them sit in VMEM beside the KV slots.
+DECODE_Q_BLOCK_BYTES = 256 * 1024
 
 # Per chip: (KV tokens per block, most pages per block, q rows per block, KV buffers' VMEM
 # budget). Chosen with the cost model above on the course's GQA case (32 q heads, 8 KV heads,
@@ -85,6 +90,11 @@ def current_chip() -> str | None:
     if jax.default_backend() == "tpu":
         return DEVICE_KINDS.get(jax.local_devices()[0].device_kind)
     return None
+
+
+def packing_of_size(itemsize: int) -> int:
+    """How many values of `itemsize` bytes share one 32-bit word."""
+    return 4 // itemsize
 
 
 def packing(dtype) -> int:
@@ -168,6 +178,80 @@ def default_block_sizes(
     while pages > 1 and 2 * pages * bytes_per_page > budget:
         pages //= 2
     return pages, min(queries, max_num_batched_tokens)
+
+
+def default_decode_seqs_per_block(max_num_seqs: int, bytes_per_seq: int) -> int:
+    """Sequences per grid step of the decode kernel: as many as fit `DECODE_Q_BLOCK_BYTES` of
+    q (`bytes_per_seq`: one row of one heads block), at most max_num_seqs. A grid step has a
+    fixed cost (its set-up, its output block), which the sequences it walks share.
+
+    >>> default_decode_seqs_per_block(16, bytes_per_seq=32 * 128 * 2)   # GQA 32 q heads, bf16
+    16
+    >>> default_decode_seqs_per_block(256, bytes_per_seq=32 * 128 * 2)
+    32
+    """
+    return max(1, min(max_num_seqs, DECODE_Q_BLOCK_BYTES // bytes_per_seq))
+
+
+# The software pipeline over KV heads (`minilib.kernel.attend_kv_heads`): how many heads'
+# Q·K go before the first of their P·V, and whether V is loaded again for its P·V. Chosen by
+# the static bundle counts per KV block (`minilib.tpu.compile`, libtpu 0.0.42.1; bf16, 8 KV
+# heads of 4 q heads, head_dim 128, KV blocks of 128 tokens; spilled KiB in brackets):
+#
+#                        one head at a time   all 8 heads, V kept   all 8 heads, V reloaded
+#   v4, 32 q rows           2426 (604)            2472 (900)           2884 (628)
+#   v4, 8 q rows            1313 (504)            1290 (488)           1646 (308)
+#   v4, decode              1057 (360)            1047 (332)           1366 (32)
+#   v5e, 32 q rows          1391 (916)            1573 (1136)          1595 (816)
+#   v5e, 8 q rows            921 (252)             746 (468)            761 (172)
+#   v5e, decode              645 (164)             572 (316)            618 (0)
+#   v5p, 32 q rows          1466 (896)            1635 (1152)          1635 (808)
+#   v5p, 8 q rows           1011 (252)             800 (468)            815 (176)
+#   v5p, decode              689 (156)             632 (316)            669 (0)
+#   v6e, 32 q rows          1587 (952)            1259 (1068)          1324 (900)
+#   v6e, 8 q rows           1054 (204)             840 (420)            873 (212)
+#   v6e, decode              778 (4)               695 (260)            756 (0)
+#
+# All heads in flight pays, except on v4, v5e and v5p (the chips with 128 x 128 MXUs) where
+# one head's p takes 16 vector registers (of 64: 32 q rows): there one head at a time is
+# fastest (measured; the listing does not say why). Keeping V pays when V and p of the heads in flight take
+# little more than the register file (decode at head_dim 128: 8 x (1 + 8) = 72 registers),
+# and only on the strided load: the general load of other head sizes gathers K and V a
+# register per token, and holding V on top of that spills (head_dim 64, decode on v5e: 2306
+# bundles with V kept, 2024 reloaded). Beyond that, loading V again costs fewer bundles and
+# far fewer spills (and keeps the spills within JAX's kernel's at 8 q rows), except on v4,
+# where the second load costs more than any spill.
+SCORE_REGISTERS_FOR_ALL_HEADS = {"v4": 8, "v5e": 8, "v5p": 8}  # chips not named: no limit
+RELOADING_V_PAYS = {"v4": False}  # chips not named: True
+KEEP_V_REGISTERS = 72
+
+
+def default_head_pipeline(
+    *, rows: int, kv_tokens: int, head_dim: int, num_kv_heads: int, itemsize: int,
+    strided: bool = True, chip: str | None = None,
+) -> tuple[int, bool]:  # fmt: skip
+    """(heads in flight, reload V) for a KV head's `rows` of scores against `kv_tokens` keys
+    (see the table above). `itemsize`: bytes per value of the compute dtype (V's on the MXU);
+    `strided`: whether K and V come from the strided load. `chip` None: `current_chip()`.
+
+    >>> default_head_pipeline(rows=4, kv_tokens=128, head_dim=128, num_kv_heads=8,
+    ...                       itemsize=2, chip="v6e")        # decode: all heads, V kept
+    (8, False)
+    >>> default_head_pipeline(rows=32, kv_tokens=128, head_dim=128, num_kv_heads=8,
+    ...                       itemsize=2, chip="v6e")        # 8 q rows: all heads, V reloaded
+    (8, True)
+    >>> default_head_pipeline(rows=128, kv_tokens=128, head_dim=128, num_kv_heads=8,
+    ...                       itemsize=2, chip="v5e")        # 32 q rows on v5e: one at a time
+    (1, False)
+    """
+    chip = current_chip() if chip is None else chip
+    score_registers = math.ceil(rows / 8) * math.ceil(kv_tokens / 128)  # p: f32[rows, tokens]
+    v_rows_per_register = 8 * packing_of_size(itemsize)
+    v_registers = math.ceil(kv_tokens / v_rows_per_register) * math.ceil(head_dim / 128)
+    limit = SCORE_REGISTERS_FOR_ALL_HEADS.get(chip)
+    heads = num_kv_heads if limit is None or score_registers <= limit else 1
+    v_fits = strided and heads * (score_registers + v_registers) <= KEEP_V_REGISTERS
+    return heads, RELOADING_V_PAYS.get(chip, True) and not v_fits
 
 
 def hbm_bytes_per_s(chip: str) -> float:

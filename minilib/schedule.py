@@ -1,9 +1,13 @@
 """The kernel's schedule: what each grid step computes, and which copy is in flight meanwhile.
 
-`minilib.kernel` walks, in each grid step (heads block, q block), over the sequences that own
-rows of the q block and over the KV blocks those rows can see. Each such KV block is one piece
-of *work*. Double buffering means: while the kernel computes work i out of slot i % 2, the copy
-of work i + 1 into the other slot is already running.
+`minilib.kernel` runs two kernels, one after the other: the decode kernel, on the sequences
+with one q row (their rows gathered into a q block of their own, `num_queries_per_block`
+sequences per grid step), then the mixed kernel, on the others. Each walks, in each grid step
+(heads block, q block), over the sequences that own rows of the q block and over the KV blocks
+those rows can see. Each such KV block is one piece of *work*. Double buffering means: while a
+kernel computes work i out of slot i % 2, the copy of work i + 1 into the other slot is
+already running. Each kernel has its own chain of copies: the decode kernel's last work has
+no copy behind it, and the mixed kernel starts its own first copy.
 
 Two ways to get the schedule, with the same result (the tests check that they agree):
 
@@ -25,30 +29,34 @@ with `dynamic_validate_inputs`. `sliding_window` matters because KV blocks that 
 are skipped.
 
 A `Schedule` has:
-    grid                    (num_heads_blocks, num_q_blocks)
+    grid                    (num_heads_blocks, num_q_blocks): the mixed kernel's grid
+    decode_grid             (num_heads_blocks, decode q blocks): the decode kernel's grid
     num_queries_per_block, num_kv_pages_per_block, page_size, kv_tokens_per_block,
-    num_q_heads_per_block, num_kv_heads_per_block
-    events                  list[Event], in the order they happened
+    num_q_heads_per_block, num_kv_heads_per_block, decode_seqs_per_block
+    events                  list[Event], in the order they happened (decode kernel first)
     computes()              the "compute" events only: the work list
-    steps()                 {(heads_blk, q_blk): [Event, ...]} for every grid step, in grid order
+    steps(kernel="mixed")   {(heads_blk, q_blk): [Event, ...]} for every grid step of that
+                            kernel ("mixed" or "decode"), in grid order
     in_flight()             [(compute Event, start Event or None)]: the copy running while each
-                            compute runs (None for the last one)
+                            compute runs (None for the last one of each kernel)
     describe()              a readable listing
 
 An `Event` (frozen dataclass) has:
     kind        "start" (a DMA starts), "wait" (the kernel waits for it), "compute"
-    step        (heads_blk, q_blk): the grid step during which it happened
-    heads_blk, seq, kv_blk   the KV block concerned (a start may be for the next grid step)
+    step        (heads_blk, q_blk): the grid step of its kernel during which it happened
+    heads_blk, seq, kv_blk   the KV block concerned (a start may be for the next grid step);
+                seq is the sequence's number in the batch, in both kernels
     slot        0 or 1, the VMEM buffer
     pages       the physical pages of that KV block (what the DMA copies)
     kv_tokens   (start, end): the block's token positions in its sequence, clipped to kv_len
     q_rows      (start, end): rows of q computed (compute and wait events; None for start)
+    kernel      "decode" or "mixed": which of the two kernels
 
 >>> from minilib.batch import make_batch
 >>> batch = make_batch([(5, 5), (1, 20)], page_size=8)
 >>> s = plan_schedule(*batch.args(), num_kv_pages_per_block=1, num_queries_per_block=8)
->>> [(e.seq, e.kv_blk, e.slot) for e in s.computes()]
-[(0, 0, 0), (1, 0, 1), (1, 1, 0), (1, 2, 1)]
+>>> [(e.kernel, e.seq, e.kv_blk, e.slot) for e in s.computes()]
+[('decode', 1, 0, 0), ('decode', 1, 1, 1), ('decode', 1, 2, 0), ('mixed', 0, 0, 0)]
 """
 
 from __future__ import annotations
@@ -98,6 +106,7 @@ class Event:
     pages: tuple[int, ...]
     kv_tokens: tuple[int, int]
     q_rows: tuple[int, int] | None
+    kernel: str = "mixed"  # "decode" | "mixed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +118,8 @@ class Schedule:
     ...                   num_kv_pages_per_block=1, num_queries_per_block=8)
     >>> s.grid, s.kv_tokens_per_block, len(s.computes()), len(s.in_flight())
     ((1, 1), 8, 4, 4)
+    >>> s.decode_grid, s.decode_seqs_per_block
+    ((1, 1), 2)
     """
 
     grid: tuple[int, int]
@@ -118,6 +129,8 @@ class Schedule:
     num_q_heads_per_block: int
     num_kv_heads_per_block: int
     events: tuple[Event, ...]
+    decode_grid: tuple[int, int] = (1, 1)
+    decode_seqs_per_block: int = 1
 
     @property
     def kv_tokens_per_block(self) -> int:
@@ -126,10 +139,13 @@ class Schedule:
     def computes(self) -> list[Event]:
         return [e for e in self.events if e.kind == "compute"]
 
-    def steps(self) -> dict[tuple[int, int], list[Event]]:
-        steps = {(h, q): [] for h in range(self.grid[0]) for q in range(self.grid[1])}
+    def steps(self, kernel: str = "mixed") -> dict[tuple[int, int], list[Event]]:
+        """{grid step: its events} for every grid step of the `kernel` ("mixed" or "decode")."""
+        heads, q_blocks = self.decode_grid if kernel == "decode" else self.grid
+        steps = {(h, q): [] for h in range(heads) for q in range(q_blocks)}
         for e in self.events:
-            steps[e.step].append(e)
+            if e.kernel == kernel:
+                steps[e.step].append(e)
         return steps
 
     def in_flight(self) -> list[tuple[Event, Event | None]]:
@@ -145,19 +161,28 @@ class Schedule:
         return pairs
 
     def describe(self) -> str:
+        num_decode = len({e.seq for e in self.events if e.kernel == "decode"})
         lines = [
-            f"Schedule: {len(self.computes())} KV blocks computed on a grid of "
-            f"{self.grid[0]} heads block(s) x {self.grid[1]} q block(s)",
+            f"Schedule: {len(self.computes())} KV blocks computed: the decode kernel on "
+            f"{num_decode} one-token sequence(s), a grid of {self.decode_grid[0]} heads "
+            f"block(s) x {self.decode_grid[1]} block(s) of {self.decode_seqs_per_block}; then "
+            f"the mixed kernel on a grid of {self.grid[0]} heads block(s) x {self.grid[1]} q "
+            "block(s)",
             f"  num_queries_per_block={self.num_queries_per_block} "
             f"num_kv_pages_per_block={self.num_kv_pages_per_block} page_size={self.page_size} "
             f"({self.kv_tokens_per_block} tokens per KV block); "
             f"{self.num_q_heads_per_block} q heads / {self.num_kv_heads_per_block} KV heads "
             f"per heads block",
         ]
+        for (h, blk), events in self.steps("decode").items():
+            if events:
+                lines.append(f"decode kernel, grid step (heads block {h}, block {blk}): "
+                             f"sequences {sorted({e.seq for e in events})}")  # fmt: skip
+                lines += ["  " + describe_event(e) for e in events]
         for (h, q_blk), events in self.steps().items():
             first_row = q_blk * self.num_queries_per_block
             rows = f"q rows [{first_row}, {first_row + self.num_queries_per_block})"
-            empty = "" if events else ": no live rows, output zeros"
+            empty = "" if events else ": no rows for this kernel, output zeros"
             lines.append(f"grid step (heads block {h}, q block {q_blk}): {rows}{empty}")
             lines += ["  " + describe_event(e) for e in events]
         return "\n".join(lines)
@@ -224,6 +249,7 @@ def plan_schedule(
     )
     config = _config(*args, options)
     table = _Table(kv_lens, page_indices, cu_q_lens, num_seqs)
+    mixed, decode = kernel.split_configs(config)
     num_q_blocks = cdiv(q.shape[0], config.num_queries_per_block)
     grid_steps = config.num_heads_blocks * num_q_blocks
     if max_grid_steps is not None and grid_steps > max_grid_steps:
@@ -233,28 +259,36 @@ def plan_schedule(
             "num_queries_per_block, or fewer q rows or heads."
         )
     if max_computes is not None:
-        count = count_computes(table, config, num_q_blocks)
+        count = count_computes(table, mixed, num_q_blocks) + count_computes(table, decode)
         if count > max_computes:
             raise ScheduleTooBig(
                 f"The kernel computes {count} KV blocks for this batch, more than "
                 f"{max_computes=}. Use bigger blocks, fewer heads or shorter sequences."
             )
-    work = work_list(table, config, num_q_blocks)
-    events = []
-    for i, (step, heads_blk, seq, kv_blk) in enumerate(work):
-        if i == 0:  # the first grid step starts the very first copy
-            events.append(("start", (0, 0), heads_blk, seq, kv_blk, 0))
-        if i + 1 < len(work):  # prefetch the next work into the other slot
-            _, *next_block = work[i + 1]
-            events.append(("start", step, *next_block, (i + 1) % 2))
-        events.append(("wait", step, heads_blk, seq, kv_blk, i % 2))
-        events.append(("compute", step, heads_blk, seq, kv_blk, i % 2))
+    events = chain_of_copies(work_list(table, decode), "decode")
+    events += chain_of_copies(work_list(table, mixed, num_q_blocks), "mixed")
     return _schedule(q, config, table, events)
 
 
-def work_list(table: _Table, config: kernel.KernelConfig, num_q_blocks: int):
-    """[(step, heads_blk, seq, kv_blk)] in the kernel's order: grid steps in row-major order;
-    in each, the sequences with rows in the q block, in order; for each, the KV blocks its rows
+def chain_of_copies(work, kernel_name: str):
+    """The events of one kernel's work list: the first grid step starts the first copy; then,
+    for each work, the copy of the next one into the other slot, the wait, the compute."""
+    events = []
+    for i, (step, heads_blk, seq, kv_blk) in enumerate(work):
+        if i == 0:  # the first grid step starts the very first copy
+            events.append(("start", (0, 0), heads_blk, seq, kv_blk, 0, kernel_name))
+        if i + 1 < len(work):  # prefetch the next work into the other slot
+            _, *next_block = work[i + 1]
+            events.append(("start", step, *next_block, (i + 1) % 2, kernel_name))
+        events.append(("wait", step, heads_blk, seq, kv_blk, i % 2, kernel_name))
+        events.append(("compute", step, heads_blk, seq, kv_blk, i % 2, kernel_name))
+    return events
+
+
+def work_list(table: _Table, config: kernel.KernelConfig, num_q_blocks: int | None = None):
+    """[(step, heads_blk, seq, kv_blk)] in the order of the kernel `config` describes (the
+    mixed one, with its num_q_blocks, or the decode one): grid steps in row-major order; in
+    each, the sequences with rows in the q block, in order; for each, the KV blocks its rows
     can see."""
     work = []
     for heads_blk in range(config.num_heads_blocks):
@@ -263,20 +297,27 @@ def work_list(table: _Table, config: kernel.KernelConfig, num_q_blocks: int):
     return work
 
 
-def count_computes(table: _Table, config: kernel.KernelConfig, num_q_blocks: int) -> int:
+def count_computes(table: _Table, config: kernel.KernelConfig, num_q_blocks=None) -> int:
     """len(work_list(...)), without listing the work: a few steps per (q block, sequence)."""
     pairs = _seq_blocks(table, config, num_q_blocks)
     return config.num_heads_blocks * sum(end - first for _, _, first, end in pairs)
 
 
-def _seq_blocks(table: _Table, config: kernel.KernelConfig, num_q_blocks: int):
-    """[(q_blk, seq, first KV block, end KV block)] for every sequence with rows in a q block,
-    in the kernel's order (q blocks, then sequences). Only each sequence's own q blocks are
+def _seq_blocks(table: _Table, config: kernel.KernelConfig, num_q_blocks=None):
+    """[(q_blk, seq, first KV block, end KV block)] for every sequence the kernel serves, in
+    its order (q blocks, then sequences). The mixed kernel (`leaves_decode`) leaves the
+    one-token sequences to the decode kernel, which serves them alone: decode sequence i (the
+    i-th one-token sequence) is row i of its q. Only each sequence's own q blocks are
     visited, so this costs (number of q blocks + number of sequences) steps."""
     bq = config.num_queries_per_block
+    if config.decode:
+        return [(i // bq, seq, *table.seq_kv_blocks(seq, table.q_rows(seq), config))
+                for i, seq in enumerate(table.decode_seqs())]  # fmt: skip
     seqs_of_block = [[] for _ in range(num_q_blocks)]
     for seq in range(table.num_seqs):
         start, end = table.q_rows(seq)
+        if config.leaves_decode and end - start == 1:
+            continue
         for q_blk in range(start // bq, min(cdiv(end, bq), num_q_blocks)):
             seqs_of_block[q_blk].append(seq)
     return [
@@ -299,6 +340,10 @@ class _Table:
 
     def q_rows(self, seq) -> tuple[int, int]:
         return int(self.cu_q_lens[seq]), int(self.cu_q_lens[seq + 1])
+
+    def decode_seqs(self) -> list[int]:
+        """The one-token sequences, in order: those the decode kernel serves."""
+        return [s for s in range(self.num_seqs) if self.q_rows(s)[1] - self.q_rows(s)[0] == 1]
 
     def has_rows_in(self, seq, rows) -> bool:
         start, end = self.q_rows(seq)
@@ -361,43 +406,57 @@ def record_schedule(
     )
     config = _config(*args, options)
     table = _Table(kv_lens, page_indices, cu_q_lens, num_seqs)
-    _, rows = record_trace(
+    _, traces = record_trace(
         *args, config=config, capacity=_trace_capacity(q, table, config), interpret=interpret
     )
-    events = [(KINDS[r[0]], (int(r[1]), int(r[2])), *(int(x) for x in r[3:])) for r in rows]
+    # The decode kernel numbers its sequences in its own batch: back to the batch's numbers.
+    seq_ids = {"decode": table.decode_seqs(), "mixed": list(range(len(table.kv_lens)))}
+    events = [
+        (KINDS[r[0]], (int(r[1]), int(r[2])), int(r[3]), seq_ids[name][int(r[4])],
+         *(int(x) for x in r[5:]), name)
+        for name, rows in traces.items()
+        for r in rows
+    ]  # fmt: skip
     return _schedule(q, config, table, events)
 
 
 def record_trace(
     q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, config: kernel.KernelConfig,
     capacity: int, interpret=None
-) -> tuple[jax.Array, np.ndarray]:  # fmt: skip
-    """Run the kernel with its trace on (`minilib.kernel_trace`). Returns (out, events:
-    i32[num_events, TRACE_FIELDS]); raises if more than `capacity` events happened.
+) -> tuple[jax.Array, dict[str, np.ndarray]]:  # fmt: skip
+    """Run the kernel with its trace on (`minilib.kernel_trace`). Returns (out, {"decode":
+    events, "mixed": events}), each i32[num_events, TRACE_FIELDS], in the order the two kernels
+    run; raises if a kernel recorded more than `capacity` events.
 
     >>> from minilib.batch import make_batch
-    >>> batch = make_batch([(3, 3)])
+    >>> batch = make_batch([(3, 3), (1, 5)])
     >>> config = _config(*batch.args(), AttentionOptions())
-    >>> _, events = record_trace(*batch.args(), config=config, capacity=8)
-    >>> [KINDS[kind] for kind in events[:, 0]]
-    ['start', 'wait', 'compute']
+    >>> _, traces = record_trace(*batch.args(), config=config, capacity=8)
+    >>> {name: [KINDS[kind] for kind in events[:, 0]] for name, events in traces.items()}
+    {'decode': ['start', 'wait', 'compute'], 'mixed': ['start', 'wait', 'compute']}
     """
     if interpret is None:
         interpret = True  # TPU interpret mode by default, even on a TPU
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     # The kernel's own jitted call, with the trace output on.
     interpret = kernel.resolve_interpret(interpret)
-    out, trace = kernel._rpa_jit(*args, config=config, interpret=interpret, trace_capacity=capacity)
-    trace = np.asarray(trace)
-    count = int(trace[0, 0])
-    if count > capacity:
-        raise ValueError(f"the kernel recorded {count} events, more than {capacity=}.")
-    return out, trace[1 : count + 1]
+    out, traces = kernel._rpa_jit(
+        *args, config=config, interpret=interpret, trace_capacity=capacity
+    )
+    events = {}
+    for name, trace in zip(("decode", "mixed"), traces, strict=True):
+        trace = np.asarray(trace)
+        count = int(trace[0, 0])
+        if count > capacity:
+            raise ValueError(f"the {name} kernel recorded {count} events, more than {capacity=}.")
+        events[name] = trace[1 : count + 1]
+    return out, events
 
 
 def _trace_capacity(q, table: _Table, config: kernel.KernelConfig) -> int:
-    """An upper bound on the events: 3 per piece of work, plus the first start. Each (seq, q
-    block) pair is at most num_q_blocks + num_seqs, each with at most all of its KV blocks."""
+    """An upper bound on the events of either kernel: 3 per piece of work, plus the first
+    start. The mixed kernel's (seq, q block) pairs are at most num_q_blocks + num_seqs, the
+    decode kernel's at most num_seqs, each with at most all of its KV blocks."""
     num_q_blocks = cdiv(q.shape[0], config.num_queries_per_block)
     kv_blocks = cdiv(config.pages_per_seq, config.num_kv_pages_per_block)
     pairs = num_q_blocks + max(table.num_seqs, 1)
@@ -418,16 +477,19 @@ def _config(
 
 
 def _schedule(q, config: kernel.KernelConfig, table: _Table, raw_events) -> Schedule:
-    """Turn (kind, step, heads_blk, seq, kv_blk, slot) tuples into Events with pages and rows."""
+    """Turn (kind, step, heads_blk, seq, kv_blk, slot, kernel) tuples into Events with pages
+    and rows (a decode sequence's one row; a mixed q block's rows of the sequence)."""
     bq = config.num_queries_per_block
     events = []
-    for kind, step, heads_blk, seq, kv_blk, slot in raw_events:
+    for kind, step, heads_blk, seq, kv_blk, slot, kernel_name in raw_events:
         tokens = config.kv_tokens_per_block
         kv_len = int(table.kv_lens[seq])
         q_rows = None
         if kind != "start":
             q_start, q_end = table.q_rows(seq)
-            q_rows = (max(q_start, step[1] * bq), min(q_end, (step[1] + 1) * bq))
+            if kernel_name == "mixed":
+                q_start, q_end = max(q_start, step[1] * bq), min(q_end, (step[1] + 1) * bq)
+            q_rows = (q_start, q_end)
         events.append(
             Event(
                 kind=kind,
@@ -439,8 +501,10 @@ def _schedule(q, config: kernel.KernelConfig, table: _Table, raw_events) -> Sche
                 pages=table.pages(seq, kv_blk, config),
                 kv_tokens=(kv_blk * tokens, min((kv_blk + 1) * tokens, kv_len)),
                 q_rows=q_rows,
+                kernel=kernel_name,
             )
         )
+    decode_blocks = cdiv(config.max_num_seqs, config.decode_seqs_per_block)
     return Schedule(
         grid=(config.num_heads_blocks, cdiv(q.shape[0], bq)),
         num_queries_per_block=bq,
@@ -449,4 +513,6 @@ def _schedule(q, config: kernel.KernelConfig, table: _Table, raw_events) -> Sche
         num_q_heads_per_block=config.num_q_heads_per_block,
         num_kv_heads_per_block=config.num_kv_heads_per_block,
         events=tuple(events),
+        decode_grid=(config.num_heads_blocks, decode_blocks),
+        decode_seqs_per_block=config.decode_seqs_per_block,
     )

@@ -13,6 +13,9 @@ Which path of the kernel each test covers:
 - The compiled path reads each KV head with one strided load through a flat 32-bit view of
   the slot (`load_kv_head_strided`). Plain `interpret=True` can run that (it can view refs, but
   does not simulate DMA timing): `test_strided_kv_loads_match_jax_reference`.
+- `ragged_paged_attention` runs two kernels: the decode kernel on the one-token sequences, the
+  mixed kernel on the others. Every parity test above runs both; the decode tests below also
+  give the decode kernel several grid steps and watch every copy (`watch_kernel`).
 - Mosaic's own compiler passes need libtpu: see the TPU compile tests.
 """
 
@@ -45,12 +48,17 @@ from minilib.batch import make_batch
 from minilib.errors import RPAInputError
 from minilib.kernel import (
     KVBlockCopier,
+    _rpa_jit,
     can_load_kv_strided,
+    decode_batch,
     kernel_config,
     ragged_paged_attention,
     resolve_interpret,
     rpa_pallas_call,
+    split_configs,
 )
+from minilib.ladder.interpret import strict_interpret_params
+from minilib.ladder.watch import watch_kernel
 
 # A DMA runs when it is started: reading a slot that a copy is still filling gets new data.
 EAGER = pltpu.InterpretParams(uninitialized_memory="nan", dma_execution_mode="eager")
@@ -101,6 +109,11 @@ KERNEL_CASES = {
         dict(page_size=16, dtype=jnp.bfloat16),
         dict(num_kv_pages_per_block=2, num_queries_per_block=16),
     ),
+    "head_dim 256 (two lane blocks per slot)": (
+        ONE_OF_EACH,
+        dict(num_q_heads=4, num_kv_heads=2, head_dim=256, page_size=8),
+        dict(num_kv_pages_per_block=2, num_queries_per_block=8),
+    ),
     "fp8 KV with scales": (
         ONE_OF_EACH,
         dict(page_size=16, kv_dtype=jnp.float8_e4m3fn),
@@ -125,21 +138,41 @@ STRIDED_CASES = {
         dict(sliding_window=9, soft_cap=20.0),
     ),
     "bfloat16, two heads blocks": (dict(num_kv_heads=16, dtype=jnp.bfloat16), {}),
+    "bfloat16, head_dim 256 (a strided load per lane block)": (
+        dict(num_kv_heads=8, dtype=jnp.bfloat16, head_dim=256),
+        {},
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(STRIDED_CASES))
 def test_strided_kv_loads_match_jax_reference(name):
-    """The compiled path's strided K/V loads, run by plain `interpret=True`."""
+    """The compiled path's strided K/V loads, in both kernels, run by plain `interpret=True`."""
     batch_options, options = STRIDED_CASES[name]
+    batch_options = {"head_dim": 128, **batch_options}
     num_kv_heads = batch_options["num_kv_heads"]
-    batch = make_batch(
-        ONE_OF_EACH, num_q_heads=2 * num_kv_heads, head_dim=128, page_size=8, **batch_options
-    )
+    batch = make_batch(ONE_OF_EACH, num_q_heads=2 * num_kv_heads, page_size=8, **batch_options)
     options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8, **options)
     config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
-    assert can_load_kv_strided(config, batch.kv_pages.dtype, interpret=True)
-    out = run_pallas_call(batch, config, interpret=True)
+    assert can_load_kv_strided(config, interpret=True)
+    out, _ = _rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
+    assert_output_matches_jax(out, batch, **options)
+
+
+@pytest.mark.parametrize("heads_in_flight, reload_v", [(1, False), (3, True), (8, False)], ids=str)
+@pytest.mark.parametrize("path", ["strided loads", "TPU interpret"])
+def test_every_head_pipeline_matches_jax_reference(heads_in_flight, reload_v, path):
+    """The software pipeline over KV heads (`attend_kv_heads`) in the mixed kernel, however
+    many heads are in flight (one, some, all 8) and wherever V comes from: the defaults pick
+    one per chip, so each is forced here. (The decode kernel takes its own default, all heads,
+    V kept on this batch's strided layout; the other cases reload it.)"""
+    batch = make_batch(ONE_OF_EACH, num_q_heads=16, num_kv_heads=8, head_dim=128, page_size=8,
+                       dtype=jnp.bfloat16)  # fmt: skip
+    options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8)
+    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
+    config = dataclasses.replace(config, heads_in_flight=heads_in_flight, reload_v=reload_v)
+    interpret = True if path == "strided loads" else INTERPRET
+    out, _ = _rpa_jit(*batch.args(), config=config, interpret=interpret, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 
 
@@ -230,6 +263,62 @@ def test_the_race_detector_catches_a_deliberate_race():
         interpret=pltpu.InterpretParams(detect_races=True),
     )(x).block_until_ready()
     assert races_found()
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode kernel: the one-token sequences, apart.
+# ---------------------------------------------------------------------------------------------
+
+# Decode sequences among idle ones, a chunk and a prefill, with padding rows and slots; the
+# decode kernel takes 2 sequences per grid step, so its walk crosses grid steps too.
+DECODE_SEQS = [(1, 20), (0, 7), (1, 5), (9, 40), (1, 33), (5, 5), (1, 1), (1, 17)]
+DECODE_CASES = {
+    "decodes in four decode blocks": {},
+    "sliding window and soft cap": dict(sliding_window=6, soft_cap=20.0),
+    "a mask value that leaves masked keys a weight": dict(mask_value=-5.0, sliding_window=6),
+}
+
+
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_decode_kernel_in_several_grid_steps(name):
+    """Both kernels, the decode kernel with 2 sequences per grid step, in TPU interpret mode
+    with eager DMAs and the race detector on: parity with JAX's reference, no race, every
+    copy waited for, and no semaphore left with a count at kernel exit."""
+    batch = make_batch(DECODE_SEQS, page_size=8, max_num_batched_tokens=24, max_num_seqs=10)
+    options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8,
+                   **DECODE_CASES[name])  # fmt: skip
+    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
+    config = dataclasses.replace(config, decode_seqs_per_block=2)
+    with watch_kernel() as watch:
+        out, _ = _rpa_jit(*batch.args(), config=config, interpret=strict_interpret_params(),
+                          trace_capacity=0)  # fmt: skip
+        out = jax.block_until_ready(out)
+    assert not watch.raced and watch.never_waited() == [] and watch.deadlock is None
+    assert "emaphore" not in watch.output, watch.output
+    assert_output_matches_jax(out, batch, **options)
+
+
+class SkipsFirstWaitsCopier(KVBlockCopier):
+    """A deliberately broken kernel: it never waits for the copies of a sequence's first KV
+    block (computing with the slot while they may still run)."""
+
+    def wait(self, work, slot):
+        pl.when(work.kv_blk > 0)(lambda: super(SkipsFirstWaitsCopier, self).wait(work, slot))
+
+
+def test_the_decode_checks_catch_a_copy_never_waited_for():
+    """The checks above can fail: the decode kernel alone, with copies it never waits for."""
+    batch = make_batch(DECODE_SEQS, page_size=8, max_num_batched_tokens=24, max_num_seqs=10)
+    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, num_kv_pages_per_block=2)
+    _, decode = split_configs(dataclasses.replace(config, decode_seqs_per_block=2))
+    tables = decode_batch(*batch.args()[2:], config)
+    q = jnp.take(batch.q, tables.rows, axis=0, mode="clip")
+    call = rpa_pallas_call(q, batch.kv_pages, config=decode, interpret=strict_interpret_params(),
+                           copier_class=SkipsFirstWaitsCopier)  # fmt: skip
+    with watch_kernel() as watch:
+        jax.block_until_ready(call(*tables.tables(), q, batch.kv_pages))
+    assert watch.raced and watch.never_waited()
+    assert "emaphore" in watch.output
 
 
 # ---------------------------------------------------------------------------------------------

@@ -79,6 +79,7 @@ def test_lowers_to_a_mosaic_custom_call(chip, config, monkeypatch):
     text = exported.mlir_module()
     assert "tpu_custom_call" in text
     assert "minilib_ragged_paged_attention" in text
+    assert "minilib_ragged_paged_attention_decode" in text  # the decode kernel, by name
     assert exported.out_avals[0].shape == args[0].shape
 
 

@@ -127,33 +127,57 @@ def test_every_visible_key_is_computed_exactly_once_per_row():
                     assert seen.get((cu[seq] + i, key)) == 1, (seq, i, key)
 
 
+def kernels_of(plan):
+    """The two kernels' events apart: {kernel: events}, and the decode kernel's all first."""
+    names = [e.kernel for e in plan.events]
+    assert names == sorted(names), "the decode kernel runs first, then the mixed one"
+    return {k: [e for e in plan.events if e.kernel == k] for k in ("decode", "mixed")}
+
+
 def test_slots_alternate_and_each_copy_is_waited_for_once():
+    """Within each kernel: its own chain of copies, in two slots."""
     for _, _, plan in random_plans():
-        computes = plan.computes()
-        assert [e.slot for e in computes] == [i % 2 for i in range(len(computes))]
-        pending = {}  # slot -> the block being copied into it
-        for e in plan.events:
-            block = (e.heads_blk, e.seq, e.kv_blk)
-            if e.kind == "start":
-                assert e.slot not in pending, "a slot was refilled before it was waited for"
-                pending[e.slot] = block
-            elif e.kind == "wait":
-                assert pending.pop(e.slot) == block
-        assert not pending
+        for events in kernels_of(plan).values():
+            computes = [e for e in events if e.kind == "compute"]
+            assert [e.slot for e in computes] == [i % 2 for i in range(len(computes))]
+            pending = {}  # slot -> the block being copied into it
+            for e in events:
+                block = (e.heads_blk, e.seq, e.kv_blk)
+                if e.kind == "start":
+                    assert e.slot not in pending, "a slot was refilled before it was waited for"
+                    pending[e.slot] = block
+                elif e.kind == "wait":
+                    assert pending.pop(e.slot) == block
+            assert not pending
 
 
 def test_each_compute_overlaps_the_next_copy():
+    """Within each kernel, every compute but its last hides the copy of the next one."""
     for _, _, plan in random_plans():
         pairs = plan.in_flight()
-        for (compute, running), (next_compute, _) in zip(pairs, pairs[1:], strict=False):
-            assert running is not None and running.slot != compute.slot
-            assert (running.heads_blk, running.seq, running.kv_blk) == (
-                next_compute.heads_blk,
-                next_compute.seq,
-                next_compute.kv_blk,
-            )
         assert pairs, "every plan has a live sequence, so at least one compute"
-        assert pairs[-1][1] is None  # nothing left to fetch during the last compute
+        for kernel in ("decode", "mixed"):
+            mine = [(c, r) for c, r in pairs if c.kernel == kernel]
+            for (compute, running), (next_compute, _) in zip(mine, mine[1:], strict=False):
+                assert running is not None and running.slot != compute.slot
+                assert (running.heads_blk, running.seq, running.kv_blk) == (
+                    next_compute.heads_blk,
+                    next_compute.seq,
+                    next_compute.kv_blk,
+                )
+            if mine:
+                assert mine[-1][1] is None  # nothing left to fetch during the last compute
+
+
+def test_one_token_sequences_go_to_the_decode_kernel():
+    """A sequence with one q row is computed by the decode kernel, alone (its one row); every
+    other live sequence by the mixed kernel."""
+    for batch, _, plan in random_plans():
+        for e in plan.computes():
+            q_len = batch.seq_lens[e.seq][0]
+            assert e.kernel == ("decode" if q_len == 1 else "mixed"), (e, q_len)
+            if e.kernel == "decode":
+                assert e.q_rows == (int(batch.cu_q_lens[e.seq]), int(batch.cu_q_lens[e.seq]) + 1)
 
 
 def test_pages_are_the_sequences_own():
@@ -182,10 +206,14 @@ def test_describe_lists_every_grid_step():
     assert isinstance(plan, Schedule) and all(isinstance(e, Event) for e in plan.events)
     text = plan.describe()
     assert plan.grid == (1, 4)
-    assert text.count("grid step") == 4
-    assert "no live rows" in text  # q block 3 holds only padding rows
-    assert "DMA start  slot 1 <- heads 0 seq 1 kv block 0" in text
+    assert text.count("\ngrid step") == 4  # the mixed kernel's
+    assert "no rows for this kernel" in text  # q block 3 holds only padding rows
+    # The decode sequence (seq 1) is the decode kernel's, with a chain of copies of its own.
+    assert "decode kernel, grid step (heads block 0, block 0): sequences [1]" in text
+    assert "DMA start  slot 0 <- heads 0 seq 1 kv block 0" in text
+    assert "DMA start  slot 1 <- heads 0 seq 3 kv block 0" in text
     assert list(plan.steps()) == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    assert list(plan.steps("decode")) == [(0, 0)]
 
 
 def test_bad_inputs_raise_minilib_errors():

@@ -1,5 +1,7 @@
 """The Pallas kernel's schedule: its grid, the KV blocks each grid step computes, and the double
-buffer that feeds them, as a figure and an explorer.
+buffer that feeds them, as a figure and an explorer. The one-token sequences are the decode
+kernel's, which runs first: they have lanes of their own under the grid, and their ticks come
+first in the double buffer.
 
     kernel_schedule_figure(schedule, step)   the grid, then the two VMEM slots over time
     kernel_schedule_explorer()               the schedule of your batch and block sizes
@@ -99,7 +101,8 @@ def kernel_schedule_figure(schedule, step: tuple[int, int] | None = None) -> Fig
     Top, the grid: one row per heads block, one column per q block of
     `num_queries_per_block` rows, under the packed q rows of each sequence. In each grid step,
     one tile per KV block the kernel computes there, coloured by sequence (s1 b2: sequence 1,
-    KV block 2).
+    KV block 2). Below, a lane per heads block of the decode kernel: each one-token sequence's
+    KV blocks at its row.
 
     Bottom, the double buffer over time: at each tick the kernel computes one KV block out of
     one VMEM slot (solid) while the DMA engine copies the next KV block into the other slot
@@ -113,8 +116,9 @@ def kernel_schedule_figure(schedule, step: tuple[int, int] | None = None) -> Fig
     'Kernel schedule: grid = 1 heads block x 2 q blocks, 5 KV blocks computed'
     """
     num_heads_blocks, num_q_blocks = schedule.grid
-    fig = new_figure(11, 3.9 + 0.55 * num_heads_blocks)
-    grid_ax, time_ax = fig.subplots(2, 1, height_ratios=[1.2 + 0.55 * num_heads_blocks, 2.2])
+    lanes = num_heads_blocks + _decode_lanes(schedule)
+    fig = new_figure(11, 3.9 + 0.55 * lanes)
+    grid_ax, time_ax = fig.subplots(2, 1, height_ratios=[1.2 + 0.55 * lanes, 2.2])
     labels = _draw_grid(grid_ax, schedule, step)
     labels += _draw_double_buffer(time_ax, schedule, step)
     seqs = sorted({e.seq for e in schedule.computes()})
@@ -133,8 +137,14 @@ def kernel_schedule_figure(schedule, step: tuple[int, int] | None = None) -> Fig
     return fig
 
 
+def _decode_lanes(schedule) -> int:
+    """Lanes for the decode kernel under the grid: one per heads block, if it computes."""
+    return schedule.decode_grid[0] if any(e.kernel == "decode" for e in schedule.events) else 0
+
+
 def _draw_grid(ax, schedule, selected) -> list:
-    """Heads blocks down, q blocks across (in q rows), the computes of each step as tiles."""
+    """Heads blocks down, q blocks across (in q rows), the computes of each step as tiles;
+    under them the decode kernel's lanes."""
     num_heads_blocks, num_q_blocks = schedule.grid
     bq = schedule.num_queries_per_block
     labels = []
@@ -162,17 +172,20 @@ def _draw_grid(ax, schedule, selected) -> list:
             labels.append((box_label(ax, tile, f"s{e.seq} b{e.kv_blk}", color(e.seq)), tile))
             if widest is None or width > widest[0]:
                 widest = (width, e)
+    decode_lanes = _decode_lanes(schedule)
+    labels += _draw_decode_lanes(ax, schedule, -(num_heads_blocks + 1))
     ax.set_xlim(0, num_q_blocks * bq)
-    ax.set_ylim(-num_heads_blocks - 0.5, 0.5)
+    ax.set_ylim(-num_heads_blocks - decode_lanes - 0.5, 0.5)
     q_heads, kv_heads = schedule.num_q_heads_per_block, schedule.num_kv_heads_per_block
     ax.set_yticks(
-        [0] + [-(h + 1) for h in range(num_heads_blocks)],
+        [0] + [-(h + 1) for h in range(num_heads_blocks + decode_lanes)],
         ["q rows"]
         + [
             f"heads block {h}\nq heads {span(range(h * q_heads, (h + 1) * q_heads))}, "
             f"KV heads {span(range(h * kv_heads, (h + 1) * kv_heads))}"
             for h in range(num_heads_blocks)
-        ],
+        ]
+        + [f"decode kernel,\nheads block {h}" for h in range(decode_lanes)],
         fontsize=8,
     )
     ticks = list(range(0, num_q_blocks * bq + 1, bq))
@@ -193,18 +206,38 @@ def _draw_grid(ax, schedule, selected) -> list:
     return labels
 
 
+def _draw_decode_lanes(ax, schedule, y_first: int) -> list:
+    """The decode kernel's computes: a lane per heads block, each sequence's KV blocks as
+    tiles over its one q row."""
+    labels = []
+    for h in range(_decode_lanes(schedule)):
+        computes = [e for e in schedule.computes() if e.kernel == "decode" and e.heads_blk == h]
+        for seq, tiles in itertools.groupby(computes, key=lambda e: e.seq):
+            tiles = list(tiles)
+            width = 1 / len(tiles)
+            for k, e in enumerate(tiles):
+                x = e.q_rows[0] + k * width
+                tile = rectangle(ax, x, y_first - h, width, 0.64, color(seq), hatch(seq))
+                labels.append((box_label(ax, tile, f"s{seq} b{e.kv_blk}", color(seq)), tile))
+    return labels
+
+
 def _draw_double_buffer(ax, schedule, selected) -> list:
     """Two VMEM slots over time, one tick per KV block computed: the compute reads one slot
     (solid) while the copy of the next KV block fills the other (hatched). On top, the grid
     step each tick belongs to."""
     pairs = schedule.in_flight()  # tick t: (the t-th compute, the copy running meanwhile)
-    computed = [t for t, (c, _) in enumerate(pairs) if selected is None or c.step == selected]
+    computed = [
+        t
+        for t, (c, _) in enumerate(pairs)
+        if selected is None or (c.kernel == "mixed" and c.step == selected)
+    ]
     # The tick before the first compute is shown too: the copy feeding it runs then. Before
     # tick 0 that is tick -1, the very first copy, with nothing to compute meanwhile.
     shown = [computed[0] - 1, *computed] if computed else []
     first_copy = next((e for e in schedule.events if e.kind == "start"), None)
     copies = [(t, pairs[t][1] if t >= 0 else first_copy) for t in shown]
-    steps = [(t, pairs[t][0].step) for t in shown if t >= 0]
+    steps = [(t, _step_name(pairs[t][0])) for t in shown if t >= 0]
 
     labels = []
     for t, copy in copies:
@@ -256,15 +289,20 @@ def _slot_bar(ax, t: int, event, copying: bool) -> tuple:
     return label, bar
 
 
-def _draw_step_lane(ax, steps: list[tuple[int, tuple[int, int]]]) -> list:
+def _step_name(event) -> str:
+    """A grid step as the step lane names it: "(0, 1)", or "decode (0, 0)"."""
+    return f"{event.step}" if event.kernel == "mixed" else f"decode {event.step}"
+
+
+def _draw_step_lane(ax, steps: list[tuple[int, str]]) -> list:
     """The top lane: a box over each run of ticks of one grid step, labelled with the step.
-    `steps` holds (tick, grid step) pairs, in tick order."""
+    `steps` holds (tick, grid step name) pairs, in tick order."""
     labels = []
-    for step, run in itertools.groupby(steps, key=lambda tick_step: tick_step[1]):
+    for i, (name, run) in enumerate(itertools.groupby(steps, key=lambda tick_step: tick_step[1])):
         ticks = [t for t, _ in run]
-        fill = FAINT if (step[0] + step[1]) % 2 == 0 else LIGHT_GREY  # neighbours alternate
+        fill = FAINT if i % 2 == 0 else LIGHT_GREY  # neighbours alternate
         box = rectangle(ax, ticks[0] - 0.48, 2, ticks[-1] + 1 - ticks[0] - 0.04, 0.6, fill)
-        labels.append((box_label(ax, box, f"{step}", fill), box))
+        labels.append((box_label(ax, box, name, fill), box))
     return labels
 
 
@@ -430,9 +468,11 @@ def _schedule_status(schedule) -> str:
     fetched = [(e.heads_blk, e.seq, e.kv_blk) for e in starts]
     again = len(fetched) - len(set(fetched))
     heads, q_blocks = schedule.grid
+    decode_seqs = {e.seq for e in computes if e.kernel == "decode"}
     return (
         f"grid = ({plural(heads, 'heads block')}, {plural(q_blocks, 'q block')}) = "
         f"{plural(heads * q_blocks, 'grid step')}; "
+        f"{plural(len(decode_seqs), 'one-token sequence')} in the decode kernel first; "
         f"{plural(len(computes), 'KV block')} computed, {plural(len(starts), 'DMA')}, {again} "
         "of them for a KV block already copied for another q block of the same sequence. "
         f"num_queries_per_block={schedule.num_queries_per_block}, "
@@ -446,6 +486,14 @@ def _schedule_details(schedule, step) -> str:
 
     bq = schedule.num_queries_per_block
     rows = []
+    for (h, blk), events in schedule.steps("decode").items():
+        computes = [e for e in events if e.kind == "compute"]
+        if computes:
+            seqs = dict.fromkeys(e.seq for e in computes)
+            pages = sum(len(e.pages) for e in events if e.kind == "start")
+            q_rows = ", ".join(str(r) for r in dict.fromkeys(e.q_rows[0] for e in computes))
+            sequences = ", ".join(f"seq {s}" for s in seqs)
+            rows.append((f"decode ({h}, {blk})", q_rows, sequences, len(computes), pages))
     for (h, q_blk), events in schedule.steps().items():
         computes = [e for e in events if e.kind == "compute"]
         seqs = dict.fromkeys(e.seq for e in computes)
