@@ -13,7 +13,7 @@ import dataclasses
 
 from jax.experimental.pallas import tpu as pltpu
 
-from minilib.tpu.chips import CHIPS
+from minilib.tpu.chips import CHIPS, FACTS
 
 __all__ = ["ChipMemories", "chip_memories", "why_unavailable"]
 
@@ -60,7 +60,7 @@ def chip_memories(chips=CHIPS) -> list[ChipMemories] | None:
         return None
     rows = []
     for chip in chips:
-        info = get_info(pltpu.ChipVersion(chip), 1)  # one TensorCore per device
+        info = get_info(pltpu.ChipVersion(FACTS[chip].jax_chip_version), 1)  # one TensorCore
         rows.append(
             ChipMemories(
                 chip=chip,
