@@ -43,8 +43,8 @@ LAYERS = [
     #    and the dump reader, the checkers' report machinery, the figures' style and the
     #    explorers' words, which know nothing of attention).
     ("errors", "masking", "kernel_trace", "tpu.chips", "tpu.dump_reader", "tpu.memory",
-     "tpu.compile", "perf.roofline", "exercises.checking", "ladder.interpret", "explore.style",
-     "explore.text"),
+     "tpu.compile", "tpu.v3", "perf.roofline", "exercises.checking", "ladder.interpret",
+     "explore.style", "explore.text"),
     # 1. Head grouping and the options object.
     ("heads", "options"),
     # 2. The paged KV cache (chapter 02).
