@@ -36,6 +36,7 @@ __all__ = [
     "kv_block_loop",
     "loop_bodies",
     "loop_extents",
+    "op_kinds",
     "parse_bundles",
     "read_dump",
     "vmem_usage",
@@ -72,6 +73,8 @@ class KernelStats:
     spill_bytes: int | None  # VMEM taken by spilled vector registers
     top_source_lines: tuple[tuple[str, int], ...]  # ((file:line, ops in the KV-block loop), ...)
     source_code: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
+    # The ops of the KV-block loop by kind (`op_kinds`): (("vector load", 553), ...)
+    loop_op_kinds: tuple[tuple[str, int], ...] = ()
 
 
 # "  0x2b1 LB: >>> { ops ;; ops }": address, optional control tag, loop depth, then the bundle.
@@ -274,6 +277,49 @@ def kv_block_loop(bundles: list[Bundle]) -> tuple[int, int] | None:
     return max(holding)[2] if holding else None
 
 
+# What a bundle's ops do, by mnemonic (the word after "="), for `op_kinds`. Pushing weights
+# into the MXU, streaming rows through it and popping results are all "MXU"; the EUP computes
+# exponentials and reciprocals; everything else starting with "v" is vector ALU work (selects,
+# compares, adds, packs, shifts), and s*/p* ops run on the scalar unit.
+OP_KINDS = {
+    "vld": "vector load",
+    "vst": "vector store",
+    "vmatpush": "MXU",
+    "vmatpush3": "MXU",
+    "vmatprep": "MXU",
+    "vmatmul": "MXU",
+    "vpop": "MXU",
+    "vpow2": "EUP (exp, 1/x)",
+    "vrcp": "EUP (exp, 1/x)",
+    "vexp": "EUP (exp, 1/x)",
+    "vtanh": "EUP (exp, 1/x)",
+}
+MNEMONIC = re.compile(r"=\s*([a-z][a-z0-9_]*)")
+
+
+def op_kinds(bundles: list[Bundle]) -> collections.Counter:
+    """How many ops of each kind (`OP_KINDS`; "vector ALU", "scalar", "DMA", "other" for the
+    rest) `bundles` hold, comments cut.
+
+    >>> sorted(op_kinds(parse_bundles(EXAMPLE_BUNDLES)).items())
+    [('DMA', 1), ('MXU', 1), ('scalar', 2), ('vector load', 1)]
+    """
+    kinds: collections.Counter = collections.Counter()
+    for bundle in bundles:
+        for mnemonic in MNEMONIC.findall(COMMENT.sub("", bundle.text)):
+            if mnemonic in OP_KINDS:
+                kinds[OP_KINDS[mnemonic]] += 1
+            elif mnemonic.startswith("dma"):
+                kinds["DMA"] += 1
+            elif mnemonic.startswith("v"):
+                kinds["vector ALU"] += 1
+            elif mnemonic.startswith(("s", "p", "int_to_ptr")):
+                kinds["scalar"] += 1
+            else:
+                kinds["other"] += 1
+    return kinds
+
+
 def ops_by_source_line(bundles: list[Bundle]) -> collections.Counter:
     """How many ops each source line produced (the first `loc` of each op)."""
     counts: collections.Counter = collections.Counter()
@@ -340,6 +386,7 @@ def kernel_stats(name: str, bundles_text: str, allocations_text: str | None):
         spill_bytes=usage[1] if usage else None,
         top_source_lines=tuple((location, n) for location, n, _ in top),
         source_code={location: code for location, _, code in top},
+        loop_op_kinds=tuple(op_kinds(body).most_common()) if loop else (),
     )
     return stats, notes
 
