@@ -360,7 +360,7 @@ def comparison_table(
         "  spills KiB v3 / JAX / ours",
     ]
     notes: dict[str, None] = {}
-    missing = []
+    missing: dict[tuple[str, str], list[str]] = {}  # (kernel, why) -> where
     for chip, config in places:
         row = {kernel: by_place.get((chip, config, kernel)) for kernel in KERNELS}
         figures = []
@@ -371,7 +371,7 @@ def comparison_table(
                 mark = "*"
                 notes[f"* {cell.note}"] = None
             if cell is not None and cell.missing:
-                missing.append(f"{kernel} ({chip}, {config}): {cell.missing}")
+                missing.setdefault((kernel, cell.missing), []).append(f"{chip}, {config}")
             value = None if cell is None else cell.bundles_per_kv_block
             figures.append("-" if value is None else f"{value:,}{mark}")
         ours = row["ours"].bundles_per_kv_block if row["ours"] else None
@@ -387,7 +387,9 @@ def comparison_table(
         )
     if notes or missing:
         lines.append("")
-    return "\n".join(lines + list(notes) + missing)
+    lines += list(notes)
+    lines += [f"{kernel} ({'; '.join(where)}): {why}" for (kernel, why), where in missing.items()]
+    return "\n".join(lines)
 
 
 def describe_case(case: dict, num_kv_pages_per_block: int) -> str:
