@@ -26,8 +26,9 @@ JAX and its own `util` module. So:
    same place JAX's `pltpu.get_tpu_info()` reads), and falls back to v3's own answer outside
    such a mesh, as on a real TPU. Nothing else is changed.
 
-v3 0.32.0 compiles with jax 0.10.2 (0.7.2 lacks the Pallas API it uses): `v3_available` says
-why not elsewhere, and the comparison then reads "not available: ...".
+v3 0.32.0 compiles with jax 0.10.2. With jax 0.7.2 its import fails (it calls `jax.jit` with
+options only, as a decorator factory, which that jax does not accept), so `v3_available` says
+no for any jax older than 0.10.2, and the comparison then reads "not available: ...".
 
 >>> ok, reason = v3_available()
 >>> ok or "v3" in reason
@@ -143,7 +144,8 @@ def v3_available() -> tuple[bool, str]:
     if version < OLDEST_JAX:
         oldest = ".".join(map(str, OLDEST_JAX))
         return False, (
-            f"vLLM's RPA v3 ({WHEEL}) needs jax {oldest} or newer; this is jax {jax.__version__}"
+            f"vLLM's RPA v3 ({WHEEL}) needs jax {oldest} or newer (with jax 0.7.2 its import "
+            f"fails); this is jax {jax.__version__}"
         )
     folder = v3_folder()
     missing = [name for name in FILES if not (package_folder(folder) / name).is_file()]
