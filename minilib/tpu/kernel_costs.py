@@ -21,9 +21,9 @@ cache for all three kernels. A small cache is a trap: with 512 pages, XLA places
 cache in VMEM, the page copies stop being DMAs, and the loop measured is not a KV-block loop.
 v3 gets `m_block_sizes=(nq, 128, nq, 128)` and `d_block_sizes=(1, 128, 1, 128)` (one compute
 chunk per fetched block, so one loop pass is one block, as in ours and JAX's) and an explicit
-`vmem_limit_bytes` of 32 MiB (`V3_VMEM_LIMIT_BYTES`, the scoped limit JAX's kernel compiles
-under on v6e; v3's default, the whole VMEM, makes its v5e and v6e loops 13 to 19 bundles
-shorter).
+`vmem_limit_bytes` of 32 MiB (`V3_VMEM_LIMIT_BYTES`, v6e's default scoped limit, under which
+ours and JAX's, which set none, compile there). Left to itself v3 asks for the whole VMEM
+(128 MiB on v5e and v6e), and its loops there come out a little shorter.
 
 `static_targets` judges `CLAIMS`, the cells where we claim ours is at most another kernel,
 and reports every other comparison.
