@@ -12,8 +12,10 @@ stacks"):
                   constraints/colab_freeze.py) on Python 3.13 when this machine has it:
                   the fast tests, notebooks and explorers included;
   * .venv-tpu     the newest jax with its libtpu, pinned (tpu.txt): the `tpu_compile`
-                  tests, which compile every kernel for four TPU chips here, without a TPU,
-                  and print our kernel's bundle ratios against JAX's;
+                  tests, which compile every kernel for five TPU chips here, without a TPU,
+                  and print our kernel against JAX's and vLLM's RPA v3 (whose wheel,
+                  tpu-inference 0.32.0, is fetched alone into .venv-tpu/minilib-v3, not
+                  installed: `python -m minilib.tpu.v3 fetch`);
   * .venv-tpu-oldest  Colab's jax 0.7.2 and libtpu 0.0.21.1 (tpu-oldest.txt, from the same
                   list), which cannot compile here: that tpu_compile says so, and why;
   * .venv-tpu-jax-0.7.2  jax 0.7.2 with the libtpu its `jax[tpu]` pins (tpu-jax-0.7.2.txt):
@@ -133,6 +135,7 @@ def test(args: list[str]) -> None:
     pytest(oldest, "-m", "not slow and not browser", "-p", "no:cacheprovider")
 
     tpu = make_venv(*TPU, extra="tpu-test")
+    run(tpu, "-m", "minilib.tpu.v3", "fetch")  # the v3 kernel's wheel, alone, into the venv
     pytest(tpu, "-m", "tpu_compile", "-p", "no:cacheprovider", *TPU_COMPILE_TESTS)
 
     # On Colab's pair the compiles are skipped, saying why (-rs), and the pair's tests run.

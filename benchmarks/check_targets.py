@@ -9,8 +9,10 @@ The timed targets run `minilib.perf.bench.run_bench` on one case,
 32-sequence mixed step (about half decodes) of a GQA model, 32 q heads, 8 KV heads, head_dim
 128, page_size 16, pages_per_seq 64 (kv lengths 1 to 1024), max_num_batched_tokens 1024,
 float32 on a CPU (bfloat16 on a TPU). See `check_targets` and `check_tpu_targets` below. The
-static targets compile both kernels for v5e and v6e (needs libtpu, not a TPU): see
-`minilib.tpu.kernel_costs.static_targets`.
+static targets compile our kernel, JAX's and vLLM's RPA v3 for v5e, v6e and TPU7x (needs
+libtpu, not a TPU, and v3's wheel: `python -m minilib.tpu.v3 fetch`), judge the claims of
+`minilib.tpu.kernel_costs.CLAIMS` (PASS/FAIL) and report every other comparison (INFO): see
+`minilib.tpu.kernel_costs.static_targets`. They are static estimates, not timings.
 
 Exit code 0 when no target fails, 1 otherwise, 2 for a bad flag.
 """
@@ -142,8 +144,9 @@ def flop_bound(row: BenchRow) -> list[TargetResult]:
 
 
 def check_static_targets() -> list[TargetResult]:
-    """The kernel's static TPU targets (compiled bundles and spills against JAX's kernel, on
-    any host with libtpu): see `minilib.tpu.kernel_costs.static_targets`."""
+    """The kernel's static TPU targets (compiled bundles per KV block and spills against JAX's
+    kernel and vLLM's RPA v3, on any host with libtpu): judged where `CLAIMS` claims a cell,
+    reported elsewhere. See `minilib.tpu.kernel_costs.static_targets`."""
     return [TargetResult(name, passed, detail) for name, passed, detail in static_targets()]
 
 

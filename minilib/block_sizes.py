@@ -65,7 +65,9 @@ DECODE_Q_BLOCK_BYTES = 256 * 1024
 # (512 tokens) first, then 16, 8 and 4, because a KV block's fixed cost is large against its
 # per-token cost. Both KV buffers at 32 such pages take 4 MiB; the compiled kernel then needs
 # about 10 MiB of VMEM, within v5e's 16 MiB default limit. `tests/test_tpu_compile.py`
-# re-checks the ranking and the headroom against the current kernel.
+# re-checks the ranking and the headroom against the current kernel. A chip without an entry
+# (TPU7x: no published clock, so the model cannot rank its blocks) gets the chip-independent
+# defaults.
 CHIP_DEFAULTS: dict[str, tuple[int, int, int, int]] = {
     "v4": (512, 32, 32, 4 * 1024 * 1024),
     "v5e": (512, 32, 32, 4 * 1024 * 1024),
@@ -79,7 +81,7 @@ def current_chip() -> str | None:
     sets it), else the device kind when JAX runs on a TPU, else None. Never `jax.devices()`
     off a TPU.
 
-    >>> current_chip() is None or current_chip() in CHIP_DEFAULTS
+    >>> current_chip() is None or current_chip() in FACTS
     True
     """
     get_abstract_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
@@ -140,7 +142,7 @@ def default_block_sizes(
     chip: str | None = None,
 ) -> tuple[int, int]:  # (num_kv_pages_per_block, num_queries_per_block)
     """Default block sizes for `chip` ("v4", "v5e", "v5p", "v6e"; None: `current_chip()`,
-    and chip-independent sizes when that is unknown).
+    and chip-independent sizes when that is unknown or has no entry of its own, as TPU7x).
 
     A KV block of the chip's target tokens (at most the chip's most pages, 16 when the chip
     is unknown, and the sequence's pages), halved until both KV buffers fit the VMEM budget;
@@ -161,8 +163,8 @@ def default_block_sizes(
     (32, 32)
     """
     chip = current_chip() if chip is None else chip
-    if chip is not None and chip not in CHIP_DEFAULTS:
-        raise ValueError(f"{chip=} has no default block sizes; use one of {list(CHIP_DEFAULTS)}.")
+    if chip is not None and chip not in FACTS:
+        raise ValueError(f"{chip=} is not a TPU chip minilib knows; use one of {list(FACTS)}.")
     target_tokens, max_pages, queries, budget = CHIP_DEFAULTS.get(
         chip,
         (
@@ -263,7 +265,7 @@ def hbm_bytes_per_s(chip: str) -> float:
     try:
         from jax.experimental.pallas import tpu as pltpu
 
-        info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(chip), 1)
+        info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(FACTS[chip].jax_chip_version), 1)
         return float(info.mem_bw_bytes_per_second)
     except (AttributeError, ValueError):
         return FACTS[chip].hbm_bytes_per_s
@@ -280,7 +282,10 @@ def modelled_seconds(
     ...                        bundles_per_kv_block=1500, kv_bytes_per_token=4096) * 1e6, 1)
     8.0
     """
+    clock_hz = FACTS[chip].clock_hz
+    if clock_hz is None:
+        raise ValueError(f"{chip=} has no published clock, so bundles cannot become seconds.")
     blocks = math.ceil(kv_len / kv_tokens_per_block)
-    compute = bundles_per_kv_block / FACTS[chip].clock_hz
+    compute = bundles_per_kv_block / clock_hz
     copy = kv_tokens_per_block * kv_bytes_per_token / hbm_bytes_per_s(chip)
     return blocks * max(compute, copy)

@@ -34,6 +34,6 @@ def test_heads_blocks_are_tile_aligned():
 
 
 def test_an_unknown_chip_is_named():
-    with pytest.raises(ValueError, match="chip='v9' has no default block sizes"):
+    with pytest.raises(ValueError, match="chip='v9' is not a TPU chip minilib knows"):
         default_block_sizes(page_size=16, pages_per_seq=8, max_num_batched_tokens=64,
                             bytes_per_page=1024, chip="v9")  # fmt: skip

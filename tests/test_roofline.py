@@ -179,9 +179,13 @@ def test_explain_says_why():
     text = explain(roofline(cost, CHIPS["v5e"]))
     assert text.startswith("memory-bound on TPU v5e")
     assert "240.5 FLOP/byte" in text and "4.0 FLOP/byte is below" in text
+    assert "as in a decode" in text
     prefill = rpa_cost([(4096, 4096)], **GQA, q_itemsize=2)
     assert "compute-bound" in explain(roofline(prefill, CHIPS["v5e"]))
     assert "is above the ridge" in explain(roofline(prefill, CHIPS["v5e"]))
+    # A prefill's verdict speaks of reuse, not of decodes.
+    assert "as in a prefill" in explain(roofline(prefill, CHIPS["v5e"]))
+    assert "decode" not in explain(roofline(prefill, CHIPS["v5e"]))
 
 
 def test_custom_chip_ridge():

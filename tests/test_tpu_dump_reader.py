@@ -1,21 +1,29 @@
 """The reader of libtpu's dumps, on excerpts in libtpu 0.0.42.1's format (no libtpu needed).
 
 `tests/test_tpu_compile.py` checks it on real dumps; these check the rules themselves: loop
-extents, the KV-block loop, delay slots, VMEM and spills, and that an unknown format is said.
+extents and bodies, the counting rule (where it and the older "deepest loop with a matmul"
+pick different loops, and where a loop must not end at an unmarked shallower bundle), delay
+slots, VMEM and spills, and that an unknown format is said.
 """
 
 from __future__ import annotations
 
 from minilib.tpu.dump_reader import (
+    DMA_START,
+    EXAMPLE_TWO_LOOPS,
+    MATMUL,
+    count_ops,
     kernel_stats,
     kv_block_loop,
+    loop_bodies,
     loop_extents,
     parse_bundles,
     read_dump,
     vmem_usage,
 )
 
-# An outer loop (the grid) holding a KV loop with a matmul, which holds a small scalar loop.
+# An outer loop (the grid) holding a KV loop that starts a copy and holds the matmul, which
+# holds a small scalar loop.
 # As in real dumps, a loop ends at the next *marked* bundle (`PF:`, `LB:`) of smaller depth;
 # the scheduler has moved one predicated op of the grid loop (depth 1) into the KV loop at 0x5,
 # and a delay slot (`{}`, no depth marks) sits after the grid loop.
@@ -27,7 +35,7 @@ LB: loop body
      0   :  { %s1 = smov 0 } /* entry bundle: %k.1 = custom-call(%a) */
    0x1 LB: > { %s2 = sadd.s32 1, %s1 }
    0x2   : > { %s3 = sld [smem:[#allocation9]] }
-   0x3 LB: >> { %v4 = vld [vmem:[#allocation2]] /* loc("/src/minilib/kernel.py":10:5) */ }
+   0x3 LB: >> { %v4 = vld [vmem:[#allocation2]] /* loc("/src/minilib/kernel.py":10:5) */  ;;  %13 = dma.hbm_to_vmem [thread:$0]  %s2 /* loc("/src/minilib/kernel.py":30:7) */ }
    0x4   : >> { %v5 = vmatmul.bf16.gmra.mxu0 %v4 /* loc("/src/minilib/kernel.py":20:3) */  ;;  %v6 = vsel %v4 /* loc("/src/minilib/kernel.py":10:5) */ }
    0x5   : > { %s12 = sld [smem:[#allocation9]] (%p1) }
    0x6 LB: >>> { %s7 = sadd.s32 1, %s2 }
@@ -54,9 +62,110 @@ def test_loops_run_from_their_first_bundle_to_the_last_one_as_deep():
     assert loop_extents(bundles) == [(1, 11), (3, 9), (6, 8)]
 
 
-def test_the_kv_block_loop_is_the_deepest_loop_holding_a_vmatmul():
+def test_the_kv_block_loop_is_the_innermost_loop_with_every_matmul_and_a_dma_start():
     bundles = parse_bundles(BUNDLES)
     assert kv_block_loop(bundles) == (3, 9)  # not the deeper scalar loop, not the grid loop
+
+
+def deepest_loop_with_a_matmul(bundles):
+    """The rule the reader used before COUNTING_RULE, kept here to show where they differ."""
+    holding = [
+        (bundles[s].depth, e - s, (s, e))
+        for s, e in loop_extents(bundles)
+        if count_ops(bundles[s:e], MATMUL)
+    ]
+    return max(holding)[2] if holding else None
+
+
+def addresses(bundles, loop):
+    """A loop's first and last bundle, as the listing prints them."""
+    start, end = loop
+    return hex(bundles[start].address), hex(bundles[end - 1].address)
+
+
+def test_the_rule_counts_the_kv_loop_not_a_chunk_loop_inside_it():
+    """A KV-block loop around a loop over compute chunks (as vLLM's RPA v3 compiles; the
+    excerpt is from a small kernel of our own with that shape). The chunk loop holds every
+    matmul but starts no copy: the deepest loop with a matmul is one chunk, not one block."""
+    bundles = parse_bundles(EXAMPLE_TWO_LOOPS)
+    assert addresses(bundles, deepest_loop_with_a_matmul(bundles)) == ("0x36", "0x67")
+    loop = kv_block_loop(bundles)
+    assert addresses(bundles, loop) == ("0xd", "0x6b")
+    body = bundles[loop[0] : loop[1]]
+    assert count_ops(body, MATMUL) == count_ops(bundles, MATMUL) == 2
+    assert count_ops(body, DMA_START) == 1  # the next block's copy at 0x27; 0x29 only waits
+
+
+def test_a_loop_ends_after_its_last_bundle_at_its_own_depth():
+    """`loop_extents` runs the KV loop to the next marked shallower bundle, the end of the
+    listing (the epilogue's output copy at 0x78 included); its body stops at 0x6b, the last
+    bundle at depth 1. 0x53, at depth 1 inside the depth-2 chunk loop, stays in the chunk loop."""
+    bundles = parse_bundles(EXAMPLE_TWO_LOOPS)
+    kv_extent, chunk_extent = loop_extents(bundles)
+    kv_body, chunk_body = loop_bodies(bundles)
+    assert addresses(bundles, kv_extent) == ("0xd", "0x78")
+    assert addresses(bundles, kv_body) == ("0xd", "0x6b")
+    assert chunk_body == chunk_extent
+    assert "0x53" in [hex(b.address) for b in bundles[chunk_body[0] : chunk_body[1]]]
+
+
+# Bundles of OUR kernel's listing (v5e, bf16, 32 q / 8 KV heads, head_dim 128, 8 pages of 16 per
+# KV block, 32 q rows per block; libtpu 0.0.42.1), one or two ops each, comments cut to the
+# region markers: the per-sequence loop (0x319, depth 2), a small loop (0x348) and the KV-block
+# loop (0x37a, depth 3) with a page copy and matmuls. At 0x507 the scheduler put a predicated
+# reload of the sequence loop (depth 2, unmarked) inside the KV loop; 0xa78 is the KV loop's
+# back-branch, whose delay slots end at 0xa7c; 0xa7d..0xa86 are the sequence loop's tail.
+OURS_KV_LOOP_EXCERPT = """\
+ 0x318   :  {  } /* End region 663 */
+ 0x319 LB: >> { %s27878_s25 = sld [smem:[#allocation93_spill]] } /* Start region 664 */
+ 0x348 LB: >>> { %s1075_s16 = sadd.s32 1, %s16468_s30 } /* Start region 649 */
+ 0x360 PF: >> { %27885 = sst [smem:[#allocation99_spill]] %s16472_s29 } /* Start region 655 */
+ 0x37a LB: >>> { %s27892_s10 = sld [smem:[#allocation98_spill]] } /* Start region 660 */
+ 0x3aa   : >>> { %14572 = dma.hbm_to_vmem [thread:$0] (%p14636_p5), %s1163_s29, 2048, %s17371_s3 }
+ 0x48b   : >>> { %2435 = vmatmul.bf16.vlgmr.msra.gmra.mxu0 %v17821_v63 }
+ 0x506   : >>> { %s29574_s6 = sld [smem:[#allocation93_spill]] (%p1111_p6) }
+ 0x507   : >> { %s29575_s24 = sld [smem:[#allocation105_spill]] (%p1111_p6) }
+ 0x508   : >>> { %v2441_v62 = vpop.f32.mrf.mxu0 }
+ 0x50b   : >>> { %3324 = vmatmul.bf16.gmra.mxu2 %v3276_v47 ;; %27948 = vst [vmem:[#allocation136_spill] sm:$0xff] %v18086_v48 }
+ 0xa78   : >>> { %1114 = sbr.rel (!%p1111_p6) target = $region660 }
+ 0xa7c   : >>> { %8816 = vst [vmem:[#allocation5 + $0xc8] sm:$0xff] %v8800_v51 } /* End region 660 */
+ 0xa7d   : >> { %s30039_s16 = smov (!%p994_p2, %s993_s16), 0 } /* Start region 670 */
+ 0xa80   : >> { %p999_p3 = pnand %p998_p8, %p992_p7 } /* End region 141 */
+ 0xa81   : > { %s29576_s28 = sld [smem:[#allocation105_spill]] (%p999_p3) }
+ 0xa82   : > { %1002 = sbr.rel (!%p999_p3) target = $region671 }
+ 0xa86   :  {  } /* End region 664 :: End region 142 :: End region 670 */
+ 0xa87 PF: > { %8850 = sst [smem:[#allocation7]] %s16484_s28 } /* End region 117 */
+"""  # noqa: E501
+
+
+def first_shallower_bundle_ends(bundles):
+    """Loop ends taken at the first non-empty bundle of smaller depth, marked or not: the
+    hazard that `loop_extents` avoids. Used here only to show what it would count."""
+    extents = []
+    for start, bundle in enumerate(bundles):
+        if bundle.tag == "LB":
+            end = next(
+                (j for j in range(start + 1, len(bundles))
+                 if bundles[j].depth < bundle.depth and not bundles[j].is_empty),
+                len(bundles),
+            )  # fmt: skip
+            extents.append((start, end))
+    return extents
+
+
+def test_a_loop_does_not_end_at_an_unmarked_shallower_bundle():
+    bundles = parse_bundles(OURS_KV_LOOP_EXCERPT)
+    loop = kv_block_loop(bundles)
+    assert addresses(bundles, loop) == ("0x37a", "0xa7c")  # the KV loop, with its delay slots
+    inside = [hex(b.address) for b in bundles[loop[0] : loop[1]]]
+    assert "0x507" in inside and "0xa7d" not in inside
+    # Ending loops at the first shallower bundle would cut the KV loop at 0x507, before its
+    # second matmul, and so count the whole per-sequence loop (0x319) instead.
+    cut = dict((hex(bundles[s].address), hex(bundles[e].address))
+               for s, e in first_shallower_bundle_ends(bundles))  # fmt: skip
+    assert cut["0x37a"] == "0x507"
+    cut_kv_loop = next(e for s, e in first_shallower_bundle_ends(bundles) if s == loop[0])
+    assert count_ops(bundles[loop[0] : cut_kv_loop], MATMUL) < count_ops(bundles, MATMUL)
 
 
 def test_vmem_peak_and_spills():
@@ -70,7 +179,18 @@ def test_kernel_stats_counts_ops_per_source_line_in_the_kv_loop():
     assert notes == []
     assert stats.bundles_per_kv_block == 6
     assert stats.total_bundles == 12
-    assert stats.top_source_lines == (("minilib/kernel.py:10", 3), ("minilib/kernel.py:20", 1))
+    assert stats.top_source_lines == (
+        ("minilib/kernel.py:10", 3),
+        ("minilib/kernel.py:30", 1),  # ties in the order they first appear
+        ("minilib/kernel.py:20", 1),
+    )
+
+
+def test_a_kernel_without_a_dma_start_in_its_loops_has_no_kv_block_loop():
+    no_copy = BUNDLES.replace("dma.hbm_to_vmem", "vld")
+    stats, notes = kernel_stats("k.1", no_copy, ALLOCATIONS)
+    assert stats.bundles_per_kv_block is None
+    assert any("every matmul and a DMA start" in note for note in notes), notes
 
 
 def test_an_unrecognised_dump_is_said_with_the_fix(tmp_path):

@@ -257,22 +257,30 @@ def roofline(cost: RPACost, chip: Chip) -> RooflinePoint:
 
 
 def explain(point: RooflinePoint) -> str:
-    """Why the batch is memory- or compute-bound on this chip, in one paragraph.
+    """Why the batch is memory- or compute-bound on this chip, in one paragraph. The roofline
+    counts HBM bytes and matmul FLOPs only: the vector and scalar work a kernel issues for
+    each byte is not in it (notebook 09 sets one against the other).
 
     >>> cost = rpa_cost([(1, 1024)], num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
     >>> print(explain(roofline(cost, CHIPS["v5e"])))  # doctest: +ELLIPSIS
     memory-bound on TPU v5e: 4.0 FLOP/byte is below the ridge point of 240.5 FLOP/byte ...
+    as in a decode, each KV byte is used for one q row per head group. ...
     """
     cost, chip = point.cost, point.chip
     relation = "below" if point.bound == "memory" else "above"
     group = cost.num_q_heads // cost.num_kv_heads
+    rows = cost.rows_per_kv_token
+    reuse = (
+        "as in a decode, each KV byte is used for one q row per head group"
+        if rows < 2
+        else "as in a prefill, each KV byte is used for many q rows"
+    )
     return (
         f"{point.bound}-bound on {chip.name}: {cost.intensity:.1f} FLOP/byte is {relation} the "
         f"ridge point of {chip.ridge_point:.1f} FLOP/byte "
         f"({chip.peak_flops_per_s / 1e12:.0f} TFLOP/s / {chip.hbm_bytes_per_s / 1e9:.0f} GB/s). "
-        f"Each KV token read serves {cost.rows_per_kv_token:.1f} q rows on average, in each of "
-        f"the {group} q heads sharing its KV head; a decode uses each KV byte for only one q "
-        f"row per head group. Lower bound {point.time_s * 1e6:.1f} us "
+        f"Each KV token read serves {rows:.1f} q rows on average, in each of the {group} q "
+        f"heads sharing its KV head: {reuse}. Lower bound {point.time_s * 1e6:.1f} us "
         f"(memory {point.memory_s * 1e6:.1f} us, compute {point.compute_s * 1e6:.1f} us)."
     )
 

@@ -1,10 +1,13 @@
 """Static TPU analysis, without a TPU: each chip's memories, a real compile with libtpu, and
-our kernel against JAX's, compiled. Everything it reports is a static estimate read from the
-compiled program, never a timing.
+our kernel against JAX's and vLLM's RPA v3, compiled. Everything it reports is a static
+estimate read from the compiled program, never a timing.
 
+  chips.py         the chips, their clocks and bandwidths, with their sources
   memory.py        HBM, VMEM, SMEM, vector registers and MXUs per chip (no libtpu needed)
   compile.py       compile a kernel for a chip with libtpu; bundles, VMEM, spills
-  kernel_costs.py  `python -m minilib compile`: our kernel against JAX's
+  dump_reader.py   what libtpu wrote down: the counting rule, loops, ops, VMEM
+  v3.py            vLLM's RPA v3 kernel, loaded from its published wheel
+  kernel_costs.py  `python -m minilib compile`: ours against JAX's and v3
 """
 
 __all__: list[str] = []  # import from the modules: `from minilib.tpu.compile import ...`

@@ -3,16 +3,28 @@
 One table, so that every module names a chip the same way and reads the same figures: the
 compile-only topology `minilib.tpu.compile` asks JAX for, the device kinds JAX reports on a
 real chip, the core clock the static cost model divides bundles by, and the two roofline
-figures, HBM bandwidth and dense bf16 peak, per chip (from Google Cloud's TPU system
-architecture pages; v6e's 1.75 GHz clock is an assumption, the others follow from each chip's
-published peak: peak bf16 FLOP/s = 2 * MXUs * MXU size^2 * clock).
+figures, HBM bandwidth and dense bf16 peak, per device.
+
+Where the figures come from:
+
+* v4, v5e, v5p, v6e: Google Cloud's TPU system architecture pages. v6e's 1.75 GHz clock is an
+  assumption; the other clocks follow from each chip's published peak (peak bf16 FLOP/s =
+  2 * MXUs * MXU size^2 * clock).
+* TPU7x (Ironwood): https://docs.cloud.google.com/tpu/docs/tpu7x gives, per chip, 2307 TFLOP/s
+  of dense bf16, 7380 GB/s of HBM bandwidth and two TensorCores. Each TensorCore is a device
+  of its own (`tpu7x:1x1x1` has two devices, one core each), so a device gets half of each:
+  1153.5 TFLOP/s and 3690 GB/s, as JAX's own table (`pltpu.get_tpu_info_for_chip`) also
+  halves them. Google publishes no clock for TPU7x, and no MXU count from which the peak would
+  give one: `clock_hz` is None, and what needs it (a static issue time) says it is unknown.
 
 Data only: no code looks a chip up by anything but its key.
 
 >>> CHIPS
-('v4', 'v5e', 'v5p', 'v6e')
+('v4', 'v5e', 'v5p', 'v6e', 'tpu7x')
 >>> FACTS["v5e"].clock_hz / 1e9, FACTS["v5e"].topology
 (1.5, 'v5e:1x1')
+>>> FACTS["tpu7x"].clock_hz is None, FACTS["tpu7x"].hbm_bytes_per_s / 1e9
+(True, 3690.0)
 """
 
 from __future__ import annotations
@@ -32,16 +44,19 @@ class ChipFacts:
 
     name: str  # as people write it: "TPU v5e"
     topology: str  # jax.experimental.topologies' name of one chip
-    clock_hz: float  # core clock: one VLIW bundle issued per cycle when nothing stalls
+    clock_hz: float | None  # core clock: one VLIW bundle per cycle; None: not published
     hbm_bytes_per_s: float  # HBM bandwidth
     peak_flops_per_s: float  # dense bf16 matmul peak
+    generation: int  # 4, 5, 6, 7: what code that branches on the TPU generation asks
+    jax_chip_version: str  # its name in JAX's chip table: pltpu.ChipVersion("7x")
 
 
 FACTS: dict[str, ChipFacts] = {
-    "v4": ChipFacts("TPU v4", "v4:1x1x1", 1.05e9, 1200e9, 275e12),
-    "v5e": ChipFacts("TPU v5e", "v5e:1x1", 1.5e9, 819e9, 197e12),
-    "v5p": ChipFacts("TPU v5p", "v5p:1x1x1", 1.75e9, 2765e9, 459e12),
-    "v6e": ChipFacts("TPU v6e", "v6e:1x1", 1.75e9, 1640e9, 918e12),
+    "v4": ChipFacts("TPU v4", "v4:1x1x1", 1.05e9, 1200e9, 275e12, 4, "v4"),
+    "v5e": ChipFacts("TPU v5e", "v5e:1x1", 1.5e9, 819e9, 197e12, 5, "v5e"),
+    "v5p": ChipFacts("TPU v5p", "v5p:1x1x1", 1.75e9, 2765e9, 459e12, 5, "v5p"),
+    "v6e": ChipFacts("TPU v6e", "v6e:1x1", 1.75e9, 1640e9, 918e12, 6, "v6e"),
+    "tpu7x": ChipFacts("TPU7x", "tpu7x:1x1x1", None, 3690e9, 1153.5e12, 7, "7x"),
 }
 CHIPS = tuple(FACTS)
 
@@ -54,4 +69,5 @@ DEVICE_KINDS: dict[str, str] = {
     "TPU v5p": "v5p",
     "TPU v6 lite": "v6e",
     "TPU v6e": "v6e",
+    "TPU7x": "tpu7x",
 }

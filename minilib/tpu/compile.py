@@ -88,6 +88,7 @@ from minilib.tpu.dump_reader import (
 __all__ = [
     "CompileReport",
     "TPUCompileUnavailable",
+    "chips_here",
     "compile_for_tpu",
     "require_libtpu",
     "tpu_compile_available",
@@ -312,6 +313,8 @@ def compile_for_tpu(fn, *args, chip: str = "v5e") -> CompileReport:
     if chip not in CHIPS:
         raise ValueError(f"{chip=} is not a TPU chip this can compile for; use one of {CHIPS}.")
     require_libtpu()
+    if chip not in chips_here():
+        raise TPUCompileUnavailable(chip_unknown_here(chip))
     specs = jax.tree.map(as_spec, args)
     if dump_here():
         return compile_here(fn, specs, chip)
@@ -393,6 +396,42 @@ def topology_device(chip: str):
         topology_name=FACTS[chip].topology, platform="tpu", chips_per_host_bounds=(1, 1, 1)
     )
     return topology.devices[0]
+
+
+@functools.cache
+def chips_here() -> tuple[str, ...]:
+    """The chips of `CHIPS` whose compile-only device this libtpu has (() without libtpu).
+
+    Not every libtpu knows every chip: libtpu 0.0.23, which jax 0.7.2's `jax[tpu]` brings,
+    refuses TPU7x ("Invalid TPU external name: TPU7x"); libtpu 0.0.42.1 (jax 0.10.2's) has it.
+
+    >>> set(chips_here()) <= set(CHIPS)
+    True
+    """
+    if not tpu_compile_available()[0]:
+        return ()
+    dump_here()  # libtpu starts with the dump flags, if it has not started yet
+    return tuple(chip for chip in CHIPS if topology_error(chip) is None)
+
+
+@functools.cache
+def topology_error(chip: str) -> str | None:
+    """libtpu's message when it has no compile-only device for `chip`, else None."""
+    try:
+        topology_device(chip)
+    except Exception as err:  # XlaRuntimeError: INVALID_ARGUMENT: Invalid TPU external name
+        return error_text(err)
+    return None
+
+
+def chip_unknown_here(chip: str) -> str:
+    """Why `chip` is not among `chips_here()`, with the fix."""
+    newest = CHECKED_LIBTPU[NEWEST_CHECKED_JAX]
+    return (
+        f"libtpu {libtpu_version()} here has no compile-only {FACTS[chip].name} device "
+        f"({topology_error(chip)}); libtpu {newest} (jax {NEWEST_CHECKED_JAX}'s) has it: "
+        f'pip install "jax[tpu]=={NEWEST_CHECKED_JAX}"'
+    )
 
 
 def abstract_mesh(device):

@@ -13,7 +13,7 @@ import dataclasses
 
 from jax.experimental.pallas import tpu as pltpu
 
-from minilib.tpu.chips import CHIPS
+from minilib.tpu.chips import CHIPS, FACTS
 
 __all__ = ["ChipMemories", "chip_memories", "why_unavailable"]
 
@@ -64,9 +64,10 @@ def chip_memories(chips=CHIPS) -> list[ChipMemories] | None:
         return None
     rows = []
     for chip in chips:
-        info = get_info(pltpu.ChipVersion(chip), 1)  # one TensorCore per device
+        version = pltpu.ChipVersion(FACTS[chip].jax_chip_version)
+        info = get_info(version, 1)  # one TensorCore per device
         try:  # JAX accepts two TensorCores per device only for megacore chips (v4, v5p)
-            get_info(pltpu.ChipVersion(chip), 2)
+            get_info(version, 2)
             tensor_cores = 2
         except ValueError:
             tensor_cores = 1
