@@ -214,15 +214,15 @@ def default_decode_seqs_per_block(max_num_seqs: int, bytes_per_seq: int) -> int:
 #   v6e, 8 q rows           1054 (204)             840 (420)            873 (212)
 #   v6e, decode              778 (4)               695 (260)            756 (0)
 #
-# All heads in flight pays, except on v4, v5e and v5p (the chips with 128 x 128 MXUs) where
-# one head's p takes 16 vector registers (of 64: 32 q rows): there one head at a time is
-# fastest (measured; the listing does not say why). Keeping V pays when V and p of the heads in flight take
-# little more than the register file (decode at head_dim 128: 8 x (1 + 8) = 72 registers),
-# and only on the strided load: the general load of other head sizes gathers K and V a
-# register per token, and holding V on top of that spills (head_dim 64, decode on v5e: 2306
-# bundles with V kept, 2024 reloaded). Beyond that, loading V again costs fewer bundles and
-# far fewer spills (and keeps the spills within JAX's kernel's at 8 q rows), except on v4,
-# where the second load costs more than any spill.
+# All heads in flight pays, except on v4, v5e and v5p (the chips with 128 x 128 MXUs) where one
+# head's p takes 16 vector registers (of 64: 32 q rows): there one head at a time is fastest
+# (measured; the listing does not say why). Keeping V pays when V and p of the heads in flight take
+# little more than the register file (decode at head_dim 128: 8 x (1 + 8) = 72 registers), and only
+# on the strided load: the general load of other head sizes gathers K and V a register per token,
+# and holding V on top of that spills (head_dim 64, decode on v5e: 2306 bundles with V kept, 2024
+# reloaded). Beyond that, loading V again costs fewer bundles and far fewer spills (and keeps the
+# spills within JAX's kernel's at 8 q rows), except on v4, where the second load costs more than any
+# spill.
 SCORE_REGISTERS_FOR_ALL_HEADS = {"v4": 8, "v5e": 8, "v5p": 8}  # chips not named: no limit
 RELOADING_V_PAYS = {"v4": False}  # chips not named: True
 KEEP_V_REGISTERS = 72
