@@ -11,8 +11,8 @@ The timed targets run `minilib.perf.bench.run_bench` on one case,
 float32 on a CPU (bfloat16 on a TPU). See `check_targets` and `check_tpu_targets` below. The
 static targets compile our kernel, JAX's and vLLM's RPA v3 for v5e, v6e and TPU7x (needs
 libtpu, not a TPU, and v3's wheel: `python -m minilib.tpu.v3 fetch`), judge the claims of
-`minilib.tpu.kernel_costs.CLAIMS` (PASS/FAIL) and report every other comparison (INFO): see
-`minilib.tpu.kernel_costs.static_targets`. They are static estimates, not timings.
+`minilib.tpu.comparison.CLAIMS` (PASS/FAIL) and report every other comparison (INFO): see
+`minilib.tpu.comparison.static_targets`. They are static estimates, not timings.
 
 Exit code 0 when no target fails, 1 otherwise, 2 for a bad flag.
 """
@@ -35,7 +35,7 @@ from minilib.perf.bench import (
 )
 from minilib.perf.timing import describe_chip, device_chip
 from minilib.perf.workloads import TARGET_CASE, BenchCase
-from minilib.tpu.kernel_costs import static_targets
+from minilib.tpu.comparison import static_targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +146,7 @@ def flop_bound(row: BenchRow) -> list[TargetResult]:
 def check_static_targets() -> list[TargetResult]:
     """The kernel's static TPU targets (compiled bundles per KV block and spills against JAX's
     kernel and vLLM's RPA v3, on any host with libtpu): judged where `CLAIMS` claims a cell,
-    reported elsewhere. See `minilib.tpu.kernel_costs.static_targets`."""
+    reported elsewhere. See `minilib.tpu.comparison.static_targets`."""
     return [TargetResult(name, passed, detail) for name, passed, detail in static_targets()]
 
 

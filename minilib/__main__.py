@@ -11,7 +11,7 @@ import sys
 
 from minilib.doctor import doctor
 from minilib.perf import bench
-from minilib.tpu import kernel_costs
+from minilib.tpu import comparison
 
 
 class CommandLineParser(argparse.ArgumentParser):
@@ -53,10 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
         "compile",
         help="compile our kernel and JAX's for a TPU chip, without a TPU (needs libtpu), and "
         "compare bundles per KV block, VMEM and spills",
-        description=kernel_costs.COMMAND_DESCRIPTION,
+        description=comparison.COMMAND_DESCRIPTION,
     )
-    kernel_costs.add_arguments(compile_parser)
-    compile_parser.set_defaults(run=kernel_costs.run)
+    comparison.add_arguments(compile_parser)
+    compile_parser.set_defaults(run=comparison.run)
     return parser
 
 

@@ -18,9 +18,9 @@ The matrix (one compile each, 1 to 4 s):
 * the harness itself can fail: a bad kernel, and a block too large for VMEM.
 * the counting rule on a real listing: a small kernel whose KV-block loop holds a loop over
   compute chunks, where the deepest loop with a matmul is one chunk.
-* the three-way comparison (`minilib.tpu.kernel_costs`): ours, JAX's kernel and vLLM's RPA v3
-  on v5e, v6e and TPU7x, the table printed; each claim of `CLAIMS` asserted; v3 loaded from its
-  wheel without vLLM or torch.
+* the three-way comparison (`minilib.tpu.kernel_costs`, `minilib.tpu.comparison`): ours,
+  JAX's kernel and vLLM's RPA v3 on v5e, v6e and TPU7x, the table printed; each claim of
+  `CLAIMS` asserted; v3 loaded from its wheel without vLLM or torch.
 
 Every figure here is a static estimate from the compiled program, never a timing.
 """
@@ -38,6 +38,7 @@ from jax.experimental.pallas import tpu as pltpu
 from minilib import block_sizes
 from minilib.pallas_basics import add_vectors, ragged_paged_attention_pallas_basic
 from minilib.tpu.chips import CHIPS, FACTS
+from minilib.tpu.comparison import CLAIMS, recorded_comparison
 from minilib.tpu.compile import (
     chip_unknown_here,
     chips_here,
@@ -46,13 +47,11 @@ from minilib.tpu.compile import (
     tpu_compile_available,
 )
 from minilib.tpu.kernel_costs import (
-    CLAIMS,
     COMPARISON_CHIPS,
     TARGET_CASE,
     compare_kernels,
     comparison_table,
     compile_rpa,
-    recorded_comparison,
     rpa_specs,
 )
 from minilib.tpu.v3 import v3_available
@@ -423,7 +422,7 @@ def test_doctor_compiles_the_kernel_for_v5e(capsys):
 
 
 def test_static_targets_judge_every_claim_from_real_compiles():
-    from minilib.tpu.kernel_costs import static_targets
+    from minilib.tpu.comparison import static_targets
 
     chips = [chip for chip in COMPARISON_CHIPS if chip in chips_here()]
     results = static_targets(chips)

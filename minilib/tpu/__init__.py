@@ -7,7 +7,8 @@ estimate read from the compiled program, never a timing.
   compile.py       compile a kernel for a chip with libtpu; bundles, VMEM, spills
   dump_reader.py   what libtpu wrote down: the counting rule, loops, ops, VMEM
   v3.py            vLLM's RPA v3 kernel, loaded from its published wheel
-  kernel_costs.py  `python -m minilib compile`: ours against JAX's and v3
+  kernel_costs.py  ours against JAX's and v3, compiled, per chip and config
+  comparison.py    what we claim from it, its recorded figures, `python -m minilib compile`
 """
 
 __all__: list[str] = []  # import from the modules: `from minilib.tpu.compile import ...`

@@ -25,44 +25,35 @@ chunk per fetched block, so one loop pass is one block, as in ours and JAX's) an
 ours and JAX's, which set none, compile there). Left to itself v3 asks for the whole VMEM
 (128 MiB on v5e and v6e), and its loops there come out a little shorter.
 
-`static_targets` judges `CLAIMS`, the cells where we claim ours is at most another kernel,
-and reports every other comparison.
+What we claim from these figures, the figures recorded for where nothing compiles, and the
+command line are in `minilib.tpu.comparison`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
 import functools
-import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from minilib.tpu.chips import CHIPS, FACTS
-from minilib.tpu.compile import CompileReport, chips_here, compile_for_tpu, kib
+from minilib.tpu.chips import FACTS
+from minilib.tpu.compile import CompileReport, compile_for_tpu, kib
 from minilib.tpu.dump_reader import COUNTING_RULE, KernelStats
 
-# `add_arguments` and `run` are `python -m minilib compile`'s command line, not the library's.
 __all__ = [
     "Cell",
     "KVBlockTimes",
     "compare_kernels",
-    "comparison_here_or_recorded",
     "comparison_table",
     "compile_rpa",
     "compile_v3",
     "kernel_for",
     "kv_block_times",
     "kv_bytes_per_block",
-    "record_comparison",
-    "recorded_comparison",
     "rpa_function",
     "rpa_specs",
     "side_by_side",
-    "static_targets",
 ]
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32, "fp8": jnp.float8_e4m3fn}
@@ -78,22 +69,6 @@ COMPARISON_QUERIES_PER_BLOCK = (32, 8)
 COMPARISON_CHIPS = ("v5e", "v6e", "tpu7x")
 V3_VMEM_LIMIT_BYTES = 32 * 1024 * 1024
 KERNELS = ("v3", "JAX", "ours")
-
-# The cells where we claim ours is at most another kernel: (chip, config) -> ((kernel, figure),
-# ...), a figure being "bundles_per_kv_block" or "spill_bytes". `static_targets` judges them
-# and `tests/test_tpu_compile.py` asserts them; every other comparison is reported, not
-# judged. Claim a cell only where the compiled figures (libtpu 0.0.42.1) hold it.
-# Against v3, ours claims fewer bundles per KV block on v5e and v6e, and on TPU7x at 32 q rows
-# (1391 to 1399); v3 spills less (except on v6e at 32 q), and on TPU7x issues fewer bundles at
-# 8 q and decode.
-AGAINST_JAX = (("JAX", "bundles_per_kv_block"), ("JAX", "spill_bytes"))
-AGAINST_V3 = (("v3", "bundles_per_kv_block"),)
-CLAIMS: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
-    (chip, config): AGAINST_JAX
-    + (AGAINST_V3 if chip != "tpu7x" or config == "32 q per block" else ())
-    for chip in COMPARISON_CHIPS
-    for config in ("32 q per block", "8 q per block", "decode")
-}
 
 
 def rpa_specs(
@@ -545,263 +520,3 @@ def kv_bytes_per_block(case: dict = COMPARISON_CASE, num_kv_pages_per_block: int
     itemsize = jnp.dtype(case.get("kv_dtype") or case.get("dtype", jnp.bfloat16)).itemsize
     tokens = num_kv_pages_per_block * case["page_size"]
     return tokens * 2 * case["num_kv_heads"] * case["head_dim"] * itemsize
-
-
-# The comparison's figures as compiled on one stack, for where nothing can be compiled (no
-# libtpu, as on a laptop's .venv or Colab): written by `python -m minilib compile --record`,
-# and checked against a fresh compile by tests/test_tpu_compile.py on that stack.
-RECORDED = Path(__file__).with_name("recorded_comparison.json")
-
-
-def record_comparison(path: Path = RECORDED) -> dict:
-    """Compile the comparison (`compare_kernels`, default workload) for every chip of
-    `COMPARISON_CHIPS` and write its figures, with the date and the versions, to `path`.
-    Needs libtpu, v3 and every chip: raises `RuntimeError` saying which is missing.
-
-    Eighteen compiles, so the example is not run:
-
-    >>> record_comparison()["libtpu"]  # doctest: +SKIP
-    '0.0.42.1'
-    """
-    from minilib.tpu.compile import chip_unknown_here, libtpu_version, require_libtpu
-    from minilib.tpu.v3 import V3_VERSION, load_v3
-
-    require_libtpu()
-    load_v3()  # raises V3Unavailable, with the fix
-    for chip in COMPARISON_CHIPS:
-        if chip not in chips_here():
-            raise RuntimeError(chip_unknown_here(chip))
-    cells = [cell for chip in COMPARISON_CHIPS for cell in compare_kernels(chip)]
-    record = {
-        "what": "bundles per KV block: static estimates from the compiled programs, not "
-        "timings; written by `python -m minilib compile --record`",
-        "date": datetime.date.today().isoformat(),
-        "jax": jax.__version__,
-        "libtpu": libtpu_version(),
-        "v3": f"tpu-inference {V3_VERSION}",
-        "rule": COUNTING_RULE,
-        "workload": describe_case(COMPARISON_CASE, COMPARISON_KV_PAGES_PER_BLOCK),
-        "cells": [
-            {
-                "chip": cell.chip,
-                "config": cell.config,
-                "kernel": cell.kernel,
-                "name": cell.stats.name if cell.stats else None,
-                "bundles_per_kv_block": cell.bundles_per_kv_block,
-                "total_bundles": cell.stats.total_bundles if cell.stats else None,
-                "vmem_bytes": cell.stats.vmem_bytes if cell.stats else None,
-                "spill_bytes": cell.spill_bytes,
-                "loop_op_kinds": dict(cell.stats.loop_op_kinds) if cell.stats else {},
-                "note": cell.note,
-                "missing": cell.missing,
-            }
-            for cell in cells
-        ],
-    }
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    return record
-
-
-def recorded_comparison(path: Path = RECORDED) -> tuple[list[Cell], dict]:
-    """The recorded comparison's cells (`record_comparison`), and its record (date, versions).
-
-    >>> cells, record = recorded_comparison()
-    >>> sorted({cell.kernel for cell in cells}), record["libtpu"]
-    (['JAX', 'ours', 'v3'], '0.0.42.1')
-    """
-    record = json.loads(path.read_text())
-    cells = []
-    for c in record["cells"]:
-        stats = None
-        if c["name"] is not None:
-            stats = KernelStats(
-                c["name"], c["total_bundles"], c["bundles_per_kv_block"], c["vmem_bytes"],
-                c["spill_bytes"], (), loop_op_kinds=tuple(c["loop_op_kinds"].items()),
-            )  # fmt: skip
-        cells.append(Cell(c["kernel"], c["chip"], c["config"], stats, c["missing"], c["note"]))
-    return cells, record
-
-
-def comparison_here_or_recorded(chips=("v5e", "v6e")) -> tuple[list[Cell], str, str]:
-    """(cells, libtpu version, where they come from) of the comparison for `chips`: compiled
-    here when libtpu, v3 and the chips are here; else the recorded figures, saying why not
-    and when, and with what, they were made.
-
-    >>> cells, libtpu, source = comparison_here_or_recorded() if not chips_here() else ([], "", "")
-    >>> not cells or source.startswith("Recorded on")
-    True
-    """
-    from minilib.tpu.compile import chip_unknown_here, libtpu_version, tpu_compile_available
-    from minilib.tpu.v3 import v3_available
-
-    ok, reason = tpu_compile_available()
-    if ok:
-        v3_ok, reason = v3_available()
-        unknown = [chip for chip in chips if chip not in chips_here()]
-        ok = v3_ok and not unknown
-        reason = reason if not v3_ok else (chip_unknown_here(unknown[0]) if unknown else "")
-    if ok:
-        cells = [cell for chip in chips for cell in compare_kernels(chip)]
-        here = f"Compiled here, now (libtpu {libtpu_version()}, jax {jax.__version__})."
-        return cells, libtpu_version(), here
-    cells, record = recorded_comparison()
-    return (
-        [cell for cell in cells if cell.chip in chips],
-        record["libtpu"],
-        (
-            f"Recorded on {record['date']} with jax {record['jax']}, libtpu {record['libtpu']} "
-            f"and {record['v3']} by `python -m minilib compile --record`, not computed here: "
-            f"{reason.rstrip('.')}."
-        ),
-    )
-
-
-FIGURES = {"bundles_per_kv_block": "bundles per KV block", "spill_bytes": "spill bytes"}
-
-
-def static_targets(chips=COMPARISON_CHIPS) -> list[tuple[str, bool | None, str]]:
-    """[(target, passed, detail)]: each claim of `CLAIMS` judged (True or False), and ours
-    against v3 and JAX's in bundles per KV block where nothing is claimed, reported (None).
-    Static estimates from the compiled programs, not timings. Without libtpu, or for a chip
-    this libtpu does not know, an entry with passed None says why.
-
-    With libtpu it compiles six kernels per chip, so the example is not run:
-
-    >>> for target, passed, detail in static_targets():  # doctest: +SKIP
-    ...     print(passed, target, detail)
-    True static: bundles per KV block, ours <= JAX's (v5e, 32 q per block): ours ... vs JAX ...
-    ...
-    None static: bundles per KV block, ours against v3 (v5e, decode): ours ... vs v3 ...
-    ...
-    """
-    from minilib.tpu.compile import chip_unknown_here, tpu_compile_available
-
-    ok, reason = tpu_compile_available()
-    if not ok:
-        return [("static: ours against JAX's kernel and v3", None, f"not measured: {reason}")]
-    results = []
-    for chip in chips:
-        if chip not in chips_here():
-            results.append((f"static: ours against JAX's and v3 ({chip})", None,
-                            f"not measured: {chip_unknown_here(chip)}"))  # fmt: skip
-            continue
-        cells = {(c.config, c.kernel): c for c in compare_kernels(chip)}
-        for config in dict.fromkeys(config for config, _ in cells):
-            claimed = CLAIMS.get((chip, config), ())
-            for other in ("JAX", "v3"):
-                for figure, label in FIGURES.items():
-                    judged = (other, figure) in claimed
-                    if not judged and figure != "bundles_per_kv_block":
-                        continue
-                    verb = f"ours <= {other}'s" if judged else f"ours against {other}'s"
-                    name = f"static: {label}, {verb} ({chip}, {config})"
-                    ours, theirs = cells[config, "ours"], cells[config, other]
-                    a, b = getattr(ours, figure), getattr(theirs, figure)
-                    if a is None or b is None:
-                        why = "; ".join(c.missing for c in (ours, theirs) if c.missing)
-                        results.append((name, False if judged else None,
-                                        f"not measured: {why or 'no figure read'}"))  # fmt: skip
-                        continue
-                    ratio = f" ({a / b:.2f}x)" if b else ""
-                    detail = f"ours {a:,} vs {other} {b:,}{ratio}" + (
-                        "" if judged else ", not claimed"
-                    )
-                    results.append((name, a <= b if judged else None, detail))
-    return results
-
-
-COMMAND_DESCRIPTION = (
-    "Compile our RPA kernel, JAX's and vLLM's RPA v3 for TPU chips (needs libtpu, not a TPU) "
-    "and compare bundles per KV block and spills, per chip and config (32 q per block, 8 q "
-    "per block, decode). Static estimates from the compiled programs, not timings."
-)
-
-# The flags passed on by name: --num-q-heads N becomes rpa_specs(num_q_heads=N), and so on.
-SHAPE_FLAGS = {name: value for name, value in COMPARISON_CASE.items()}  # name: default, ints
-OPTION_FLAGS = {  # name: (type, default), the kernel options all three kernels take
-    "sliding_window": (int, None),
-    "soft_cap": (float, None),
-}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `python -m minilib compile`: the chips, the shapes and the kernel options.
-
-    >>> parser = argparse.ArgumentParser()
-    >>> add_arguments(parser)
-    >>> args = parser.parse_args(["--chip", "v6e", "--num-queries-per-block", "16"])
-    >>> args.chip, args.num_queries_per_block, args.num_pages
-    (['v6e'], [16], 8192)
-    """
-    parser.add_argument(
-        "--chip", choices=CHIPS, nargs="+", default=None,
-        help=f"default: {' '.join(COMPARISON_CHIPS)}, those this libtpu knows",
-    )  # fmt: skip
-    for name, default in SHAPE_FLAGS.items():
-        parser.add_argument(_flag(name), type=int, default=default)
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
-    parser.add_argument("--kv-dtype", choices=DTYPES, default=None)
-    parser.add_argument("--num-kv-pages-per-block", type=int, default=COMPARISON_KV_PAGES_PER_BLOCK)
-    parser.add_argument(
-        "--num-queries-per-block", type=int, nargs="+",
-        default=list(COMPARISON_QUERIES_PER_BLOCK),
-        help="q block sizes of the mixed kernels; decode is read from the smallest one's program",
-    )  # fmt: skip
-    for name, (type_, default) in OPTION_FLAGS.items():
-        parser.add_argument(_flag(name), type=type_, default=default)
-    parser.add_argument(
-        "--source-lines", action="store_true",
-        help="also list, per kernel, the source lines that fill its KV-block loop",
-    )  # fmt: skip
-    parser.add_argument(
-        "--record", action="store_true",
-        help=f"compile the default comparison for {', '.join(COMPARISON_CHIPS)} and write it to "
-        f"minilib/tpu/{RECORDED.name}, for where nothing can be compiled (notebook 09)",
-    )  # fmt: skip
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")  # num_q_heads -> --num-q-heads
-
-
-def run(args) -> int:
-    """Run `python -m minilib compile` with parsed flags. Returns the exit code: 0, or 1 when
-    this host cannot compile for a TPU, or our kernel gave no figure on a chip."""
-    from minilib.tpu.compile import chip_unknown_here, libtpu_version, tpu_compile_available
-
-    ok, reason = tpu_compile_available()
-    if not ok:
-        print(f"Cannot compile for a TPU here: {reason}")
-        return 1
-    if args.record:
-        record = record_comparison()
-        print(f"Recorded {len(record['cells'])} cells (libtpu {record['libtpu']}) in {RECORDED}")
-        return 0
-    chips = args.chip or [chip for chip in COMPARISON_CHIPS if chip in chips_here()]
-    for chip in [chip for chip in chips if chip not in chips_here()]:
-        print(f"Skipping {chip}: {chip_unknown_here(chip)}")
-    case = {name: getattr(args, name) for name in SHAPE_FLAGS} | {"dtype": DTYPES[args.dtype]}
-    options = {name: getattr(args, name) for name in OPTION_FLAGS if getattr(args, name)}
-    cells = []
-    for chip in [chip for chip in chips if chip in chips_here()]:
-        cells += compare_kernels(
-            chip,
-            case=case,
-            num_kv_pages_per_block=args.num_kv_pages_per_block,
-            queries_per_block=tuple(args.num_queries_per_block),
-            kv_dtype=DTYPES[args.kv_dtype] if args.kv_dtype else None,
-            **options,
-        )
-    table = comparison_table(
-        cells, libtpu_version=libtpu_version(), case=case,
-        num_kv_pages_per_block=args.num_kv_pages_per_block,
-    )  # fmt: skip
-    print(table)
-    if args.source_lines:
-        for cell in cells:
-            if cell.stats is not None:
-                print(f"\n{cell.kernel} ({cell.chip}, {cell.config}): ops per source line in "
-                      f"its KV-block loop ({cell.stats.name})")  # fmt: skip
-                print("\n".join(source_lines(cell.stats)))
-    ours = [cell for cell in cells if cell.kernel == "ours"]
-    return 0 if ours and all(cell.bundles_per_kv_block for cell in ours) else 1
