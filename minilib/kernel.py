@@ -276,6 +276,13 @@ class KernelConfig(AttentionOptions):
         return self.head_dim // LANES if self.head_dim % LANES == 0 else 1
 
     @property
+    def lane_slices(self) -> tuple[slice, ...]:
+        """The columns of head_dim in each lane block: (slice(0, 128), slice(128, 256)) at
+        head_dim 256."""
+        width = self.head_dim // self.lane_blocks
+        return tuple(slice(f * width, (f + 1) * width) for f in range(self.lane_blocks))
+
+    @property
     def rows_per_kv_head(self) -> int:
         """Rows of the folded q matrix of one KV head: each q row once per q head of the group
         (in the decode kernel, the one row of the sequence being walked)."""
@@ -1321,22 +1328,33 @@ class OnlineSoftmax:
         acc_next = widen(alpha, acc_prev.shape[1]) * acc_prev + pv
         self.acc_ref[kv_head] = keep_other_rows(mask.in_seq, acc_next, acc_prev)
 
-    def normalized(self, kv_head: int):  # -> f32[rows_per_kv_head, head_dim]
-        """out = acc / l for one KV head's group of q heads. Rows that no sequence owns have
-        l = 0 and acc = 0, and come out as zeros."""
+    def normalized(self, kv_head: int, lanes=slice(None)):  # -> f32[rows_per_kv_head, width]
+        """out = acc / l for one KV head's group of q heads, in the columns `lanes` of head_dim
+        (all of them by default). Rows that no sequence owns have l = 0 and acc = 0, and come
+        out as zeros."""
         total = self.l_ref[kv_head][:, :1]  # [rows, 1]
-        return self.acc_ref[kv_head] / jnp.where(total == 0.0, 1.0, total)
+        return self.acc_ref[kv_head, :, lanes] / jnp.where(total == 0.0, 1.0, total)
 
     def write_output(self, o_ref):
-        """The q block's output, unfolded back to [q rows, q heads, head_dim].
+        """The q block's output, unfolded back to [q rows, q heads, head_dim], one KV head and
+        one lane block of head_dim (`KernelConfig.lane_slices`) at a time.
+
+        Why lane blocks: the unfold moves rows between (8, 128) tiles, with shuffled loads of
+        acc, and the compiler issues the loads of every head early. A whole head at head_dim
+        256 (128 rows of acc: 32 vector registers) is too much of that: on v5e at 32 q rows
+        the unrolled heads spilled 940 KiB of VMEM here, outside the KV-block loop, and none
+        when 128 lanes go at a time (static estimates, `minilib.tpu.compile`).
 
         o_ref: [num_queries_per_block, num_q_heads_per_block, head_dim]
         """
         c = self.config
         group = c.num_q_heads_per_kv_head
         for kv_head in range(c.num_kv_heads_per_block):
-            out = self.normalized(kv_head).reshape(c.num_queries_per_block, group, c.head_dim)
-            o_ref[:, kv_head * group : (kv_head + 1) * group, :] = out.astype(o_ref.dtype)
+            heads = slice(kv_head * group, (kv_head + 1) * group)
+            for lanes in c.lane_slices:
+                out = self.normalized(kv_head, lanes)  # [rows, width]
+                out = out.reshape(c.num_queries_per_block, group, out.shape[1])
+                o_ref[:, heads, lanes] = out.astype(o_ref.dtype)
 
     def write_output_row(self, o_ref, row):
         """The decode kernel's output of one sequence: row `row` of o_ref."""
