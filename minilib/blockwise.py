@@ -487,8 +487,10 @@ def online_softmax_update(
     state: OnlineSoftmax,
     scores: jax.Array,  # f32[num_kv_heads, rows, kv_tokens_per_block]
     v: jax.Array,  # f32[kv_tokens_per_block, num_kv_heads, head_dim]
+    p_dtype=jnp.float32,
 ) -> OnlineSoftmax:
-    """Fold one KV block into the running softmax.
+    """Fold one KV block into the running softmax. `p_dtype`: the dtype p is rounded to for
+    P·V (the TPU kernel rounds it to V's dtype; notebook 08 measures what that costs).
 
     With m_new = max(m, max(scores)), the old sums were computed relative to m, so they are
     rescaled by alpha = exp(m - m_new) (which is 0 on the first block, where m = -inf), and
@@ -509,7 +511,7 @@ def online_softmax_update(
     alpha = jnp.exp(state.m - m_new)
     p = jnp.exp(scores - m_new[..., None])
     l_new = alpha * state.l + p.sum(axis=-1)
-    pv = jnp.einsum("hrk,khd->hrd", p, v, preferred_element_type=jnp.float32)
+    pv = jnp.einsum("hrk,khd->hrd", p.astype(p_dtype), v, preferred_element_type=jnp.float32)
     return OnlineSoftmax(m=m_new, l=l_new, acc=alpha[..., None] * state.acc + pv)
 
 
