@@ -3,14 +3,18 @@
     python3 tasks.py course   # make .venv, install, open JupyterLab on notebooks/
     python3 tasks.py test     # make the venvs, install, lint, run every test
 
-`test` runs in five environments, each pinned by a file of constraints/ (README: "Supported
-stacks"):
+Every environment is made by `uv` (from the package index, into .venv-uv the first time:
+it installs a venv in seconds where pip takes minutes, and shares one download cache among
+all of them). `test` runs in five environments, each pinned by a file of constraints/
+(README: "Supported stacks"):
   * .venv         the newest supported jax (newest.txt): lint, then every test (notebooks
-                  included; the slow sweeps stay opt-in, see README);
+                  included; the slow sweeps stay opt-in, see README), on both cores
+                  (pytest-xdist);
   * .venv-oldest  Colab's TPU runtime, package for package (oldest.txt, made from the
                   package list Colab publishes, constraints/colab/tpu/, by
                   constraints/colab_freeze.py) on Python 3.13 when this machine has it:
-                  the fast tests, notebooks and explorers included;
+                  the fast tests and the notebooks, with each interpret-mode matrix cut to
+                  one case per path (the tests marked `matrix` run on .venv alone);
   * .venv-tpu     the newest jax with its libtpu, pinned (tpu.txt): the `tpu_compile`
                   tests, which compile every kernel for five TPU chips here, without a TPU,
                   and print our kernel against JAX's and vLLM's RPA v3 (whose wheel,
@@ -22,7 +26,8 @@ stacks"):
                   a few of those compiles (JAX_0_7_2_TPU_TESTS);
 then the browser test in .venv and .venv-oldest (tests/browser: the explorers in
 JupyterLab, or the classic notebook for ipywidgets 7, in headless Chromium), which needs
-Debian's `chromium` and is skipped, loudly, without it.
+Debian's `chromium` and is skipped, loudly, without it. At the end it prints a table of
+each phase's minutes, passed or not.
 
     python3 tasks.py test-colab-2026.07   # the fast tests on Colab's past runtime 2026.07
 
@@ -36,13 +41,18 @@ environment, e.g. `python3 tasks.py test -m slow`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
+# uv, pinned, in a venv of its own: the one tool installed with pip.
+UV_VENV, UV_VERSION = ROOT / ".venv-uv", "0.13.9"
 NEWEST = (ROOT / ".venv", ROOT / "constraints" / "newest.txt")
 # Colab's TPU runtime and its past runtime 2026.07, pinned from the package lists Colab
 # publishes (constraints/colab/, made into constraint files by constraints/colab_freeze.py),
@@ -66,6 +76,8 @@ TPU_COMPILE_TESTS = ("tests/test_tpu_compile.py", "tests/test_ladder.py")
 # With jax 0.7.2, one kernel configuration per chip, the comparison with JAX's kernel and
 # the harness's own failure tests: the whole matrix runs once, on the newest stack.
 JAX_0_7_2_TPU_TESTS = "gqa-bf16 or against_jax or bad_kernel or vmem_overflow or by_design"
+# pytest on both cores of CI's machine (pytest-xdist): "auto" is one worker per core.
+WORKERS = ("-n", os.environ.get("MINILIB_TEST_WORKERS", "auto"))
 
 
 def run(*cmd: str | Path, env: dict | None = None) -> None:
@@ -77,16 +89,26 @@ def venv_python(venv: Path) -> Path:
     return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
+def uv() -> Path:
+    """The uv of .venv-uv, installed there with pip the first time."""
+    tool = UV_VENV / ("Scripts/uv.exe" if os.name == "nt" else "bin/uv")
+    if not tool.exists():
+        run(sys.executable, "-m", "venv", UV_VENV)
+        run(venv_python(UV_VENV), "-m", "pip", "install", "--quiet", f"uv=={UV_VERSION}")
+    return tool
+
+
 def make_venv(venv: Path, constraints: Path, extra: str, base_python: str = sys.executable) -> Path:
     """Create `venv` from `base_python` if needed (again if it has another Python version)
-    and install minilib[extra] into it, pinned by `constraints`."""
+    and install minilib[extra] into it, pinned by `constraints`. The venv has pip too
+    (`--seed`): the notebooks' setup cell and `minilib.tpu.v3 fetch` call it."""
     python = venv_python(venv)
     if python.exists() and python_version(python) != python_version(base_python):
         shutil.rmtree(venv)
     if not python.exists():
-        run(base_python, "-m", "venv", venv)
-        run(python, "-m", "pip", "install", "--quiet", "--upgrade", "pip")
-    run(python, "-m", "pip", "install", "--quiet", "-c", constraints, "-e", f".[{extra}]")
+        run(uv(), "venv", "--quiet", "--seed", "--python", base_python, venv)
+    run(uv(), "pip", "install", "--quiet", "--python", python, "-c", constraints,
+        "-e", f".[{extra}]")  # fmt: skip
     return python
 
 
@@ -124,32 +146,74 @@ def pytest(python: Path, *args: str) -> None:
     run(python, "-m", "pytest", *args, env=env)
 
 
+class Phases:
+    """Times each phase of a run; `table()` gives each one's minutes, in order."""
+
+    def __init__(self):
+        self.rows: list[tuple[str, float, str]] = []
+        self.start = time.monotonic()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start, outcome = time.monotonic(), "failed"
+        try:
+            yield
+            outcome = "passed"
+        finally:
+            self.rows.append((name, time.monotonic() - start, outcome))
+
+    def table(self) -> str:
+        width = max(len(name) for name, _, _ in self.rows)
+        lines = [f"{'phase':<{width}}  minutes  outcome"]
+        lines += [f"{name:<{width}}  {s / 60:7.1f}  {outcome}" for name, s, outcome in self.rows]
+        lines.append(f"{'total':<{width}}  {(time.monotonic() - self.start) / 60:7.1f}")
+        return "\n".join(lines)
+
+
 def test(args: list[str]) -> None:
-    python = make_venv(*NEWEST, extra="dev,browser")
-    run(python, "-m", "ruff", "check", ".")
-    run(python, "-m", "ruff", "format", "--check", ".")
-    pytest(python, *args)
+    phases = Phases()
+    try:
+        run_tests(args, phases)
+    finally:
+        print(f"\nEach phase of `tasks.py test`:\n{phases.table()}", flush=True)
 
+
+def run_tests(args: list[str], phases: Phases) -> None:
     colab = colab_python()
-    oldest = make_venv(*OLDEST, extra="dev,browser", base_python=colab)
-    pytest(oldest, "-m", "not slow and not browser", "-p", "no:cacheprovider")
+    with phases("make the five venvs (uv, in parallel)"):
+        uv()
+        with ThreadPoolExecutor() as pool:
+            venvs = [
+                pool.submit(make_venv, *NEWEST, extra="dev,browser"),
+                pool.submit(make_venv, *OLDEST, extra="dev,browser", base_python=colab),
+                pool.submit(make_venv, *TPU, extra="tpu-test"),
+                pool.submit(make_venv, *TPU_OLDEST, extra="tpu-test", base_python=colab),
+                pool.submit(make_venv, *TPU_JAX_0_7_2, extra="tpu-test", base_python=colab),
+            ]
+            python, oldest, tpu, tpu_oldest, tpu_jax = (venv.result() for venv in venvs)
+        run(tpu, "-m", "minilib.tpu.v3", "fetch")  # the v3 kernel's wheel, alone, into the venv
 
-    tpu = make_venv(*TPU, extra="tpu-test")
-    run(tpu, "-m", "minilib.tpu.v3", "fetch")  # the v3 kernel's wheel, alone, into the venv
-    pytest(tpu, "-m", "tpu_compile", "-p", "no:cacheprovider", *TPU_COMPILE_TESTS)
-
+    with phases(".venv: lint"):
+        run(python, "-m", "ruff", "check", ".")
+        run(python, "-m", "ruff", "format", "--check", ".")
+    with phases(".venv: the tests and the notebooks"):
+        pytest(python, *WORKERS, *args)
+    with phases(".venv-oldest: the tests (one case per matrix path) and the notebooks"):
+        pytest(oldest, *WORKERS, "-m", "not slow and not browser and not matrix",
+               "-p", "no:cacheprovider")  # fmt: skip
+    with phases(".venv-tpu: the tpu_compile tests"):
+        pytest(tpu, *WORKERS, "-m", "tpu_compile", "-p", "no:cacheprovider", *TPU_COMPILE_TESTS)
     # On Colab's pair the compiles are skipped, saying why (-rs), and the pair's tests run.
-    tpu_oldest = make_venv(*TPU_OLDEST, extra="tpu-test", base_python=colab)
-    pytest(tpu_oldest, "-m", "tpu_compile", "-k", f"{JAX_0_7_2_TPU_TESTS} or cannot_compile",
-           "-p", "no:cacheprovider", "-rs", "tests/test_tpu_compile.py",
-           "tests/test_tpu_cannot_compile.py")  # fmt: skip
-
-    tpu_jax = make_venv(*TPU_JAX_0_7_2, extra="tpu-test", base_python=colab)
-    pytest(tpu_jax, "-m", "tpu_compile", "-k", JAX_0_7_2_TPU_TESTS, "-p", "no:cacheprovider",
-           "tests/test_tpu_compile.py")  # fmt: skip
-
+    with phases(".venv-tpu-oldest: Colab's pair"):
+        pytest(tpu_oldest, "-m", "tpu_compile", "-k", f"{JAX_0_7_2_TPU_TESTS} or cannot_compile",
+               "-p", "no:cacheprovider", "-rs", "tests/test_tpu_compile.py",
+               "tests/test_tpu_cannot_compile.py")  # fmt: skip
+    with phases(".venv-tpu-jax-0.7.2: a few compiles"):
+        pytest(tpu_jax, *WORKERS, "-m", "tpu_compile", "-k", JAX_0_7_2_TPU_TESTS,
+               "-p", "no:cacheprovider", "tests/test_tpu_compile.py")  # fmt: skip
     for env in (python, oldest):
-        browser_test(env)
+        with phases(f"{env.parent.parent.name}: the browser test"):
+            browser_test(env)
 
 
 def test_colab_2026_07(args: list[str]) -> None:
@@ -157,7 +221,7 @@ def test_colab_2026_07(args: list[str]) -> None:
     numpy 2.0.2, jax 0.7.2). Not part of `test`: it would add its time to CI's."""
     python = python_for(COLAB_2026_07_PYTHON)
     past = make_venv(*COLAB_2026_07, extra="dev,browser", base_python=python)
-    pytest(past, "-m", "not slow and not browser", "-p", "no:cacheprovider", *args)
+    pytest(past, *WORKERS, "-m", "not slow and not browser", "-p", "no:cacheprovider", *args)
 
 
 def browser_test(python: Path) -> None:
@@ -173,8 +237,6 @@ def browser_test(python: Path) -> None:
         return
     # -s: print the versions tried, each Run All's time and how fast the explorers reacted.
     pytest(python, "-m", "browser", "tests/browser", "-p", "no:cacheprovider", "-s")
-
-
 def course(args: list[str]) -> None:
     """JupyterLab on notebooks/ (`course notebook`: Notebook 7 instead)."""
     python = make_venv(*NEWEST, extra="course")

@@ -25,6 +25,8 @@ from minilib import (
 )
 from minilib.batch import RaggedBatch, make_batch
 
+pytest_plugins = ["time_limit"]  # a time limit on every test: tests/time_limit.py
+
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 # The five attention functions, in course order; all take JAX's arguments.

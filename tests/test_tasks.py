@@ -1,0 +1,43 @@
+"""tasks.py's timing table: each phase's minutes and outcome, a failed phase included."""
+
+from __future__ import annotations
+
+import importlib.util
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_tasks():
+    spec = importlib.util.spec_from_file_location("tasks", ROOT / "tasks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_table_has_each_phase_its_outcome_and_the_total(monkeypatch):
+    tasks = load_tasks()
+    clock = iter([0.0, 60.0, 150.0, 150.0, 330.0, 400.0])  # start; a; b; the table's end
+    monkeypatch.setattr(tasks.time, "monotonic", lambda: next(clock))
+    phases = tasks.Phases()
+    with phases("make the venvs"):
+        pass
+    with pytest.raises(RuntimeError), phases(".venv: the tests"):
+        raise RuntimeError("a test failed")
+    lines = phases.table().splitlines()
+    assert lines[0].split() == ["phase", "minutes", "outcome"]
+    assert lines[1].split()[-2:] == ["1.5", "passed"] and lines[1].startswith("make the venvs")
+    assert lines[2].split()[-2:] == ["3.0", "failed"] and lines[2].startswith(".venv: the tests")
+    assert lines[3].split() == ["total", "6.7"]
+
+
+def test_every_venv_gets_pytest_xdist_for_the_workers():
+    tasks = load_tasks()
+    assert tasks.WORKERS[0] == "-n"
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for extra in ("dev", "tpu-test"):
+        needs = extras["optional-dependencies"][extra]
+        assert "pytest-xdist" in needs, f"{extra} lacks pytest-xdist, which tasks.py's -n needs"
