@@ -237,6 +237,8 @@ def browser_test(python: Path) -> None:
         return
     # -s: print the versions tried, each Run All's time and how fast the explorers reacted.
     pytest(python, "-m", "browser", "tests/browser", "-p", "no:cacheprovider", "-s")
+
+
 def course(args: list[str]) -> None:
     """JupyterLab on notebooks/ (`course notebook`: Notebook 7 instead)."""
     python = make_venv(*NEWEST, extra="course")
