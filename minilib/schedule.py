@@ -241,14 +241,14 @@ def plan_schedule(
     >>> [e.kind for e in s.events]
     ['start', 'wait', 'compute']
     """
-    args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     options = AttentionOptions(
         sliding_window=sliding_window,
         num_kv_pages_per_block=num_kv_pages_per_block,
         num_queries_per_block=num_queries_per_block,
     )
-    config = _config(*args, options)
-    table = _Table(kv_lens, page_indices, cu_q_lens, num_seqs)
+    config, table = _config_and_table(
+        (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs), options
+    )
     mixed, decode = kernel.split_configs(config)
     num_q_blocks = cdiv(q.shape[0], config.num_queries_per_block)
     grid_steps = config.num_heads_blocks * num_q_blocks
@@ -375,21 +375,10 @@ class _Table:
 # ---------------------------------------------------------------------------------------------
 
 
-def record_schedule(
-    q,  # [max_num_batched_tokens, num_q_heads, head_dim]
-    kv_pages,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
-    kv_lens,  # i32[max_num_seqs]
-    page_indices,  # i32[max_num_seqs, pages_per_seq]
-    cu_q_lens,  # i32[max_num_seqs + 1]
-    num_seqs,  # i32[1]
-    *,
-    sliding_window: int | None = None,
-    num_kv_pages_per_block: int | None = None,
-    num_queries_per_block: int | None = None,
-    interpret=None,
-) -> Schedule:
-    """Run the kernel (TPU interpret mode unless `interpret` says otherwise) and return the
-    schedule it recorded. q and kv_pages must be real arrays here.
+def record_schedule(*args, interpret=None, **options) -> Schedule:
+    """Run the kernel on `plan_schedule`'s arguments (the six arrays, then the options), in TPU
+    interpret mode unless `interpret` says otherwise, and return the schedule it recorded. q
+    and kv_pages must be real arrays here.
 
     The recorded schedule is the planned one:
 
@@ -398,14 +387,8 @@ def record_schedule(
     >>> record_schedule(*args).events == plan_schedule(*args).events
     True
     """
-    args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    options = AttentionOptions(
-        sliding_window=sliding_window,
-        num_kv_pages_per_block=num_kv_pages_per_block,
-        num_queries_per_block=num_queries_per_block,
-    )
-    config = _config(*args, options)
-    table = _Table(kv_lens, page_indices, cu_q_lens, num_seqs)
+    q = args[0]
+    config, table = _config_and_table(args, AttentionOptions(**options))
     _, traces = record_trace(
         *args, config=config, capacity=_trace_capacity(q, table, config), interpret=interpret
     )
@@ -430,7 +413,7 @@ def record_trace(
 
     >>> from minilib.batch import make_batch
     >>> batch = make_batch([(3, 3), (1, 5)])
-    >>> config = _config(*batch.args(), AttentionOptions())
+    >>> config, _ = _config_and_table(batch.args(), AttentionOptions())
     >>> _, traces = record_trace(*batch.args(), config=config, capacity=8)
     >>> {name: [KINDS[kind] for kind in events[:, 0]] for name, events in traces.items()}
     {'decode': ['start', 'wait', 'compute'], 'mixed': ['start', 'wait', 'compute']}
@@ -468,12 +451,13 @@ def _trace_capacity(q, table: _Table, config: kernel.KernelConfig) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _config(
-    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: AttentionOptions
-) -> kernel.KernelConfig:
-    """The kernel's config for this batch, once the batch and the options are validated."""
-    dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options)
-    return kernel.kernel_config(q, kv_pages, page_indices, options)
+def _config_and_table(args: tuple, options: AttentionOptions):
+    """The kernel's config for the batch `args` (the six arrays), once the batch and the
+    options are validated, and the batch's `_Table`."""
+    dynamic_validate_inputs(*args, options)
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = args
+    config = kernel.kernel_config(q, kv_pages, page_indices, options)
+    return config, _Table(kv_lens, page_indices, cu_q_lens, num_seqs)
 
 
 def _schedule(q, config: kernel.KernelConfig, table: _Table, raw_events) -> Schedule:

@@ -200,17 +200,10 @@ def static_validate_inputs(
         )
 
 
-def dynamic_validate_inputs(
-    q,  # [max_num_batched_tokens, num_q_heads, head_dim]
-    kv_pages,  # [total_num_pages, page_size, num_combined_kv_heads, head_dim]
-    kv_lens,  # i32[max_num_seqs]
-    page_indices,  # i32[max_num_seqs, pages_per_seq]
-    cu_q_lens,  # i32[max_num_seqs + 1]
-    num_seqs,  # i32[1]
-    options: AttentionOptions | None = None,
-    **option_values,
-) -> None:
-    """All of `static_validate_inputs`, then the checks that need the values of the arrays.
+def dynamic_validate_inputs(*args, **options) -> None:
+    """All of `static_validate_inputs`, on the same arguments (the six arrays, then the options
+    as one `AttentionOptions` or as JAX's keywords), then the checks that need the values of
+    the arrays.
 
     Call it on concrete arrays, outside `jax.jit`. Only the first `num_seqs` sequences are
     checked; padding slots may hold anything.
@@ -224,8 +217,8 @@ def dynamic_validate_inputs(
     minilib.errors.RPAInputError: q_len=5 must be less or equal to kv_len=3 at sequence 0.
     Hint: ...
     """
-    options = attention_options(options, **option_values)
-    static_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options)
+    static_validate_inputs(*args, **options)
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = args[:6]
     kv_lens, page_indices, cu_q_lens, num_seqs = _concrete(
         kv_lens, page_indices, cu_q_lens, num_seqs
     )

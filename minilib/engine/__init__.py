@@ -14,12 +14,13 @@ throughput.py    `python -m minilib bench --engine`: continuous against static b
 """
 
 from minilib.engine.engine import Engine, StepStats
-from minilib.engine.model import ModelConfig, dense_generate, init_params
+from minilib.engine.model import TINY_CONFIG, ModelConfig, dense_generate, init_params
 from minilib.engine.outputs import RequestMetrics, RequestOutput
 from minilib.engine.sampling import SamplingParams
 from minilib.errors import EngineError
 
 __all__ = [
+    "TINY_CONFIG",
     "Engine",
     "EngineError",
     "ModelConfig",

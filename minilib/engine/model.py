@@ -35,6 +35,7 @@ from minilib.kv_cache import bucket_size
 
 DTYPES = ("float32", "bfloat16")
 __all__ = [
+    "TINY_CONFIG",
     "EngineError",
     "ModelConfig",
     "attention_inputs",
@@ -110,6 +111,10 @@ embed_dim=64, mlp_dim=128, rope_theta=10000.0, dtype='float32')
     def sm_scale(self) -> float:
         """The attention scale, 1 / sqrt(head_dim)."""
         return 1.0 / float(np.sqrt(self.head_dim))
+
+
+# The smallest model the examples run: one layer, two q heads sharing one KV head, head_dim 8.
+TINY_CONFIG = ModelConfig(vocab_size=32, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8)
 
 
 def init_params(config: ModelConfig, seed: int = 0) -> dict:

@@ -51,36 +51,40 @@ class RequestMetrics:
     @property
     def time_in_queue(self) -> float | None:
         """Seconds from arrival to the first step that ran it."""
-        if self.first_scheduled_time is None:
-            return None
-        return self.first_scheduled_time - self.arrival_time
+        return _since(self.arrival_time, self.first_scheduled_time)
 
     @property
     def time_to_first_token(self) -> float | None:
         """TTFT, seconds from arrival to the end of the step that sampled its first token."""
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
+        return _since(self.arrival_time, self.first_token_time)
 
     @property
     def steps_to_first_token(self) -> int | None:
         """TTFT in steps: how many steps ran from its arrival to its first token, that one
         included."""
-        if self.first_token_step is None:
-            return None
-        return self.first_token_step - self.arrival_step + 1
+        steps = _since(self.arrival_step, self.first_token_step)
+        return None if steps is None else steps + 1
 
     def time_per_output_token(self, num_tokens: int) -> float | None:
         """TPOT, seconds per token after the first (None with fewer than two tokens)."""
-        if self.finished_time is None or self.first_token_time is None or num_tokens < 2:
-            return None
-        return (self.finished_time - self.first_token_time) / (num_tokens - 1)
+        return _per_token(self.first_token_time, self.finished_time, num_tokens)
 
     def steps_per_output_token(self, num_tokens: int) -> float | None:
         """TPOT in steps: 1.0 when the request decoded in every step until it finished."""
-        if self.finished_step is None or self.first_token_step is None or num_tokens < 2:
-            return None
-        return (self.finished_step - self.first_token_step) / (num_tokens - 1)
+        return _per_token(self.first_token_step, self.finished_step, num_tokens)
+
+
+def _since(start, end):
+    """`end - start`, in seconds or in steps; None while `end` has not happened."""
+    return None if end is None else end - start
+
+
+def _per_token(first_token, finished, num_tokens: int) -> float | None:
+    """The time (or steps) from the first token to the finish, per token after the first;
+    None until both happened, or with fewer than two tokens."""
+    if first_token is None or finished is None or num_tokens < 2:
+        return None
+    return (finished - first_token) / (num_tokens - 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -124,13 +124,10 @@ def run_continuous(engine: Engine, workload: Workload) -> tuple[list[RequestOutp
     arrives, and the engine steps while anything is unfinished. Returns the outputs, in
     workload order, and the number of steps.
 
-    >>> from minilib.engine import init_params
-    >>> tiny = ModelConfig(vocab_size=32, num_layers=1, num_q_heads=2, num_kv_heads=1,
-    ...                    head_dim=8)
-    >>> engine = Engine(init_params(tiny), tiny, num_pages=16, page_size=4,
-    ...                 max_num_batched_tokens=16, max_num_seqs=4)
-    >>> outputs, steps = run_continuous(engine, make_workload(3, vocab_size=32,
-    ...                                 prompt_lens=(2, 6), max_tokens=(2, 4)))
+    >>> from minilib.engine import TINY_CONFIG, init_params
+    >>> engine = Engine(init_params(TINY_CONFIG), TINY_CONFIG, **ENGINE_SIZES)
+    >>> workload = make_workload(3, vocab_size=32, prompt_lens=(2, 6), max_tokens=(2, 4))
+    >>> outputs, steps = run_continuous(engine, workload)
     >>> [o.finish_reason for o in outputs]
     ['length', 'length', 'length']
     """
@@ -142,13 +139,11 @@ def run_static(engine: Engine, workload: Workload) -> tuple[list[RequestOutput],
     have arrived (up to `max_num_seqs`) form a batch, and no other joins until all of them
     have finished. Returns the outputs, in workload order, and the number of steps.
 
-    >>> from minilib.engine import init_params
-    >>> tiny = ModelConfig(vocab_size=32, num_layers=1, num_q_heads=2, num_kv_heads=1,
-    ...                    head_dim=8)
-    >>> engine = Engine(init_params(tiny), tiny, num_pages=16, page_size=4,
-    ...                 max_num_batched_tokens=16, max_num_seqs=2)
-    >>> outputs, steps = run_static(engine, make_workload(3, vocab_size=32,
-    ...                             prompt_lens=(2, 6), max_tokens=(2, 4)))
+    >>> from minilib.engine import TINY_CONFIG, init_params
+    >>> engine = Engine(init_params(TINY_CONFIG), TINY_CONFIG, num_pages=16, page_size=4,
+    ...                 max_num_batched_tokens=16, max_num_seqs=2)          # two slots
+    >>> workload = make_workload(3, vocab_size=32, prompt_lens=(2, 6), max_tokens=(2, 4))
+    >>> outputs, steps = run_static(engine, workload)
     >>> outputs[2].metrics.first_scheduled_step > outputs[0].metrics.finished_step  # waited
     True
     """
@@ -359,10 +354,9 @@ def engine_bench(
     check every run's tokens against `dense_generate`. Each run is repeated `reps` times
     (policies alternating) and the fastest kept; a first untimed run compiles everything.
 
-    >>> tiny = ModelConfig(vocab_size=32, num_layers=1, num_q_heads=2, num_kv_heads=1,
-    ...                    head_dim=8)
+    >>> from minilib.engine import TINY_CONFIG
     >>> w = make_workload(4, vocab_size=32, prompt_lens=(2, 8), max_tokens=(2, 6))
-    >>> bench = engine_bench(config=tiny, workload=w,
+    >>> bench = engine_bench(config=TINY_CONFIG, workload=w,
     ...                      sizes=dict(num_pages=16, page_size=4, max_num_batched_tokens=16,
     ...                                 max_num_seqs=2))
     >>> bench.same_tokens, bench.at_once["static"].steps >= bench.at_once["continuous"].steps

@@ -16,9 +16,7 @@ Everything is HTML in `HTML` widgets (no images, no front-end extension), so it 
 real widgets in Jupyter and Colab with ipywidgets 7 or 8, and its text can be read without a
 browser. After a run, the slider replays any recorded step.
 
-    >>> from minilib.engine import Engine, ModelConfig, init_params
-    >>> config = ModelConfig(vocab_size=32, num_layers=1, num_q_heads=2, num_kv_heads=1,
-    ...                      head_dim=8)
+    >>> from minilib.engine import TINY_CONFIG as config, Engine, init_params
     >>> from minilib import ragged_paged_attention_jnp
     >>> engine = Engine(init_params(config), config, num_pages=6, page_size=4,
     ...                 max_num_batched_tokens=8, max_num_seqs=2,
@@ -50,9 +48,7 @@ class EngineView(widgets.VBox):
     """A live view of `engine`: call `view.run()` (or `view.show(engine.step())`).
 
     >>> from minilib import ragged_paged_attention_jnp
-    >>> from minilib.engine import ModelConfig, init_params
-    >>> config = ModelConfig(vocab_size=32, num_layers=1, num_q_heads=2, num_kv_heads=1,
-    ...                      head_dim=8)
+    >>> from minilib.engine import TINY_CONFIG as config, init_params
     >>> engine = Engine(init_params(config), config, num_pages=6, page_size=4,
     ...                 max_num_batched_tokens=8, max_num_seqs=2,
     ...                 attention=ragged_paged_attention_jnp)

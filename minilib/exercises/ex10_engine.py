@@ -11,6 +11,7 @@ prefix caching, it also checks the pool's books after every step.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable
@@ -34,17 +35,9 @@ __all__ = [
 
 @functools.cache
 def _tiny_model():
-    from minilib.engine import ModelConfig, init_params
+    from minilib.engine import TINY_CONFIG, init_params
 
-    config = ModelConfig(
-        vocab_size=32,
-        num_layers=1,
-        num_q_heads=2,
-        num_kv_heads=1,
-        head_dim=8,
-        embed_dim=16,
-        mlp_dim=32,
-    )
+    config = dataclasses.replace(TINY_CONFIG, embed_dim=16, mlp_dim=32)  # narrower still
     return config, init_params(config, seed=7)
 
 

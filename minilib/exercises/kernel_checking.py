@@ -140,23 +140,20 @@ def check_kernel(
     rtol: float = 1e-4,
     verbose: bool = True,
     details: bool = False,
-    names: Callable[[Case], Names] | None = None,
-    locate: Callable | None = None,
-    advice: Callable[[str], str] | None = None,
-    diagnose: Callable | None = None,
     record_grid: bool = False,
     extra_check: Callable | None = None,
     explain_error: Callable | None = None,
-    ledger_check: Callable | None = None,
+    **explainers: Callable | None,
 ) -> CheckResult:
     """Run `fn` against `reference` on `cases` in strict TPU interpret mode, watched, then
     compile it for v5e on `compile_case` (shapes and dtypes only) when libtpu is installed.
 
-    `names`, `locate`, `advice`, `diagnose`, `ledger_check`: how a rung names its copies,
-    places a wrong output, explains an out-of-bounds access, probes a wrong output and checks
-    its copies further (see `compare_kernel_output`). `record_grid`: record the kernel's grid
-    steps (`KernelRun.grid`, and `Copy.step` of each copy); `extra_check(run,
-    case)` may then fail a run whose output is right (a "parallel" axis that carries state).
+    `explainers`, passed on to `compare_kernel_output`: `names`, `locate`, `advice`,
+    `diagnose`, `ledger_check`, how a rung names its copies, places a wrong output, explains
+    an out-of-bounds access, probes a wrong output and checks its copies further.
+    `record_grid`: record the kernel's grid steps (`KernelRun.grid`, and `Copy.step` of each
+    copy); `extra_check(run, case)` may then fail a run whose output is right (a "parallel"
+    axis that carries state).
     `explain_error(error, case)` may name the likely cause of an error the learner's code
     raised. `details`: add JAX's own output (race detector, interpreter) to a failure.
 
@@ -176,10 +173,7 @@ def check_kernel(
     >>> result.status, result.report.splitlines()[0]
     ('passed', 'Passed: double matches the reference on all 1 cases.')
     """
-    compare = compare_kernel_output(
-        mistakes, atol, rtol, names=names, locate=locate, advice=advice, diagnose=diagnose,
-        details=details, ledger_check=ledger_check,
-    )  # fmt: skip
+    compare = compare_kernel_output(mistakes, atol, rtol, details=details, **explainers)
     if extra_check is not None:
         compare = _then(compare, extra_check)
     # The kernel run has its own time limit and stops the kernel at it; the check's own

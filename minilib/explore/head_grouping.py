@@ -19,18 +19,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from minilib.errors import InputProblem
+from minilib.explore import style
 from minilib.explore.explorer import Explorer, int_input
-from minilib.explore.style import (
-    GREY,
-    box_label,
-    color,
-    fit_labels,
-    hatch,
-    legend_patch,
-    new_figure,
-    rectangle,
-    tint,
-)
 from minilib.explore.text import plural, span, table
 from minilib.heads import (
     attention_kind,
@@ -63,23 +53,25 @@ def head_grouping_figure(num_q_heads: int, num_kv_heads: int) -> Figure:
     group = num_q_heads // num_kv_heads
     kind = attention_kind(num_q_heads, num_kv_heads)
 
-    fig = new_figure(11, 3.9)
+    fig = style.new_figure(11, 3.9)
     ax = fig.add_subplot()
     labels = []  # (text, box) pairs, to shrink or hide where they do not fit
     height = 0.72
     for h, q_heads in enumerate(groups):
-        face = color(h)
+        face = style.color(h)
         for q in q_heads:  # row 2: the q heads
-            box = rectangle(ax, q, 2, 1, height, face, hatch(h))
-            labels.append((box_label(ax, box, f"q{q}", face), box))
+            box = style.rectangle(ax, q, 2, 1, height, face, style.hatch(h))
+            labels.append((style.box_label(ax, box, f"q{q}", face), box))
         x0 = h * group  # row 1: the KV head, under its group
-        box = rectangle(ax, x0, 1, group, height, face, hatch(h))
-        labels.append((box_label(ax, box, f"KV {h}", face), box))
+        box = style.rectangle(ax, x0, 1, group, height, face, style.hatch(h))
+        labels.append((style.box_label(ax, box, f"KV {h}", face), box))
         for j, kv_kind in enumerate(("K", "V")):  # row 0: its K and V slots
-            slot_face = face if kv_kind == "K" else tint(face, V_TINT)
-            box = rectangle(ax, x0 + j * group / 2, 0, group / 2, height, slot_face, hatch(h))
+            slot_face = face if kv_kind == "K" else style.tint(face, V_TINT)
+            box = style.rectangle(
+                ax, x0 + j * group / 2, 0, group / 2, height, slot_face, style.hatch(h)
+            )
             text = f"{kv_kind}{h}\nslot {2 * h + j}"
-            labels.append((box_label(ax, box, text, slot_face), box))
+            labels.append((style.box_label(ax, box, text, slot_face), box))
 
     ax.set_xlim(0, num_q_heads)
     ax.set_ylim(-0.5, 2.5)
@@ -104,11 +96,15 @@ def head_grouping_figure(num_q_heads: int, num_kv_heads: int) -> Figure:
 
     handles = _group_handles(groups)
     handles += [
-        Patch(facecolor=GREY, edgecolor="white", label="K of KV head h: slot 2*h"),
-        Patch(facecolor=tint(GREY, V_TINT), edgecolor="white", label="V of KV head h: slot 2*h+1"),
+        Patch(facecolor=style.GREY, edgecolor="white", label="K of KV head h: slot 2*h"),
+        Patch(
+            facecolor=style.tint(style.GREY, V_TINT),
+            edgecolor="white",
+            label="V of KV head h: slot 2*h+1",
+        ),
     ]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-    fit_labels(fig, labels, [(ax, "x")])
+    style.fit_labels(fig, labels, [(ax, "x")])
     return fig
 
 
@@ -116,7 +112,7 @@ def _group_handles(groups: list[list[int]]) -> list[Patch]:
     """A legend entry per group, the first 6 of them when there are more than 8."""
     shown = groups if len(groups) <= 8 else groups[:6]
     handles = [
-        legend_patch(
+        style.legend_patch(
             h, f"KV head {h}: {plural(len(q_heads), 'q head', count=False)} {span(q_heads)}"
         )
         for h, q_heads in enumerate(shown)

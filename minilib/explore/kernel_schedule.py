@@ -23,6 +23,7 @@ from matplotlib.patches import Patch
 
 from minilib.batch import make_batch
 from minilib.errors import InputProblem, ScheduleTooBig
+from minilib.explore import style
 from minilib.explore.explorer import (
     Explorer,
     dropdown,
@@ -30,22 +31,6 @@ from minilib.explore.explorer import (
     parse_optional_int,
     parse_q_and_kv_lens,
     text_input,
-)
-from minilib.explore.style import (
-    FAINT,
-    GREY,
-    LIGHT_GREY,
-    OKABE_ITO,
-    box_label,
-    clean,
-    color,
-    fit_labels,
-    hatch,
-    int_ticks,
-    legend_patch,
-    new_figure,
-    rectangle,
-    shade,
 )
 from minilib.explore.text import plural, pre, span, table
 from minilib.heads import valid_num_kv_heads
@@ -117,15 +102,17 @@ def kernel_schedule_figure(schedule, step: tuple[int, int] | None = None) -> Fig
     """
     num_heads_blocks, num_q_blocks = schedule.grid
     lanes = num_heads_blocks + _decode_lanes(schedule)
-    fig = new_figure(11, 3.9 + 0.55 * lanes)
+    fig = style.new_figure(11, 3.9 + 0.55 * lanes)
     grid_ax, time_ax = fig.subplots(2, 1, height_ratios=[1.2 + 0.55 * lanes, 2.2])
     labels = _draw_grid(grid_ax, schedule, step)
     labels += _draw_double_buffer(time_ax, schedule, step)
     seqs = sorted({e.seq for e in schedule.computes()})
-    handles = [legend_patch(s, f"seq {s}") for s in seqs[:12]]
+    handles = [style.legend_patch(s, f"seq {s}") for s in seqs[:12]]
     handles += [
-        Patch(facecolor=GREY, edgecolor="white", label="compute: reads the slot"),
-        Patch(facecolor="white", edgecolor=GREY, hatch="////", label="DMA: copies into the slot"),
+        Patch(facecolor=style.GREY, edgecolor="white", label="compute: reads the slot"),
+        Patch(
+            facecolor="white", edgecolor=style.GREY, hatch="////", label="DMA: copies into the slot"
+        ),
     ]
     grid_ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.suptitle(
@@ -133,7 +120,7 @@ def kernel_schedule_figure(schedule, step: tuple[int, int] | None = None) -> Fig
         f"{plural(num_q_blocks, 'q block')}, "
         f"{len(schedule.computes())} KV blocks computed"
     )
-    fit_labels(fig, labels, [(grid_ax, "x"), (time_ax, "x")])
+    style.fit_labels(fig, labels, [(grid_ax, "x"), (time_ax, "x")])
     return fig
 
 
@@ -154,22 +141,26 @@ def _draw_grid(ax, schedule, selected) -> list:
         start, end = rows.get(e.seq, e.q_rows)
         rows[e.seq] = (min(start, e.q_rows[0]), max(end, e.q_rows[1]))
     for seq, (start, end) in rows.items():
-        box = rectangle(ax, start, 0, end - start, 0.7, color(seq), hatch(seq))
-        labels.append((box_label(ax, box, f"seq {seq}", color(seq)), box))
+        box = style.rectangle(ax, start, 0, end - start, 0.7, style.color(seq), style.hatch(seq))
+        labels.append((style.box_label(ax, box, f"seq {seq}", style.color(seq)), box))
     # The grid steps, with a tile per KV block computed.
     widest = None  # (width, compute) of a widest tile: the one the axis label names
     for (h, q_blk), events in schedule.steps().items():
         computes = [e for e in events if e.kind == "compute"]
         y, x0 = -(h + 1), q_blk * bq
-        edge = OKABE_ITO["black"] if (h, q_blk) == selected else GREY
-        cell = rectangle(ax, x0, y, bq, 0.8, "white", edge=edge)
+        edge = style.OKABE_ITO["black"] if (h, q_blk) == selected else style.GREY
+        cell = style.rectangle(ax, x0, y, bq, 0.8, "white", edge=edge)
         cell.set_linewidth(2.5 if (h, q_blk) == selected else 1.0)
         if not computes:
-            labels.append((box_label(ax, cell, "no rows", "white"), cell))
+            labels.append((style.box_label(ax, cell, "no rows", "white"), cell))
         width = bq / max(len(computes), 1)
         for k, e in enumerate(computes):
-            tile = rectangle(ax, x0 + k * width, y, width, 0.64, color(e.seq), hatch(e.seq))
-            labels.append((box_label(ax, tile, f"s{e.seq} b{e.kv_blk}", color(e.seq)), tile))
+            tile = style.rectangle(
+                ax, x0 + k * width, y, width, 0.64, style.color(e.seq), style.hatch(e.seq)
+            )
+            labels.append(
+                (style.box_label(ax, tile, f"s{e.seq} b{e.kv_blk}", style.color(e.seq)), tile)
+            )
             if widest is None or width > widest[0]:
                 widest = (width, e)
     decode_lanes = _decode_lanes(schedule)
@@ -202,7 +193,7 @@ def _draw_grid(ax, schedule, selected) -> list:
         f"{schedule.num_kv_pages_per_block}: {plural(schedule.kv_tokens_per_block, 'token')})",
         fontsize=10,
     )
-    clean(ax)
+    style.clean(ax)
     return labels
 
 
@@ -217,8 +208,12 @@ def _draw_decode_lanes(ax, schedule, y_first: int) -> list:
             width = 1 / len(tiles)
             for k, e in enumerate(tiles):
                 x = e.q_rows[0] + k * width
-                tile = rectangle(ax, x, y_first - h, width, 0.64, color(seq), hatch(seq))
-                labels.append((box_label(ax, tile, f"s{seq} b{e.kv_blk}", color(seq)), tile))
+                tile = style.rectangle(
+                    ax, x, y_first - h, width, 0.64, style.color(seq), style.hatch(seq)
+                )
+                labels.append(
+                    (style.box_label(ax, tile, f"s{seq} b{e.kv_blk}", style.color(seq)), tile)
+                )
     return labels
 
 
@@ -271,21 +266,21 @@ def _draw_double_buffer(ax, schedule, selected) -> list:
         "is copied into the other",
         fontsize=10,
     )
-    clean(ax)
+    style.clean(ax)
     return labels
 
 
 def _slot_bar(ax, t: int, event, copying: bool) -> tuple:
     """The bar of a compute (solid) or a copy (hatched) at tick t, on its slot's row (slot 0
     above slot 1), and its label: the (label, bar) pair `fit_labels` takes."""
-    face = color(event.seq)
+    face = style.color(event.seq)
     y = 1 - event.slot
     if copying:
-        bar = rectangle(ax, t - 0.46, y, 0.92, 0.6, "white", "////", shade(face))
-        label = box_label(ax, bar, f"s{event.seq} b{event.kv_blk}", "white", True)
+        bar = style.rectangle(ax, t - 0.46, y, 0.92, 0.6, "white", "////", style.shade(face))
+        label = style.box_label(ax, bar, f"s{event.seq} b{event.kv_blk}", "white", True)
     else:
-        bar = rectangle(ax, t - 0.46, y, 0.92, 0.6, face, hatch(event.seq))
-        label = box_label(ax, bar, f"s{event.seq} b{event.kv_blk}", face)
+        bar = style.rectangle(ax, t - 0.46, y, 0.92, 0.6, face, style.hatch(event.seq))
+        label = style.box_label(ax, bar, f"s{event.seq} b{event.kv_blk}", face)
     return label, bar
 
 
@@ -300,16 +295,16 @@ def _draw_step_lane(ax, steps: list[tuple[int, str]]) -> list:
     labels = []
     for i, (name, run) in enumerate(itertools.groupby(steps, key=lambda tick_step: tick_step[1])):
         ticks = [t for t, _ in run]
-        fill = FAINT if i % 2 == 0 else LIGHT_GREY  # neighbours alternate
-        box = rectangle(ax, ticks[0] - 0.48, 2, ticks[-1] + 1 - ticks[0] - 0.04, 0.6, fill)
-        labels.append((box_label(ax, box, name, fill), box))
+        fill = style.FAINT if i % 2 == 0 else style.LIGHT_GREY  # neighbours alternate
+        box = style.rectangle(ax, ticks[0] - 0.48, 2, ticks[-1] + 1 - ticks[0] - 0.04, 0.6, fill)
+        labels.append((style.box_label(ax, box, name, fill), box))
     return labels
 
 
 def _int_ticks_between(lo: int, hi: int, most: int) -> list[int]:
     """About `most` round integer ticks from lo to hi (multiples of a round step), and -1 if
     lo is -1 (the tick of the first copy)."""
-    step = int_ticks(hi - lo + 1, most)[1:2] or [1]
+    step = style.int_ticks(hi - lo + 1, most)[1:2] or [1]
     ticks = [t for t in range(lo, hi + 1) if t % step[0] == 0]
     return [-1, *ticks] if lo == -1 and step[0] > 1 else ticks
 

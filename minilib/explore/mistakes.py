@@ -193,122 +193,66 @@ def kv_pages_as_bool(b):
     return (b.q, b.kv_pages.astype(jnp.bool_), *b.args()[2:]), {}
 
 
-# --- options ----------------------------------------------------------------------------------
+# --- options: the arrays are right, an option is wrong --------------------------------------
+
+# Each mistake is the options passed with a correct batch: `wrong_options` makes it.
+OPTION_MISTAKES: dict[str, dict] = {
+    # soft_cap=0.0, meant as 'no soft capping'.
+    "soft_cap=0.0 to turn it off": {"soft_cap": 0.0},
+    # soft_cap=inf, meant as 'no soft capping'.
+    "soft_cap=inf to turn it off": {"soft_cap": float("inf")},
+    # sliding_window=0, meant as 'no window'.
+    "sliding_window=0 to turn it off": {"sliding_window": 0},
+    # sliding_window=-3, a window counted backwards.
+    "sliding_window negative": {"sliding_window": -3},
+    # A sliding window computed as a fraction of the context, so it came out a float.
+    "sliding_window as a float": {"sliding_window": 20 / 8},
+    # sliding_window=True, meant as 'use the model's window'.
+    "sliding_window=True": {"sliding_window": True},
+    # mask_value=-inf, the textbook mask: NaN wherever a row sees no key in a block.
+    "mask_value=-inf": {"mask_value": float("-inf")},
+    # mask_value=nan, from a computation that went wrong.
+    "mask_value=nan": {"mask_value": float("nan")},
+    # mask_value=0.0, as in a 0/1 mask: masked keys would still get weight.
+    "mask_value=0.0": {"mask_value": 0.0},
+    # mask_value=1e30, the sign dropped: masked keys would take all the weight.
+    "mask_value positive": {"mask_value": 1e30},
+    # mask_value as a string, read from a config file.
+    "mask_value as a string": {"mask_value": "-1e9"},
+    # sm_scale=nan, from 1 / sqrt of a head_dim that was never set.
+    "sm_scale=nan": {"sm_scale": float("nan")},
+    # sm_scale as an array of two scales, one per something.
+    "sm_scale as an array": {"sm_scale": jnp.ones(2)},
+    # sm_scale as a string, read from a config file.
+    "sm_scale as a string": {"sm_scale": "0.125"},
+    # k_scale passed as a JAX scalar instead of a Python float.
+    "k_scale as an array": {"k_scale": jnp.float32(0.5), "v_scale": 0.5},
+    # k_scale=2, an int where a Python float is needed.
+    "k_scale as an int": {"k_scale": 2},
+    # k_scale=0.0, meant as 'no scaling': it would zero every key.
+    "k_scale=0.0": {"k_scale": 0.0},
+    # v_scale=-0.5: a scale flips no signs.
+    "v_scale negative": {"v_scale": -0.5},
+    # v_scale=inf, from a division by an amax of 0.
+    "v_scale=inf": {"v_scale": float("inf")},
+    # num_kv_pages_per_block=4 when each sequence has only pages_per_seq=3 columns.
+    "num_kv_pages_per_block > pages_per_seq": {"num_kv_pages_per_block": 4},
+    # num_kv_pages_per_block=0, meant as 'the default' (that is None).
+    "num_kv_pages_per_block=0": {"num_kv_pages_per_block": 0},
+    # num_queries_per_block=-1, meant as 'the default' (that is None).
+    "num_queries_per_block=-1": {"num_queries_per_block": -1},
+    # vmem_limit_bytes=0, meant as 'no limit' (that is None).
+    "vmem_limit_bytes=0": {"vmem_limit_bytes": 0},
+}
 
 
-def soft_cap_zero(b):
-    """soft_cap=0.0, meant as 'no soft capping'."""
-    return b.args(), {"soft_cap": 0.0}
+def wrong_options(options: dict) -> Callable:
+    """The mistake of passing `options` with the correct batch `b`."""
 
+    def pass_wrong_options(b):
+        return b.args(), options
 
-def soft_cap_inf(b):
-    """soft_cap=inf, meant as 'no soft capping'."""
-    return b.args(), {"soft_cap": float("inf")}
-
-
-def sliding_window_zero(b):
-    """sliding_window=0, meant as 'no window'."""
-    return b.args(), {"sliding_window": 0}
-
-
-def sliding_window_negative(b):
-    """sliding_window=-3, a window counted backwards."""
-    return b.args(), {"sliding_window": -3}
-
-
-def sliding_window_from_a_division(b):
-    """A sliding window computed as a fraction of the context, so it came out a float."""
-    return b.args(), {"sliding_window": 20 / 8}
-
-
-def sliding_window_true(b):
-    """sliding_window=True, meant as 'use the model's window'."""
-    return b.args(), {"sliding_window": True}
-
-
-def mask_value_minus_inf(b):
-    """mask_value=-inf, the textbook mask: NaN wherever a row sees no key in a block."""
-    return b.args(), {"mask_value": float("-inf")}
-
-
-def mask_value_nan(b):
-    """mask_value=nan, from a computation that went wrong."""
-    return b.args(), {"mask_value": float("nan")}
-
-
-def mask_value_zero(b):
-    """mask_value=0.0, as in a 0/1 mask: masked keys would still get weight."""
-    return b.args(), {"mask_value": 0.0}
-
-
-def mask_value_positive(b):
-    """mask_value=1e30, the sign dropped: masked keys would take all the weight."""
-    return b.args(), {"mask_value": 1e30}
-
-
-def mask_value_string(b):
-    """mask_value as a string, read from a config file."""
-    return b.args(), {"mask_value": "-1e9"}
-
-
-def sm_scale_nan(b):
-    """sm_scale=nan, from 1 / sqrt of a head_dim that was never set."""
-    return b.args(), {"sm_scale": float("nan")}
-
-
-def sm_scale_array(b):
-    """sm_scale as an array of two scales, one per something."""
-    return b.args(), {"sm_scale": jnp.ones(2)}
-
-
-def sm_scale_string(b):
-    """sm_scale as a string, read from a config file."""
-    return b.args(), {"sm_scale": "0.125"}
-
-
-def k_scale_as_array(b):
-    """k_scale passed as a JAX scalar instead of a Python float."""
-    return b.args(), {"k_scale": jnp.float32(0.5), "v_scale": 0.5}
-
-
-def k_scale_as_int(b):
-    """k_scale=2, an int where a Python float is needed."""
-    return b.args(), {"k_scale": 2}
-
-
-def k_scale_zero(b):
-    """k_scale=0.0, meant as 'no scaling': it would zero every key."""
-    return b.args(), {"k_scale": 0.0}
-
-
-def v_scale_negative(b):
-    """v_scale=-0.5: a scale flips no signs."""
-    return b.args(), {"v_scale": -0.5}
-
-
-def v_scale_inf(b):
-    """v_scale=inf, from a division by an amax of 0."""
-    return b.args(), {"v_scale": float("inf")}
-
-
-def kv_block_too_big(b):
-    """num_kv_pages_per_block=4 when each sequence has only pages_per_seq=3 columns."""
-    return b.args(), {"num_kv_pages_per_block": 4}
-
-
-def kv_block_zero(b):
-    """num_kv_pages_per_block=0, meant as 'the default' (that is None)."""
-    return b.args(), {"num_kv_pages_per_block": 0}
-
-
-def queries_per_block_negative(b):
-    """num_queries_per_block=-1, meant as 'the default' (that is None)."""
-    return b.args(), {"num_queries_per_block": -1}
-
-
-def vmem_limit_zero(b):
-    """vmem_limit_bytes=0, meant as 'no limit' (that is None)."""
-    return b.args(), {"vmem_limit_bytes": 0}
+    return pass_wrong_options
 
 
 # --- values: only the dynamic checks see them ----------------------------------------------------
@@ -399,29 +343,7 @@ MISTAKES: dict[str, Callable] = {
     "kv_pages as int8": kv_pages_as_int8,
     "kv_pages as bool": kv_pages_as_bool,
     # options
-    "soft_cap=0.0 to turn it off": soft_cap_zero,
-    "soft_cap=inf to turn it off": soft_cap_inf,
-    "sliding_window=0 to turn it off": sliding_window_zero,
-    "sliding_window negative": sliding_window_negative,
-    "sliding_window as a float": sliding_window_from_a_division,
-    "sliding_window=True": sliding_window_true,
-    "mask_value=-inf": mask_value_minus_inf,
-    "mask_value=nan": mask_value_nan,
-    "mask_value=0.0": mask_value_zero,
-    "mask_value positive": mask_value_positive,
-    "mask_value as a string": mask_value_string,
-    "sm_scale=nan": sm_scale_nan,
-    "sm_scale as an array": sm_scale_array,
-    "sm_scale as a string": sm_scale_string,
-    "k_scale as an array": k_scale_as_array,
-    "k_scale as an int": k_scale_as_int,
-    "k_scale=0.0": k_scale_zero,
-    "v_scale negative": v_scale_negative,
-    "v_scale=inf": v_scale_inf,
-    "num_kv_pages_per_block > pages_per_seq": kv_block_too_big,
-    "num_kv_pages_per_block=0": kv_block_zero,
-    "num_queries_per_block=-1": queries_per_block_negative,
-    "vmem_limit_bytes=0": vmem_limit_zero,
+    **{name: wrong_options(options) for name, options in OPTION_MISTAKES.items()},
     # values
     "q_len > kv_len": q_len_greater_than_kv_len,
     "pages_per_seq too small": pages_per_seq_too_small,

@@ -23,22 +23,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from minilib.errors import InputProblem, KVCacheError
+from minilib.explore import style
 from minilib.explore.explorer import Explorer, dropdown, int_input, parse_ints, text_input
-from minilib.explore.style import (
-    FAINT,
-    GREY,
-    LIGHT_GREY,
-    OKABE_ITO,
-    box_label,
-    clean,
-    color,
-    fit_labels,
-    hatch,
-    legend_patch,
-    new_figure,
-    rectangle,
-    shade,
-)
 from minilib.explore.text import and_join, array_rows, plural, pre, span, table
 from minilib.kv_cache import FILL_ORDERS, cdiv, fill_cache, pool_pages_needed
 
@@ -128,7 +114,7 @@ def page_table_figure(cache, seq_ids: Sequence[Hashable] | None = None) -> Figur
     cols = min(total, 16 if total <= 128 else 32)  # pages per row of the pool
     pool_rows = cdiv(total, cols)
     table_rows = max(len(seq_ids), 1)
-    fig = new_figure(11, 2.2 + 0.42 * pool_rows + 0.42 * table_rows + 1.5)
+    fig = style.new_figure(11, 2.2 + 0.42 * pool_rows + 0.42 * table_rows + 1.5)
     grid = fig.add_gridspec(
         3, 1, height_ratios=[0.9 + 0.42 * pool_rows, 0.5 + 0.42 * table_rows, 1.3]
     )
@@ -145,7 +131,7 @@ def page_table_figure(cache, seq_ids: Sequence[Hashable] | None = None) -> Figur
         fontsize=8,
     )
     fig.suptitle("Paged KV cache: where each sequence's tokens live")
-    fit_labels(fig, labels, [(pool_ax, "x"), (table_ax, "x"), (slots_ax, "x")])
+    style.fit_labels(fig, labels, [(pool_ax, "x"), (table_ax, "x"), (slots_ax, "x")])
     return fig
 
 
@@ -167,15 +153,15 @@ def _draw_pool(ax, cache, seq_ids: list, cols: int) -> list:
             i, used = owner_of[page]
             box = _draw_page_of(ax, x, y, i, used / page_size)
             # On a partly empty page the number sits on the hatching: give it a background.
-            text_face = color(i) if used == page_size else "white"
+            text_face = style.color(i) if used == page_size else "white"
             backed = used < page_size
         elif owner is not None:
-            box = rectangle(ax, x, y, 1, 0.8, LIGHT_GREY, "", edge="white")
-            text_face, backed = LIGHT_GREY, False
+            box = style.rectangle(ax, x, y, 1, 0.8, style.LIGHT_GREY, "", edge="white")
+            text_face, backed = style.LIGHT_GREY, False
         else:
-            box = rectangle(ax, x, y, 1, 0.8, "white", "", edge=GREY)
+            box = style.rectangle(ax, x, y, 1, 0.8, "white", "", edge=style.GREY)
             text_face, backed = "white", False
-        labels.append((box_label(ax, box, str(page), text_face, backed), box))
+        labels.append((style.box_label(ax, box, str(page), text_face, backed), box))
     ax.set_xlim(-0.05, cols + 0.05)
     ax.set_ylim(-rows + 0.5, 0.5)
     ax.set_xticks([c + 0.5 for c in range(cols)], range(cols))
@@ -190,19 +176,19 @@ def _draw_pool(ax, cache, seq_ids: list, cols: int) -> list:
         f"(page_size={plural(page_size, 'slot')} each)",
         fontsize=10,
     )
-    clean(ax)
+    style.clean(ax)
     return labels
 
 
 def _draw_page_of(ax, x: float, y: float, i: int, used: float):
     """A page of sequence i, `used` (a fraction) of it filled, the rest hatched: reserved,
     wasted. Returns the page's outline."""
-    face = color(i)
-    outline = rectangle(ax, x, y, 1, 0.8, "white", "", edge=face)
-    inner_edge = "white" if hatch(i) else "none"  # hatching is drawn in the edge colour
-    rectangle(ax, x, y, used, 0.8, face, hatch(i), edge=inner_edge)
+    face = style.color(i)
+    outline = style.rectangle(ax, x, y, 1, 0.8, "white", "", edge=face)
+    inner_edge = "white" if style.hatch(i) else "none"  # hatching is drawn in the edge colour
+    style.rectangle(ax, x, y, used, 0.8, face, style.hatch(i), edge=inner_edge)
     if used < 1:
-        rectangle(ax, x + used, y, 1 - used, 0.8, "white", "////", edge=shade(face))
+        style.rectangle(ax, x + used, y, 1 - used, 0.8, "white", "////", edge=style.shade(face))
     return outline
 
 
@@ -214,10 +200,10 @@ def _draw_page_table(ax, cache, seq_ids: list) -> list:
         pages = cache.pages(s)
         for j in range(pages_per_seq):
             if j < len(pages):
-                box = rectangle(ax, j, -i, 1, 0.8, color(i), hatch(i))
-                labels.append((box_label(ax, box, str(pages[j]), color(i)), box))
+                box = style.rectangle(ax, j, -i, 1, 0.8, style.color(i), style.hatch(i))
+                labels.append((style.box_label(ax, box, str(pages[j]), style.color(i)), box))
             else:
-                rectangle(ax, j, -i, 1, 0.8, FAINT, "", edge="white")
+                style.rectangle(ax, j, -i, 1, 0.8, style.FAINT, "", edge="white")
     ax.set_xlim(-0.05, pages_per_seq + 0.05)
     ax.set_ylim(-max(len(seq_ids), 1) + 0.5, 0.5)
     step = max(1, math.ceil(pages_per_seq / 32))
@@ -232,7 +218,7 @@ def _draw_page_table(ax, cache, seq_ids: list) -> list:
         f"(pages_per_seq={pages_per_seq}; empty cells are padding, never read)",
         fontsize=10,
     )
-    clean(ax)
+    style.clean(ax)
     return labels
 
 
@@ -255,7 +241,7 @@ def _draw_slots(ax, kv_lens: list[int], page_size: int) -> None:
         ax.barh(
             y,
             reserved - wasted,
-            color=OKABE_ITO["blue"],
+            color=style.OKABE_ITO["blue"],
             height=0.6,
             label="used slots (tokens)" if y == 0 else None,
         )
@@ -265,7 +251,7 @@ def _draw_slots(ax, kv_lens: list[int], page_size: int) -> None:
             left=reserved - wasted,
             color="white",
             hatch="////",
-            edgecolor=OKABE_ITO["vermillion"],
+            edgecolor=style.OKABE_ITO["vermillion"],
             height=0.6,
             label="reserved but empty (wasted)" if y == 0 else None,
         )
@@ -287,16 +273,21 @@ def _draw_slots(ax, kv_lens: list[int], page_size: int) -> None:
 
 def _pool_handles(cache, seq_ids: list) -> list[Patch]:
     """The pool's legend: each sequence, then the kinds of page the pool shows."""
-    handles = [legend_patch(i, f"seq {s}") for i, s in enumerate(seq_ids)]
+    handles = [style.legend_patch(i, f"seq {s}") for i, s in enumerate(seq_ids)]
     handles.append(
-        Patch(facecolor="white", edgecolor=GREY, hatch="////", label="empty slots of a last page")
+        Patch(
+            facecolor="white",
+            edgecolor=style.GREY,
+            hatch="////",
+            label="empty slots of a last page",
+        )
     )
     if cache.allocator.num_used > sum(len(cache.pages(s)) for s in seq_ids):
         handles.append(
-            Patch(facecolor=LIGHT_GREY, edgecolor="white", label="page of another sequence")
+            Patch(facecolor=style.LIGHT_GREY, edgecolor="white", label="page of another sequence")
         )
     if cache.allocator.num_free:
-        handles.append(Patch(facecolor="white", edgecolor=GREY, label="free page"))
+        handles.append(Patch(facecolor="white", edgecolor=style.GREY, label="free page"))
     return handles
 
 

@@ -20,26 +20,12 @@ from matplotlib.patches import Patch
 
 from minilib.batch import RaggedBatch, make_batch, seq_kind
 from minilib.errors import InputProblem
+from minilib.explore import style
 from minilib.explore.explorer import (
     Explorer,
     parse_optional_int,
     parse_q_and_kv_lens,
     text_input,
-)
-from minilib.explore.style import (
-    FAINT,
-    GREY,
-    LIGHT_GREY,
-    OKABE_ITO,
-    box_label,
-    color,
-    darker,
-    fit_labels,
-    hatch,
-    int_ticks,
-    legend_patch,
-    new_figure,
-    rectangle,
 )
 from minilib.explore.text import plural, pre, span, table
 from minilib.kv_cache import cdiv
@@ -59,9 +45,9 @@ __all__ = [
 
 MAX_MASKS = 8  # sequences the figure draws with their mask
 MASK_COLORS = {
-    "may attend": OKABE_ITO["blue"],
-    "masked: future key (causal)": FAINT,
-    "masked: older than sliding_window": OKABE_ITO["vermillion"],
+    "may attend": style.OKABE_ITO["blue"],
+    "masked: future key (causal)": style.FAINT,
+    "masked: older than sliding_window": style.OKABE_ITO["vermillion"],
 }
 # What the explorer draws at most.
 MAX_SEQS, MAX_TOKENS, MAX_KV_LEN = 16, 4096, 8192
@@ -88,7 +74,7 @@ def ragged_batch_figure(batch: RaggedBatch, sliding_window: int | None = None) -
     cols = min(max(shown, 1), 4)
     mask_rows = cdiv(shown, cols)
 
-    fig = new_figure(11, 2.0 + 2.7 * mask_rows)
+    fig = style.new_figure(11, 2.0 + 2.7 * mask_rows)
     grid = fig.add_gridspec(1 + mask_rows, cols, height_ratios=[0.8] + [2.0] * mask_rows)
     rows_ax = fig.add_subplot(grid[0, :])
     labels = _draw_packed_rows(rows_ax, cu_q_lens, num_seqs, max_tokens)
@@ -104,13 +90,15 @@ def ragged_batch_figure(batch: RaggedBatch, sliding_window: int | None = None) -
     fig.suptitle(f"A ragged batch of {num_seqs} sequences and their causal masks, {window}{more}")
     if shown:
         kinds = list(MASK_COLORS.items())[: 2 if sliding_window is None else 3]
-        handles = [Patch(facecolor=c, edgecolor=GREY, label=k) for k, c in kinds]
+        handles = [Patch(facecolor=c, edgecolor=style.GREY, label=k) for k, c in kinds]
         dashed = "dashed: kv_len - q_len, where q row 0 sits"
         handles.append(
-            Line2D([], [], color=OKABE_ITO["black"], linestyle="--", linewidth=1, label=dashed)
+            Line2D(
+                [], [], color=style.OKABE_ITO["black"], linestyle="--", linewidth=1, label=dashed
+            )
         )
         fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=8)
-    fit_labels(fig, labels, tick_axes)
+    style.fit_labels(fig, labels, tick_axes)
     return fig
 
 
@@ -141,15 +129,17 @@ def _draw_mask(ax, i: int, start: int, q_len: int, kv_len: int, window: int | No
             interpolation="nearest",
             extent=(-0.5, kv_len - 0.5, q_len - 0.5, -0.5),
         )
-        ax.axvline(kv_len - q_len - 0.5, color=OKABE_ITO["black"], linestyle="--", linewidth=1.2)
+        ax.axvline(
+            kv_len - q_len - 0.5, color=style.OKABE_ITO["black"], linestyle="--", linewidth=1.2
+        )
     ax.set_xlim(-0.5, max(kv_len, 1) - 0.5)
     ax.set_ylim(max(q_len, 1) - 0.5, -0.5)
-    ax.set_xticks(int_ticks(kv_len, 6))
-    ax.set_yticks(int_ticks(q_len, 5))
+    ax.set_xticks(style.int_ticks(kv_len, 6))
+    ax.set_yticks(style.int_ticks(q_len, 5))
     ax.set_title(
         f"seq {i}: {seq_kind(q_len, kv_len)}\nq_len={q_len}, kv_len={kv_len}",
         fontsize=9,
-        color=darker(color(i)),
+        color=style.darker(style.color(i)),
     )
     ax.set_xlabel("key position", fontsize=8)
     ax.set_ylabel(f"q row r\n(packed row {start}+r)", fontsize=8)
@@ -162,11 +152,11 @@ def _draw_packed_rows(ax, cu_q_lens: np.ndarray, num_seqs: int, max_tokens: int)
     for i in range(num_seqs):
         start, end = int(cu_q_lens[i]), int(cu_q_lens[i + 1])
         if end > start:
-            box = rectangle(ax, start, 0, end - start, 0.8, color(i), hatch(i))
-            labels.append((box_label(ax, box, f"seq {i}", color(i)), box))
+            box = style.rectangle(ax, start, 0, end - start, 0.8, style.color(i), style.hatch(i))
+            labels.append((style.box_label(ax, box, f"seq {i}", style.color(i)), box))
     used = int(cu_q_lens[num_seqs])
     if used < max_tokens:
-        rectangle(ax, used, 0, max_tokens - used, 0.8, "white", "xx", edge=LIGHT_GREY)
+        style.rectangle(ax, used, 0, max_tokens - used, 0.8, "white", "xx", edge=style.LIGHT_GREY)
     ax.set_xlim(0, max(max_tokens, 1))
     ax.set_ylim(-0.5, 0.5)
     ax.set_yticks([])
@@ -179,12 +169,12 @@ def _draw_packed_rows(ax, cu_q_lens: np.ndarray, num_seqs: int, max_tokens: int)
     ax.set_title(f"Packed q rows: {used} of max_num_batched_tokens={max_tokens} used", fontsize=10)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
-    handles = [legend_patch(i, f"seq {i}") for i in range(min(num_seqs, 12))]
+    handles = [style.legend_patch(i, f"seq {i}") for i in range(min(num_seqs, 12))]
     if num_seqs > 12:
         handles.append(Patch(facecolor="none", edgecolor="none", label=f"... {num_seqs - 12} more"))
     if used < max_tokens:
         handles.append(
-            Patch(facecolor="white", hatch="xx", edgecolor=LIGHT_GREY, label="padding rows")
+            Patch(facecolor="white", hatch="xx", edgecolor=style.LIGHT_GREY, label="padding rows")
         )
     if handles:
         ax.legend(

@@ -29,16 +29,10 @@ from minilib.options import DEFAULT_MASK_VALUE
 __all__ = ["flash_attention", "flash_attention_reference"]
 
 
-def flash_attention_reference(
-    q: jax.Array,  # [num_heads, q_len, head_dim]
-    k: jax.Array,  # [num_heads, max_kv_len, head_dim], NaN past kv_len
-    v: jax.Array,  # [num_heads, max_kv_len, head_dim], NaN past kv_len
-    *,
-    kv_len: int,
-    sm_scale: float,
-    **block_sizes_and_interpret,
-) -> jax.Array:  # [num_heads, q_len, head_dim]
-    """Causal softmax attention in plain jnp, with the kernel's signature.
+def flash_attention_reference(q, k, v, *, kv_len, sm_scale, **block_sizes_and_interpret):
+    """Causal softmax attention in plain jnp, with the signature of the kernel,
+    `flash_attention` below (its arrays and their shapes; the block sizes and `interpret` are
+    taken and ignored).
 
     >>> q = jnp.ones((1, 2, 4)); kv = jnp.arange(12.0).reshape(1, 3, 4)
     >>> flash_attention_reference(q, kv, kv, kv_len=2, sm_scale=0.0)[0, 0].tolist()

@@ -43,17 +43,11 @@ __all__ = [
 ]
 
 
-def paged_decode_reference(
-    q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
-    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
-    kv_lens: jax.Array,  # i32[num_seqs]
-    page_indices: jax.Array,  # i32[num_seqs, pages_per_seq]
-    *,
-    sm_scale: float,
-    **interpret,
-) -> jax.Array:  # [num_seqs, num_q_heads, head_dim]
-    """Decode attention in plain jnp, one sequence at a time, with the kernels' signature. Only
-    a sequence's own pages are read; a sequence with kv_len 0 (an empty slot) gives 0.
+def paged_decode_reference(q, kv_pages, kv_lens, page_indices, *, sm_scale, **interpret):
+    """Decode attention in plain jnp, one sequence at a time, with the signature of the kernels
+    (`paged_decode_attention` below: its arrays and their shapes; `interpret` is taken and
+    ignored). Only a sequence's own pages are read; a sequence with kv_len 0 (an empty slot)
+    gives 0.
 
     >>> from minilib.batch import make_batch
     >>> b = make_batch([(1, 5), (1, 9)])

@@ -162,7 +162,7 @@ def compile_v3(
     """
     from minilib.tpu.v3 import rpa_v3, v3_specs
 
-    specs = v3_specs(**case, kv_dtype=kv_dtype)
+    specs = v3_specs(rpa_specs(**case, kv_dtype=kv_dtype))
     run = functools.partial(
         rpa_v3,
         sm_scale=case["head_dim"] ** -0.5,

@@ -224,7 +224,8 @@ def rpa_v3(
 
     Needs v3 (`v3_available`), and is meant to be compiled, not run, here:
 
-    >>> specs = v3_specs(num_q_heads=4, num_kv_heads=2) if v3_available()[0] else None
+    >>> from minilib.tpu.kernel_costs import rpa_specs
+    >>> specs = v3_specs(rpa_specs(num_q_heads=4, num_kv_heads=2)) if v3_available()[0] else None
     >>> specs is None or len(specs) == 8
     True
     """
@@ -240,37 +241,32 @@ def rpa_v3(
     return out
 
 
-def v3_specs(
-    *,
-    num_q_heads: int = 32,
-    num_kv_heads: int = 8,
-    head_dim: int = 128,
-    page_size: int = 16,
-    pages_per_seq: int = 32,
-    max_num_seqs: int = 16,
-    max_num_batched_tokens: int = 256,
-    num_pages: int = 8192,
-    dtype=jnp.bfloat16,
-    kv_dtype=None,
-) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """Shapes and dtypes of `rpa_v3`'s arrays, the cache in v3's own layout (K and V in
-    `kv_dtype`, default `dtype`). Needs v3.
+def v3_specs(specs: tuple[jax.ShapeDtypeStruct, ...]) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The same case as `specs`, our kernel's arrays (`kernel_costs.rpa_specs`), in `rpa_v3`'s:
+    the new tokens' K and V apart, the cache in v3's own layout (in kv_pages' dtype), the page
+    table flat, and the distribution of the sequences. Needs v3.
 
-    >>> specs = v3_specs(num_q_heads=4, num_kv_heads=2) if v3_available()[0] else None
+    >>> from minilib.tpu.kernel_costs import rpa_specs
+    >>> ours = rpa_specs(num_q_heads=4, num_kv_heads=2, num_pages=8192)
+    >>> specs = v3_specs(ours) if v3_available()[0] else None
     >>> specs is None or specs[3].shape == (8192, 16, 2, 2, 128)   # (K, V) pairs, packed
     True
     """
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, _ = specs
+    num_pages, page_size, num_combined_kv_heads, head_dim = kv_pages.shape
+    num_kv_heads, kv_dtype = num_combined_kv_heads // 2, kv_pages.dtype
+    max_num_seqs, pages_per_seq = page_indices.shape
     spec = jax.ShapeDtypeStruct
-    kv_dtype = kv_dtype or dtype
+    new_kv = spec((q.shape[0], num_kv_heads, head_dim), kv_dtype)
     cache = load_v3().get_kv_cache_shape(num_pages, page_size, num_kv_heads, head_dim, kv_dtype)
     return (
-        spec((max_num_batched_tokens, num_q_heads, head_dim), dtype),
-        spec((max_num_batched_tokens, num_kv_heads, head_dim), kv_dtype),
-        spec((max_num_batched_tokens, num_kv_heads, head_dim), kv_dtype),
+        q,
+        new_kv,  # k
+        new_kv,  # v
         spec(cache, kv_dtype),
-        spec((max_num_seqs,), jnp.int32),
+        kv_lens,
         spec((max_num_seqs * pages_per_seq,), jnp.int32),
-        spec((max_num_seqs + 1,), jnp.int32),
+        cu_q_lens,
         spec((3,), jnp.int32),
     )
 
