@@ -236,6 +236,25 @@ def jax_reference_jitted(batch: RaggedBatch, **options):
     return fn(batch.q, batch.kv_pages)
 
 
+def one_case_per_path(params, *representatives):
+    """The cases of an interpret-mode matrix as pytest params: those named in
+    `representatives` (one per code path) run on every stack; the rest are marked `matrix`,
+    and run once, in .venv (tasks.py: .venv-oldest deselects them).
+
+    params: the cases' ids (strings), or pytest.param(...)s with ids.
+    """
+    cases = [p if hasattr(p, "values") else pytest.param(p, id=p) for p in params]
+    ids = {case.id for case in cases}
+    missing = [r for r in representatives if r not in ids]
+    assert not missing, f"no such case: {missing}"
+    return [
+        case if case.id in representatives else pytest.param(
+            *case.values, id=case.id, marks=[*case.marks, pytest.mark.matrix]
+        )
+        for case in cases
+    ]
+
+
 def property_test(check, strategy, max_examples: int):
     """`check` as a hypothesis test over examples drawn from `strategy`, with this many
     examples and no deadline (each new shape compiles)."""

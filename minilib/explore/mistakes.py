@@ -195,63 +195,115 @@ def kv_pages_as_bool(b):
 
 # --- options: the arrays are right, an option is wrong --------------------------------------
 
-# Each mistake is the options passed with a correct batch: `wrong_options` makes it.
-OPTION_MISTAKES: dict[str, dict] = {
-    # soft_cap=0.0, meant as 'no soft capping'.
-    "soft_cap=0.0 to turn it off": {"soft_cap": 0.0},
-    # soft_cap=inf, meant as 'no soft capping'.
-    "soft_cap=inf to turn it off": {"soft_cap": float("inf")},
-    # sliding_window=0, meant as 'no window'.
-    "sliding_window=0 to turn it off": {"sliding_window": 0},
-    # sliding_window=-3, a window counted backwards.
-    "sliding_window negative": {"sliding_window": -3},
-    # A sliding window computed as a fraction of the context, so it came out a float.
-    "sliding_window as a float": {"sliding_window": 20 / 8},
-    # sliding_window=True, meant as 'use the model's window'.
-    "sliding_window=True": {"sliding_window": True},
-    # mask_value=-inf, the textbook mask: NaN wherever a row sees no key in a block.
-    "mask_value=-inf": {"mask_value": float("-inf")},
-    # mask_value=nan, from a computation that went wrong.
-    "mask_value=nan": {"mask_value": float("nan")},
-    # mask_value=0.0, as in a 0/1 mask: masked keys would still get weight.
-    "mask_value=0.0": {"mask_value": 0.0},
-    # mask_value=1e30, the sign dropped: masked keys would take all the weight.
-    "mask_value positive": {"mask_value": 1e30},
-    # mask_value as a string, read from a config file.
-    "mask_value as a string": {"mask_value": "-1e9"},
-    # sm_scale=nan, from 1 / sqrt of a head_dim that was never set.
-    "sm_scale=nan": {"sm_scale": float("nan")},
-    # sm_scale as an array of two scales, one per something.
-    "sm_scale as an array": {"sm_scale": jnp.ones(2)},
-    # sm_scale as a string, read from a config file.
-    "sm_scale as a string": {"sm_scale": "0.125"},
-    # k_scale passed as a JAX scalar instead of a Python float.
-    "k_scale as an array": {"k_scale": jnp.float32(0.5), "v_scale": 0.5},
-    # k_scale=2, an int where a Python float is needed.
-    "k_scale as an int": {"k_scale": 2},
-    # k_scale=0.0, meant as 'no scaling': it would zero every key.
-    "k_scale=0.0": {"k_scale": 0.0},
-    # v_scale=-0.5: a scale flips no signs.
-    "v_scale negative": {"v_scale": -0.5},
-    # v_scale=inf, from a division by an amax of 0.
-    "v_scale=inf": {"v_scale": float("inf")},
-    # num_kv_pages_per_block=4 when each sequence has only pages_per_seq=3 columns.
-    "num_kv_pages_per_block > pages_per_seq": {"num_kv_pages_per_block": 4},
-    # num_kv_pages_per_block=0, meant as 'the default' (that is None).
-    "num_kv_pages_per_block=0": {"num_kv_pages_per_block": 0},
-    # num_queries_per_block=-1, meant as 'the default' (that is None).
-    "num_queries_per_block=-1": {"num_queries_per_block": -1},
-    # vmem_limit_bytes=0, meant as 'no limit' (that is None).
-    "vmem_limit_bytes=0": {"vmem_limit_bytes": 0},
+# Each mistake is the options passed with a correct batch, and why someone passed them:
+# `wrong_options` makes it.
+OPTION_MISTAKES: dict[str, tuple[str, dict]] = {
+    "soft_cap=0.0 to turn it off": (
+        "soft_cap=0.0, meant as 'no soft capping'.",
+        {"soft_cap": 0.0},
+    ),
+    "soft_cap=inf to turn it off": (
+        "soft_cap=inf, meant as 'no soft capping'.",
+        {"soft_cap": float("inf")},
+    ),
+    "sliding_window=0 to turn it off": (
+        "sliding_window=0, meant as 'no window'.",
+        {"sliding_window": 0},
+    ),
+    "sliding_window negative": (
+        "sliding_window=-3, a window counted backwards.",
+        {"sliding_window": -3},
+    ),
+    "sliding_window as a float": (
+        "A sliding window computed as a fraction of the context, so it came out a float.",
+        {"sliding_window": 20 / 8},
+    ),
+    "sliding_window=True": (
+        "sliding_window=True, meant as 'use the model's window'.",
+        {"sliding_window": True},
+    ),
+    "mask_value=-inf": (
+        "mask_value=-inf, the textbook mask: NaN wherever a row sees no key in a block.",
+        {"mask_value": float("-inf")},
+    ),
+    "mask_value=nan": (
+        "mask_value=nan, from a computation that went wrong.",
+        {"mask_value": float("nan")},
+    ),
+    "mask_value=0.0": (
+        "mask_value=0.0, as in a 0/1 mask: masked keys would still get weight.",
+        {"mask_value": 0.0},
+    ),
+    "mask_value positive": (
+        "mask_value=1e30, the sign dropped: masked keys would take all the weight.",
+        {"mask_value": 1e30},
+    ),
+    "mask_value as a string": (
+        "mask_value as a string, read from a config file.",
+        {"mask_value": "-1e9"},
+    ),
+    "sm_scale=nan": (
+        "sm_scale=nan, from 1 / sqrt of a head_dim that was never set.",
+        {"sm_scale": float("nan")},
+    ),
+    "sm_scale as an array": (
+        "sm_scale as an array of two scales, one per something.",
+        {"sm_scale": jnp.ones(2)},
+    ),
+    "sm_scale as a string": (
+        "sm_scale as a string, read from a config file.",
+        {"sm_scale": "0.125"},
+    ),
+    "k_scale as an array": (
+        "k_scale passed as a JAX scalar instead of a Python float.",
+        {"k_scale": jnp.float32(0.5), "v_scale": 0.5},
+    ),
+    "k_scale as an int": (
+        "k_scale=2, an int where a Python float is needed.",
+        {"k_scale": 2},
+    ),
+    "k_scale=0.0": (
+        "k_scale=0.0, meant as 'no scaling': it would zero every key.",
+        {"k_scale": 0.0},
+    ),
+    "v_scale negative": (
+        "v_scale=-0.5: a scale flips no signs.",
+        {"v_scale": -0.5},
+    ),
+    "v_scale=inf": (
+        "v_scale=inf, from a division by an amax of 0.",
+        {"v_scale": float("inf")},
+    ),
+    "num_kv_pages_per_block > pages_per_seq": (
+        "num_kv_pages_per_block=4 when each sequence has only pages_per_seq=3 columns.",
+        {"num_kv_pages_per_block": 4},
+    ),
+    "num_kv_pages_per_block=0": (
+        "num_kv_pages_per_block=0, meant as 'the default' (that is None).",
+        {"num_kv_pages_per_block": 0},
+    ),
+    "num_queries_per_block=-1": (
+        "num_queries_per_block=-1, meant as 'the default' (that is None).",
+        {"num_queries_per_block": -1},
+    ),
+    "vmem_limit_bytes=0": (
+        "vmem_limit_bytes=0, meant as 'no limit' (that is None).",
+        {"vmem_limit_bytes": 0},
+    ),
 }
 
 
-def wrong_options(options: dict) -> Callable:
-    """The mistake of passing `options` with the correct batch `b`."""
+def wrong_options(reason: str, options: dict) -> Callable:
+    """The mistake of passing `options` with the correct batch `b`; `reason` is why someone
+    did. Its `code` is what the playground shows: the call, with the reason as docstring."""
 
     def pass_wrong_options(b):
         return b.args(), options
 
+    pass_wrong_options.__doc__ = reason
+    pass_wrong_options.code = (
+        f'def pass_wrong_options(b):\n    """{reason}"""\n    return b.args(), {options!r}\n'
+    )
     return pass_wrong_options
 
 
@@ -343,7 +395,7 @@ MISTAKES: dict[str, Callable] = {
     "kv_pages as int8": kv_pages_as_int8,
     "kv_pages as bool": kv_pages_as_bool,
     # options
-    **{name: wrong_options(options) for name, options in OPTION_MISTAKES.items()},
+    **{name: wrong_options(*mistake) for name, mistake in OPTION_MISTAKES.items()},
     # values
     "q_len > kv_len": q_len_greater_than_kv_len,
     "pages_per_seq too small": pages_per_seq_too_small,

@@ -44,7 +44,7 @@ def validation_playground(mistake: str = "12 q heads with 8 KV heads") -> Explor
 def _render_mistake(values: dict):
     fn = MISTAKES[values["mistake"]]
     args, options = fn(base_batch())
-    code = textwrap.dedent(inspect.getsource(fn))
+    code = getattr(fn, "code", None) or textwrap.dedent(inspect.getsource(fn))
     shapes = "\n".join(
         f"{name:13s}: {_describe_array(a)}" for name, a in zip(ARG_NAMES, args, strict=True)
     )
