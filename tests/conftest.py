@@ -248,9 +248,9 @@ def one_case_per_path(params, *representatives):
     missing = [r for r in representatives if r not in ids]
     assert not missing, f"no such case: {missing}"
     return [
-        case if case.id in representatives else pytest.param(
-            *case.values, id=case.id, marks=[*case.marks, pytest.mark.matrix]
-        )
+        case
+        if case.id in representatives
+        else pytest.param(*case.values, id=case.id, marks=[*case.marks, pytest.mark.matrix])
         for case in cases
     ]
 

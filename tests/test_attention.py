@@ -14,6 +14,7 @@ from conftest import (
     assert_close,
     assert_matches_jax,
     case_batch,
+    one_case_per_path,
     property_tests,
     random_batches,
 )
@@ -36,6 +37,9 @@ PARAMS = [
         else []
     ]
 ]
+# Every stack runs one case per implementation: the one with every option.
+PARAMS = one_case_per_path(PARAMS, "sliding-ref_ragged_paged_attention",
+                           "all-ragged_paged_attention_jnp")  # fmt: skip
 
 
 @pytest.mark.parametrize("fn, name", PARAMS)
@@ -79,6 +83,11 @@ def check_reference_matches_jnp(batch_and_options):
 # and the slow suite (pytest -m slow) runs many.
 test_property_jnp_matches_jax_reference, test_property_jnp_matches_jax_reference_sweep = (
     property_tests(check_jnp_matches_jax_reference, random_batches(), fast=12, slow=200)
+)
+# The random batches against JAX's reference run once, in .venv; reference against jnp
+# runs everywhere.
+test_property_jnp_matches_jax_reference = pytest.mark.matrix(
+    test_property_jnp_matches_jax_reference
 )
 test_property_reference_matches_jnp, test_property_reference_matches_jnp_sweep = property_tests(
     check_reference_matches_jnp, random_batches(), fast=5, slow=100

@@ -19,6 +19,7 @@ from conftest import (
     assert_close,
     assert_matches_jax,
     case_batch,
+    one_case_per_path,
     padded_batch,
     property_tests,
     random_batches,
@@ -53,7 +54,12 @@ BLOCKED_CASES = [
 
 
 @pytest.mark.parametrize(
-    "name, blocks", [pytest.param(*c[1:3], id=c[0], marks=c[3]) for c in BLOCKED_CASES]
+    "name, blocks",
+    one_case_per_path(  # on every stack: a prefill and a decode
+        [pytest.param(*c[1:3], id=c[0], marks=c[3]) for c in BLOCKED_CASES],
+        "gqa4-blocks",
+        "mqa-decode-hd128",
+    ),
 )
 def test_matches_jax_reference(name, blocks):
     batch, options = case_batch(name)

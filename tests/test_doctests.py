@@ -14,6 +14,7 @@ import importlib
 import pkgutil
 
 import pytest
+from conftest import one_case_per_path
 
 import minilib
 
@@ -24,7 +25,43 @@ MODULES = ["minilib"] + sorted(
 )
 
 
-@pytest.mark.parametrize("name", MODULES)
+# Modules whose examples run a Pallas kernel in interpret mode, the engine's model, a
+# benchmark or a sweep (each 15 s or more of one core): their examples run once, in .venv.
+# On the other stacks the notebooks run the same functions.
+HEAVY_EXAMPLES = {
+    "minilib.blockwise",
+    "minilib.engine.engine",
+    "minilib.engine.model",
+    "minilib.engine.sampling",
+    "minilib.engine.sharding",
+    "minilib.engine.throughput",
+    "minilib.engine.view",
+    "minilib.exercises.ex01_heads",
+    "minilib.exercises.ex02_paged_cache",
+    "minilib.exercises.ex04_reference",
+    "minilib.exercises.ex06_online_softmax",
+    "minilib.exercises.ex07_flash",
+    "minilib.exercises.ex07_pallas",
+    "minilib.exercises.ex08_ladder",
+    "minilib.exercises.ex10_engine",
+    "minilib.kernel",
+    "minilib.kv_cache",
+    "minilib.ladder.scalar_prefetch",
+    "minilib.pallas_basics",
+    "minilib.perf.bench",
+    "minilib.perf.memory_sweep",
+    "minilib.perf.timing",
+    "minilib.schedule",
+    "minilib.vectorized",
+}
+EXAMPLES = one_case_per_path(MODULES, *(name for name in MODULES if name not in HEAVY_EXAMPLES))
+
+
+def test_the_heavy_examples_are_modules():
+    assert HEAVY_EXAMPLES <= set(MODULES), HEAVY_EXAMPLES - set(MODULES)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
 def test_docstring_examples(name):
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
