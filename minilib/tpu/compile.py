@@ -27,10 +27,9 @@ kernel's final bundles and its memory allocations, and `minilib.tpu.dump_reader`
 bundles per KV block, total bundles, peak VMEM, spills, and the source lines that cost most.
 The dump files are libtpu internals, not an API; with a libtpu the reader was not checked on
 (`CHECKED_LIBTPU`), the report still says whether the kernel compiled, and its notes say when
-the dump was not recognised. A pair known not to compile at all (`CANNOT_COMPILE`, empty
-today) is refused, saying why. Colab's jax 0.7.2 with libtpu 0.0.21.1 compiles: minilib lowers
-its kernels at the Mosaic IR version that libtpu reads (`minilib.tpu.mosaic_version`), and
-`compile_here` steps around the crash of its compile-only devices (`LAYOUT_QUERY_CRASHES`).
+the dump was not recognised. Colab's jax 0.7.2 with libtpu 0.0.21.1 compiles too: minilib
+lowers its kernels at the Mosaic IR version that libtpu reads (`minilib.tpu.mosaic_version`),
+and `compile_here` steps around a crash of its compile-only devices (`LAYOUT_QUERY_CRASHES`).
 
 When libtpu reads its flags. libtpu reads `LIBTPU_INIT_ARGS` once, when it starts in a
 process, and never again. Two cases:
@@ -96,13 +95,10 @@ __all__ = [
     "tpu_compile_available",
 ]
 
-# (jax, libtpu) pairs checked by hand that cannot compile here, and why: none today. Colab's TPU
-# runtime pairs jax 0.7.2 with libtpu 0.0.21.1 (its runtime 2026.07: 0.0.21), which compiles
-# here thanks to two fixes: kernels lowered at the Mosaic IR version that libtpu reads
+# Colab's TPU runtime pairs jax 0.7.2 with libtpu 0.0.21.1 (its runtime 2026.07: 0.0.21). It
+# compiles here thanks to two fixes: kernels lowered at the Mosaic IR version that libtpu reads
 # (`minilib.tpu.mosaic_version`, on a real TPU too) and, on the compile-only devices alone,
-# `LAYOUT_QUERY_CRASHES`. tests/test_tpu_cannot_compile.py checks that each is still needed.
-CANNOT_COMPILE: dict[tuple[str, str], str] = {}
-
+# this one; tests/test_tpu_cannot_compile.py checks that each is still needed.
 # (jax, libtpu) pairs whose compile-only devices crash the process (a segfault in libtpu) when
 # jax, after every compile, asks them for an argument's default layout
 # (`pxla.is_default_layout`, which calls `client.get_default_layout`). The program compiled
@@ -157,10 +153,6 @@ def tpu_compile_available() -> tuple[bool, str]:
 
     if xla_bridge.get_tpu_library_path() is None:
         return False, f"libtpu {version} is installed but JAX cannot find it. {install_hint()}"
-    pair = (jax.__version__, version)
-    if pair in CANNOT_COMPILE:
-        reason = f"libtpu {version} with jax {jax.__version__} cannot compile here"
-        return False, f"{reason}: {CANNOT_COMPILE[pair]}. {install_hint()}"
     checked = CHECKED_LIBTPU.get(jax.__version__)
     note = (
         ""
