@@ -460,7 +460,7 @@ def compile_here(fn, specs, chip: str) -> CompileReport:
         return folder.reports[key]
     before = set(os.listdir(folder.path))
     try:
-        with default_layouts_assumed((jax.__version__, libtpu_version())):
+        with default_layouts_assumed():
             lowered.compile()
         seconds = time.perf_counter() - start
         new_files = sorted(set(os.listdir(folder.path)) - before)
@@ -476,11 +476,11 @@ def compile_here(fn, specs, chip: str) -> CompileReport:
 
 
 @contextlib.contextmanager
-def default_layouts_assumed(pair: tuple[str, str]):
+def default_layouts_assumed():
     """Inside the block, jax takes every argument's layout for the default one without asking
-    the device, when `pair` (jax, libtpu) is one of `LAYOUT_QUERY_CRASHES`; else nothing
-    changes. For compile-only devices: the answer only matters to run the program."""
-    if pair not in LAYOUT_QUERY_CRASHES:
+    the device, when this jax and libtpu are a pair of `LAYOUT_QUERY_CRASHES`; else nothing
+    changes. For compiling on compile-only devices: the answer only matters to run."""
+    if (jax.__version__, libtpu_version()) not in LAYOUT_QUERY_CRASHES:
         yield
         return
     from jax._src.interpreters import pxla
