@@ -14,11 +14,6 @@ function up at every lowering, so the cap holds for every kernel, on a real TPU 
 compile-only devices of `minilib.tpu.compile`, a learner's own kernels included. On every
 other pair of versions it does nothing. The versions are those pip installed (libtpu loaded
 from elsewhere, through TPU_LIBRARY_PATH, is not seen).
-
->>> ir_version_cap("0.7.2", "0.0.21.1"), ir_version_cap("0.7.2", "0.0.23")
-(7, None)
->>> ir_version_cap("0.10.2", "0.0.42.1") is None
-True
 """
 
 from __future__ import annotations
@@ -39,7 +34,13 @@ NEWEST_READ = {"0.0.21": 7, "0.0.21.1": 7}
 
 def ir_version_cap(jax_version: str, libtpu_version: str | None) -> int | None:
     """The newest IR version to lower at with these versions, or None when jax's own choice
-    is one libtpu reads."""
+    is one libtpu reads.
+
+    >>> ir_version_cap("0.7.2", "0.0.21.1"), ir_version_cap("0.7.2", "0.0.23")
+    (7, None)
+    >>> ir_version_cap("0.10.2", "0.0.42.1") is None
+    True
+    """
     written = NEWEST_WRITTEN.get(jax_version)
     read = NEWEST_READ.get(libtpu_version or "")
     return read if written is not None and read is not None and written > read else None
@@ -54,7 +55,15 @@ def installed_libtpu() -> str | None:
 
 def apply() -> int | None:
     """Cap the IR version jax lowers kernels at, if this jax and libtpu need it; return the
-    cap, or None (and change nothing) when they do not. Idempotent."""
+    cap, or None (and change nothing) when they do not. Idempotent.
+
+    >>> from jax._src import tpu_custom_call
+    >>> cap = apply()  # minilib applied it when imported: nothing changes
+    >>> cap == ir_version_cap(jax.__version__, installed_libtpu())
+    True
+    >>> getattr(tpu_custom_call.get_ir_version, "minilib_ir_version_cap", None) == cap
+    True
+    """
     cap = ir_version_cap(jax.__version__, installed_libtpu())
     if cap is None:
         return None
