@@ -41,12 +41,18 @@ from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.pallas_basics import add_vectors, ragged_paged_attention_pallas_basic
 from minilib.reference import ref_ragged_paged_attention
 from minilib.schedule import Schedule, plan_schedule, record_schedule
+from minilib.tpu import mosaic_version
 from minilib.validation import (
     dynamic_validate_inputs,
     static_validate_inputs,
     validate_inputs,
 )
 from minilib.vectorized import ragged_paged_attention_jnp
+
+# On a jax and libtpu pair where jax writes kernels at a Mosaic IR version libtpu cannot read
+# (Colab's TPU runtime: jax 0.7.2 with libtpu 0.0.21.1), lower them at the version it reads.
+# Nothing changes elsewhere. Importing any minilib module runs this (minilib.tpu.mosaic_version).
+mosaic_version.apply()
 
 __all__ = [
     "AttentionOptions",

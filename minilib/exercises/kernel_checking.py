@@ -266,13 +266,17 @@ def compile_in_this_process(fn: Callable, args: tuple, chip: str) -> tuple[bool,
     from jax.experimental import topologies
     from jax.sharding import SingleDeviceSharding
 
+    from minilib.tpu.compile import default_layouts_assumed
+
     try:
         topology = topologies.get_topology_desc(
             topology_name=f"{chip}:1x1", platform="tpu", chips_per_host_bounds=(1, 1, 1)
         )
         sharding = SingleDeviceSharding(topology.devices[0])
         structs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
-        jax.jit(fn).lower(*structs).compile()
+        lowered = jax.jit(fn).lower(*structs)
+        with default_layouts_assumed():  # Colab's libtpu 0.0.21.1 crashes jax's layout query
+            lowered.compile()
     except Exception as err:  # Mosaic's (or XLA's) refusal is the result
         return False, f"{type(err).__name__}: {err}"
     return True, None

@@ -1,6 +1,7 @@
 """Static TPU analysis, without a TPU: each chip's memories, a real compile with libtpu, and
 our kernel against JAX's and vLLM's RPA v3, compiled. Everything it reports is a static
-estimate read from the compiled program, never a timing.
+estimate read from the compiled program, never a timing. One module matters on a real TPU
+too: `mosaic_version`, which minilib applies when it is imported.
 
   chips.py         the chips, their clocks and bandwidths, with their sources
   memory.py        HBM, VMEM, SMEM, vector registers and MXUs per chip (no libtpu needed)
@@ -9,6 +10,7 @@ estimate read from the compiled program, never a timing.
   v3.py            vLLM's RPA v3 kernel, loaded from its published wheel
   kernel_costs.py  ours against JAX's and v3, compiled, per chip and config
   comparison.py    what we claim from it, its recorded figures, `python -m minilib compile`
+  mosaic_version.py  kernels lowered at the Mosaic IR version the installed libtpu reads
 """
 
 __all__: list[str] = []  # import from the modules: `from minilib.tpu.compile import ...`
