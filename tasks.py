@@ -21,7 +21,8 @@ all of them). `test` runs in five environments, each pinned by a file of constra
                   tpu-inference 0.32.0, is fetched alone into .venv-tpu/minilib-v3, not
                   installed: `python -m minilib.tpu.v3 fetch`);
   * .venv-tpu-oldest  Colab's jax 0.7.2 and libtpu 0.0.21.1 (tpu-oldest.txt, from the same
-                  list), which cannot compile here: that tpu_compile says so, and why;
+                  list): every kernel of the course compiles for v5e and v6e with minilib's
+                  two fixes for this pair, and each fix is checked to be still needed;
   * .venv-tpu-jax-0.7.2  jax 0.7.2 with the libtpu its `jax[tpu]` pins (tpu-jax-0.7.2.txt):
                   a few of those compiles (JAX_0_7_2_TPU_TESTS);
 then the browser test in .venv and .venv-oldest (tests/browser: the explorers in
@@ -64,8 +65,8 @@ COLAB_2026_07_PYTHON = "3.12"
 # The course's JupyterLab settings: no news pop-up (labconfig/default_setting_overrides.json).
 JUPYTER_CONFIG = ROOT / "jupyter_config"
 TPU = (ROOT / ".venv-tpu", ROOT / "constraints" / "tpu.txt")
-# Colab's jax 0.7.2 and libtpu 0.0.21.1 (from its list), with which nothing compiles here:
-# the tests check that minilib.tpu.compile says so, and why (tests/test_tpu_cannot_compile.py).
+# Colab's jax 0.7.2 and libtpu 0.0.21.1 (from its list): every kernel of the course compiles
+# with minilib's two fixes for the pair, each still needed (tests/test_tpu_colab_pair.py).
 TPU_OLDEST = (ROOT / ".venv-tpu-oldest", ROOT / "constraints" / "tpu-oldest.txt")
 # jax 0.7.2 with the libtpu its `jax[tpu]` extra pins, 0.0.23: the kernels through the
 # oldest jax's Pallas lowering, compiled by Mosaic.
@@ -76,6 +77,9 @@ TPU_COMPILE_TESTS = ("tests/test_tpu_compile.py", "tests/test_ladder.py")
 # With jax 0.7.2, one kernel configuration per chip, the comparison with JAX's kernel and
 # the harness's own failure tests: the whole matrix runs once, on the newest stack.
 JAX_0_7_2_TPU_TESTS = "gqa-bf16 or against_jax or bad_kernel or vmem_overflow or by_design"
+# On Colab's own pair: those, every ladder rung (test_ladder.py's tpu_compile tests), and the
+# pair's tests.
+COLAB_TPU_TESTS = f"{JAX_0_7_2_TPU_TESTS} or add_vectors or test_ladder or colab_pair"
 # pytest on both cores of CI's machine (pytest-xdist): "auto" is one worker per core.
 WORKERS = ("-n", os.environ.get("MINILIB_TEST_WORKERS", "auto"))
 
@@ -203,11 +207,11 @@ def run_tests(args: list[str], phases: Phases) -> None:
                "-p", "no:cacheprovider")  # fmt: skip
     with phases(".venv-tpu: the tpu_compile tests"):
         pytest(tpu, *WORKERS, "-m", "tpu_compile", "-p", "no:cacheprovider", *TPU_COMPILE_TESTS)
-    # On Colab's pair the compiles are skipped, saying why (-rs), and the pair's tests run.
+    # On Colab's pair: the jax 0.7.2 compiles, every ladder rung, and the pair's own tests.
     with phases(".venv-tpu-oldest: Colab's pair"):
-        pytest(tpu_oldest, "-m", "tpu_compile", "-k", f"{JAX_0_7_2_TPU_TESTS} or cannot_compile",
+        pytest(tpu_oldest, *WORKERS, "-m", "tpu_compile", "-k", COLAB_TPU_TESTS,
                "-p", "no:cacheprovider", "-rs", "tests/test_tpu_compile.py",
-               "tests/test_tpu_cannot_compile.py")  # fmt: skip
+               "tests/test_ladder.py", "tests/test_tpu_colab_pair.py")  # fmt: skip
     with phases(".venv-tpu-jax-0.7.2: a few compiles"):
         pytest(tpu_jax, *WORKERS, "-m", "tpu_compile", "-k", JAX_0_7_2_TPU_TESTS,
                "-p", "no:cacheprovider", "tests/test_tpu_compile.py")  # fmt: skip

@@ -98,7 +98,7 @@ __all__ = [
 # Colab's TPU runtime pairs jax 0.7.2 with libtpu 0.0.21.1 (its runtime 2026.07: 0.0.21). It
 # compiles here thanks to two fixes: kernels lowered at the Mosaic IR version that libtpu reads
 # (`minilib.tpu.mosaic_version`, on a real TPU too) and, on the compile-only devices alone,
-# this one; tests/test_tpu_cannot_compile.py checks that each is still needed.
+# this one; tests/test_tpu_colab_pair.py checks that each is still needed.
 # (jax, libtpu) pairs whose compile-only devices crash the process (a segfault in libtpu) when
 # jax, after every compile, asks them for an argument's default layout
 # (`pxla.is_default_layout`, which calls `client.get_default_layout`). The program compiled

@@ -11,9 +11,8 @@ the course compiles with the pair, and that each of the two is still there, so s
    then; `minilib.tpu.compile` answers that question itself for this pair
    (`LAYOUT_QUERY_CRASHES`). A real TPU's devices are not compile-only.
 
-Runs where such a pair is installed (`.venv-tpu-oldest`), and is skipped elsewhere. The file
-keeps its old name: until these fixes, nothing compiled with this pair. When a libtpu reads
-version 8 or stops crashing, the test of that fix fails: take the pair out of
+Runs where such a pair is installed (`.venv-tpu-oldest`), and is skipped elsewhere. When a
+libtpu reads version 8 or stops crashing, the test of that fix fails: take the pair out of
 `mosaic_version.NEWEST_READ` or `LAYOUT_QUERY_CRASHES`.
 """
 
