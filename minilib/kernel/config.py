@@ -52,8 +52,8 @@ class KernelConfig(AttentionOptions):
     head_dim: int
     q_itemsize: int  # bytes per value of q's dtype, the compute dtype
     kv_itemsize: int  # ... and of kv_pages' dtype
-    # Read each KV head with one strided load through a flat view of the slot (see
-    # `load_kv_head`); set by `rpa_pallas_call` where refs can be viewed (not in TPU interpret).
+    # Read each KV head with one strided load through a flat view of the slot (the lever of
+    # `strided`); set by `rpa_pallas_call` where refs can be viewed (not in TPU interpret).
     strided_kv_loads: bool = False
     # The two kernels of `ragged_paged_attention` (`split_configs`): the decode kernel serves
     # one-token sequences, one q row each (`DecodeWalker`); the mixed kernel leaves them to it
@@ -61,7 +61,8 @@ class KernelConfig(AttentionOptions):
     decode: bool = False
     leaves_decode: bool = False
     decode_seqs_per_block: int = 1  # the decode kernel's q block: sequences per grid step
-    # The software pipeline over KV heads (`attend_kv_heads`), set by `with_head_pipeline`.
+    # The software pipeline over KV heads (the lever of `heads_in_flight`), set by
+    # `with_head_pipeline`.
     heads_in_flight: int = 1
     reload_v: bool = False
 
@@ -75,7 +76,7 @@ class KernelConfig(AttentionOptions):
 
     @property
     def lane_blocks(self) -> int:
-        """How many 128-lane blocks a KV slot holds head_dim in (see `KVBlockCopier`): 2 at
+        """How many 128-lane blocks a KV slot holds head_dim in (the lever of `lane_blocks`): 2 at
         head_dim 256; 1 when head_dim is 128, or not a multiple of 128."""
         return self.head_dim // LANES if self.head_dim % LANES == 0 else 1
 
