@@ -195,7 +195,7 @@ def default_decode_seqs_per_block(max_num_seqs: int, bytes_per_seq: int) -> int:
     return max(1, min(max_num_seqs, DECODE_Q_BLOCK_BYTES // bytes_per_seq))
 
 
-# The software pipeline over KV heads (`minilib.kernel.attend_kv_heads`): how many heads'
+# The software pipeline over KV heads (`minilib.kernel.heads_in_flight`): how many heads'
 # Q·K go before the first of their P·V, and whether V is loaded again for its P·V. Chosen by
 # the static bundle counts per KV block (`minilib.tpu.compile`, libtpu 0.0.42.1; bf16, 8 KV
 # heads of 4 q heads, head_dim 128, KV blocks of 128 tokens; spilled KiB in brackets):

@@ -1,8 +1,9 @@
 """The kernel's trace: one row per DMA start, DMA wait and compute, written into SMEM.
 
 `minilib.schedule.record_schedule` runs the kernel with its trace on, to show that the plan it
-works out in Python is what the kernel really does. The kernel records into a `Trace`; with no
-trace asked for, `Trace(None, 0)` records nothing and adds nothing to the compiled kernel.
+works out in Python is what the kernel really does. The kernel records into a `Trace` through
+`minilib.kernel.tracing`, a wrapper around the kernel body; with no trace asked for, the wrapper
+is not there, and nothing of this is in the compiled kernel. (`Trace(None, 0)` records nothing.)
 
 The trace output is i32[1 + capacity, TRACE_FIELDS]: `trace[0, 0]` counts the events, and rows
 1.. are (kind, step heads block, step q block, heads block, seq, kv block, slot).

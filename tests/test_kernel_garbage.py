@@ -1,8 +1,10 @@
 """The kernel under `jit` with a garbage batch description: no hang, no out-of-bounds copy.
 
 Under `jit` the values of kv_lens, page_indices, cu_q_lens and num_seqs cannot be validated
-(they are tracers), so the kernel itself must cope with any values: every loop bound over
-sequences is clamped to max_num_seqs and every one over pages or KV blocks to pages_per_seq.
+(they are tracers), so the jitted wrapper clamps them once, before the kernels
+(`minilib.kernel.table.clamp_tables`): every loop bound over sequences is clamped to
+max_num_seqs, every one over pages or KV blocks to pages_per_seq, every page number to the pages
+there are.
 The answer for a garbage batch is garbage, but it must come back, and be finite.
 
 Path covered: TPU interpret mode (`pltpu.InterpretParams`, DMAs and semaphores simulated, so

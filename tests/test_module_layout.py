@@ -3,10 +3,11 @@
 Two promises:
 
 * **The top level is the course.** What the learner builds, chapter by chapter, sits flat at
-  the top of `minilib` (`COURSE`), beside the packages of rungs, the engine and the exercises
-  they also write. The tools they use but never write live in packages named for their role:
-  `explore` (figures, explorers, the mistakes catalogue), `tpu` (static TPU analysis) and
-  `perf` (timing, workloads, the roofline, the benchmark).
+  the top of `minilib` (`COURSE`), beside the packages of the kernel (one module per idea, in
+  reading order), the rungs, the engine and the exercises they also write. The tools they
+  use but never write live in packages named for their role: `explore` (figures, explorers,
+  the mistakes catalogue), `tpu` (static TPU analysis) and `perf` (timing, workloads, the
+  roofline, the benchmark).
 * **No module imports a later layer, and there is no cycle.** The layers follow the course:
   errors, the mask rule and the facts every layer may read; heads and options; the paged KV
   cache; batches and validation; the attention implementations; what is built on them
@@ -53,7 +54,8 @@ LAYERS = [
     # 3. Ragged batches, and what every attention function checks its input with.
     ("batch", "validation"),
     # 4. The implementations, and the kernel's block sizes.
-    ("reference", "vectorized", "blockwise", "pallas_basics", "block_sizes", "kernel"),
+    ("reference", "vectorized", "blockwise", "pallas_basics", "block_sizes", "kernel",
+     "kernel.*"),
     # 5. Built on them: the schedule, timing, workloads, the benchmark's plots, mistakes,
     #    the Explorer, the ladder.
     ("schedule", "perf.timing", "perf.workloads", "perf.plots", "perf.implementations",
@@ -107,7 +109,7 @@ def test_the_top_level_is_the_course_and_the_tools_are_in_packages():
         f"missing: {sorted(COURSE | TOOLS - top)}"
     )
     packages = {name for name in top if (PACKAGE / name / "__init__.py").exists()}
-    assert packages == {"ladder", "engine", "exercises", "explore", "tpu", "perf"}
+    assert packages == {"kernel", "ladder", "engine", "exercises", "explore", "tpu", "perf"}
 
 
 def test_minilib_readme_names_every_module():

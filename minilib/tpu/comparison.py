@@ -43,7 +43,7 @@ __all__ = [
 # and `tests/test_tpu_compile.py` asserts them; every other comparison is reported, not
 # judged. Claim a cell only where the compiled figures (libtpu 0.0.42.1) hold it.
 # Against v3, ours claims fewer bundles per KV block on v5e and v6e, and on TPU7x at 32 q rows
-# (1391 to 1399); v3 spills less (except on v6e at 32 q), and on TPU7x issues fewer bundles at
+# (1372 to 1399); v3 spills less (except on v6e at 32 q), and on TPU7x issues fewer bundles at
 # 8 q and decode.
 AGAINST_JAX = (("JAX", "bundles_per_kv_block"), ("JAX", "spill_bytes"))
 AGAINST_V3 = (("v3", "bundles_per_kv_block"),)

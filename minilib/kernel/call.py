@@ -1,0 +1,296 @@
+"""The entry point and the `pallas_call`: what runs, on which grid, with which memory.
+
+`ragged_paged_attention` checks the inputs and builds the `KernelConfig`; the jitted wrapper
+clamps the batch tables once and runs the two kernels (decode, then mixed); `rpa_pallas_call`
+builds each `pallas_call`: the grid (heads blocks, q blocks), q and the output in blocks that
+Pallas copies, `kv_pages` left in HBM for the kernel to copy, and the VMEM scratch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from minilib.block_sizes import (
+    default_block_sizes,
+    default_decode_seqs_per_block,
+    num_kv_heads_per_block,
+)
+from minilib.kernel.config import KERNEL_NAMES, LANES, KernelConfig
+from minilib.kernel.copier import KVBlockCopier
+from minilib.kernel.decode import DecodeWalker, decode_batch, split_configs
+from minilib.kernel.heads_in_flight import with_head_pipeline
+from minilib.kernel.strided import can_load_kv_strided
+from minilib.kernel.table import clamp_tables
+from minilib.kernel.tracing import with_trace
+from minilib.kernel.walk import QBlockWalker, rpa_kernel
+from minilib.kernel_trace import TRACE_FIELDS
+from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions, attention_options
+from minilib.validation import validate_inputs
+
+__all__ = ["kernel_config", "ragged_paged_attention", "resolve_interpret", "rpa_pallas_call"]
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [max_num_batched_tokens, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # i32[max_num_seqs]
+    page_indices: jax.Array,  # i32[max_num_seqs, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = DEFAULT_MASK_VALUE,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    num_kv_pages_per_block: int | None = None,
+    num_queries_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+    interpret=None,
+    validate: bool = True,
+) -> jax.Array:  # [max_num_batched_tokens, num_q_heads, head_dim]
+    """Ragged paged attention on a TPU, or on CPU in Pallas' TPU interpret mode.
+
+    Same arguments as JAX's `ragged_paged_attention`, plus `interpret`:
+      None: compile for the chip when `jax.default_backend() == "tpu"`, else interpret;
+      False: compile; True or a `pltpu.InterpretParams`: interpret (True means the defaults).
+
+    Returns an array shaped like `q`; rows past `cu_q_lens[num_seqs]` are zeros.
+    `num_kv_pages_per_block` and `num_queries_per_block` default to `default_block_sizes`.
+
+    Called eagerly, it first checks the values of the inputs (`dynamic_validate_inputs`);
+    `validate=False` skips that. Under `jax.jit` only the static checks can run: validate the
+    batch outside jit, as JAX does.
+
+    >>> from minilib.batch import make_batch
+    >>> batch = make_batch([(3, 3), (1, 9)])
+    >>> ragged_paged_attention(*batch.args(), sm_scale=0.125).shape
+    (4, 4, 64)
+    """
+    options = AttentionOptions(
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        mask_value=mask_value,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        num_kv_pages_per_block=num_kv_pages_per_block,
+        num_queries_per_block=num_queries_per_block,
+        vmem_limit_bytes=vmem_limit_bytes,
+    )
+    args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    validate_inputs(*args, options, validate=validate)
+    config = kernel_config(q, kv_pages, page_indices, options)
+    out, _ = _rpa_jit(
+        *args, config=config, interpret=resolve_interpret(interpret), trace_capacity=0
+    )
+    return out
+
+
+def resolve_interpret(interpret):
+    """What to pass to `pl.pallas_call(interpret=...)`: False on a TPU, else TPU interpret mode.
+
+    Only `jax.default_backend()` is consulted, never `jax.devices()`, so that lowering for a
+    TPU on a machine without one (`jax.export`) takes the compiled path when asked to.
+
+    >>> resolve_interpret(False), type(resolve_interpret(True)).__name__
+    (False, 'InterpretParams')
+    """
+    if interpret is None:
+        return False if jax.default_backend() == "tpu" else pltpu.InterpretParams()
+    if interpret is True:
+        return pltpu.InterpretParams()
+    return interpret
+
+
+def kernel_config(
+    q,  # [max_num_batched_tokens, num_q_heads, head_dim]; only shape and dtype are used
+    kv_pages,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]; shape and dtype
+    page_indices,  # i32[max_num_seqs, pages_per_seq]; shape
+    options: AttentionOptions | None = None,
+    **option_values,
+) -> KernelConfig:
+    """Choose the heads blocks and fill in default block sizes. Inputs must be validated.
+
+    The options come as one `AttentionOptions`, or as keywords (`num_queries_per_block=8`).
+
+    >>> from minilib.batch import make_batch
+    >>> batch = make_batch([(5, 20)], num_q_heads=8, num_kv_heads=2, page_size=16)
+    >>> config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, sliding_window=64)
+    >>> config.sliding_window, config.num_heads_blocks * config.num_kv_heads_per_block
+    (64, 2)
+    """
+    options = attention_options(options, **option_values)
+    max_num_batched_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_combined_kv_heads, _ = kv_pages.shape
+    num_kv_heads = num_combined_kv_heads // 2
+    max_num_seqs, pages_per_seq = page_indices.shape
+    kv_heads_per_block = num_kv_heads_per_block(num_q_heads, num_kv_heads, q.dtype, kv_pages.dtype)
+    default_pages, default_queries = default_block_sizes(
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        max_num_batched_tokens=max_num_batched_tokens,
+        bytes_per_page=page_size * 2 * kv_heads_per_block * head_dim * kv_pages.dtype.itemsize,
+        head_dim=head_dim,
+    )
+    options = dataclasses.replace(
+        options,
+        num_queries_per_block=options.num_queries_per_block or default_queries,
+        num_kv_pages_per_block=options.num_kv_pages_per_block or default_pages,
+    )
+    q_heads_per_block = kv_heads_per_block * (num_q_heads // num_kv_heads)
+    bytes_per_q_row = q_heads_per_block * head_dim * q.dtype.itemsize  # of one heads block
+    config = KernelConfig(
+        **dataclasses.asdict(options),
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        num_heads_blocks=num_kv_heads // kv_heads_per_block,
+        num_kv_heads_per_block=kv_heads_per_block,
+        num_q_heads_per_kv_head=num_q_heads // num_kv_heads,
+        head_dim=head_dim,
+        q_itemsize=q.dtype.itemsize,
+        kv_itemsize=kv_pages.dtype.itemsize,
+        decode_seqs_per_block=default_decode_seqs_per_block(max_num_seqs, bytes_per_q_row),
+    )
+    return with_head_pipeline(config)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "trace_capacity"))
+def _rpa_jit(
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, config, interpret, trace_capacity
+):
+    """The two kernels on one batch: the decode kernel on its one-token sequences (gathered
+    into a batch of their own), the mixed kernel on the others; the decode rows scattered
+    into the mixed kernel's output. Returns (out, None), or with `trace_capacity > 0`
+    (out, (decode trace, mixed trace)).
+
+    The batch tables are clamped here, once (`clamp_tables`): under `jit` nothing has
+    validated them, and the kernels read them as they are."""
+    tables = clamp_tables(
+        kv_lens, page_indices, cu_q_lens, num_seqs, config, total_num_pages=kv_pages.shape[0]
+    )
+    mixed_config, decode_config = split_configs(config)
+    decode = decode_batch(*tables, config)
+    q_decode = jnp.take(q, decode.rows, axis=0, mode="clip")  # [max_num_seqs, heads, hd]
+    decode_call = rpa_pallas_call(
+        q_decode, kv_pages, config=decode_config, interpret=interpret,
+        trace_capacity=trace_capacity,
+    )  # fmt: skip
+    decode_outs = decode_call(*decode.tables(), q_decode, kv_pages)
+    mixed_call = rpa_pallas_call(
+        q, kv_pages, config=mixed_config, interpret=interpret, trace_capacity=trace_capacity
+    )
+    mixed_outs = mixed_call(*tables, q, kv_pages)
+    # Rows of decode slots that hold no sequence point past the output: dropped.
+    out = mixed_outs[0].at[decode.rows].set(decode_outs[0], mode="drop")
+    return out, (decode_outs[1], mixed_outs[1]) if trace_capacity else None
+
+
+def rpa_pallas_call(
+    q,  # [max_num_batched_tokens, num_q_heads, head_dim]; shape and dtype
+    kv_pages,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]; shape and dtype
+    *,
+    config: KernelConfig,
+    interpret=False,
+    trace_capacity: int = 0,
+    copier_class: type[KVBlockCopier] | None = None,
+):
+    """Build the `pallas_call`. Called with (kv_lens, page_indices, cu_q_lens, num_seqs, q,
+    kv_pages); returns (out,) or, with `trace_capacity > 0`, (out, trace).
+
+    The tables must be those of a valid batch, or clamped by `table.clamp_tables` (as the
+    jitted wrapper of `ragged_paged_attention` does): the kernel reads them as they are.
+
+    `copier_class` (default `KVBlockCopier`) moves the KV blocks; the tests pass a subclass
+    with a deliberate bug to show that their checks catch it.
+
+    trace: i32[1 + trace_capacity, TRACE_FIELDS]; `trace[0, 0]` counts the events, which are
+    rows 1.. of (kind, step heads block, step q block, heads block, seq, kv block, slot). The
+    kernel records them through a wrapper (`tracing.with_trace`).
+
+    >>> from minilib.batch import make_batch
+    >>> batch = make_batch([(3, 3), (1, 9)])
+    >>> config = kernel_config(batch.q, batch.kv_pages, batch.page_indices)
+    >>> call = rpa_pallas_call(batch.q, batch.kv_pages, config=config,
+    ...                        interpret=resolve_interpret(True))
+    >>> (out,) = call(batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs,
+    ...               batch.q, batch.kv_pages)
+    >>> out.shape == batch.q.shape
+    True
+    """
+    max_num_batched_tokens, _, head_dim = q.shape
+    c = dataclasses.replace(config, strided_kv_loads=can_load_kv_strided(config, interpret))
+    num_q_blocks = pl.cdiv(max_num_batched_tokens, c.num_queries_per_block)
+    q_block = (c.num_queries_per_block, c.num_q_heads_per_block, head_dim)
+
+    def q_index_map(heads_blk, q_blk, *scalar_prefetch_refs):
+        return (q_blk, heads_blk, 0)
+
+    in_specs = [
+        pl.BlockSpec(q_block, q_index_map),
+        pl.BlockSpec(memory_space=pl.ANY),  # kv_pages stay in HBM; the kernel copies pages
+    ]
+    out_specs = [pl.BlockSpec(q_block, q_index_map)]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    if trace_capacity:
+        out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        out_shape.append(jax.ShapeDtypeStruct((1 + trace_capacity, TRACE_FIELDS), jnp.int32))
+    rows = c.rows_per_kv_head
+    scratch_shapes = [
+        pltpu.VMEM(  # kv_bufs: two slots of one KV block each, head_dim in lane blocks
+            (
+                2,
+                c.lane_blocks,
+                c.num_kv_pages_per_block,
+                c.page_size,
+                2 * c.num_kv_heads_per_block,
+                head_dim // c.lane_blocks,
+            ),
+            kv_pages.dtype,
+        ),  # fmt: skip
+        pltpu.SemaphoreType.DMA((2,)),  # sems: one per slot
+        pltpu.VMEM((c.num_kv_heads_per_block, rows, LANES), jnp.float32),  # m_ref
+        pltpu.VMEM((c.num_kv_heads_per_block, rows, LANES), jnp.float32),  # l_ref
+        pltpu.VMEM((c.num_kv_heads_per_block, rows, head_dim), jnp.float32),  # acc_ref
+        pltpu.VMEM((c.num_kv_heads_per_block, rows, head_dim), q.dtype),  # q_fold_ref
+        pltpu.SMEM((1,), jnp.int32),  # slot_ref: the slot the next KV block is loading into
+    ]
+    copier_class = copier_class or KVBlockCopier
+    walker_class = DecodeWalker if c.decode else QBlockWalker
+    if trace_capacity:
+        kernel = with_trace(
+            rpa_kernel, trace_capacity, copier_class=copier_class, walker_class=walker_class
+        )
+        kernel = functools.partial(kernel, config=c)
+    else:
+        kernel = functools.partial(
+            rpa_kernel, config=c, copier_class=copier_class, walker_class=walker_class
+        )
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(c.num_heads_blocks, num_q_blocks),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch_shapes,
+        ),
+        compiler_params=pltpu.CompilerParams(
+            # "arbitrary": the grid runs in order on one core, because each step starts the
+            # copy that the next step waits for.
+            dimension_semantics=("arbitrary", "arbitrary"),
+            vmem_limit_bytes=c.vmem_limit_bytes,
+        ),
+        out_shape=out_shape,
+        interpret=interpret,
+        name=KERNEL_NAMES["decode" if c.decode else "mixed"],
+    )

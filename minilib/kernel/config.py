@@ -1,0 +1,95 @@
+"""What the kernel knows at compile time: `KernelConfig`, one static argument of the jit.
+
+The attention options (`minilib.options`), with the block sizes filled in, the shapes they were
+chosen for, and which of the speed levers are on (the strided load, heads in flight). Frozen
+and hashable, so a change of any of them is a new compile. `call.kernel_config` builds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from minilib.options import AttentionOptions
+
+__all__ = ["KERNEL_NAMES", "LANES", "KernelConfig"]
+
+# The m and l scratch rows are 128 lanes wide, one vector register row: TPU vector memory is
+# laid out in (8, 128) tiles, so a [rows, 1] array would take the same space anyway. The slot
+# holds head_dim in blocks of LANES (`lane_blocks`).
+LANES = 128
+
+# The pallas_calls' names, which a compiled program shows (`minilib.tpu.compile` reads them).
+KERNEL_NAMES = {
+    "mixed": "minilib_ragged_paged_attention",
+    "decode": "minilib_ragged_paged_attention_decode",
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelConfig(AttentionOptions):
+    """The static shape of the computation: the attention options, with the block sizes
+    filled in, and the shapes and head blocks they were chosen for. Frozen and hashable: the
+    jitted kernel takes it as one static argument. `kernel_config` builds it.
+
+    >>> from minilib.batch import make_batch
+    >>> from minilib.kernel import kernel_config
+    >>> batch = make_batch([(5, 20)], num_q_heads=8, num_kv_heads=2, page_size=16)
+    >>> config = kernel_config(batch.q, batch.kv_pages, batch.page_indices,
+    ...                        num_queries_per_block=8, num_kv_pages_per_block=2)
+    >>> config.kv_tokens_per_block, config.num_q_heads_per_kv_head, config.rows_per_kv_head
+    (32, 4, 32)
+    """
+
+    num_queries_per_block: int  # q rows per grid step
+    num_kv_pages_per_block: int  # pages per KV block (one DMA batch, one softmax update)
+    page_size: int
+    pages_per_seq: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_heads_blocks: int  # grid axis 0
+    num_kv_heads_per_block: int
+    num_q_heads_per_kv_head: int  # the GQA group size
+    head_dim: int
+    q_itemsize: int  # bytes per value of q's dtype, the compute dtype
+    kv_itemsize: int  # ... and of kv_pages' dtype
+    # Read each KV head with one strided load through a flat view of the slot (the lever of
+    # `strided`); set by `rpa_pallas_call` where refs can be viewed (not in TPU interpret).
+    strided_kv_loads: bool = False
+    # The two kernels of `ragged_paged_attention` (`split_configs`): the decode kernel serves
+    # one-token sequences, one q row each (`DecodeWalker`); the mixed kernel leaves them to it
+    # (treats them as idle). With both False, one kernel serves every sequence.
+    decode: bool = False
+    leaves_decode: bool = False
+    decode_seqs_per_block: int = 1  # the decode kernel's q block: sequences per grid step
+    # The software pipeline over KV heads (the lever of `heads_in_flight`), set by
+    # `with_head_pipeline`.
+    heads_in_flight: int = 1
+    reload_v: bool = False
+
+    @property
+    def kv_tokens_per_block(self) -> int:
+        return self.num_kv_pages_per_block * self.page_size
+
+    @property
+    def num_q_heads_per_block(self) -> int:
+        return self.num_kv_heads_per_block * self.num_q_heads_per_kv_head
+
+    @property
+    def lane_blocks(self) -> int:
+        """How many 128-lane blocks a KV slot holds head_dim in (the lever of `lane_blocks`): 2 at
+        head_dim 256; 1 when head_dim is 128, or not a multiple of 128."""
+        return self.head_dim // LANES if self.head_dim % LANES == 0 else 1
+
+    @property
+    def lane_slices(self) -> tuple[slice, ...]:
+        """The columns of head_dim in each lane block: (slice(0, 128), slice(128, 256)) at
+        head_dim 256."""
+        width = self.head_dim // self.lane_blocks
+        return tuple(slice(f * width, (f + 1) * width) for f in range(self.lane_blocks))
+
+    @property
+    def rows_per_kv_head(self) -> int:
+        """Rows of the folded q matrix of one KV head: each q row once per q head of the group
+        (in the decode kernel, the one row of the sequence being walked)."""
+        q_rows = 1 if self.decode else self.num_queries_per_block
+        return q_rows * self.num_q_heads_per_kv_head

@@ -1,0 +1,78 @@
+"""Moving KV blocks: the pages of one KV block, from HBM into one VMEM slot, by DMA.
+
+`kv_pages` stays in HBM (`memory_space=pl.ANY`); the kernel copies the pages a KV block needs
+with `pltpu.make_async_copy`, one DMA semaphore per slot. Two slots: while the kernel computes
+with one, the other fills with the next KV block (double buffering, `walk`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from minilib.kernel.lane_blocks import lane_columns
+from minilib.kernel.table import SeqTable, Work
+
+__all__: list[str] = []  # the kernel body's own: see `KVBlockCopier`
+
+
+class KVBlockCopier:
+    """Starts and waits for the page copies of one KV block into one slot of `kv_bufs`.
+
+    Page i of a KV block goes to `kv_bufs[slot, :, i]`: one copy per page, or per page and
+    lane block when head_dim is held in several blocks of 128 lanes (`lane_blocks`).
+    """
+
+    def __init__(self, kv_pages_hbm_ref, kv_bufs, sems, batch: SeqTable):
+        self.kv_pages_hbm_ref = kv_pages_hbm_ref  # [total_num_pages, page_size, 2*kvh, hd]
+        # [2, lane_blocks, num_kv_pages_per_block, page_size, 2*kvh_per_blk, hd // lane_blocks]
+        self.kv_bufs = kv_bufs
+        self.sems = sems  # DMA semaphores [2]
+        self.batch = batch
+        self.config = batch.config
+
+    def buffer(self, slot):
+        """The VMEM buffer of a slot: [lane_blocks, num_kv_pages_per_block, page_size,
+        2*kvh_per_blk, head_dim // lane_blocks]."""
+        return self.kv_bufs.at[slot]
+
+    def start(self, work: Work, slot):
+        self._for_each_page(work, slot, lambda copy: copy.start())
+
+    def wait(self, work: Work, slot):
+        self._for_each_page(work, slot, lambda copy: copy.wait())
+
+    def _for_each_page(self, work: Work, slot, action):
+        """Page i of the block goes to kv_bufs[slot, :, i]; only the pages the sequence has.
+
+        Pages past the end of the sequence are not copied at all: their part of the buffer
+        keeps stale data, which the compute zeroes. `wait` must see the same pages as `start`,
+        so both come through here.
+        """
+        num_pages = work.num_pages
+        for i in range(self.config.num_kv_pages_per_block):
+            page_pos = work.kv_blk * self.config.num_kv_pages_per_block + i
+            pl.when(page_pos < num_pages)(
+                functools.partial(self._copy_page, work, slot, i, page_pos, action)
+            )
+
+    def _copy_page(self, work: Work, slot, i: int, page_pos, action):
+        """Copy (or wait for) one page: this heads block's K/V heads of every token in it, one
+        copy per lane block."""
+        c = self.config
+        kv_heads = c.num_kv_heads_per_block
+        combined_heads = pl.ds(work.heads_blk * 2 * kv_heads, 2 * kv_heads)
+        if c.num_heads_blocks == 1:
+            # A static whole axis: Mosaic cannot prove a dynamic offset is tile-aligned when
+            # the axis is shorter than a tile (MQA in fp8: 2 combined heads, tiles of 4 rows).
+            combined_heads = slice(None)
+        page = self.batch.page(work.seq, page_pos)
+        for f, lanes in lane_columns(c):
+            copy = pltpu.make_async_copy(
+                self.kv_pages_hbm_ref.at[page, :, combined_heads, lanes],  # [ps, 2*kvh, width]
+                self.buffer(slot).at[f, i],  # [page_size, 2*num_kv_heads_per_block, width]
+                self.sems.at[slot],
+            )
+            action(copy)

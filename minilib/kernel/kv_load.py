@@ -1,0 +1,82 @@
+"""K and V of one KV head, from a slot into vector registers, ready for the MXU.
+
+The plain load indexes the slot and reshapes the value: it runs everywhere, TPU interpret mode
+included. Where refs can be viewed (the chip), `strided` reads each KV head with one strided
+load instead; a head_dim of several 128-lane blocks is read one block at a time (`lane_blocks`).
+V is zeroed past kv_len (`zero_tokens_past_kv_len`), and fp8 dequantized.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from minilib.kernel.config import KernelConfig
+from minilib.kernel.lane_blocks import side_by_side
+from minilib.kernel.strided import load_kv_head_strided
+from minilib.reference import dequantize
+
+__all__: list[str] = []  # the kernel body's own: see `load_kv_for_mxu`
+
+
+def load_kv_for_mxu(kv_buf, kv_head: int, kv_blk, kv_len, dtype, config: KernelConfig):
+    """K and V of one KV head, ready for the MXU: V zeroed past kv_len, both in `dtype`
+    (dequantized from fp8). [kv_tokens_per_block, head_dim] each."""
+    k, v = load_kv_head(kv_buf, kv_head, config)
+    v = zero_tokens_past_kv_len(v, kv_blk, kv_len, config)
+    return dequantize_kv(k, v, dtype, config)
+
+
+def load_kv_head(
+    kv_buf,  # [lane_blocks, num_kv_pages_per_block, page_size, 2*kvh_per_blk, hd // lane_blocks]
+    kv_head: int,  # within the heads block
+    config: KernelConfig,
+):  # -> k, v: [kv_tokens_per_block, head_dim], kv dtype, bf16 or float32
+    """K and V of one KV head from a slot, as [tokens, head_dim] matrices: each lane block
+    loaded on its own (`load_kv_lane_block`), side by side (`lane_blocks`; at head_dim 128 there
+    is one).
+
+    K sits in combined slot 2*kv_head and V in 2*kv_head + 1 of every token. Tokens at or past
+    kv_len hold anything (NaN padding, stale or never-written memory): see
+    `zero_tokens_past_kv_len`.
+    """
+    blocks = [load_kv_lane_block(kv_buf.at[f], kv_head, config) for f in range(config.lane_blocks)]
+    return side_by_side(blocks)
+
+
+def load_kv_lane_block(
+    kv_lanes,  # [num_kv_pages_per_block, page_size, 2*kvh_per_blk, width]: one lane block
+    kv_head: int,
+    config: KernelConfig,
+):  # -> k, v: [kv_tokens_per_block, width]
+    """K and V of one KV head in one lane block of a slot."""
+    if config.strided_kv_loads:
+        return load_kv_head_strided(kv_lanes, kv_head, config)
+    # Index the ref and reshape the *value*: TPU interpret mode cannot reshape refs. On the chip
+    # this reads one vector register per token and reassembles the rows: slow.
+    tokens, width = config.kv_tokens_per_block, kv_lanes.shape[-1]
+    k = kv_lanes[:, :, 2 * kv_head, :].reshape(tokens, width)
+    v = kv_lanes[:, :, 2 * kv_head + 1, :].reshape(tokens, width)
+    return k, v
+
+
+def dequantize_kv(
+    k,  # [kv_tokens_per_block, head_dim], kv dtype or float32
+    v,  # [kv_tokens_per_block, head_dim], kv dtype or float32
+    dtype,
+    config: KernelConfig,
+):  # -> k, v: [kv_tokens_per_block, head_dim], dtype
+    """Dequantize (fp8) to the compute dtype; a plain cast otherwise."""
+    return dequantize(k, config.k_scale, dtype), dequantize(v, config.v_scale, dtype)
+
+
+def zero_tokens_past_kv_len(x, kv_blk, kv_len, config: KernelConfig):  # x: [kv_tokens, hd]
+    """Zero the token rows at or past kv_len; needed for V only.
+
+    Those rows hold NaN padding, or stale or never-written memory where pages were not copied.
+    K needs nothing: no row can see past kv_len, so `score_mask` replaces those scores (NaN
+    included) and p is exactly 0 there. But 0 * NaN = NaN in p @ v, so V must be finite.
+    (The select runs in float32: v5e has no bf16 vector unit.)
+    """
+    pos = kv_blk * config.kv_tokens_per_block + lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    return jnp.where(pos < kv_len, x.astype(jnp.float32), 0.0).astype(x.dtype)
