@@ -36,6 +36,7 @@ from conftest import (
     assert_matches_jax,
     assert_output_matches_jax,
     jax_reference_jitted,
+    one_case_per_path,
     one_of_each_batch,
     random_batches,
 )
@@ -122,8 +123,22 @@ KERNEL_CASES = {
 }
 
 
-@pytest.mark.parametrize("dma_mode", list(DMA_MODES))
-@pytest.mark.parametrize("name", list(KERNEL_CASES))
+# Every stack: the decode kernel, the mixed kernel at its default block sizes (eager DMAs),
+# two lane blocks of head_dim, and an fp8 cache; the rest of the matrix once, in .venv.
+PARITY_CASES = one_case_per_path(
+    [
+        pytest.param(name, dma_mode, id=f"{name}-{dma_mode}")
+        for dma_mode in DMA_MODES
+        for name in KERNEL_CASES
+    ],
+    "decode-DMAs on wait",
+    "MQA, default block sizes-DMAs eager",
+    "head_dim 256 (two lane blocks per slot)-DMAs on wait",
+    "fp8 KV with scales-DMAs on wait",
+)
+
+
+@pytest.mark.parametrize("name, dma_mode", PARITY_CASES)
 def test_matches_jax_reference(name, dma_mode):
     seq_lens, batch_options, options = KERNEL_CASES[name]
     batch = make_batch(seq_lens, **batch_options)
@@ -145,7 +160,14 @@ STRIDED_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(STRIDED_CASES))
+@pytest.mark.parametrize(
+    "name",
+    one_case_per_path(
+        STRIDED_CASES,
+        "bfloat16, 8 KV heads",
+        "bfloat16, head_dim 256 (a strided load per lane block)",
+    ),
+)
 def test_strided_kv_loads_match_jax_reference(name):
     """The compiled path's strided K/V loads, in both kernels, run by plain `interpret=True`."""
     batch_options, options = STRIDED_CASES[name]
@@ -159,8 +181,18 @@ def test_strided_kv_loads_match_jax_reference(name):
     assert_output_matches_jax(out, batch, **options)
 
 
-@pytest.mark.parametrize("heads_in_flight, reload_v", [(1, False), (3, True), (8, False)], ids=str)
-@pytest.mark.parametrize("path", ["strided loads", "TPU interpret"])
+@pytest.mark.parametrize(
+    "heads_in_flight, reload_v, path",
+    one_case_per_path(  # every stack: some heads in flight on each path
+        [
+            pytest.param(heads, reload_v, path, id=f"{path}-{heads}-{reload_v}")
+            for path in ("strided loads", "TPU interpret")
+            for heads, reload_v in [(1, False), (3, True), (8, False)]
+        ],
+        "strided loads-3-True",
+        "TPU interpret-3-True",
+    ),
+)
 def test_every_head_pipeline_matches_jax_reference(heads_in_flight, reload_v, path):
     """The software pipeline over KV heads (`attend_kv_heads`) in the mixed kernel, however
     many heads are in flight (one, some, all 8) and wherever V comes from: the defaults pick
@@ -279,7 +311,7 @@ DECODE_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(DECODE_CASES))
+@pytest.mark.parametrize("name", one_case_per_path(DECODE_CASES, "decodes in four decode blocks"))
 def test_decode_kernel_in_several_grid_steps(name):
     """Both kernels, the decode kernel with 2 sequences per grid step, in TPU interpret mode
     with eager DMAs and the race detector on: parity with JAX's reference, no race, every
