@@ -146,8 +146,9 @@ def colab_python() -> str:
 
 def pytest(python: Path, *args: str) -> None:
     # pytest exits 5 when it collected no tests: that is a failure here, as any non-zero code.
+    # --durations: the slowest tests of each run, where CI's time goes.
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    run(python, "-m", "pytest", *args, env=env)
+    run(python, "-m", "pytest", "--durations=15", *args, env=env)
 
 
 class Phases:

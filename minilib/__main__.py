@@ -62,7 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the command. Returns the exit code."""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        # argparse would first say that COMMAND is missing, which hides the real mistake.
+        parser.error(f"unrecognized argument {argv[0]}: a command comes first (doctor, bench "
+                     "or compile), then its flags")  # fmt: skip
+    args = parser.parse_args(argv)
     return args.run(args)
 
 

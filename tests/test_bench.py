@@ -392,6 +392,28 @@ def test_command_line_errors_are_one_line_with_exit_code_2(argv, capsys):
     assert len(err.splitlines()) == 1 and "error:" in err, err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--bogus"], "unrecognized argument --bogus: a command comes first"),
+        (["compile", "--num-q-heads", "12", "--num-kv-heads", "8"],
+         "num_q_heads=12 must be divisible by num_kv_heads=8"),
+        (["compile", "--num-kv-pages-per-block", "0"], "num_kv_pages_per_block=0 must be in"),
+        (["compile", "--soft-cap", "nan"], "soft_cap=nan must be finite"),
+        (["compile", "--page-size", "0"], "--page-size=0 must be at least 1"),
+    ],
+)  # fmt: skip
+def test_a_bad_flag_is_named_with_exit_code_2_libtpu_or_not(argv, message, capsys):
+    """The compile command checks its flags with the validator before it looks for libtpu."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "error:" in err and message in err, err
+
+
 @pytest.mark.parametrize("command", [[], ["bench"], ["compile"], ["doctor"]])
 def test_help_exits_0(command, capsys):
     with pytest.raises(SystemExit) as info:

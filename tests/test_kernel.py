@@ -401,6 +401,13 @@ def test_explicit_interpret_values_are_kept():
     assert resolve_interpret(params) is params
 
 
+@pytest.mark.parametrize("interpret", ["yes", 2.5, 1, 0, "False"], ids=repr)
+def test_other_interpret_values_are_a_clear_error(interpret):
+    batch = make_batch([(1, 5)], page_size=8)
+    with pytest.raises(ValueError, match=rf"interpret={interpret!r} is not an interpret mode"):
+        ragged_paged_attention(*batch.args(), interpret=interpret)
+
+
 # ---------------------------------------------------------------------------------------------
 # The slow sweep: random batches, random block sizes.
 # ---------------------------------------------------------------------------------------------

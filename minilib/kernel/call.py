@@ -21,6 +21,7 @@ from minilib.block_sizes import (
     default_decode_seqs_per_block,
     num_kv_heads_per_block,
 )
+from minilib.errors import RPAInputError
 from minilib.kernel.config import KERNEL_NAMES, LANES, KernelConfig
 from minilib.kernel.copier import KVBlockCopier
 from minilib.kernel.decode import DecodeWalker, decode_batch, split_configs
@@ -107,7 +108,14 @@ def resolve_interpret(interpret):
         return False if jax.default_backend() == "tpu" else pltpu.InterpretParams()
     if interpret is True:
         return pltpu.InterpretParams()
-    return interpret
+    if interpret is False or isinstance(interpret, pltpu.InterpretParams):
+        return interpret
+    raise RPAInputError(
+        f"interpret={interpret!r} is not an interpret mode",
+        "pass None (compiled on a TPU, TPU interpret mode elsewhere), True (TPU interpret "
+        "mode), False (compiled: needs a TPU, or jax.export for one), or "
+        "pltpu.InterpretParams(...)",
+    )
 
 
 def kernel_config(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -272,11 +273,50 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")  # num_q_heads -> --num-q-heads
 
 
+def flag_problem(args) -> str | None:
+    """What is wrong with the flags of `python -m minilib compile`, in the validator's words
+    (with its hint), or None: checked before libtpu is looked for, so a bad flag is a usage
+    error wherever it is given.
+
+    >>> parser = argparse.ArgumentParser()
+    >>> add_arguments(parser)
+    >>> print(flag_problem(parser.parse_args(["--num-q-heads", "12", "--num-kv-heads", "8"])))
+    num_q_heads=12 must be divisible by num_kv_heads=8 ...
+    >>> flag_problem(parser.parse_args([])) is None
+    True
+    """
+    from minilib.errors import RPAInputError
+    from minilib.tpu.kernel_costs import rpa_specs
+    from minilib.validation import static_validate_inputs
+
+    case = {name: getattr(args, name) for name in SHAPE_FLAGS}
+    kv_dtype = DTYPES[args.kv_dtype] if args.kv_dtype else None
+    options = {name: getattr(args, name) for name in OPTION_FLAGS}
+    try:
+        for name, value in case.items():
+            if value < 1:
+                raise RPAInputError(f"--{name.replace('_', '-')}={value} must be at least 1",
+                                    "give a positive whole number")  # fmt: skip
+        specs = rpa_specs(**case, dtype=DTYPES[args.dtype], kv_dtype=kv_dtype)
+        for num_queries_per_block in args.num_queries_per_block:
+            static_validate_inputs(*specs, **options,
+                                   num_kv_pages_per_block=args.num_kv_pages_per_block,
+                                   num_queries_per_block=num_queries_per_block)  # fmt: skip
+    except RPAInputError as err:
+        return " ".join(str(err).split())  # one line
+    return None
+
+
 def run(args) -> int:
     """Run `python -m minilib compile` with parsed flags. Returns the exit code: 0, or 1 when
-    this host cannot compile for a TPU, or our kernel gave no figure on a chip."""
+    this host cannot compile for a TPU, or our kernel gave no figure on a chip; 2 for a bad
+    flag (`flag_problem`)."""
     from minilib.tpu.compile import chip_unknown_here, libtpu_version, tpu_compile_available
 
+    problem = flag_problem(args)
+    if problem is not None:
+        print(f"python -m minilib compile: error: {problem} (see --help)", file=sys.stderr)
+        return 2
     ok, reason = tpu_compile_available()
     if not ok:
         print(f"Cannot compile for a TPU here: {reason}")
