@@ -80,7 +80,9 @@ JAX_0_7_2_TPU_TESTS = "gqa-bf16 or against_jax or bad_kernel or vmem_overflow or
 # On Colab's own pair: those, every ladder rung (test_ladder.py's tpu_compile tests), and the
 # pair's tests.
 COLAB_TPU_TESTS = f"{JAX_0_7_2_TPU_TESTS} or add_vectors or test_ladder or colab_pair"
-# pytest on both cores of CI's machine (pytest-xdist): "auto" is one worker per core.
+# pytest on both cores of CI's machine (pytest-xdist): "auto" is one worker per core. Not for
+# the tpu_compile runs: their tests share each chip's compiles through a per-process cache,
+# which every worker would fill again.
 WORKERS = ("-n", os.environ.get("MINILIB_TEST_WORKERS", "auto"))
 
 
@@ -207,14 +209,14 @@ def run_tests(args: list[str], phases: Phases) -> None:
         pytest(oldest, *WORKERS, "-m", "not slow and not browser and not matrix",
                "-p", "no:cacheprovider")  # fmt: skip
     with phases(".venv-tpu: the tpu_compile tests"):
-        pytest(tpu, *WORKERS, "-m", "tpu_compile", "-p", "no:cacheprovider", *TPU_COMPILE_TESTS)
+        pytest(tpu, "-m", "tpu_compile", "-p", "no:cacheprovider", *TPU_COMPILE_TESTS)
     # On Colab's pair: the jax 0.7.2 compiles, every ladder rung, and the pair's own tests.
     with phases(".venv-tpu-oldest: Colab's pair"):
-        pytest(tpu_oldest, *WORKERS, "-m", "tpu_compile", "-k", COLAB_TPU_TESTS,
+        pytest(tpu_oldest, "-m", "tpu_compile", "-k", COLAB_TPU_TESTS,
                "-p", "no:cacheprovider", "-rs", "tests/test_tpu_compile.py",
                "tests/test_ladder.py", "tests/test_tpu_colab_pair.py")  # fmt: skip
     with phases(".venv-tpu-jax-0.7.2: a few compiles"):
-        pytest(tpu_jax, *WORKERS, "-m", "tpu_compile", "-k", JAX_0_7_2_TPU_TESTS,
+        pytest(tpu_jax, "-m", "tpu_compile", "-k", JAX_0_7_2_TPU_TESTS,
                "-p", "no:cacheprovider", "tests/test_tpu_compile.py")  # fmt: skip
     for env in (python, oldest):
         with phases(f"{env.parent.parent.name}: the browser test"):

@@ -36,7 +36,10 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     limit = item.config.stash[LIMIT]
-    if call.when == "call" and report.passed and call.duration > limit:
+    # The tpu_compile tests run in venvs of their own, and share compiles through caches: the
+    # first test that asks for a chip's comparison compiles three kernels for it.
+    exempt = item.get_closest_marker("tpu_compile") is not None
+    if call.when == "call" and report.passed and call.duration > limit and not exempt:
         report.outcome = "failed"
         report.longrepr = (
             f"{item.nodeid} passed but took {call.duration:.3g} s, over the time limit of "
