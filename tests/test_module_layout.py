@@ -31,7 +31,7 @@ PACKAGE = pathlib.Path(minilib.__file__).parent
 
 # The learner's own modules, flat at the top of minilib (minilib/README.md lists them by chapter).
 COURSE = {
-    "errors", "heads", "options", "kv_cache", "batch", "masking", "validation",  # ch. 01-05
+    "errors", "heads", "options", "page_allocator", "kv_cache", "batch", "masking", "validation",  # ch. 01-05
     "reference", "vectorized", "blockwise", "pallas_basics",  # ch. 04-07
     "kernel", "kernel_trace", "schedule", "block_sizes",  # ch. 08-09
     "ladder", "engine", "exercises",  # the rungs, the capstone, the exercises
@@ -50,7 +50,7 @@ LAYERS = [
     # 1. Head grouping and the options object.
     ("heads", "options"),
     # 2. The paged KV cache (chapter 02).
-    ("kv_cache",),
+    ("page_allocator", "kv_cache"),
     # 3. Ragged batches, and what every attention function checks its input with.
     ("batch", "validation"),
     # 4. The implementations, and the kernel's block sizes.
