@@ -31,7 +31,8 @@ PACKAGE = pathlib.Path(minilib.__file__).parent
 
 # The learner's own modules, flat at the top of minilib (minilib/README.md lists them by chapter).
 COURSE = {
-    "errors", "heads", "options", "page_allocator", "kv_cache", "batch", "masking", "validation",  # ch. 01-05
+    "errors", "heads", "options", "page_allocator", "kv_cache",  # ch. 01-02
+    "batch", "masking", "validation",  # ch. 03-05
     "reference", "vectorized", "blockwise", "pallas_basics",  # ch. 04-07
     "kernel", "kernel_trace", "schedule", "block_sizes",  # ch. 08-09
     "ladder", "engine", "exercises",  # the rungs, the capstone, the exercises
