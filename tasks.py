@@ -146,10 +146,20 @@ def colab_python() -> str:
     return python_for(COLAB_PYTHON)
 
 
-def pytest(python: Path, *args: str) -> None:
+# The CPU test runs have XLA compile for the CPU without optimising (-O0). Their time goes
+# mostly to compiling interpret-mode kernels that then run once or twice: an optimised program
+# would save less than its optimising costs (tests/test_kernel_garbage.py: 497 s -> 333 s).
+# The notebooks' kernels drop the flag (tests/test_notebooks.py), so they run, and time this
+# machine, as a learner's do; the TPU compiles never get it.
+FAST_CPU_COMPILES = "--xla_backend_optimization_level=0"
+
+
+def pytest(python: Path, *args: str, fast_cpu_compiles: bool = False) -> None:
     # pytest exits 5 when it collected no tests: that is a failure here, as any non-zero code.
     # --durations: the slowest tests of each run, where CI's time goes.
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    if fast_cpu_compiles:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_CPU_COMPILES}".strip()
     run(python, "-m", "pytest", "--durations=15", *args, env=env)
 
 
@@ -204,10 +214,10 @@ def run_tests(args: list[str], phases: Phases) -> None:
         run(python, "-m", "ruff", "check", ".")
         run(python, "-m", "ruff", "format", "--check", ".")
     with phases(".venv: the tests and the notebooks"):
-        pytest(python, *WORKERS, *args)
+        pytest(python, *WORKERS, *args, fast_cpu_compiles=True)
     with phases(".venv-oldest: the tests (one case per matrix path) and the notebooks"):
         pytest(oldest, *WORKERS, "-m", "not slow and not browser and not matrix",
-               "-p", "no:cacheprovider")  # fmt: skip
+               "-p", "no:cacheprovider", fast_cpu_compiles=True)  # fmt: skip
     with phases(".venv-tpu: the tpu_compile tests"):
         pytest(tpu, "-m", "tpu_compile", "-p", "no:cacheprovider", *TPU_COMPILE_TESTS)
     # On Colab's pair: the jax 0.7.2 compiles, every ladder rung, and the pair's own tests.
@@ -228,7 +238,8 @@ def test_colab_2026_07(args: list[str]) -> None:
     numpy 2.0.2, jax 0.7.2). Not part of `test`: it would add its time to CI's."""
     python = python_for(COLAB_2026_07_PYTHON)
     past = make_venv(*COLAB_2026_07, extra="dev,browser", base_python=python)
-    pytest(past, *WORKERS, "-m", "not slow and not browser", "-p", "no:cacheprovider", *args)
+    pytest(past, *WORKERS, "-m", "not slow and not browser", "-p", "no:cacheprovider", *args,
+           fast_cpu_compiles=True)  # fmt: skip
 
 
 def browser_test(python: Path) -> None:

@@ -27,6 +27,18 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
 # that got twice as slow.
 SECONDS_LIMIT = 120
 KERNEL_NAME = "minilib-tests"
+OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
+
+
+def learner_env(environ=os.environ) -> dict[str, str]:
+    """The notebooks' kernels get this environment as a learner's would: without the test
+    suite's headless matplotlib backend (figures render as a learner sees them) and without
+    the CPU test runs' unoptimised XLA compiles (tasks.py's FAST_CPU_COMPILES), which would
+    slow the notebooks' jnp code and skew the machine figures notebook 09 measures."""
+    env = {k: v for k, v in environ.items() if k != "MPLBACKEND"}
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(OPT_LEVEL_FLAG)]
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env
 
 
 def _ids(paths):
@@ -151,11 +163,8 @@ def test_notebook_runs(path, kernel_manager_factory, record_property):
         timeout=600,  # per cell
         resources={"metadata": {"path": str(NOTEBOOK_DIR)}},  # run from notebooks/, as Jupyter
     )
-    # The kernel gets this environment, minus the test suite's headless matplotlib backend:
-    # figures render as a learner sees them.
-    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
     start = time.perf_counter()
-    client.execute(env=env)
+    client.execute(env=learner_env())
     seconds = time.perf_counter() - start
     record_property("seconds", round(seconds, 1))
     print(f"{path.name}: {seconds:.1f} s")

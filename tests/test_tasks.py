@@ -41,3 +41,14 @@ def test_every_venv_gets_pytest_xdist_for_the_workers():
     for extra in ("dev", "tpu-test"):
         needs = extras["optional-dependencies"][extra]
         assert "pytest-xdist" in needs, f"{extra} lacks pytest-xdist, which tasks.py's -n needs"
+
+
+def test_the_notebooks_run_without_the_cpu_test_runs_unoptimised_compiles():
+    """The CPU suites compile at -O0 (tasks.FAST_CPU_COMPILES); the notebooks' kernels drop
+    that flag, and the headless matplotlib backend, and keep every other flag."""
+    from test_notebooks import learner_env
+
+    tasks = load_tasks()
+    devices = "--xla_force_host_platform_device_count=4"
+    environ = {"XLA_FLAGS": f"{devices} {tasks.FAST_CPU_COMPILES}", "MPLBACKEND": "Agg", "A": "1"}
+    assert learner_env(environ) == {"XLA_FLAGS": devices, "A": "1"}
