@@ -927,3 +927,44 @@ def next_work_as_an_array(seq, page, kv_lens, num_seqs, page_size):
 def test_next_work_takes_numpy_and_jax_integers(answer):
     result = ex.check_next_work(answer, verbose=False)
     assert result.passed, result.report
+
+
+def mask_as_floats(q_len, kv_len):
+    return solution("ex03_ragged", "causal_mask")(q_len, kv_len).astype(jnp.float32)
+
+
+def mask_as_list(q_len, kv_len):
+    return np.asarray(solution("ex03_ragged", "causal_mask")(q_len, kv_len)).tolist()
+
+
+def window_mask_as_ints(q_len, kv_len, sliding_window):
+    mask = solution("ex04_reference", "sliding_window_mask")(q_len, kv_len, sliding_window)
+    return np.asarray(mask).astype(np.int32)
+
+
+def window_mask_as_list(q_len, kv_len, sliding_window):
+    mask = solution("ex04_reference", "sliding_window_mask")(q_len, kv_len, sliding_window)
+    return np.asarray(mask).tolist()
+
+
+# (checker, wrong answer, words its report must hold)
+FOUND_BY_LEARNERS = [
+    (ex.check_causal_mask, mask_as_floats, "got an array of dtype float32"),
+    (ex.check_causal_mask, mask_as_list, "got a list"),
+    (ex.check_sliding_window_mask, window_mask_as_ints, "got an array of dtype int32"),
+    (ex.check_sliding_window_mask, window_mask_as_list, "got a list"),
+]
+
+
+@pytest.mark.parametrize(
+    "checker, wrong, words", FOUND_BY_LEARNERS, ids=[w.__name__ for _, w, _ in FOUND_BY_LEARNERS]
+)
+def test_wrong_answers_learners_found_fail_with_their_cause(checker, wrong, words):
+    result = checker(wrong, verbose=False)
+    assert result.status == "failed", result.report
+    assert words in result.report, result.report
+    if checker in (ex.check_causal_mask, ex.check_sliding_window_mask):  # a type, not a cause
+        assert "expected a boolean jax or NumPy array" in result.report, result.report
+        assert "jnp.asarray(mask, dtype=bool)" in result.report, result.report
+    else:
+        assert "Likely cause:" in result.report, result.report
