@@ -394,8 +394,6 @@ WRONG_ANSWERS = [
     # rung 1b: the pallas_call
     W("1b", "KV axis parallel", ex.check_flash_pallas_call, lambda: flash_call("all_parallel"),
       'the KV axis is "parallel"', fast=True),
-    W("1b", "no axis parallel", ex.check_flash_pallas_call, lambda: flash_call("all_arbitrary"),
-      'mark them "parallel"'),
     W("1b", "K/V index map uses i", ex.check_flash_pallas_call,
       lambda: flash_call("kv_map_uses_i"), "index map of K"),
     W("1b", "K/V index map ignores j", ex.check_flash_pallas_call,

@@ -927,3 +927,114 @@ def next_work_as_an_array(seq, page, kv_lens, num_seqs, page_size):
 def test_next_work_takes_numpy_and_jax_integers(answer):
     result = ex.check_next_work(answer, verbose=False)
     assert result.passed, result.report
+
+
+def can_admit_reserving_the_sampled_token(num_prompt_tokens, *, token_budget_left,
+                                          num_free_pages, page_size, num_running,
+                                          max_num_seqs):  # fmt: skip
+    # A prompt that fits in this step also gets a page for the token sampled after it.
+    first_chunk = min(num_prompt_tokens, token_budget_left)
+    if num_prompt_tokens <= token_budget_left:
+        first_chunk += 1
+    return (num_running < max_num_seqs and token_budget_left > 0
+            and -(-first_chunk // page_size) <= num_free_pages)  # fmt: skip
+
+
+def can_admit_whole_prompts_only(num_prompt_tokens, *, token_budget_left, num_free_pages,
+                                 page_size, num_running, max_num_seqs):  # fmt: skip
+    # No chunked prefill: a prompt is admitted only if all of it runs in this step.
+    return (num_running < max_num_seqs and num_prompt_tokens <= token_budget_left
+            and -(-num_prompt_tokens // page_size) <= num_free_pages)  # fmt: skip
+
+
+def preempt_counting_the_preemption(request, allocator):
+    # The scheduler counts it too, after this returns: counted twice.
+    allocator.free(request.pages)
+    request.pages, request.num_computed = [], 0
+    request.num_preemptions += 1
+
+
+def cache_full_pages_skipping_cached_hashes(request, pool, page_size):
+    # A page another request cached first is skipped, its hash never recorded: the chain
+    # restarts at the next page.
+    from minilib.engine.prefix_cache import hash_block_tokens
+
+    for i in range(len(request.block_hashes), request.num_computed // page_size):
+        parent = request.block_hashes[-1] if request.block_hashes else None
+        block_hash = hash_block_tokens(parent, request.tokens[i * page_size : (i + 1) * page_size])
+        if pool.get_cached_page(block_hash) is not None:
+            continue
+        pool.cache_page(request.pages[i], block_hash)
+        request.block_hashes.append(block_hash)
+
+
+def mask_as_floats(q_len, kv_len):
+    return solution("ex03_ragged", "causal_mask")(q_len, kv_len).astype(jnp.float32)
+
+
+def mask_as_list(q_len, kv_len):
+    return np.asarray(solution("ex03_ragged", "causal_mask")(q_len, kv_len)).tolist()
+
+
+def window_mask_as_ints(q_len, kv_len, sliding_window):
+    mask = solution("ex04_reference", "sliding_window_mask")(q_len, kv_len, sliding_window)
+    return np.asarray(mask).astype(np.int32)
+
+
+def window_mask_as_list(q_len, kv_len, sliding_window):
+    mask = solution("ex04_reference", "sliding_window_mask")(q_len, kv_len, sliding_window)
+    return np.asarray(mask).tolist()
+
+
+# (checker, wrong answer, words its report must hold)
+FOUND_BY_LEARNERS = [
+    (ex.check_can_admit, can_admit_reserving_the_sampled_token, "the token sampled"),
+    (ex.check_can_admit, can_admit_whole_prompts_only, "(chunked prefill)"),
+    (ex.check_preempt, preempt_counting_the_preemption, "counts it twice"),
+    (ex.check_cache_full_pages, cache_full_pages_skipping_cached_hashes, "restarts the chain"),
+    (ex.check_causal_mask, mask_as_floats, "got an array of dtype float32"),
+    (ex.check_causal_mask, mask_as_list, "got a list"),
+    (ex.check_sliding_window_mask, window_mask_as_ints, "got an array of dtype int32"),
+    (ex.check_sliding_window_mask, window_mask_as_list, "got a list"),
+]
+
+
+@pytest.mark.parametrize(
+    "checker, wrong, words", FOUND_BY_LEARNERS, ids=[w.__name__ for _, w, _ in FOUND_BY_LEARNERS]
+)
+def test_wrong_answers_learners_found_fail_with_their_cause(checker, wrong, words):
+    result = checker(wrong, verbose=False)
+    assert result.status == "failed", result.report
+    assert words in result.report, result.report
+    if checker in (ex.check_causal_mask, ex.check_sliding_window_mask):  # a type, not a cause
+        assert "expected a boolean jax or NumPy array" in result.report, result.report
+        assert "jnp.asarray(mask, dtype=bool)" in result.report, result.report
+    else:
+        assert "Likely cause:" in result.report, result.report
+
+
+def test_an_engine_with_skipped_hashes_differs_from_dense_generate():
+    """The engine run of check_cache_full_pages, where two requests compute the same first
+    page in one step, rejects the skipping answer by itself: later requests hit a page
+    computed after another prefix, and their tokens are not dense_generate's."""
+    from minilib.exercises.ex10_engine import run_caching_engine
+
+    differ = "requests whose tokens differ from dense_generate's"
+    right = solution("ex10_engine", "cache_full_pages")
+    assert run_caching_engine(right, scenario="same prefix in one step")[differ] == []
+    wrong = run_caching_engine(
+        cache_full_pages_skipping_cached_hashes, scenario="same prefix in one step"
+    )
+    assert wrong[differ], wrong
+
+
+def preempt_freeing_the_last_page_first(request, allocator):
+    # Right: the order pages go back to the pool in is the function's choice.
+    for page in reversed(request.pages):
+        allocator.free([page])
+    request.pages, request.num_computed = [], 0
+
+
+def test_preempt_may_free_pages_in_any_order():
+    result = ex.check_preempt(preempt_freeing_the_last_page_first, verbose=False)
+    assert result.passed, result.report

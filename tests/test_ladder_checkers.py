@@ -22,7 +22,7 @@ import pytest
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from ladder_wrong_answers import WRONG_ANSWERS, rung3, rung4
+from ladder_wrong_answers import WRONG_ANSWERS, flash_call, rung3, rung4
 
 import minilib.exercises as ex
 from minilib.ladder import async_copy
@@ -167,3 +167,12 @@ def test_the_race_detector_sees_a_compute_before_its_wait():
         )(jnp.ones((8, 128))).block_until_ready()
     assert watch.raced and watch.races()[0].first[0] == "read"
     assert watch.never_waited() == []
+
+
+def test_every_axis_arbitrary_passes_with_a_note_on_megacore():
+    """("arbitrary",) * 3 is correct (minilib's kernel and JAX's mark every axis so): it
+    passes, with a note on what "parallel" heads and q blocks give a megacore chip."""
+    result = ex.check_flash_pallas_call(flash_call("all_arbitrary"), verbose=False)
+    assert result.passed, result.report
+    assert "Note: dimension_semantics=('arbitrary', 'arbitrary', 'arbitrary')" in result.report
+    assert "megacore" in result.report and "one core idle" in result.report

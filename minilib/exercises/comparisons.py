@@ -5,6 +5,8 @@ what the report shows under "FAILED": which output differs, expected versus got.
 
 * `compare_arrays`: shape, dtype kind and values (within a tolerance for floats); the first
   differing element, how many differ, and both arrays in full when they are small;
+* `compare_masks`: `compare_arrays` for a boolean mask, which must be a boolean array (0/1
+  numbers or a Python list are not a mask `jnp.where` and `~` can use);
 * `compare_values`: small Python values (ints, tuples of ints), where True is not 1;
 * `answer_type_problem`: an answer whose values would compare equal, but of the wrong type (a
   string for a number, a one-element array for a scalar).
@@ -25,6 +27,7 @@ __all__ = [
     "as_array",
     "as_int",
     "compare_arrays",
+    "compare_masks",
     "compare_values",
     "describe",
     "expected_vs_got",
@@ -139,6 +142,36 @@ def compare_arrays(
     if want.size <= show and want.ndim <= 2:
         lines += ["expected:", indent(_format(want)), "got:", indent(_format(have))]
     raise Mismatch("\n".join(lines))
+
+
+def compare_masks(expected, got, name: str = "mask") -> None:
+    """`compare_arrays` for a mask, True where masked: the answer must be a boolean jax or
+    NumPy array. Float or int 0s and 1s, or a Python list, are refused even where their values
+    match: `~` on numbers flips their bits, not True and False, and `jnp.where` takes no list.
+
+    >>> compare_masks([True, False], np.array([True, False]))   # a boolean array: silent
+    >>> try:
+    ...     compare_masks([True, False], np.array([1.0, 0.0]))
+    ... except Mismatch as diff:
+    ...     print(diff)
+    mask: expected a boolean jax or NumPy array (dtype bool), got an array of dtype float64.
+      A comparison gives one (k_pos > q_pos); to convert numbers or a list, use
+      jnp.asarray(mask, dtype=bool).
+    """
+    if got is None or isinstance(got, str | bytes):
+        compare_arrays(expected, got, name)  # its own message: "got None. Did you forget ..."
+    if isinstance(got, np.ndarray | jax.Array):
+        if got.dtype == bool:
+            compare_arrays(expected, got, name)
+            return
+        what = f"an array of dtype {got.dtype}"
+    else:
+        what = describe(got)
+    raise Mismatch(
+        f"{name}: expected a boolean jax or NumPy array (dtype bool), got {what}.\n"
+        "  A comparison gives one (k_pos > q_pos); to convert numbers or a list, use\n"
+        "  jnp.asarray(mask, dtype=bool)."
+    )
 
 
 def compare_values(expected, got, name: str = "output") -> None:

@@ -9,7 +9,7 @@ import numpy as np
 
 from minilib.batch import seq_kind
 from minilib.exercises.checking import Case, CheckResult, diagnose, run_check
-from minilib.exercises.comparisons import Mismatch, as_int, compare_arrays, expected_vs_got
+from minilib.exercises.comparisons import Mismatch, as_int, compare_masks, expected_vs_got
 from minilib.masking import causal_mask
 
 __all__ = ["check_causal_mask", "check_seq_for_row", "describe_seq"]
@@ -69,7 +69,7 @@ def check_causal_mask(fn: Callable, *, seed: int = 0, verbose: bool = True) -> C
         "off by one: a row sees its own token (the diagonal), so mask only keys with "
         "position > the row's position.": _mask_without_diagonal,
     }
-    compare = diagnose(lambda want, got, case: compare_arrays(want, got, "mask"), mistakes)
+    compare = diagnose(lambda want, got, case: compare_masks(want, got, "mask"), mistakes)
     return run_check("causal_mask", fn, causal_mask, cases, compare, verbose=verbose)
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minilib.exercises.checking import Case, CheckResult, diagnose, random_attention_case, run_check
-from minilib.exercises.comparisons import compare_arrays
+from minilib.exercises.comparisons import compare_arrays, compare_masks
 from minilib.exercises.ex03_ragged import describe_seq
 from minilib.masking import causal_mask
 from minilib.options import DEFAULT_MASK_VALUE
@@ -114,5 +114,5 @@ def check_sliding_window_mask(fn: Callable, *, seed: int = 0, verbose: bool = Tr
         "is masked when j <= q_pos - sliding_window.": window_off_by_one,
         "the window adds to the causal mask; keys after the row stay masked too.": window_only,
     }
-    compare = diagnose(lambda want, got, case: compare_arrays(want, got, "mask"), mistakes)
+    compare = diagnose(lambda want, got, case: compare_masks(want, got, "mask"), mistakes)
     return run_check("sliding_window_mask", fn, causal_mask, cases, compare, verbose=verbose)

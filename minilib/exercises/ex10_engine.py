@@ -5,7 +5,9 @@ Each checker first compares your function with minilib's on many small situation
 plugs it into a real `Engine` (its scheduler's hooks `admission_rule`, `preempt_request` and
 `cache_pages`) on a pool small enough to make requests wait and be preempted, and checks that
 the engine still gives every request the same tokens and leaves every page free; with
-prefix caching, it also checks the pool's books after every step.
+prefix caching, it also checks the pool's books after every step, and that every request's
+tokens are `dense_generate`'s (the model run on its prompt alone), also when two requests
+compute the same prefix in the same step.
 """
 
 from __future__ import annotations
@@ -34,11 +36,22 @@ __all__ = [
 
 
 @functools.cache
-def _tiny_model():
+def _tiny_model(num_layers: int = 1):
     from minilib.engine import TINY_CONFIG, init_params
 
-    config = dataclasses.replace(TINY_CONFIG, embed_dim=16, mlp_dim=32)  # narrower still
+    config = dataclasses.replace(  # narrower still
+        TINY_CONFIG, embed_dim=16, mlp_dim=32, num_layers=num_layers
+    )
     return config, init_params(config, seed=7)
+
+
+@functools.cache
+def _dense_tokens(prompt: tuple[int, ...], max_new_tokens: int, num_layers: int) -> list[int]:
+    """What the model generates for `prompt` alone, without the engine (`dense_generate`)."""
+    from minilib.engine import dense_generate
+
+    config, params = _tiny_model(num_layers)
+    return dense_generate(params, config, list(prompt), max_new_tokens)
 
 
 def run_engine(rule=can_admit, preempt_fn=preempt, *, seed: int = 0) -> dict:
@@ -79,6 +92,7 @@ def run_engine(rule=can_admit, preempt_fn=preempt, *, seed: int = 0) -> dict:
         "outputs": [engine.output(i) for i in ids],
         "admitted per step": [list(s.admitted) for s in engine.stats],
         "preempted per step": [list(s.preempted) for s in engine.stats],
+        "each request's num_preemptions": [engine.requests[i].num_preemptions for i in ids],
         "pages still in use at the end": engine.scheduler.allocator.num_used,
     }
 
@@ -110,11 +124,13 @@ def check_can_admit(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Che
     with it.
 
     >>> check_can_admit(can_admit)
-    Passed: can_admit matches the reference on all 73 cases.
+    Passed: can_admit matches the reference on all 97 cases.
     CheckResult('can_admit', status='passed')
     """
     cases = []
-    situations = itertools.product((1, 7, 20), (0, 3, 8), (0, 1, 2, 5), (2, 3))
+    # Prompts of 8 tokens fill whole pages; most free pages come first, so that a rule asking
+    # for too much fails first where the pages would have been enough for the whole prompt.
+    situations = itertools.product((1, 7, 8, 20), (0, 3, 8), (5, 2, 1, 0), (2, 3))
     for prompt, budget, free, running in situations:
         kwargs = dict(
             token_budget_left=budget,
@@ -151,6 +167,23 @@ def check_can_admit(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Che
                 can_admit(n, **k) and pages_needed(n, k["page_size"]) <= k["num_free_pages"]
             )
         ),
+        "a prompt longer than the token budget left is admitted too (chunked prefill): this "
+        "step computes its first token_budget_left tokens, later steps the rest. Admit when the "
+        "first chunk's pages are free; the whole prompt need not fit in this step.": call(
+            lambda n, **k: n <= k["token_budget_left"] and can_admit(n, **k)
+        ),
+        "no page is needed yet for the token sampled at the end of the prompt: it goes into "
+        "the cache in the next step, as a decode, and the scheduler gives it a page then. The "
+        "first chunk needs pages_needed(min(num_prompt_tokens, token_budget_left), page_size) "
+        "pages, not one token more.": call(
+            lambda n, **k: (
+                can_admit(n, **k)
+                and (
+                    n > k["token_budget_left"]
+                    or pages_needed(n + 1, k["page_size"]) <= k["num_free_pages"]
+                )
+            )
+        ),
         "with no token budget left (token_budget_left == 0) nothing more fits in this step.": (
             call(
                 lambda n, **k: (
@@ -183,14 +216,16 @@ def _situation(rng, num_pages: int):
 
 
 def _after(fn, request, allocator):
-    """State of a copy of (request, allocator) after fn(request, allocator)."""
+    """State of a copy of (request, allocator) after fn(request, allocator). The free pages
+    are compared in page order: the order they are freed in is the function's choice."""
     request, allocator = copy.deepcopy((request, allocator))
     fn(request, allocator)
     return {
         "request.pages": list(request.pages),
         "request.num_computed": request.num_computed,
         "request.output": list(request.output),
-        "allocator.free_pages": list(allocator.free_pages),
+        "request.num_preemptions": request.num_preemptions,
+        "allocator.free_pages, in page order": sorted(allocator.free_pages),
     }
 
 
@@ -240,6 +275,10 @@ def check_preempt(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Check
         allocator.free(request.pages)
         request.num_computed = 0
 
+    def counts_the_preemption(request, allocator):
+        preempt(request, allocator)
+        request.num_preemptions += 1
+
     mistakes = {
         "num_computed must go back to 0: the K/V of those tokens is gone with the pages, so "
         "the request must recompute them all.": call(keeps_num_computed),
@@ -248,6 +287,10 @@ def check_preempt(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Check
         "the pages never went back to the pool: allocator.free(request.pages).": call(leaks_pages),
         "after freeing, clear request.pages: the request no longer owns those pages (another "
         "request may get them next).": call(keeps_page_list),
+        "leave request.num_preemptions alone: the scheduler counts each preemption itself, "
+        "after calling your function, so counting it here counts it twice.": (
+            call(counts_the_preemption)
+        ),
     }
     return run_check(
         "preempt",
@@ -262,30 +305,74 @@ def check_preempt(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Check
 # --- Exercise 10.3: naming full pages for the prefix cache ----------------------------------
 
 SYSTEM_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]  # shared by most requests of the engine run
+CACHING_MODEL_LAYERS = 2  # with two layers, a token's K/V depends on the tokens before it
 
 
-def run_caching_engine(cache_fn=cache_full_pages, *, seed: int = 0) -> dict:
-    """Run a small prefix-caching engine with `cache_fn` as its scheduler's `cache_pages`:
-    requests sharing a system prompt, a pool small enough to preempt, chunked prefill.
-    Returns the outputs, the prompt tokens each found in the cache, and what was wrong with
-    the pool's books after each step (`accounting_problems`), if anything.
+def caching_scenario(name: str, seed: int = 0) -> tuple[list[tuple[int, list[int]]], int]:
+    """The requests of a prefix-caching engine run, as (step it arrives at, prompt), and the
+    pool's size in pages. Two scenarios:
+
+    "shared system prompt": one request, then five more after its first step, four of them
+      sharing its 10-token system prompt; 10 pages, too few for all (preemption).
+    "same prefix in one step": two requests whose first page is the same 4 tokens, both
+      computing it in step 0; after step 1, two requests whose prompts begin with the
+      second one's *next* 4 tokens, at position 0. 16 pages, enough for all.
+
+    >>> arrivals, num_pages = caching_scenario("same prefix in one step")
+    >>> [step for step, _ in arrivals], num_pages
+    ([0, 0, 2, 2], 16)
+    >>> (_, a), (_, b), (_, c), _ = arrivals
+    >>> a == b[:4], c[:4] == b[4:8]
+    (True, True)
+    """
+    if name == "shared system prompt":
+        rng = np.random.default_rng(2000 + seed)
+        prompts = [SYSTEM_PROMPT + rng.integers(0, 32, n).tolist() for n in (3, 6, 1, 4, 2)]
+        prompts.append(rng.integers(0, 32, 5).tolist())
+        return [(0, prompts[0])] + [(1, p) for p in prompts[1:]], 10
+    if name == "same prefix in one step":
+        rng = np.random.default_rng(2100 + seed)
+        first_page = rng.integers(0, 32, 4).tolist()
+        a = first_page  # 4 tokens, and the budget of 8 leaves 4 for b: page 0 of both
+        b = first_page + rng.integers(0, 32, 5).tolist()  # its page 1 is full after step 1
+        later = [b[4:8] + rng.integers(0, 32, n).tolist() for n in (2, 3)]
+        return [(0, a), (0, b), (2, later[0]), (2, later[1])], 16
+    raise ValueError(f"caching_scenario: no scenario {name!r}")
+
+
+def run_caching_engine(
+    cache_fn=cache_full_pages, *, seed: int = 0, scenario: str = "shared system prompt"
+) -> dict:
+    """Run a small prefix-caching engine with `cache_fn` as its scheduler's `cache_pages` on
+    `caching_scenario(scenario, seed)`, chunked prefill of 8 tokens a step. Returns which
+    requests' tokens differ from `dense_generate` (the model run on each prompt alone), the
+    outputs, the prompt tokens each found in the cache, and what was wrong with the pool's
+    books after each step (`accounting_problems`), if anything.
 
     >>> result = run_caching_engine()
+    >>> result["requests whose tokens differ from dense_generate's"]
+    []
     >>> result["pool's books after each step"], result["pages still in use at the end"]
     ('right after every step', 0)
     >>> result["prompt tokens found in the prefix cache"]
     [0, 8, 8, 8, 8, 0]
     >>> any(result["preempted per step"])
     True
+    >>> twins = run_caching_engine(scenario="same prefix in one step")
+    >>> twins["requests whose tokens differ from dense_generate's"]
+    []
+    >>> twins["prompt tokens found in the prefix cache"]  # the last waits a step: a hit
+    [0, 0, 0, 4]
     """
     from minilib.engine import Engine
     from minilib.vectorized import ragged_paged_attention_jnp
 
-    config, params = _tiny_model()
+    arrivals, num_pages = caching_scenario(scenario, seed)
+    config, params = _tiny_model(CACHING_MODEL_LAYERS)
     engine = Engine(
         params,
         config,
-        num_pages=10,
+        num_pages=num_pages,
         page_size=4,
         max_num_batched_tokens=8,
         max_num_seqs=4,
@@ -293,15 +380,11 @@ def run_caching_engine(cache_fn=cache_full_pages, *, seed: int = 0) -> dict:
         enable_prefix_caching=True,
     )
     engine.scheduler.cache_pages = cache_fn
-    rng = np.random.default_rng(2000 + seed)
-    prompts = [SYSTEM_PROMPT + rng.integers(0, 32, n).tolist() for n in (3, 6, 1, 4, 2)]
-    prompts.append(rng.integers(0, 32, 5).tolist())
-    ids = [engine.add_request(prompts[0], 5)]
+    ids = []
     books = "right after every step"
     for step in range(200):  # a pool whose pages never come back would loop forever
-        if step == 1:  # the first request's system prompt is in pages by now
-            ids += [engine.add_request(p, 5) for p in prompts[1:]]
-        if not engine.has_unfinished:
+        ids += [engine.add_request(p, 5) for arrives, p in arrivals if arrives == step]
+        if not engine.has_unfinished and len(ids) == len(arrivals):
             break
         try:
             stats = engine.step()
@@ -311,8 +394,14 @@ def run_caching_engine(cache_fn=cache_full_pages, *, seed: int = 0) -> dict:
         problems = engine.scheduler.accounting_problems()
         if problems and books == "right after every step":
             books = f"after step {stats.step}: {problems[0]}"
+    outputs = [engine.output(i) for i in ids]
     return {
-        "outputs": [engine.output(i) for i in ids],
+        "requests whose tokens differ from dense_generate's": [
+            i
+            for i, ((_, prompt), tokens) in enumerate(zip(arrivals, outputs, strict=False))
+            if tokens != _dense_tokens(tuple(prompt), 5, CACHING_MODEL_LAYERS)
+        ],
+        "outputs": outputs,
         "prompt tokens found in the prefix cache": [
             engine.request_output(i).num_cached_tokens for i in ids
         ],
@@ -322,10 +411,14 @@ def run_caching_engine(cache_fn=cache_full_pages, *, seed: int = 0) -> dict:
     }
 
 
-def _caching_situation(rng, *, num_computed: int, num_generated: int, hit_pages: int):
+def _caching_situation(
+    rng, *, num_computed: int, num_generated: int, hit_pages: int, twin_pages: int = 0
+):
     """A request part way through its tokens, holding its pages in a BlockPool; its first
     `hit_pages` pages came from the cache (their hashes are in request.block_hashes). One
-    page of someone else is cached too."""
+    page of someone else is cached too. With `twin_pages`, the request's next pages are cached
+    already, as another request's pages: that request computed the same prefix in the same
+    step, and was named first."""
     pool = BlockPool(12)
     other = pool.allocate(1)
     pool.cache_page(other[0], hash_block_tokens(None, [31, 31, 31, 31]))
@@ -333,12 +426,15 @@ def _caching_situation(rng, *, num_computed: int, num_generated: int, hit_pages:
     output = rng.integers(0, 32, num_generated).tolist()
     request = Request(3, prompt, max_new_tokens=8, output=output)
     request.num_computed = min(num_computed, len(prompt) + len(output))
-    hashes = hash_request_tokens(request.tokens, 4)[:hit_pages]
+    hashes = hash_request_tokens(request.tokens, 4)[: hit_pages + twin_pages]
     pages = pool.allocate(hit_pages)
-    for page, block_hash in zip(pages, hashes, strict=True):
+    for page, block_hash in zip(pages, hashes[:hit_pages], strict=True):
+        pool.cache_page(page, block_hash)
+    twins = pool.allocate(twin_pages)  # the other request's copies of the same pages
+    for page, block_hash in zip(twins, hashes[hit_pages:], strict=True):
         pool.cache_page(page, block_hash)
     request.pages = pages + pool.allocate(-(-request.num_computed // 4) - hit_pages)
-    request.block_hashes = list(hashes)
+    request.block_hashes = list(hashes[:hit_pages])
     return request, pool
 
 
@@ -381,31 +477,43 @@ def check_cache_full_pages(fn: Callable, *, seed: int = 0, verbose: bool = True)
     """Check `fn(request, pool, page_size) -> None`, which puts every page of `request` that
     is now full of computed K/V into the prefix cache (`pool.cache_page(page, block_hash)`,
     the hash chained from the page before) and appends its hash to `request.block_hashes`;
-    then run a prefix-caching engine that preempts, with it.
+    then run two prefix-caching engines with it, one that preempts and one where two requests
+    compute the same prefix in the same step: every request must get `dense_generate`'s tokens.
 
     >>> check_cache_full_pages(cache_full_pages)
-    Passed: cache_full_pages matches the reference on all 7 cases.
+    Passed: cache_full_pages matches the reference on all 9 cases.
     CheckResult('cache_full_pages', status='passed')
     """
     rng = np.random.default_rng(1030 + seed)
-    situations = [  # (num_computed, num_generated, hit_pages)
-        (6, 0, 0),  # a prompt chunk that ends inside page 1
-        (8, 0, 0),  # ... that ends on a page boundary
-        (13, 2, 2),  # started from 2 cached pages; a generated token completes page 2
-        (9, 0, 1),  # one cached page, one more full now, a chunk part way into the third
-        (3, 0, 0),  # not one full page yet
-        (12, 3, 0),  # after a preemption: prompt and generated tokens recomputed together
+    situations = [  # (num_computed, num_generated, hit_pages, twin_pages)
+        (6, 0, 0, 0),  # a prompt chunk that ends inside page 1
+        (8, 0, 0, 0),  # ... that ends on a page boundary
+        (13, 2, 2, 0),  # started from 2 cached pages; a generated token completes page 2
+        (9, 0, 1, 0),  # one cached page, one more full now, a chunk part way into the third
+        (3, 0, 0, 0),  # not one full page yet
+        (12, 3, 0, 0),  # after a preemption: prompt and generated tokens recomputed together
+        (9, 0, 0, 1),  # page 0 computed by another request too, in the same step
     ]
     cases = []
-    for num_computed, num_generated, hit_pages in situations:
+    for num_computed, num_generated, hit_pages, twin_pages in situations:
         request, pool = _caching_situation(
-            rng, num_computed=num_computed, num_generated=num_generated, hit_pages=hit_pages
+            rng,
+            num_computed=num_computed,
+            num_generated=num_generated,
+            hit_pages=hit_pages,
+            twin_pages=twin_pages,
+        )
+        twins = (
+            f"; another request computed the same first {twin_pages} page(s) in the same step, "
+            "and its copy is cached already"
+            if twin_pages
+            else ""
         )
         cases.append(
             Case(
                 f"{len(request.tokens)} tokens ({len(request.output)} generated), "
                 f"num_computed={request.num_computed}, pages={request.pages}, "
-                f"{len(request.block_hashes)} of them cached already, page_size=4",
+                f"{len(request.block_hashes)} of them cached already{twins}, page_size=4",
                 ("state", (request, pool)),
             )
         )
@@ -413,14 +521,22 @@ def check_cache_full_pages(fn: Callable, *, seed: int = 0, verbose: bool = True)
         Case(
             "a prefix-caching engine: 5 requests sharing a 10-token system prompt, a pool "
             "too small for all (preemption), prefill chunks of 8 tokens",
-            ("engine", seed),
+            ("engine", (seed, "shared system prompt")),
+        )
+    )
+    cases.append(
+        Case(
+            "a prefix-caching engine: two requests compute the same first page in the same "
+            "step; two later ones begin with the second one's next page (at position 0)",
+            ("engine", (seed, "same prefix in one step")),
         )
     )
 
     def call(f):
         def run(kind, value):
             if kind == "engine":
-                return run_caching_engine(f, seed=value)
+                seed, scenario = value
+                return run_caching_engine(f, seed=seed, scenario=scenario)
             return _after_caching(f, *value)
 
         return run
@@ -455,6 +571,17 @@ def check_cache_full_pages(fn: Callable, *, seed: int = 0, verbose: bool = True)
             _cache_page(request, pool, page_size, i)
             pool.touch([request.pages[i]])
 
+    def skips_pages_cached_already(request, pool, page_size):
+        for i in range(len(request.block_hashes), request.num_computed // page_size):
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            block_hash = hash_block_tokens(
+                parent, request.tokens[i * page_size : (i + 1) * page_size]
+            )
+            if pool.get_cached_page(block_hash) is not None:
+                continue  # without recording its hash
+            pool.cache_page(request.pages[i], block_hash)
+            request.block_hashes.append(block_hash)
+
     def forgets_block_hashes(request, pool, page_size):
         hashes = list(request.block_hashes)
         for i in range(len(hashes), request.num_computed // page_size):
@@ -482,6 +609,11 @@ def check_cache_full_pages(fn: Callable, *, seed: int = 0, verbose: bool = True)
         "dropped, and the page never came back.": call(takes_a_reference),
         "append each new hash to request.block_hashes: the next page's hash chains from it, "
         "and the next call starts after the pages already named.": call(forgets_block_hashes),
+        "a page whose hash is in the cache already (another request computed the same prefix, "
+        "in the same step) still gets its hash appended to request.block_hashes; "
+        "pool.cache_page simply keeps the first copy. Skipped, the next page's hash restarts "
+        "the chain, as if the page began the sequence: a later request that begins with those "
+        "tokens finds K/V computed after another prefix.": call(skips_pages_cached_already),
     }
     return run_check(
         "cache_full_pages",
