@@ -45,6 +45,7 @@ HEAVY_EXAMPLES = {
     "minilib.exercises.ex08_ladder",
     "minilib.exercises.ex10_engine",
     "minilib.kernel",
+    "minilib.kernel.call",
     "minilib.kv_cache",
     "minilib.ladder.scalar_prefetch",
     "minilib.pallas_basics",
