@@ -7,6 +7,7 @@ Each implementation's own file tests what only it has (block windows, DMAs, race
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -18,8 +19,10 @@ from conftest import (
     IMPLEMENTATIONS,
     INTERPRET,
     MIXED,
+    assert_close,
     assert_matches_jax,
     assert_output_matches_jax,
+    jax_reference_jitted,
     one_case_per_path,
     padded_batch,
 )
@@ -133,3 +136,43 @@ def test_mask_value_means_what_jax_means(name, mask_value):
     for window in (None, 6):
         assert_matches_jax(fn, batch, sm_scale=0.3, mask_value=mask_value,
                            sliding_window=window, **options)  # fmt: skip
+
+
+@functools.cache
+def poisoned_batch(poison: str):
+    """A NaN-padded MIXED batch with one bad value in live data, in sequence 3 (a chunk of 5 q
+    rows, 13 to 17, at positions 28 to 32 of 33): a NaN in the key at position 10 of KV head 0,
+    which every row of the chunk sees; a NaN in q head 0 of row 15; or a key 10 and a q row 16
+    so large that their score overflows to inf. Returns the batch and JAX's reference output.
+
+    (The key is one every row sees: JAX's reference *adds* mask_value to a hidden score, so a
+    NaN key poisons even the rows that cannot see it; ours replace hidden scores, and the
+    blocked versions skip the KV blocks no row of a q block sees.)"""
+    batch = padded_batch(MIXED, num_q_heads=4, num_kv_heads=2, page_size=4)
+    q, kv_pages = np.array(batch.q), np.array(batch.kv_pages)
+    page, slot = int(batch.page_indices[3, 10 // 4]), 10 % 4  # key 10 of sequence 3
+    if poison == "NaN in K":
+        kv_pages[page, slot, 0, 0] = np.nan  # combined head 0: K of KV head 0
+    elif poison == "NaN in q":
+        q[15, 0, 0] = np.nan
+    else:  # "overflowing score": 1e30 * 1e30 is inf in float32
+        kv_pages[page, slot, 0, :] = 1e30
+        q[16, 0, :] = 1e30
+    batch = dataclasses.replace(batch, q=jnp.asarray(q), kv_pages=jnp.asarray(kv_pages))
+    return batch, np.asarray(jax_reference_jitted(batch), np.float32)
+
+
+@pytest.mark.parametrize("poison", ["NaN in K", "NaN in q", "overflowing score"])
+@pytest.mark.parametrize("name", ["reference", "jnp", "blockwise"])
+def test_nan_in_live_data_gives_nan_where_jax_does(name, poison):
+    """A NaN in live data, or an overflowing score, comes out NaN in the rows where JAX's
+    reference gives NaN, and nowhere else: never a silent 0, and the NaN padding of the batch
+    still does not leak. (The online softmax of the blockwise version used to turn it into 0.)"""
+    batch, expected = poisoned_batch(poison)  # and JAX's reference output, computed once
+    n = batch.num_tokens
+    out = np.asarray(implementation(name)(*batch.args()), np.float32)
+    nan = np.isnan(expected)
+    assert nan.any() and not nan.all(), "the bad value must poison some rows, not all"
+    np.testing.assert_array_equal(np.isnan(out[:n]), nan)
+    assert_close(out[:n][~nan], expected[~nan], batch.q.dtype)
+    np.testing.assert_array_equal(out[n:], 0.0, err_msg="rows past cu_q_lens[num_seqs]")
