@@ -73,10 +73,20 @@ def test_fp8_kv_with_scales(name, dtype):
     assert_matches_jax(fn, batch, sm_scale=0.125, k_scale=0.5, v_scale=2.0)
 
 
+EMPTY_BATCHES = {
+    "no live sequence": dict(seq_lens=[], max_num_seqs=3, max_num_batched_tokens=8,
+                             pages_per_seq=4),
+    # Live but idle sequences, in the smallest q: 1 row. (3 page columns: HARDER's block.)
+    "idle sequences, 1 q row": dict(seq_lens=[(0, 0), (0, 3)], page_size=4, pages_per_seq=3),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("empty", EMPTY_BATCHES)
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
-def test_empty_batch_gives_zeros(name):
+def test_empty_batch_gives_zeros(name, empty):
+    """A step with nothing to attend (zero-size axes are refused: test_validation)."""
     fn = implementation(name)
-    batch = make_batch([], max_num_seqs=3, max_num_batched_tokens=8, pages_per_seq=4)
+    batch = make_batch(**EMPTY_BATCHES[empty])
     out = fn(*batch.args())
     assert out.shape == batch.q.shape
     np.testing.assert_array_equal(np.asarray(out), 0.0)
