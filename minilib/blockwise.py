@@ -126,6 +126,9 @@ def ragged_paged_attention_blockwise(
       num_queries_per_block: q rows per q block (default 128, at most max_num_batched_tokens);
         sequences with at most SHORT_Q_BLOCK (8) q rows use blocks of that size instead.
 
+    An fp8 `kv_pages` without `k_scale` and `v_scale` is taken as scale 1, with no error or
+    warning (as in JAX's kernel): pass the scales the cache was quantized with.
+
     Compiled once per shape and options; new lengths reuse the compile, and `num_seqs` may be
     a traced value. Called eagerly, it first checks the values of the inputs
     (`dynamic_validate_inputs`); `validate=False` skips that. Under `jax.jit` only the static

@@ -73,6 +73,27 @@ def test_fp8_kv_with_scales(name, dtype):
     assert_matches_jax(fn, batch, sm_scale=0.125, k_scale=0.5, v_scale=2.0)
 
 
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_docstring_says_fp8_without_scales_is_scale_one(name):
+    """Nothing warns when an fp8 cache comes without k_scale and v_scale (JAX's kernel takes
+    it too), so every public entry point says so where a learner reads."""
+    doc = " ".join(IMPLEMENTATIONS[name].__doc__.split())
+    assert "fp8 `kv_pages`" in doc and "taken as scale 1, with no error or warning" in doc
+
+
+@pytest.mark.parametrize("name", ["reference", "jnp", "blockwise"])
+def test_fp8_kv_without_scales_is_read_as_scale_one(name):
+    """What those docstrings say: no scales is scale 1. (Not JAX's reference without scales,
+    which then also rounds the softmax probabilities to fp8, V's dtype.)"""
+    fn = implementation(name)
+    batch = padded_batch(MIXED, num_q_heads=4, num_kv_heads=2, page_size=8,
+                         kv_dtype=jnp.float8_e4m3fn)  # fmt: skip
+    unscaled = np.asarray(fn(*batch.args(), sm_scale=0.125))
+    ones = fn(*batch.args(), sm_scale=0.125, k_scale=1.0, v_scale=1.0)
+    np.testing.assert_array_equal(unscaled, np.asarray(ones))
+    assert_output_matches_jax(ones, batch, sm_scale=0.125, k_scale=1.0, v_scale=1.0)
+
+
 EMPTY_BATCHES = {
     "no live sequence": dict(seq_lens=[], max_num_seqs=3, max_num_batched_tokens=8,
                              pages_per_seq=4),
