@@ -140,7 +140,8 @@ def make_batch(
     q and the used K/V slots are random normal; every unused page slot, unused page and q
     padding row is NaN; sequence slots past `num_seqs` hold garbage (huge kv_lens,
     out-of-range pages). `kv_dtype` (default: `dtype`) may be an fp8 type such as
-    `jnp.float8_e4m3fn`.
+    `jnp.float8_e4m3fn`: the values are rounded to it with no scale, so attention reads them
+    back as they are without `k_scale`/`v_scale` (scale 1), and multiplied by them with.
 
     >>> b = make_batch([(5, 5), (1, 20)], page_size=8)
     >>> b.q.shape, b.kv_pages.shape, b.page_indices.shape

@@ -126,6 +126,9 @@ def ragged_paged_attention_blockwise(
       num_queries_per_block: q rows per q block (default 128, at most max_num_batched_tokens);
         sequences with at most SHORT_Q_BLOCK (8) q rows use blocks of that size instead.
 
+    An fp8 `kv_pages` without `k_scale` and `v_scale` is taken as scale 1, with no error or
+    warning (as in JAX's kernel): pass the scales the cache was quantized with.
+
     Compiled once per shape and options; new lengths reuse the compile, and `num_seqs` may be
     a traced value. Called eagerly, it first checks the values of the inputs
     (`dynamic_validate_inputs`); `validate=False` skips that. Under `jax.jit` only the static
@@ -520,13 +523,15 @@ def finish_online_softmax(
 ) -> jax.Array:  # f32[num_kv_heads, rows, head_dim]
     """After the last KV block, acc / l is softmax(scores) @ v.
 
-    A row that saw no key at all (l = 0) gives 0, not 0 / 0 = NaN. Valid inputs never have
-    one (every q row sees itself); unchecked garbage under jit may.
+    A row that saw no key at all (l = 0, acc = 0) gives 0, not 0 / 0 = NaN. Valid inputs
+    never have one (every q row sees itself); unchecked garbage under jit may. Only l = 0 is
+    special: a NaN in the data (or a score that overflows to inf) makes l NaN, and the row
+    comes out NaN, as in JAX's reference and the kernel. A silent 0 would hide the bug.
 
-    >>> state = OnlineSoftmax(m=jnp.zeros((1, 2)), l=jnp.array([[2.0, 0.0]]),
-    ...                       acc=jnp.array([[[6.0], [0.0]]]))
-    >>> finish_online_softmax(state).tolist()   # 6 / 2, and 0 for the row that saw no key
-    [[[3.0], [0.0]]]
+    >>> state = OnlineSoftmax(m=jnp.zeros((1, 3)), l=jnp.array([[2.0, 0.0, jnp.nan]]),
+    ...                       acc=jnp.array([[[6.0], [0.0], [jnp.nan]]]))
+    >>> finish_online_softmax(state).tolist()   # 6 / 2; 0 for no key; NaN stays NaN
+    [[[3.0], [0.0], [nan]]]
     """
     l = state.l[..., None]  # noqa: E741
-    return jnp.where(l > 0, state.acc / jnp.where(l > 0, l, 1.0), 0.0)
+    return state.acc / jnp.where(l == 0.0, 1.0, l)

@@ -134,7 +134,8 @@ def apply_mask_value(scores, masked, mask_value: float, past_kv_len=None):
     computed from it is dropped. masked and past_kv_len broadcast against scores.
 
     When the mask value vanishes (`mask_value_vanishes`) both are simply replaced by
-    mask_value: one select, the same answer in float32.
+    mask_value: one select, the same answer in float32 for finite scores. (A NaN score of a
+    hidden key is dropped here, where JAX's reference, which adds, keeps it.)
 
     >>> s = jnp.array([[1.0, 2.0, 3.0]])
     >>> masked, past = jnp.array([[False, True, True]]), jnp.array([[False, False, True]])

@@ -38,7 +38,8 @@ class AttentionOptions:
       sm_scale, soft_cap: finite real numbers; soft_cap not 0 (None turns soft capping off);
       mask_value: finite and negative: added to every masked score, as JAX does (None means
         DEFAULT_MASK_VALUE, whose masked keys weigh exactly 0);
-      k_scale, v_scale: positive, finite Python floats (JAX's kernel asserts the float);
+      k_scale, v_scale: positive, finite Python floats (JAX's kernel asserts the float); None
+        (the default) means scale 1, even for an fp8 cache, with no warning, as in JAX;
       sliding_window and the kernel's num_kv_pages_per_block, num_queries_per_block and
         vmem_limit_bytes: positive whole numbers, or None for the default.
     Whether the block sizes fit the arrays is for `static_validate_inputs` to say.

@@ -137,6 +137,9 @@ def ragged_paged_attention_pallas_basic(
     (`dynamic_validate_inputs`); `validate=False` skips that. Under `jax.jit` only the static
     checks can run: validate outside jit, as JAX does.
 
+    An fp8 `kv_pages` without `k_scale` and `v_scale` is taken as scale 1, with no error or
+    warning (as in JAX's kernel): pass the scales the cache was quantized with.
+
     It runs in interpret mode only: Mosaic, the TPU compiler, rejects it by design. Its
     BlockSpecs cut one KV head and `group` q heads out of the head axis, so the last two
     dimensions of a block, (group, head_dim) or (1, head_dim), are not whole (8, 128) tiles.

@@ -51,6 +51,12 @@ def ref_ragged_paged_attention(
     Returns an array shaped like `q`: the attention output of every live row, and zeros in
     the padding rows past `cu_q_lens[num_seqs]`. (JAX's reference returns only the live rows.)
 
+    An fp8 `kv_pages` (such as float8_e4m3fn) needs `k_scale` and `v_scale`, the scales it was
+    quantized with: K is read back as stored K * k_scale, V as stored V * v_scale. Without them
+    an fp8 cache is taken as scale 1, with no error or warning: the stored values are read as
+    they are (JAX's reference and kernel apply no scale either, and every attention function
+    of minilib does the same), and a cache quantized as x / scale gives wrong outputs, silently.
+
     The inputs are checked first with `validate_inputs`: all of `dynamic_validate_inputs`
     (their values too) on concrete arrays; `validate=False` skips the value checks. This
     function reads the lengths in Python, so it cannot run under `jax.jit` at all.
@@ -99,7 +105,8 @@ def ref_ragged_paged_attention(
 
 
 def dequantize(x: jax.Array, scale: float | None, dtype) -> jax.Array:
-    """Undo fp8 quantization: x * scale in float32, then cast to the compute dtype.
+    """Undo fp8 quantization: x * scale in float32, then cast to the compute dtype. With
+    scale None, a plain cast: the values are taken as they are, as with a scale of 1.
 
     >>> x = jnp.array([1.0, -2.0], jnp.float8_e4m3fn)
     >>> dequantize(x, 0.5, jnp.float32).tolist()

@@ -190,6 +190,7 @@ def static_validate_inputs(
             "build it with jnp.array([n], dtype=jnp.int32).",
         )
     check_head_counts(num_q_heads, num_kv_heads)
+    _check_sizes(q, kv_pages, page_indices)
     # The options were checked when they were built; the block size must also fit the pages.
     num_kv_pages_per_block = options.num_kv_pages_per_block
     if num_kv_pages_per_block is not None and not 0 < num_kv_pages_per_block <= pages_per_seq:
@@ -322,6 +323,35 @@ def _check_ranks(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> Non
                 f"{name}.shape={tuple(shape)} must have {rank} dimensions.",
                 f"expected {SHAPES}.",
             )
+
+
+def _check_sizes(q, kv_pages, page_indices) -> None:
+    """Raise if an axis has size 0. Such a batch holds nothing to attend, but the loops and
+    block sizes divide by these sizes, and would crash each in its own way. An empty step is
+    num_seqs=[0] with real shapes, not a zero-size array."""
+    empty_step = "for a step with nothing to attend, keep the shapes and pass num_seqs=[0]."
+    sizes = [
+        ("max_num_batched_tokens", "q.shape[0]", q.shape[0],
+         f"q needs at least one row, even when no token is scheduled: {empty_step}"),
+        ("num_q_heads", "q.shape[1]", q.shape[1],
+         "q needs at least one head, a multiple of num_kv_heads. Check that q was not sliced "
+         "or transposed."),
+        ("head_dim", "q.shape[2]", q.shape[2],
+         "each head needs at least one dimension (64 and 128 are usual). Check that q and "
+         "kv_pages were not sliced or transposed."),
+        ("total_num_pages", "kv_pages.shape[0]", kv_pages.shape[0],
+         "the cache needs at least one page; size it for the longest sequences you serve."),
+        ("page_size", "kv_pages.shape[1]", kv_pages.shape[1],
+         "a page holds page_size tokens (16 is usual): every kv_len is split into pages of it."),
+        ("max_num_seqs", "page_indices.shape[0]", page_indices.shape[0],
+         f"kv_lens, page_indices and cu_q_lens need at least one sequence slot: {empty_step}"),
+        ("pages_per_seq", "page_indices.shape[1]", page_indices.shape[1],
+         "page_indices needs at least one column, the pages of the longest sequence: "
+         f"ceil(max kv_len / page_size). {empty_step}"),
+    ]  # fmt: skip
+    for name, where, size, hint in sizes:
+        if size == 0:
+            raise RPAInputError(f"{name}=0 ({where}) must be positive.", hint)
 
 
 def _concrete(*arrays):

@@ -58,6 +58,8 @@ def ragged_paged_attention_jnp(
     """Vectorized ragged paged attention: compiled once per array shape.
 
     Same signature and result as `ref_ragged_paged_attention`; padding rows come out zero.
+    An fp8 `kv_pages` without `k_scale` and `v_scale` is taken as scale 1, with no error or
+    warning (as in JAX's kernel): pass the scales the cache was quantized with.
 
     Called eagerly, it first checks the values of the inputs (`dynamic_validate_inputs`);
     `validate=False` skips that. Under `jax.jit` the values do not exist yet and only the

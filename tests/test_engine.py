@@ -49,6 +49,7 @@ from minilib.engine import (
 )
 from minilib.engine.model import dense_generate_with_margins
 from minilib.engine.prefix_cache import BlockPool, find_longest_cache_hit, hash_request_tokens
+from minilib.engine.scheduler import can_admit
 from minilib.errors import KVCacheError
 from minilib.kv_cache import pages_needed
 
@@ -201,13 +202,36 @@ def test_steps_and_statistics(dense_tokens):
     assert [s.step for s in eng.stats] == list(range(len(eng.stats)))
 
 
-def test_max_new_tokens_zero_and_one():
+def test_max_new_tokens_one():
     eng = engine()
-    assert eng.generate([[1, 2], [3]], 0) == [[], []]
     assert eng.generate([[1, 2], [3]], 1) == [
         dense_generate(PARAMS, CONFIG, p, 1) for p in ([1, 2], [3])
     ]
     assert_all_pages_free(eng)
+
+
+def test_max_new_tokens_zero_is_refused_as_sampling_params_refuses_max_tokens_zero():
+    """add_request(p, 0) used to be taken (with SamplingParams(max_tokens=1) stored), while
+    SamplingParams(max_tokens=0) raised: both refuse it now, with the same words."""
+    eng = engine()
+    with pytest.raises(EngineError, match="max_new_tokens=0 must be an int >= 1") as err:
+        eng.add_request([1, 2], 0)
+    assert "at least one token" in err.value.hint
+    with pytest.raises(EngineError, match="max_tokens=0 must be an int >= 1"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(EngineError, match=r"prompts\[0\]: max_new_tokens=0"):
+        eng.generate([[1, 2]], 0)
+    assert not eng.requests and not eng.has_unfinished and eng.num_steps == 0
+
+
+def test_stats_keep_the_last_max_stats_steps_idle_ones_too():
+    eng = engine(max_stats=3)
+    eng.generate(PROMPTS[:3], MAX_NEW)
+    busy = eng.num_steps
+    for _ in range(5):  # idle steps: nothing to run, still steps
+        assert eng.step().num_tokens == 0
+    assert eng.num_steps == busy + 5 > 3
+    assert [s.step for s in eng.stats] == list(range(eng.num_steps - 3, eng.num_steps))
 
 
 # --- bad requests and settings ---------------------------------------------------------------
@@ -221,6 +245,7 @@ BAD_REQUESTS = {
     "longer than the pool": ([1] * 40, 4, "whole pool"),
     "prompt fits, generation does not": ([1] * 30, 20, "whole pool"),
     "negative max_new_tokens": ([1], -1, "max_new_tokens"),
+    "max_new_tokens 0": ([1], 0, "max_new_tokens=0 must be an int >= 1"),
     "float max_new_tokens": ([1], 2.0, "max_new_tokens"),
 }
 
@@ -270,6 +295,7 @@ def test_dense_generate_refuses_bad_prompts():
         ({"config": "tiny"}, "ModelConfig"),
         ({"enable_prefix_caching": "yes"}, "enable_prefix_caching='yes'"),
         ({"seed": -1}, "seed=-1"),
+        ({"max_stats": 0}, "max_stats=0"),
     ],
 )
 def test_bad_engine_settings(kwargs, words):
@@ -586,6 +612,39 @@ def test_abort_frees_pages_at_once_and_the_others_carry_on(dense_tokens):
     assert_all_pages_free(eng)
 
 
+def test_tpot_of_an_aborted_request_runs_from_its_first_token_to_its_last():
+    """As vLLM: TPOT is measured between token timestamps, so the wait after the last token
+    until the abort (and the step that did not run for it) does not count."""
+    eng = engine()
+    request_id = eng.add_request(PROMPTS[0], MAX_NEW)  # alone: a token every step
+    for _ in range(3):
+        checked_step(eng)
+    time.sleep(0.2)
+    eng.abort_request(request_id)
+    out = eng.request_output(request_id)
+    m, n = out.metrics, len(out.token_ids)
+    assert (n, m.first_token_step, m.last_token_step, m.finished_step) == (3, 0, 2, 3)
+    assert m.steps_per_output_token(n) == 1.0
+    assert m.finished_time - m.last_token_time >= 0.2
+    assert 0 < m.time_per_output_token(n) <= (m.finished_time - m.first_token_time - 0.2) / 2
+
+
+def test_a_step_that_can_schedule_nothing_raises_engine_error_and_changes_nothing(dense_tokens):
+    """A request waits, nothing runs, and the admission rule (a hook the exercises replace)
+    refuses it: the engine's own EngineError, a ValueError with a hint, and no step taken."""
+    eng = engine()
+    request_id = eng.add_request(PROMPTS[0], MAX_NEW)
+    eng.scheduler.admission_rule = lambda *args, **kwargs: False
+    with pytest.raises(EngineError, match="No request could be scheduled: 1 waiting") as err:
+        eng.step()
+    assert isinstance(err.value, ValueError) and "admission_rule" in err.value.hint
+    assert (eng.num_steps, eng.stats, eng.scheduler.allocator.num_free) == (0, [], eng.num_pages)
+    assert list(eng.scheduler.waiting) == [eng.requests[request_id]]
+    eng.scheduler.admission_rule = can_admit
+    run_checked(eng)
+    assert eng.output(request_id) == dense_tokens[0]
+
+
 def test_request_ids_are_never_reused_and_finished_requests_can_be_forgotten(dense_tokens):
     eng = engine()
     a = eng.add_request(PROMPTS[0], MAX_NEW)
@@ -832,6 +891,19 @@ def test_live_view_is_real_widgets_and_replays_every_step():
         assert f">r{owner}</div>" in view.pages.value
     for request_id, kind, num_tokens in first.batch:
         assert f"r{request_id} {kind[0]}{num_tokens}" in view.text
+
+
+def test_live_view_replays_the_steps_the_engine_kept():
+    from minilib.engine.view import EngineView
+
+    eng = engine(max_stats=4)
+    view = EngineView(eng, "the last 4 steps")
+    eng.add_request(PROMPTS[1], MAX_NEW)
+    view.run()
+    n = eng.num_steps
+    assert n > 4 and (view.slider.min, view.slider.max, view.slider.value) == (n - 4, n - 1, n - 1)
+    view.slider.value = n - 4  # the oldest step kept
+    assert f"step {n - 4} of {n}" in view.text
 
 
 def test_live_view_shows_shared_pages_and_page_tables():

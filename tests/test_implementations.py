@@ -7,6 +7,7 @@ Each implementation's own file tests what only it has (block windows, DMAs, race
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -18,8 +19,10 @@ from conftest import (
     IMPLEMENTATIONS,
     INTERPRET,
     MIXED,
+    assert_close,
     assert_matches_jax,
     assert_output_matches_jax,
+    jax_reference_jitted,
     one_case_per_path,
     padded_batch,
 )
@@ -71,9 +74,40 @@ def test_fp8_kv_with_scales(name, dtype):
 
 
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
-def test_empty_batch_gives_zeros(name):
+def test_docstring_says_fp8_without_scales_is_scale_one(name):
+    """Nothing warns when an fp8 cache comes without k_scale and v_scale (JAX's kernel takes
+    it too), so every public entry point says so where a learner reads."""
+    doc = " ".join(IMPLEMENTATIONS[name].__doc__.split())
+    assert "fp8 `kv_pages`" in doc and "taken as scale 1, with no error or warning" in doc
+
+
+@pytest.mark.parametrize("name", ["reference", "jnp", "blockwise"])
+def test_fp8_kv_without_scales_is_read_as_scale_one(name):
+    """What those docstrings say: no scales is scale 1. (Not JAX's reference without scales,
+    which then also rounds the softmax probabilities to fp8, V's dtype.)"""
     fn = implementation(name)
-    batch = make_batch([], max_num_seqs=3, max_num_batched_tokens=8, pages_per_seq=4)
+    batch = padded_batch(MIXED, num_q_heads=4, num_kv_heads=2, page_size=8,
+                         kv_dtype=jnp.float8_e4m3fn)  # fmt: skip
+    unscaled = np.asarray(fn(*batch.args(), sm_scale=0.125))
+    ones = fn(*batch.args(), sm_scale=0.125, k_scale=1.0, v_scale=1.0)
+    np.testing.assert_array_equal(unscaled, np.asarray(ones))
+    assert_output_matches_jax(ones, batch, sm_scale=0.125, k_scale=1.0, v_scale=1.0)
+
+
+EMPTY_BATCHES = {
+    "no live sequence": dict(seq_lens=[], max_num_seqs=3, max_num_batched_tokens=8,
+                             pages_per_seq=4),
+    # Live but idle sequences, in the smallest q: 1 row. (3 page columns: HARDER's block.)
+    "idle sequences, 1 q row": dict(seq_lens=[(0, 0), (0, 3)], page_size=4, pages_per_seq=3),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("empty", EMPTY_BATCHES)
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_empty_batch_gives_zeros(name, empty):
+    """A step with nothing to attend (zero-size axes are refused: test_validation)."""
+    fn = implementation(name)
+    batch = make_batch(**EMPTY_BATCHES[empty])
     out = fn(*batch.args())
     assert out.shape == batch.q.shape
     np.testing.assert_array_equal(np.asarray(out), 0.0)
@@ -133,3 +167,43 @@ def test_mask_value_means_what_jax_means(name, mask_value):
     for window in (None, 6):
         assert_matches_jax(fn, batch, sm_scale=0.3, mask_value=mask_value,
                            sliding_window=window, **options)  # fmt: skip
+
+
+@functools.cache
+def poisoned_batch(poison: str):
+    """A NaN-padded MIXED batch with one bad value in live data, in sequence 3 (a chunk of 5 q
+    rows, 13 to 17, at positions 28 to 32 of 33): a NaN in the key at position 10 of KV head 0,
+    which every row of the chunk sees; a NaN in q head 0 of row 15; or a key 10 and a q row 16
+    so large that their score overflows to inf. Returns the batch and JAX's reference output.
+
+    (The key is one every row sees: JAX's reference *adds* mask_value to a hidden score, so a
+    NaN key poisons even the rows that cannot see it; ours replace hidden scores, and the
+    blocked versions skip the KV blocks no row of a q block sees.)"""
+    batch = padded_batch(MIXED, num_q_heads=4, num_kv_heads=2, page_size=4)
+    q, kv_pages = np.array(batch.q), np.array(batch.kv_pages)
+    page, slot = int(batch.page_indices[3, 10 // 4]), 10 % 4  # key 10 of sequence 3
+    if poison == "NaN in K":
+        kv_pages[page, slot, 0, 0] = np.nan  # combined head 0: K of KV head 0
+    elif poison == "NaN in q":
+        q[15, 0, 0] = np.nan
+    else:  # "overflowing score": 1e30 * 1e30 is inf in float32
+        kv_pages[page, slot, 0, :] = 1e30
+        q[16, 0, :] = 1e30
+    batch = dataclasses.replace(batch, q=jnp.asarray(q), kv_pages=jnp.asarray(kv_pages))
+    return batch, np.asarray(jax_reference_jitted(batch), np.float32)
+
+
+@pytest.mark.parametrize("poison", ["NaN in K", "NaN in q", "overflowing score"])
+@pytest.mark.parametrize("name", ["reference", "jnp", "blockwise"])
+def test_nan_in_live_data_gives_nan_where_jax_does(name, poison):
+    """A NaN in live data, or an overflowing score, comes out NaN in the rows where JAX's
+    reference gives NaN, and nowhere else: never a silent 0, and the NaN padding of the batch
+    still does not leak. (The online softmax of the blockwise version used to turn it into 0.)"""
+    batch, expected = poisoned_batch(poison)  # and JAX's reference output, computed once
+    n = batch.num_tokens
+    out = np.asarray(implementation(name)(*batch.args()), np.float32)
+    nan = np.isnan(expected)
+    assert nan.any() and not nan.all(), "the bad value must poison some rows, not all"
+    np.testing.assert_array_equal(np.isnan(out[:n]), nan)
+    assert_close(out[:n][~nan], expected[~nan], batch.q.dtype)
+    np.testing.assert_array_equal(out[n:], 0.0, err_msg="rows past cu_q_lens[num_seqs]")

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import IMPLEMENTATIONS
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as jax_kernel
 
 from minilib import (
@@ -293,3 +294,52 @@ def test_fp8_kv_pages_and_default_mask_value_are_valid():
     b = good_batch(kv_dtype=jnp.float8_e4m3fn)
     dynamic_validate_inputs(*b.args(), k_scale=0.5, v_scale=2.0, mask_value=None)
     dynamic_validate_inputs(*good_batch(dtype=jnp.bfloat16).args(), mask_value=-1e9)
+
+
+def zero_size(axis: str) -> list:
+    """An empty step (num_seqs=[0], which the value checks accept) with one axis of size 0.
+    Each used to pass validation and then crash in its own way in each implementation
+    (ZeroDivisionError, IndexError, TypeError, or none at all)."""
+    b = make_batch([], max_num_seqs=3, max_num_batched_tokens=8, pages_per_seq=2, page_size=4)
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = b.args()
+    return {
+        "no q rows": [q[:0], kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs],
+        "no q heads": [q[:, :0], kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs],
+        "head_dim 0": [q[..., :0], kv_pages[..., :0], kv_lens, page_indices, cu_q_lens, num_seqs],
+        "no pages": [q, kv_pages[:0], kv_lens, page_indices, cu_q_lens, num_seqs],
+        "page_size 0": [q, kv_pages[:, :0], kv_lens, page_indices, cu_q_lens, num_seqs],
+        "no sequence slots": [q, kv_pages, kv_lens[:0], page_indices[:0], cu_q_lens[:1], num_seqs],
+        "no page-table columns": [q, kv_pages, kv_lens, page_indices[:, :0], cu_q_lens, num_seqs],
+    }[axis]
+
+
+ZERO_SIZES = {
+    "no q rows": "max_num_batched_tokens=0 (q.shape[0]) must be positive.",
+    "no q heads": "num_q_heads=0 (q.shape[1]) must be positive.",
+    "head_dim 0": "head_dim=0 (q.shape[2]) must be positive.",
+    "no pages": "total_num_pages=0 (kv_pages.shape[0]) must be positive.",
+    "page_size 0": "page_size=0 (kv_pages.shape[1]) must be positive.",
+    "no sequence slots": "max_num_seqs=0 (page_indices.shape[0]) must be positive.",
+    "no page-table columns": "pages_per_seq=0 (page_indices.shape[1]) must be positive.",
+}
+
+
+@pytest.mark.parametrize("axis", ZERO_SIZES)
+@pytest.mark.parametrize("validator", [static_validate_inputs, dynamic_validate_inputs])
+def test_zero_size_axes_are_rejected(axis, validator):
+    err = raises_ours(validator, zero_size(axis))
+    assert err.message == ZERO_SIZES[axis]
+
+
+@pytest.mark.parametrize("axis", ZERO_SIZES)
+@pytest.mark.parametrize("fn_name", IMPLEMENTATIONS)
+def test_every_attention_function_rejects_zero_size_axes(fn_name, axis):
+    """Eagerly, and under jit, where only the static checks run: the same clear error from
+    every implementation, before any of them divides by the size."""
+    fn = IMPLEMENTATIONS[fn_name]
+    calls = {"eager": fn} if fn_name == "reference" else {"eager": fn, "jit": jax.jit(fn)}
+    for how, call in calls.items():  # our reference reads the lengths: it cannot run under jit
+        with pytest.raises(RPAInputError) as info:
+            call(*zero_size(axis))
+        assert info.value.message == ZERO_SIZES[axis], how
+        assert info.value.hint

@@ -56,7 +56,11 @@ from minilib.errors import EngineError
 from minilib.kv_cache import pages_needed, write_tokens
 from minilib.reference import ref_ragged_paged_attention
 
-__all__ = ["Engine", "PackedBatch", "StepStats", "pack_batch"]
+__all__ = ["MAX_STATS", "Engine", "PackedBatch", "StepStats", "pack_batch"]
+
+# How many steps' StepStats an Engine keeps by default. Each holds a tuple of num_pages page
+# owners, so a server that runs for ever must not keep them all.
+MAX_STATS = 1000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +215,8 @@ class Engine:
         default, so that the first look at the engine shows plain page tables.
       seed: seeds the engine's generator, which gives every request added without a seed
         its own (so a whole run is repeatable, and each request's draws are its own).
+      max_stats: `engine.stats` keeps the `StepStats` of the last max_stats steps only
+        (default MAX_STATS, 1000), oldest first; `engine.num_steps` counts every step.
 
     >>> from minilib import ragged_paged_attention_jnp
     >>> from minilib.engine import init_params
@@ -237,12 +243,14 @@ class Engine:
         mesh=None,
         enable_prefix_caching: bool = False,
         seed: int = 0,
+        max_stats: int = MAX_STATS,
     ):
         for name, value in (
             ("num_pages", num_pages),
             ("page_size", page_size),
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("max_num_seqs", max_num_seqs),
+            ("max_stats", max_stats),
         ):
             if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
                 raise EngineError(
@@ -291,7 +299,9 @@ class Engine:
             self.params = shard_params(replicate_kv_heads(params, self.kv_head_replicas), mesh)
         self.requests: dict[int, Request] = {}  # every request not yet popped, finished too
         self.last_batch: PackedBatch | None = None
-        self.stats: list[StepStats] = []
+        self.num_steps = 0  # steps run so far; the next step's index
+        self.max_stats = max_stats
+        self.stats: list[StepStats] = []  # the last max_stats steps' StepStats, oldest first
         self._num_issued = 0  # request ids come from this counter: never reused
         self._seeds = np.random.default_rng(seed)
 
@@ -338,13 +348,10 @@ class Engine:
             sampling_params=sampling,
             metrics=RequestMetrics(
                 arrival_time=now if arrival_time is None else float(arrival_time),
-                arrival_step=len(self.stats),
+                arrival_step=self.num_steps,
             ),
         )
         self.requests[request.request_id] = request
-        if max_tokens == 0:  # nothing to do
-            self._finish(request, "length")
-            return request.request_id
         self.scheduler.add(request)
         return request.request_id
 
@@ -449,15 +456,25 @@ class Engine:
     # --- one step ---------------------------------------------------------------------------
 
     def step(self) -> StepStats:
-        """Schedule, pack, run the model, sample, free: one step of continuous batching."""
-        step = len(self.stats)
+        """Schedule, pack, run the model, sample, free: one step of continuous batching.
+
+        Raises `EngineError`, and changes nothing, when there are requests but none can run:
+        nothing runs, and the admission rule refused the first waiting request.
+        """
+        step = self.num_steps
         plan = self.scheduler.schedule()
         if not plan.seqs and self.has_unfinished:
-            raise RuntimeError(
+            # Nothing running and no admission: schedule() changed nothing.
+            raise EngineError(
                 f"No request could be scheduled: {len(self.scheduler.waiting)} waiting, "
                 f"{len(self.scheduler.running)} running, "
                 f"{self.scheduler.allocator.num_free} of {self.num_pages} pages free. "
-                "The admission rule refused every waiting request."
+                "The admission rule refused every waiting request.",
+                "with nothing running, the admission rule must admit the first waiting "
+                "request when a step's budget and the free pages allow it (as can_admit "
+                "does): fix scheduler.admission_rule, or find the pages that were never "
+                "freed (scheduler.accounting_problems()); or abort_request the waiting "
+                "requests.",
             )
         started = time.perf_counter()
         for seq in plan.seqs:
@@ -471,10 +488,14 @@ class Engine:
             metrics = seq.request.metrics
             if seq.samples and metrics.first_token_time is None:
                 metrics.first_token_time, metrics.first_token_step = ended, step
+            if seq.samples:
+                metrics.last_token_time, metrics.last_token_step = ended, step
         for request in finished:
             request.metrics.finished_time, request.metrics.finished_step = ended, step
         stats = self._stats(plan, finished)
         self.stats.append(stats)
+        del self.stats[: -self.max_stats]  # keep the last max_stats steps only
+        self.num_steps += 1
         return stats
 
     def run_model(self, plan: StepPlan) -> dict[int, int]:
@@ -534,14 +555,14 @@ class Engine:
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
         request.metrics.finished_time = time.perf_counter()
-        request.metrics.finished_step = len(self.stats)
+        request.metrics.finished_step = self.num_steps
 
     def _stats(self, plan: StepPlan, finished: list[Request]) -> StepStats:
         decode = sum(seq.num_tokens for seq in plan.seqs if seq.kind == "decode")
         prefill = sum(seq.num_tokens for seq in plan.seqs) - decode
         allocator = self.scheduler.allocator
         return StepStats(
-            step=len(self.stats),
+            step=self.num_steps,
             num_prefill_tokens=prefill,
             num_decode_tokens=decode,
             num_pages_used=allocator.num_used,

@@ -426,7 +426,7 @@ def resolve_sampling_params(
         check_max_new_tokens(max_new_tokens)
         # Greedy: the seed cannot matter, so none is drawn.
         return int(max_new_tokens), SamplingParams(
-            max_tokens=max(int(max_new_tokens), 1), temperature=0.0, seed=0
+            max_tokens=int(max_new_tokens), temperature=0.0, seed=0
         )
     if max_new_tokens is not None:
         raise EngineError(
@@ -450,24 +450,31 @@ def resolve_sampling_params(
 
 
 def check_max_new_tokens(max_new_tokens) -> None:
-    """Raise `EngineError` unless `max_new_tokens` is a non-negative int.
+    """Raise `EngineError` unless `max_new_tokens` is a positive int, as
+    `SamplingParams.max_tokens` must be (and vLLM's).
 
-    >>> check_max_new_tokens(0)        # allowed: a request that is done at once
+    >>> check_max_new_tokens(1)
+    >>> check_max_new_tokens(0)
+    Traceback (most recent call last):
+    ...
+    minilib.errors.EngineError: max_new_tokens=0 must be an int >= 1.
+    Hint: it counts the tokens to generate after the prompt: at least one token. A request ...
     """
     if (
         isinstance(max_new_tokens, bool)
         or not isinstance(max_new_tokens, int | np.integer)
-        or max_new_tokens < 0
+        or max_new_tokens < 1
     ):
         raise EngineError(
-            f"max_new_tokens={max_new_tokens!r} must be a non-negative int.",
-            "it counts the tokens to generate after the prompt.",
+            f"max_new_tokens={max_new_tokens!r} must be an int >= 1.",
+            "it counts the tokens to generate after the prompt: at least one token. A "
+            "request for none has nothing to do: don't send it.",
         )
 
 
 def check_request(prompt, max_new_tokens, config: ModelConfig) -> None:
     """Raise `EngineError` unless `prompt` is a non-empty list of token ids in the vocabulary
-    and `max_new_tokens` a non-negative int.
+    and `max_new_tokens` a positive int.
 
     >>> config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
     ...                      head_dim=32)

@@ -4,7 +4,7 @@ The names are vLLM's (`vllm.outputs.RequestOutput`, `RequestMetrics`), flattened
 sequence per request. Latency, as serving measures it:
 
     time to first token (TTFT)   first_token_time - arrival_time: queueing, then the prefill
-    time per output token (TPOT) (finished_time - first_token_time) / (num tokens - 1): decode
+    time per output token (TPOT) (last_token_time - first_token_time) / (num tokens - 1): decode
     queue time                   first_scheduled_time - arrival_time
 
 Each time is kept twice: in seconds (`time.perf_counter`), and in engine steps (the index of
@@ -24,14 +24,18 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 @dataclasses.dataclass
 class RequestMetrics:
-    """When a request arrived, was first scheduled, got its first token, and finished.
+    """When a request arrived, was first scheduled, got its first and its latest token, and
+    finished.
 
     Times are seconds (`time.perf_counter`); `*_step` fields are engine step indices (the
     step in which it happened; `arrival_step` is the first step that could run it). None:
     not yet. An aborted request's `finished_step` is the step that would have run next.
+    TPOT is measured between token timestamps, first to last, as vLLM does: the time an
+    aborted request then waited for nothing does not count.
 
     >>> m = RequestMetrics(arrival_time=1.0, arrival_step=0, first_scheduled_time=1.5,
     ...                    first_scheduled_step=2, first_token_time=2.0, first_token_step=3,
+    ...                    last_token_time=3.0, last_token_step=7,
     ...                    finished_time=3.0, finished_step=7)
     >>> m.time_to_first_token, m.time_in_queue, m.time_per_output_token(num_tokens=5)
     (1.0, 0.5, 0.25)
@@ -45,6 +49,8 @@ class RequestMetrics:
     first_scheduled_step: int | None = None
     first_token_time: float | None = None
     first_token_step: int | None = None
+    last_token_time: float | None = None
+    last_token_step: int | None = None
     finished_time: float | None = None
     finished_step: int | None = None
 
@@ -66,12 +72,14 @@ class RequestMetrics:
         return None if steps is None else steps + 1
 
     def time_per_output_token(self, num_tokens: int) -> float | None:
-        """TPOT, seconds per token after the first (None with fewer than two tokens)."""
-        return _per_token(self.first_token_time, self.finished_time, num_tokens)
+        """TPOT, seconds per token after the first, from the first token to the last (None
+        with fewer than two tokens)."""
+        return _per_token(self.first_token_time, self.last_token_time, num_tokens)
 
     def steps_per_output_token(self, num_tokens: int) -> float | None:
-        """TPOT in steps: 1.0 when the request decoded in every step until it finished."""
-        return _per_token(self.first_token_step, self.finished_step, num_tokens)
+        """TPOT in steps: 1.0 when the request decoded in every step from its first token to
+        its last."""
+        return _per_token(self.first_token_step, self.last_token_step, num_tokens)
 
 
 def _since(start, end):
@@ -79,12 +87,12 @@ def _since(start, end):
     return None if end is None else end - start
 
 
-def _per_token(first_token, finished, num_tokens: int) -> float | None:
-    """The time (or steps) from the first token to the finish, per token after the first;
+def _per_token(first_token, last_token, num_tokens: int) -> float | None:
+    """The time (or steps) from the first token to the last, per token after the first;
     None until both happened, or with fewer than two tokens."""
-    if first_token is None or finished is None or num_tokens < 2:
+    if first_token is None or last_token is None or num_tokens < 2:
         return None
-    return (finished - first_token) / (num_tokens - 1)
+    return (last_token - first_token) / (num_tokens - 1)
 
 
 @dataclasses.dataclass(frozen=True)

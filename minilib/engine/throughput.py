@@ -158,11 +158,11 @@ def _serve(engine: Engine, workload: Workload, *, static: bool):
     arrived: list[int] = []  # arrived, not yet given to the engine
     ids: dict[int, int] = {}  # workload index -> request id
     arrival_steps: dict[int, int] = {}  # workload index -> the step count when it arrived
-    first_step = len(engine.stats)
+    first_step = engine.num_steps
     while order or arrived or engine.has_unfinished:
         now = time.perf_counter()
         while order and start + workload.arrivals[order[0]] <= now:
-            arrival_steps[order[0]] = len(engine.stats)
+            arrival_steps[order[0]] = engine.num_steps
             arrived.append(order.pop(0))
         if arrived and not (static and engine.has_unfinished):
             batch = arrived[: engine.max_num_seqs] if static else arrived
@@ -189,7 +189,7 @@ def _serve(engine: Engine, workload: Workload, *, static: bool):
         )
         for i in range(len(workload.prompts))
     ]
-    return outputs, len(engine.stats) - first_step
+    return outputs, engine.num_steps - first_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +226,8 @@ def summarize(policy: str, outputs: list[RequestOutput], steps: int) -> LatencyS
 
     >>> from minilib.engine.outputs import RequestMetrics
     >>> m = RequestMetrics(arrival_time=0.0, arrival_step=0, first_token_time=0.5,
-    ...                    first_token_step=1, finished_time=1.5, finished_step=3)
+    ...                    first_token_step=1, last_token_time=1.5, last_token_step=3,
+    ...                    finished_time=1.5, finished_step=3)
     >>> out = RequestOutput(0, (1,), (4, 5, 6), "length", 0, m)
     >>> s = summarize("static", [out], steps=4)
     >>> s.ttft, s.tpot, s.ttft_steps, s.tpot_steps

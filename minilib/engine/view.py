@@ -86,13 +86,16 @@ class EngineView(widgets.VBox):
                 time.sleep(delay)
 
     def show(self, stats: StepStats) -> None:
-        """Draw `stats`, and let the slider reach every step recorded so far."""
+        """Draw `stats`, and let the slider reach every step recorded so far (the engine
+        keeps the last `engine.max_stats`)."""
         self.counters.value = _counters_html(stats, self.engine)
         self.pages.value = _pages_html(stats.page_owners, stats.cached_pages)
         self.tables.value = _page_tables_html(stats)
         self.batch.value = _batch_html(stats, self.engine.max_num_batched_tokens)
         self._showing_live = True  # the slider moves with the run without redrawing twice
-        self.slider.max = len(self.engine.stats) - 1
+        recorded = self.engine.stats
+        self.slider.max = recorded[-1].step
+        self.slider.min = recorded[0].step
         self.slider.value = stats.step
         self.slider.disabled = False
         self._showing_live = False
@@ -105,8 +108,10 @@ class EngineView(widgets.VBox):
         return html.unescape(re.sub(r"<[^>]+>", "", text))
 
     def _on_slide(self, change) -> None:
-        if not self._showing_live and 0 <= change["new"] < len(self.engine.stats):
-            self.show(self.engine.stats[change["new"]])
+        recorded = self.engine.stats
+        index = change["new"] - recorded[0].step if recorded else -1  # step -> place in stats
+        if not self._showing_live and 0 <= index < len(recorded):
+            self.show(recorded[index])
 
 
 def _counters_html(stats: StepStats | None, engine: Engine) -> str:
@@ -118,7 +123,7 @@ def _counters_html(stats: StepStats | None, engine: Engine) -> str:
     if engine.scheduler.enable_prefix_caching:
         cached = f"; prompt tokens from the prefix cache: {stats.num_cached_tokens}"
     return (
-        f"<div><b>step {stats.step} of {len(engine.stats)}</b>: "
+        f"<div><b>step {stats.step} of {engine.num_steps}</b>: "
         f"{stats.num_prefill_tokens} prefill + {stats.num_decode_tokens} decode tokens "
         f"(budget {engine.max_num_batched_tokens}); "
         f"pages in use: {stats.num_pages_used} of {engine.num_pages}; "

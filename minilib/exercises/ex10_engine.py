@@ -22,6 +22,7 @@ import numpy as np
 
 from minilib.engine.prefix_cache import BlockPool, hash_block_tokens, hash_request_tokens
 from minilib.engine.scheduler import Request, cache_full_pages, can_admit, preempt
+from minilib.errors import EngineError
 from minilib.exercises.checking import Case, CheckResult, diagnose, run_check
 from minilib.exercises.comparisons import Mismatch, compare_values
 from minilib.kv_cache import PageAllocator, pages_needed
@@ -388,7 +389,7 @@ def run_caching_engine(
             break
         try:
             stats = engine.step()
-        except RuntimeError as err:  # out of pages for good
+        except EngineError as err:  # out of pages for good
             books = f"the engine stopped at step {step}: {err}"
             break
         problems = engine.scheduler.accounting_problems()

@@ -65,6 +65,8 @@ def ragged_paged_attention(
 
     Returns an array shaped like `q`; rows past `cu_q_lens[num_seqs]` are zeros.
     `num_kv_pages_per_block` and `num_queries_per_block` default to `default_block_sizes`.
+    An fp8 `kv_pages` without `k_scale` and `v_scale` is taken as scale 1, with no error or
+    warning (as in JAX's kernel): pass the scales the cache was quantized with.
 
     Called eagerly, it first checks the values of the inputs (`dynamic_validate_inputs`);
     `validate=False` skips that. Under `jax.jit` only the static checks can run: validate the
