@@ -794,7 +794,9 @@ def test_random_serving_runs_match_dense_and_keep_the_books(seed):
 def run_sharded_check(num_devices: int = 4) -> dict:
     """tests/engine_sharded_check.py in a fresh process with `num_devices` CPU devices."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices}"
+    # The device count, after any flags of the test run's own (tasks.py's unoptimised compiles).
+    flags = env.get("XLA_FLAGS", "")
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={num_devices}".strip()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     script = ROOT / "tests" / "engine_sharded_check.py"
     done = subprocess.run(
