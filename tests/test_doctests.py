@@ -44,6 +44,7 @@ HEAVY_EXAMPLES = {
     "minilib.exercises.ex07_pallas",
     "minilib.exercises.ex08_ladder",
     "minilib.exercises.ex10_engine",
+    "minilib.exercises.engine_runs",
     "minilib.kernel",
     "minilib.kernel.call",
     "minilib.kv_cache",
