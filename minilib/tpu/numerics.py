@@ -84,19 +84,34 @@ def _one_bf16_pass(ctx, lhs, rhs, *, precision, **params):
 
 
 def emulating() -> bool:
-    """Is the TPU's one-pass bfloat16 matmul emulated right now?"""
+    """Is the TPU's one-pass bfloat16 matmul emulated right now?
+
+    >>> with emulate_tpu_matmul_precision():
+    ...     emulating()
+    True
+    """
     return _CPU_RULES[_DOT].rule is _one_bf16_pass
 
 
 def one_bf16_pass() -> bool:
     """Do float32 matmuls at the default precision run as one bfloat16 pass here: on a TPU,
-    or on the CPU under the emulation?"""
+    or on the CPU under the emulation? The checkers' tolerances follow it.
+
+    >>> one_bf16_pass() == (emulating() or jax.default_backend() == "tpu")
+    True
+    """
     return emulating() or jax.default_backend() == "tpu"
 
 
 def switch(on: bool) -> None:
     """Switch the emulation on or off for the whole process, and clear JAX's caches so that
-    no program compiled the other way is reused."""
+    no program compiled the other way is reused.
+
+    >>> was_on = emulating()
+    >>> switch(True); emulating()
+    True
+    >>> switch(was_on)
+    """
     if on == emulating():
         return
     if on:
@@ -109,7 +124,15 @@ def switch(on: bool) -> None:
 @contextlib.contextmanager
 def emulate_tpu_matmul_precision():
     """Inside the `with`, float32 matmuls at the default precision run as on a TPU (one
-    bfloat16 pass); on leaving it, as they were before."""
+    bfloat16 pass); on leaving it, as they were before.
+
+    >>> x = jnp.full((1, 3), 1 / 3)
+    >>> with emulate_tpu_matmul_precision():
+    ...     float((x @ x.T)[0, 0])  # (1/3 rounded to bf16, 0.333984375)**2 * 3
+    0.33463...
+    >>> float((x @ x.T)[0, 0])
+    0.33333...
+    """
     was_on = emulating()
     switch(True)
     try:
