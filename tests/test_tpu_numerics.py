@@ -9,7 +9,10 @@ The error of each solution against the float32 reference under the emulation, wh
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +29,7 @@ from minilib.ladder.prefetch import paged_decode_attention_prefetch
 from minilib.ladder.scalar_prefetch import paged_decode_attention
 from minilib.tpu.numerics import (
     BF16_PASS_TOLERANCE,
+    ENV_VAR,
     emulate_tpu_matmul_precision,
     emulating,
     one_bf16_pass,
@@ -64,6 +68,14 @@ def test_a_default_precision_matmul_is_one_bf16_pass():
         assert bf16.dtype == jnp.bfloat16
     assert not emulating()
     np.testing.assert_array_equal(matmul(x, y), exact)
+
+
+def test_the_environment_variable_switches_it_on_when_minilib_is_imported():
+    code = "import minilib; from minilib.tpu.numerics import emulating; print(emulating())"
+    for value, expected in [("1", "True"), ("", "False")]:
+        env = {**os.environ, ENV_VAR: value}
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert run.stdout.strip() == expected, run.stderr
 
 
 def test_the_emulation_reaches_a_pallas_kernel_in_interpret_mode(tpu_numerics):
