@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from ladder_wrong_answers import WRONG_ANSWERS
-from test_exercises import online_softmax_no_rescale
+from test_exercises import decode_attention_masks_scores_only, online_softmax_no_rescale
 
 import minilib.exercises as ex
 from minilib.doctor import parity_passes, parity_smoke_check
@@ -35,6 +35,7 @@ from minilib.tpu.numerics import (
     one_bf16_pass,
 )
 from solutions.ex06_online_softmax import online_softmax_update
+from solutions.ex06_vectorized import decode_attention
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -109,6 +110,15 @@ def test_exercise_6_passes_its_solution_and_rejects_no_rescale(tpu_numerics):
     assert tolerance == BF16_PASS_TOLERANCE and error > 20 * tolerance, wrong.report
 
 
+def test_exercise_6_decode_attention_passes_its_solution_and_rejects_a_wrong_answer(
+    tpu_numerics,
+):
+    right = ex.check_decode_attention(decode_attention, verbose=False)
+    assert right.passed, right.report
+    wrong = ex.check_decode_attention(decode_attention_masks_scores_only, verbose=False)
+    assert not wrong.passed and "0 * NaN" in wrong.report, wrong.report
+
+
 def wrong_answer(rung: str, name: str):
     (found,) = [w for w in WRONG_ANSWERS if w.rung == rung and w.name == name]
     return found
@@ -145,7 +155,7 @@ def measure() -> None:
     """Print the max abs error of each solution under the emulation against the float32
     reference (the checkers' reference, exact at HIGHEST)."""
     from minilib.exercises import ex06_online_softmax as ex06
-    from minilib.exercises import ex07_flash, ex08_ladder
+    from minilib.exercises import ex06_vectorized, ex07_flash, ex08_ladder
     from minilib.ladder.async_copy import paged_decode_attention_async_copy
     from minilib.ladder.flash import flash_attention_reference
     from minilib.ladder.scalar_prefetch import paged_decode_reference
@@ -164,6 +174,14 @@ def measure() -> None:
             for c in cases
         )
         print(f"exercise 6, online_softmax_update: {worst:.2g}")
+        worst = max(
+            error(
+                decode_attention(*c.args, **c.kwargs),
+                ex06_vectorized._reference(*c.args, **c.kwargs),
+            )
+            for c in ex06_vectorized._cases(0)
+        )
+        print(f"exercise 6, decode_attention: {worst:.2g}")
         kernels = [
             ("rung 1, flash_attention", flash_attention, flash_attention_reference,
              ex07_flash._cases(0)),
