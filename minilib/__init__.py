@@ -41,7 +41,7 @@ from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.pallas_basics import add_vectors, ragged_paged_attention_pallas_basic
 from minilib.reference import ref_ragged_paged_attention
 from minilib.schedule import Schedule, plan_schedule, record_schedule
-from minilib.tpu import mosaic_version
+from minilib.tpu import mosaic_version, numerics
 from minilib.validation import (
     dynamic_validate_inputs,
     static_validate_inputs,
@@ -53,6 +53,9 @@ from minilib.vectorized import ragged_paged_attention_jnp
 # (Colab's TPU runtime: jax 0.7.2 with libtpu 0.0.21.1), lower them at the version it reads.
 # Nothing changes elsewhere. Importing any minilib module runs this (minilib.tpu.mosaic_version).
 mosaic_version.apply()
+# MINILIB_TPU_NUMERICS=1: float32 matmuls at the default precision run as on a TPU, one
+# bfloat16 pass (minilib.tpu.numerics), for the whole process.
+numerics.apply_from_environment()
 
 __all__ = [
     "AttentionOptions",

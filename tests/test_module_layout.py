@@ -45,8 +45,8 @@ LAYERS = [
     #    and the dump reader, the checkers' report machinery and their comparisons, the
     #    figures' style and the explorers' words, which know nothing of attention).
     ("errors", "masking", "kernel_trace", "tpu.chips", "tpu.dump_reader", "tpu.memory",
-     "tpu.compile", "tpu.mosaic_version", "tpu.v3", "perf.roofline", "exercises.checking",
-     "exercises.comparisons",
+     "tpu.compile", "tpu.mosaic_version", "tpu.numerics", "tpu.v3", "perf.roofline",
+     "exercises.checking", "exercises.comparisons",
      "ladder.interpret", "explore.style", "explore.text"),
     # 1. Head grouping and the options object.
     ("heads", "options"),

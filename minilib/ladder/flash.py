@@ -40,9 +40,13 @@ def flash_attention_reference(q, k, v, *, kv_len, sm_scale, **block_sizes_and_in
     """
     q_len = q.shape[1]
     k, v = k[:, :kv_len].astype(jnp.float32), v[:, :kv_len].astype(jnp.float32)
-    scores = jnp.einsum("hqd,hkd->hqk", q.astype(jnp.float32), k) * sm_scale
+    # HIGHEST: the float32 answer the checkers compare with, even where a default-precision
+    # float32 matmul is one bfloat16 pass (a TPU; minilib.tpu.numerics).
+    exact = jax.lax.Precision.HIGHEST
+    scores = jnp.einsum("hqd,hkd->hqk", q.astype(jnp.float32), k, precision=exact) * sm_scale
     scores = jnp.where(causal_mask(q_len, kv_len), -jnp.inf, scores)
-    return jnp.einsum("hqk,hkd->hqd", jax.nn.softmax(scores, axis=-1), v).astype(q.dtype)
+    p = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("hqk,hkd->hqd", p, v, precision=exact).astype(q.dtype)
 
 
 def flash_attention(

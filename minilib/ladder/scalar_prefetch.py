@@ -66,8 +66,12 @@ def paged_decode_reference(q, kv_pages, kv_lens, page_indices, *, sm_scale, **in
         kv = kv_pages[pages].reshape(-1, 2 * num_kv_heads, head_dim)[:kv_len]
         k = jnp.repeat(kv[:, 0::2], num_q_heads // num_kv_heads, axis=1).astype(jnp.float32)
         v = jnp.repeat(kv[:, 1::2], num_q_heads // num_kv_heads, axis=1).astype(jnp.float32)
-        scores = jnp.einsum("hd,khd->hk", q[seq].astype(jnp.float32), k) * sm_scale
-        out.append(jnp.einsum("hk,khd->hd", jax.nn.softmax(scores, axis=-1), v))
+        # HIGHEST: the float32 answer the checkers compare with, even where a default-precision
+        # float32 matmul is one bfloat16 pass (a TPU; minilib.tpu.numerics).
+        exact = jax.lax.Precision.HIGHEST
+        scores = jnp.einsum("hd,khd->hk", q[seq].astype(jnp.float32), k, precision=exact)
+        p = jax.nn.softmax(scores * sm_scale, axis=-1)
+        out.append(jnp.einsum("hk,khd->hd", p, v, precision=exact))
     return jnp.stack(out).astype(q.dtype)
 
 

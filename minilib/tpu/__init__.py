@@ -11,6 +11,7 @@ too: `mosaic_version`, which minilib applies when it is imported.
   kernel_costs.py  ours against JAX's and v3, compiled, per chip and config
   comparison.py    what we claim from it, its recorded figures, `python -m minilib compile`
   mosaic_version.py  kernels lowered at the Mosaic IR version the installed libtpu reads
+  numerics.py      a TPU's float32 matmuls (one bfloat16 pass) emulated on the CPU
 """
 
 __all__: list[str] = []  # import from the modules: `from minilib.tpu.compile import ...`
