@@ -23,6 +23,7 @@ from test_exercises import decode_attention_masks_scores_only, online_softmax_no
 
 import minilib.exercises as ex
 from minilib.doctor import parity_passes, parity_smoke_check
+from minilib.exercises import checking
 from minilib.ladder.double_buffer import paged_decode_attention_double_buffered
 from minilib.ladder.flash import flash_attention
 from minilib.ladder.prefetch import paged_decode_attention_prefetch
@@ -41,7 +42,11 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 @pytest.fixture
-def tpu_numerics():
+def tpu_numerics(monkeypatch):
+    """The emulation on. Switching it clears JAX's caches, so every case of a checker compiles
+    afresh, which on a busy CI machine can pass the checkers' 5 s per case (a limit for
+    endless loops, compiles included): these tests judge numbers, so a case gets a minute."""
+    monkeypatch.setattr(checking, "TIME_LIMIT_SECONDS", 60.0)
     with emulate_tpu_matmul_precision():
         yield
 
