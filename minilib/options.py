@@ -167,11 +167,29 @@ def _scale(name: str, scale) -> float | None:
 
 
 def _positive(name: str, value, hint: str) -> int | None:
-    """`value` as a positive Python int (None stays None), in JAX's words where JAX checks."""
+    """`value` as a positive Python int (None stays None), in JAX's words where JAX checks.
+    The kernels compute with it in int32, so it must fit there.
+
+    >>> _positive("sliding_window", 2**40, "use None for no window.")
+    Traceback (most recent call last):
+    ...
+    minilib.errors.RPAInputError: sliding_window=1099511627776 is too large: the kernels compute \
+with it in int32, whose largest value is 2147483647.
+    Hint: use None for no window.
+    """
     value = _whole_number(name, value)
     if value is not None and value <= 0:
         raise RPAInputError(f"{name}={value} must be positive.", hint)
+    if value is not None and value > INT32_MAX:
+        raise RPAInputError(
+            f"{name}={value} is too large: the kernels compute with it in int32, whose "
+            f"largest value is {INT32_MAX}.",
+            hint,
+        )
     return value
+
+
+INT32_MAX = 2**31 - 1
 
 
 def _real(name: str, value) -> float:

@@ -88,6 +88,9 @@ def test_ragged_batch_sliding_window(ragged):
     assert shows_error(ragged, err)
     ragged.controls["sliding_window"].value = "four"
     assert "'four' is not a whole number" in ragged.text
+    ragged.controls["sliding_window"].value = "99999999999999999999"  # the options' own check
+    err = raised(dynamic_validate_inputs, *batch.args(), sliding_window=10**20 - 1)
+    assert "is too large" in err.message and shows_error(ragged, err)
     ragged.controls["sliding_window"].value = ""
     assert shows_figure(ragged) and "no sliding window" in ragged.text
 

@@ -73,6 +73,18 @@ def test_counts_must_be_positive(name, hint_word, value):
     assert hint_word in info.value.hint
 
 
+@pytest.mark.parametrize("name", ["sliding_window", "num_queries_per_block", "vmem_limit_bytes"])
+def test_counts_must_fit_in_int32(name):
+    """The kernels compute with them in int32: 2**31 - 1 is taken, 2**31 and a huge typed
+    number are refused by name (an explorer's field once gave an OverflowError)."""
+    assert getattr(AttentionOptions(**{name: 2**31 - 1}), name) == 2**31 - 1
+    for value in (2**31, 10**20):
+        with pytest.raises(RPAInputError) as info:
+            AttentionOptions(**{name: value})
+        assert info.value.message.startswith(f"{name}={value} is too large")
+        assert "int32" in info.value.message
+
+
 def test_num_kv_pages_per_block_range_is_left_to_the_shape_check():
     """1..pages_per_seq needs the arrays: static_validate_inputs says it, with both values."""
     assert AttentionOptions(num_kv_pages_per_block=0).num_kv_pages_per_block == 0
