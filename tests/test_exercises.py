@@ -894,15 +894,6 @@ ONCE_PASSED = [
 ]
 
 
-@pytest.mark.parametrize(
-    "checker, wrong, cause", ONCE_PASSED, ids=[w.__name__ for _, w, _ in ONCE_PASSED]
-)
-def test_wrong_answers_that_once_passed_fail_with_their_cause(checker, wrong, cause):
-    result = checker(wrong, verbose=False)
-    assert result.status == "failed", result.report
-    assert "Likely cause:" in result.report and cause in result.report, result.report
-
-
 def next_work_numpy_ints(seq, page, kv_lens, num_seqs, page_size):
     kv_lens = np.asarray(kv_lens)
     if (page + 1) * page_size < kv_lens[seq]:
@@ -986,12 +977,25 @@ def window_mask_as_list(q_len, kv_len, sliding_window):
     return np.asarray(mask).tolist()
 
 
-# (checker, wrong answer, words its report must hold)
-FOUND_BY_LEARNERS = [
+ONCE_PASSED += [  # found by learners since
     (ex.check_can_admit, can_admit_reserving_the_sampled_token, "the token sampled"),
     (ex.check_can_admit, can_admit_whole_prompts_only, "(chunked prefill)"),
     (ex.check_preempt, preempt_counting_the_preemption, "counts it twice"),
     (ex.check_cache_full_pages, cache_full_pages_skipping_cached_hashes, "restarts the chain"),
+]
+
+
+@pytest.mark.parametrize(
+    "checker, wrong, cause", ONCE_PASSED, ids=[w.__name__ for _, w, _ in ONCE_PASSED]
+)
+def test_wrong_answers_that_once_passed_fail_with_their_cause(checker, wrong, cause):
+    result = checker(wrong, verbose=False)
+    assert result.status == "failed", result.report
+    assert "Likely cause:" in result.report and cause in result.report, result.report
+
+
+# (checker, a mask of the wrong type, words its report must hold): a type, not a cause.
+MASKS_OF_THE_WRONG_TYPE = [
     (ex.check_causal_mask, mask_as_floats, "got an array of dtype float32"),
     (ex.check_causal_mask, mask_as_list, "got a list"),
     (ex.check_sliding_window_mask, window_mask_as_ints, "got an array of dtype int32"),
@@ -1000,17 +1004,16 @@ FOUND_BY_LEARNERS = [
 
 
 @pytest.mark.parametrize(
-    "checker, wrong, words", FOUND_BY_LEARNERS, ids=[w.__name__ for _, w, _ in FOUND_BY_LEARNERS]
+    "checker, wrong, words",
+    MASKS_OF_THE_WRONG_TYPE,
+    ids=[w.__name__ for _, w, _ in MASKS_OF_THE_WRONG_TYPE],
 )
-def test_wrong_answers_learners_found_fail_with_their_cause(checker, wrong, words):
+def test_masks_of_the_wrong_type_fail_saying_so(checker, wrong, words):
     result = checker(wrong, verbose=False)
     assert result.status == "failed", result.report
     assert words in result.report, result.report
-    if checker in (ex.check_causal_mask, ex.check_sliding_window_mask):  # a type, not a cause
-        assert "expected a boolean jax or NumPy array" in result.report, result.report
-        assert "jnp.asarray(mask, dtype=bool)" in result.report, result.report
-    else:
-        assert "Likely cause:" in result.report, result.report
+    assert "expected a boolean jax or NumPy array" in result.report, result.report
+    assert "jnp.asarray(mask, dtype=bool)" in result.report, result.report
 
 
 def test_an_engine_with_skipped_hashes_differs_from_dense_generate():
