@@ -27,8 +27,9 @@ all of them). `test` runs in five environments, each pinned by a file of constra
                   a few of those compiles (JAX_0_7_2_TPU_TESTS);
 then the browser test in .venv and .venv-oldest (tests/browser: the explorers in
 JupyterLab, or the classic notebook for ipywidgets 7, in headless Chromium), which needs
-Debian's `chromium` and is skipped, loudly, without it. At the end it prints a table of
-each phase's minutes, passed or not.
+Debian's `chromium` and is skipped, loudly, without it. The three TPU venvs' compiles run
+beside the CPU venvs' tests (one process, one core), each phase's output printed when it
+ends. At the end it prints a table of each phase's minutes, passed or not.
 
     python3 tasks.py test-colab-2026.07   # the fast tests on Colab's past runtime 2026.07
 
@@ -48,7 +49,7 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -86,9 +87,19 @@ COLAB_TPU_TESTS = f"{JAX_0_7_2_TPU_TESTS} or add_vectors or test_ladder or colab
 WORKERS = ("-n", os.environ.get("MINILIB_TEST_WORKERS", "auto"))
 
 
-def run(*cmd: str | Path, env: dict | None = None) -> None:
-    print("+", " ".join(str(c) for c in cmd), flush=True)
-    subprocess.run([str(c) for c in cmd], cwd=ROOT, check=True, env=env)
+def run(*cmd: str | Path, env: dict | None = None, in_one_piece: bool = False) -> None:
+    """Run `cmd` from the project's root; a non-zero exit raises. `in_one_piece` keeps its
+    output and prints it when it ends, so that it does not interleave with a command running
+    beside it."""
+    line = "+ " + " ".join(str(c) for c in cmd)
+    if not in_one_piece:
+        print(line, flush=True)
+        subprocess.run([str(c) for c in cmd], cwd=ROOT, check=True, env=env)
+        return
+    done = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    print(f"{line}\n{done.stdout}", flush=True)
+    done.check_returncode()
 
 
 def venv_python(venv: Path) -> Path:
@@ -154,13 +165,13 @@ def colab_python() -> str:
 FAST_CPU_COMPILES = "--xla_backend_optimization_level=0"
 
 
-def pytest(python: Path, *args: str, fast_cpu_compiles: bool = False) -> None:
+def pytest(python: Path, *args: str, fast_cpu_compiles: bool = False, **run_options) -> None:
     # pytest exits 5 when it collected no tests: that is a failure here, as any non-zero code.
     # --durations: the slowest tests of each run, where CI's time goes.
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     if fast_cpu_compiles:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_CPU_COMPILES}".strip()
-    run(python, "-m", "pytest", "--durations=15", *args, env=env)
+    run(python, "-m", "pytest", "--durations=15", *args, env=env, **run_options)
 
 
 class Phases:
@@ -213,24 +224,43 @@ def run_tests(args: list[str], phases: Phases) -> None:
     with phases(".venv: lint"):
         run(python, "-m", "ruff", "check", ".")
         run(python, "-m", "ruff", "format", "--check", ".")
+    # The TPU compiles keep one core busy (their tests share each chip's compiles in one
+    # process), so they run beside the CPU suites, which take both cores and leave gaps: a
+    # lane of their own, its output printed when each phase ends.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        tpu_lane = pool.submit(run_tpu_compiles, phases, tpu, tpu_oldest, tpu_jax)
+        try:
+            run_cpu_suites(args, phases, python, oldest)
+        finally:
+            wait([tpu_lane])
+    tpu_lane.result()
+
+
+def run_cpu_suites(args: list[str], phases: Phases, python: Path, oldest: Path) -> None:
     with phases(".venv: the tests and the notebooks"):
         pytest(python, *WORKERS, *args, fast_cpu_compiles=True)
     with phases(".venv-oldest: the tests (one case per matrix path) and the notebooks"):
         pytest(oldest, *WORKERS, "-m", "not slow and not browser and not matrix",
                "-p", "no:cacheprovider", fast_cpu_compiles=True)  # fmt: skip
-    with phases(".venv-tpu: the tpu_compile tests"):
-        pytest(tpu, "-m", "tpu_compile", "-p", "no:cacheprovider", *TPU_COMPILE_TESTS)
-    # On Colab's pair: the jax 0.7.2 compiles, every ladder rung, and the pair's own tests.
-    with phases(".venv-tpu-oldest: Colab's pair"):
-        pytest(tpu_oldest, "-m", "tpu_compile", "-k", COLAB_TPU_TESTS,
-               "-p", "no:cacheprovider", "-rs", "tests/test_tpu_compile.py",
-               "tests/test_ladder.py", "tests/test_tpu_colab_pair.py")  # fmt: skip
-    with phases(".venv-tpu-jax-0.7.2: a few compiles"):
-        pytest(tpu_jax, "-m", "tpu_compile", "-k", JAX_0_7_2_TPU_TESTS,
-               "-p", "no:cacheprovider", "tests/test_tpu_compile.py")  # fmt: skip
     for env in (python, oldest):
         with phases(f"{env.parent.parent.name}: the browser test"):
             browser_test(env)
+
+
+def run_tpu_compiles(phases: Phases, tpu: Path, tpu_oldest: Path, tpu_jax: Path) -> None:
+    with phases("beside them, .venv-tpu: the tpu_compile tests"):
+        pytest(tpu, "-m", "tpu_compile", "-p", "no:cacheprovider", *TPU_COMPILE_TESTS,
+               in_one_piece=True)  # fmt: skip
+    # On Colab's pair: the jax 0.7.2 compiles, every ladder rung, and the pair's own tests.
+    with phases("beside them, .venv-tpu-oldest: Colab's pair"):
+        pytest(tpu_oldest, "-m", "tpu_compile", "-k", COLAB_TPU_TESTS,
+               "-p", "no:cacheprovider", "-rs", "tests/test_tpu_compile.py",
+               "tests/test_ladder.py", "tests/test_tpu_colab_pair.py",
+               in_one_piece=True)  # fmt: skip
+    with phases("beside them, .venv-tpu-jax-0.7.2: a few compiles"):
+        pytest(tpu_jax, "-m", "tpu_compile", "-k", JAX_0_7_2_TPU_TESTS,
+               "-p", "no:cacheprovider", "tests/test_tpu_compile.py",
+               in_one_piece=True)  # fmt: skip
 
 
 def test_colab_2026_07(args: list[str]) -> None:

@@ -1,4 +1,5 @@
-"""tasks.py's timing table: each phase's minutes and outcome, a failed phase included."""
+"""tasks.py: the timing table (each phase's minutes and outcome, a failed phase included),
+the workers, the compile flags and the TPU lane's output."""
 
 from __future__ import annotations
 
@@ -52,3 +53,18 @@ def test_the_notebooks_run_without_the_cpu_test_runs_unoptimised_compiles():
     devices = "--xla_force_host_platform_device_count=4"
     environ = {"XLA_FLAGS": f"{devices} {tasks.FAST_CPU_COMPILES}", "MPLBACKEND": "Agg", "A": "1"}
     assert learner_env(environ) == {"XLA_FLAGS": devices, "A": "1"}
+
+
+def test_a_lane_command_prints_its_output_in_one_piece_and_still_fails(capsys):
+    """The TPU lane runs beside the CPU suites: its commands' output is kept and printed whole
+    when each ends, and a failing one still raises."""
+    import subprocess
+    import sys
+
+    tasks = load_tasks()
+    script = "print('first line'); print('second line'); raise SystemExit(3)"
+    with pytest.raises(subprocess.CalledProcessError) as failure:
+        tasks.run(sys.executable, "-c", script, in_one_piece=True)
+    assert failure.value.returncode == 3
+    out = capsys.readouterr().out
+    assert out.index("+ ") < out.index("first line\nsecond line")
