@@ -7,7 +7,8 @@ Every environment is made by `uv` (from the package index, into .venv-uv the fir
 it installs a venv in seconds where pip takes minutes, and shares one download cache among
 all of them). `test` runs in five environments, each pinned by a file of constraints/
 (README: "Supported stacks"):
-  * .venv         the newest supported jax (newest.txt): lint, then every test (notebooks
+  * .venv         the newest supported jax (newest.txt) on Python 3.13 when this machine
+                  has it (jax 0.12 needs 3.12 or newer): lint, then every test (notebooks
                   included; the slow sweeps stay opt-in, see README), on both cores
                   (pytest-xdist);
   * .venv-oldest  Colab's TPU runtime, package for package (oldest.txt, made from the
@@ -15,7 +16,8 @@ all of them). `test` runs in five environments, each pinned by a file of constra
                   constraints/colab_freeze.py) on Python 3.13 when this machine has it:
                   the fast tests and the notebooks, with each interpret-mode matrix cut to
                   one case per path (the tests marked `matrix` run on .venv alone);
-  * .venv-tpu     the newest jax with its libtpu, pinned (tpu.txt): the `tpu_compile`
+  * .venv-tpu     the newest jax with its libtpu, pinned (tpu.txt), on Python 3.13 as
+                  .venv: the `tpu_compile`
                   tests, which compile every kernel for five TPU chips here, without a TPU,
                   and print our kernel against JAX's and vLLM's RPA v3 (whose wheel,
                   tpu-inference 0.32.0, is fetched alone into .venv-tpu/minilib-v3, not
@@ -56,6 +58,9 @@ ROOT = Path(__file__).resolve().parent
 # uv, pinned, in a venv of its own: the one tool installed with pip.
 UV_VENV, UV_VERSION = ROOT / ".venv-uv", "0.13.9"
 NEWEST = (ROOT / ".venv", ROOT / "constraints" / "newest.txt")
+# The newest stack's Python, for .venv and .venv-tpu: jax 0.12 needs 3.12 or newer, whatever
+# Python runs tasks.py.
+NEWEST_PYTHON = "3.13"
 # Colab's TPU runtime and its past runtime 2026.07, pinned from the package lists Colab
 # publishes (constraints/colab/, made into constraint files by constraints/colab_freeze.py),
 # each with the Python it has (os-info-tpu.txt).
@@ -208,13 +213,14 @@ def test(args: list[str]) -> None:
 
 def run_tests(args: list[str], phases: Phases) -> None:
     colab = colab_python()
+    newest = colab if NEWEST_PYTHON == COLAB_PYTHON else python_for(NEWEST_PYTHON)
     with phases("make the five venvs (uv, in parallel)"):
         uv()
         with ThreadPoolExecutor() as pool:
             venvs = [
-                pool.submit(make_venv, *NEWEST, extra="dev,browser"),
+                pool.submit(make_venv, *NEWEST, extra="dev,browser", base_python=newest),
                 pool.submit(make_venv, *OLDEST, extra="dev,browser", base_python=colab),
-                pool.submit(make_venv, *TPU, extra="tpu-test"),
+                pool.submit(make_venv, *TPU, extra="tpu-test", base_python=newest),
                 pool.submit(make_venv, *TPU_OLDEST, extra="tpu-test", base_python=colab),
                 pool.submit(make_venv, *TPU_JAX_0_7_2, extra="tpu-test", base_python=colab),
             ]
@@ -289,7 +295,7 @@ def browser_test(python: Path) -> None:
 
 def course(args: list[str]) -> None:
     """JupyterLab on notebooks/ (`course notebook`: Notebook 7 instead)."""
-    python = make_venv(*NEWEST, extra="course")
+    python = make_venv(*NEWEST, extra="course", base_python=python_for(NEWEST_PYTHON))
     app, args = (args[0], args[1:]) if args[:1] == ["notebook"] else ("lab", args)
     # Jupyter refuses to start as root (containers, some cloud VMs) unless told it may.
     as_root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
