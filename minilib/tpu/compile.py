@@ -430,13 +430,21 @@ def chip_unknown_here(chip: str) -> str:
 
 
 def abstract_mesh(device):
-    """A one-device abstract mesh whose device kind is the chip's (JAX's kernel reads it)."""
-    from jax.sharding import AbstractDevice, AbstractMesh
+    """A one-device abstract mesh whose device kind is the chip's (JAX's kernel reads it).
+
+    Its axis is Auto, as is the concrete mesh of the arguments' sharding (`compile_here`):
+    jax refuses to trace when the two differ ("context mesh ... should match the aval mesh"),
+    and from jax 0.12 on a new `AbstractMesh` is Explicit unless told otherwise. (Every jax
+    from 0.7.2 on takes `axis_types`; before 0.12 Auto was already the default.)
+    """
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
     kwargs = dict(device_kind=device.device_kind, num_cores=1)
     if "platform" in inspect.signature(AbstractDevice).parameters:  # jax >= 0.8
         kwargs["platform"] = "tpu"
-    return AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(**kwargs))
+    return AbstractMesh(
+        (1,), ("x",), axis_types=(AxisType.Auto,), abstract_device=AbstractDevice(**kwargs)
+    )
 
 
 def compile_here(fn, specs, chip: str) -> CompileReport:
