@@ -21,7 +21,8 @@ The matrix (one compile each, 1 to 4 s):
   compute chunks, where the deepest loop with a matmul is one chunk.
 * the three-way comparison (`minilib.tpu.kernel_costs`, `minilib.tpu.comparison`): ours,
   JAX's kernel and vLLM's RPA v3 on v5e, v6e and TPU7x, the table printed; each claim of
-  `CLAIMS` asserted; v3 loaded from its wheel without vLLM or torch.
+  `CLAIMS` asserted; v3 and its head_dim-64 kernel loaded from its wheel without vLLM or
+  torch.
 
 Every figure here is a static estimate from the compiled program, never a timing.
 """
@@ -396,12 +397,23 @@ def test_recorded_comparison_is_what_compiles_here():
 
 V3_ALONE_SCRIPT = """
 import sys
-from minilib.tpu.v3 import load_v3
+from minilib.tpu.v3 import load_v3, load_v3_hd64
 kernel = load_v3()
 loaded = sorted(name for name in sys.modules if name.startswith("tpu_inference"))
-assert loaded[-2:] == [kernel.__name__[:-len("kernel")] + "kernel",
-                       kernel.__name__[:-len("kernel")] + "util"], loaded
+package = kernel.__name__[:-len("kernel")]
+assert loaded[-2:] == [package + "kernel", package + "util"], loaded
 assert len(loaded) == 6, loaded  # four bare parents, kernel and util
+hd64 = load_v3_hd64()
+loaded = sorted(name for name in sys.modules if name.startswith("tpu_inference"))
+assert loaded[-4:] == [package + name for name in
+                       ("kernel", "kernel_hd64", "tuned_block_sizes_hd64", "util")], loaded
+assert len(loaded) == 8, loaded  # and head_dim 64's kernel, its tuned sizes a stand-in
+try:
+    hd64.get_tuned_block_sizes()
+except ValueError as err:
+    assert "pass num_kv_pages_per_block and num_queries_per_block" in str(err), err
+else:
+    raise AssertionError("the stand-in for the tuned block sizes must ask for block sizes")
 assert "vllm" not in sys.modules and "torch" not in sys.modules
 print("v3 alone ok")
 """
@@ -409,7 +421,8 @@ print("v3 alone ok")
 
 def test_v3_loads_from_its_wheel_without_vllm_or_torch():
     """With jax 0.10.2 or newer, v3 must load (`python3 tasks.py test` fetches its wheel):
-    only its kernel and util modules, under bare parent packages, with no vLLM or torch."""
+    only its kernel and util modules, under bare parent packages, then its head_dim-64 kernel
+    (whose table of tuned block sizes would import vLLM and torch), with no vLLM or torch."""
     import os
     import subprocess
     import sys

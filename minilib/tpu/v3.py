@@ -4,15 +4,16 @@ vLLM serves attention on TPUs with the ragged paged attention kernel of its `tpu
 package. Compiling it next to ours and JAX's (`minilib.tpu.kernel_costs`) says how far our
 kernel is from the one in production. Nothing of it is copied into minilib: this module
 fetches the published wheel, version `V3_VERSION` (the one our figures were measured with),
-and imports two of its files at run time.
+and imports its kernel files at run time.
 
 Why not `pip install tpu-inference`: its metadata asks for jax 0.11.2, a newer libtpu, torch and
 vLLM, and its package `__init__` imports vLLM. We need none of that: the kernel itself needs only
 JAX and its own `util` module. So:
 
 1. `fetch` runs `pip download tpu-inference==0.32.0 --no-deps` (the wheel alone, nothing
-   installed), checks the wheel's SHA-256 and unpacks only `v3/kernel.py` and `v3/util.py`
-   into `v3_folder()`: `<venv>/minilib-v3`, outside the repository, or `$MINILIB_V3_DIR`.
+   installed), checks the wheel's SHA-256 and unpacks only `v3/util.py`, `v3/kernel.py` and
+   `v3/kernel_hd64.py` (its kernel for head_dim 64) into `v3_folder()`: `<venv>/minilib-v3`,
+   outside the repository, or `$MINILIB_V3_DIR`.
    `python3 tasks.py test` does it for `.venv-tpu`; by hand: `python -m minilib.tpu.v3 fetch`.
 2. `load_v3` registers the four parent packages (`tpu_inference`, `.kernels`,
    `.kernels.ragged_paged_attention`, `.v3`) in `sys.modules` as bare namespace modules whose
@@ -26,9 +27,17 @@ JAX and its own `util` module. So:
    same place JAX's `pltpu.get_tpu_info()` reads), and falls back to v3's own answer outside
    such a mesh, as on a real TPU. Nothing else is changed.
 
-v3 0.32.0 compiles with jax 0.10.2. With jax 0.7.2 its import fails (it calls `jax.jit` with
-options only, as a decorator factory, which that jax does not accept), so `v3_available` says
-no for any jax older than 0.10.2, and the comparison then reads "not available: ...".
+v3 0.32.0 compiles with jax 0.10.2 and 0.12.0.1. With jax 0.7.2 its import fails (it calls
+`jax.jit` with options only, as a decorator factory, which that jax does not accept), so
+`v3_available` says no for any jax older than 0.10.2, and the comparison then reads "not
+available: ...".
+
+v3's kernel for head_dim 64, `v3/kernel_hd64.py`, is loaded the same way by `load_v3_hd64`
+(with jax 0.10.2 and 0.12.0.1), with one more step: it imports its table of tuned block
+sizes (`tuned_block_sizes_hd64`), whose module imports tpu_inference's `logger` and `utils`,
+and through them vLLM and torch. Block sizes are always passed here, so that table is never
+read: `load_v3_hd64` registers in its place a module whose `get_tuned_block_sizes` raises,
+saying to pass them.
 
 >>> ok, reason = v3_available()
 >>> ok or "v3" in reason
@@ -53,7 +62,16 @@ import jax.numpy as jnp
 
 from minilib.tpu.chips import DEVICE_KINDS, FACTS
 
-__all__ = ["V3Unavailable", "fetch", "load_v3", "rpa_v3", "v3_available", "v3_folder", "v3_specs"]
+__all__ = [
+    "V3Unavailable",
+    "fetch",
+    "load_v3",
+    "load_v3_hd64",
+    "rpa_v3",
+    "v3_available",
+    "v3_folder",
+    "v3_specs",
+]
 
 V3_VERSION = "0.32.0"
 WHEEL = f"tpu_inference-{V3_VERSION}-py3-none-any.whl"
@@ -65,7 +83,8 @@ PARENTS = (
     "tpu_inference.kernels.ragged_paged_attention",
     PACKAGE,
 )
-FILES = ("util.py", "kernel.py")  # all that is unpacked and imported, in this order
+# All that is unpacked and imported, in this order (kernel_hd64.py by `load_v3_hd64` alone).
+FILES = ("util.py", "kernel.py", "kernel_hd64.py")
 OLDEST_JAX = (0, 10, 2)
 FETCH_COMMAND = "python -m minilib.tpu.v3 fetch"
 
@@ -99,7 +118,7 @@ def package_folder(root: Path) -> Path:
 
 def fetch(folder: Path | None = None) -> Path:
     """Download the wheel alone (`pip download --no-deps`, nothing installed), check its
-    SHA-256 and unpack `v3/util.py` and `v3/kernel.py` into `folder` (default `v3_folder()`).
+    SHA-256 and unpack the `FILES` of v3 into `folder` (default `v3_folder()`).
     Does nothing when they are there already. Returns the folder.
 
     >>> import tempfile
@@ -182,6 +201,39 @@ def load_v3() -> types.ModuleType:
     answer = tpu_version_of_target(util.get_tpu_version)
     util.get_tpu_version = kernel.get_tpu_version = answer
     return kernel
+
+
+@functools.cache
+def load_v3_hd64() -> types.ModuleType:
+    """v3's kernel module for head_dim 64 (`...v3.kernel_hd64`), loaded as `load_v3` loads
+    v3's, without vLLM or torch: its table of tuned block sizes is replaced by a module that
+    asks for block sizes (see the module docstring). Raises `V3Unavailable` when it cannot be
+    loaded here.
+
+    >>> hd64 = load_v3_hd64() if v3_available()[0] else None
+    >>> hd64 is None or callable(hd64.ragged_paged_attention_hd64)
+    True
+    """
+    load_v3()  # the bare parent packages and v3's util, patched
+    tuned = f"{PACKAGE}.tuned_block_sizes_hd64"
+    if tuned not in sys.modules:
+        sys.modules[tuned] = stand_in = types.ModuleType(tuned)
+        stand_in.get_tuned_block_sizes = tuned_block_sizes_not_loaded
+    try:
+        return importlib.import_module(f"{PACKAGE}.kernel_hd64")
+    except (ImportError, AttributeError, TypeError) as err:  # a jax too old for it
+        raise V3Unavailable(
+            f"vLLM's RPA v3 head_dim-64 kernel ({WHEEL}) does not load with jax "
+            f"{jax.__version__}: {type(err).__name__}: {err}"
+        ) from err
+
+
+def tuned_block_sizes_not_loaded(*args, **kwargs):
+    """In place of v3's `get_tuned_block_sizes` for head_dim 64, which is not loaded."""
+    raise ValueError(
+        "v3's table of tuned block sizes for head_dim 64 is not loaded here (it imports vLLM "
+        "and torch). Hint: pass num_kv_pages_per_block and num_queries_per_block."
+    )
 
 
 def tpu_version_of_target(original):
