@@ -398,7 +398,8 @@ def chips_here() -> tuple[str, ...]:
     """The chips of `CHIPS` whose compile-only device this libtpu has (() without libtpu).
 
     Not every libtpu knows every chip: libtpu 0.0.23, which jax 0.7.2's `jax[tpu]` brings,
-    refuses TPU7x ("Invalid TPU external name: TPU7x"); libtpu 0.0.42.1 (jax 0.10.2's) has it.
+    refuses TPU7x ("Invalid TPU external name: TPU7x"); libtpu 0.0.42.1 (jax 0.10.2's) and
+    0.0.50.1 (jax 0.12.0.1's) have it.
 
     >>> set(chips_here()) <= set(CHIPS)
     True

@@ -44,8 +44,8 @@ __all__ = [
 
 # jax version -> the libtpu that its `jax[tpu]` extra brings, and that this reader was checked
 # against by hand.
-CHECKED_LIBTPU = {"0.10.2": "0.0.42.1", "0.7.2": "0.0.23"}
-NEWEST_CHECKED_JAX = "0.10.2"
+CHECKED_LIBTPU = {"0.12.0.1": "0.0.50.1", "0.10.2": "0.0.42.1", "0.7.2": "0.0.23"}
+NEWEST_CHECKED_JAX = "0.12.0.1"
 
 # What `minilib.tpu.compile` asks libtpu to write: the two files above, with source locations.
 DUMP_FLAGS = (
