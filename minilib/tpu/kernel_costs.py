@@ -249,7 +249,7 @@ def compare_kernels(
 
     >>> cells = compare_kernels("v5e")  # doctest: +SKIP
     >>> [(c.kernel, c.config, c.bundles_per_kv_block) for c in cells][:3]  # doctest: +SKIP
-    [('v3', '32 q per block', 1595), ('JAX', '32 q per block', 2553), ('ours', ...)]
+    [('v3', '32 q per block', 1586), ('JAX', '32 q per block', 2573), ('ours', ...)]
     """
     from minilib.tpu.v3 import V3Unavailable
 
