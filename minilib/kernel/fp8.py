@@ -44,7 +44,8 @@ and the scaled output instead. p is rounded to q's dtype for P·V, as in the ref
 V is zeroed past kv_len on the 32-bit words, before the unpacking (`zero_words_past_kv_len`):
 one select per word, and no fp8 value is ever written (a cast to fp8 is slow too).
 
-On which chips: every chip Mosaic compiles for (v5e, v6e, TPU7x measured), where the strided
+On which chips: every chip Mosaic compiles for (v5e, v6e, TPU7x measured; on v4, whose Mosaic
+takes no fp8 matmul operand, K and V are cast before the matmuls, `for_the_mxu`), where the strided
 load applies (`strided.can_load_kv_strided`): head_dim a multiple of 128 and an even number of
 KV heads per heads block. Elsewhere, and in TPU interpret mode (which cannot view a ref as
 another shape or dtype), the plain load runs, with the scales in the same places.
@@ -56,7 +57,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from minilib.block_sizes import current_chip
 from minilib.kernel.config import LANES, KernelConfig
+from minilib.tpu.chips import FACTS
 
 __all__: list[str] = []  # the kernel body's own: see `load_kv_head_fp8`
 
@@ -87,6 +90,13 @@ def load_kv_head_fp8(
     k = byte_as_fp8(word, k_shift, kv_lanes.dtype)
     v = byte_as_fp8(zero_words_past_kv_len(word, kv_blk, kv_len, c), k_shift + 8, kv_lanes.dtype)
     return k, v
+
+
+def for_the_mxu(x, dtype):
+    """fp8 `x` as the MXU's matmuls take it: as it is from v5 on; cast to `dtype` before (v4's
+    Mosaic has no fp8 matmul operand). Off a TPU (interpret mode), as it is."""
+    chip = current_chip()
+    return x if chip is None or FACTS[chip].generation >= 5 else x.astype(dtype)
 
 
 def byte_as_fp8(word, shift: int, fp8_dtype):  # word: u32[tokens, 128] -> fp8[tokens, 128]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from minilib.kernel.config import KernelConfig
-from minilib.kernel.fp8 import load_kv_head_fp8
+from minilib.kernel.fp8 import for_the_mxu, load_kv_head_fp8
 from minilib.kernel.lane_blocks import side_by_side
 from minilib.kernel.strided import load_kv_head_strided
 
@@ -31,10 +31,12 @@ def load_kv_for_mxu(kv_buf, kv_head: int, kv_blk, kv_len, dtype, config: KernelC
             load_kv_head_fp8(kv_buf.at[f], kv_head, kv_blk, kv_len, config)
             for f in range(config.lane_blocks)
         ]
-        return side_by_side(blocks)
+        k, v = side_by_side(blocks)
+        return for_the_mxu(k, dtype), for_the_mxu(v, dtype)
     k, v = load_kv_head(kv_buf, kv_head, config)
     if fp8:  # K as stored; V cast before it is zeroed (a cast back to fp8 is slow)
-        return k, zero_tokens_past_kv_len(v.astype(dtype), kv_blk, kv_len, config)
+        v = zero_tokens_past_kv_len(v.astype(dtype), kv_blk, kv_len, config)
+        return for_the_mxu(k, dtype), v
     v = zero_tokens_past_kv_len(v, kv_blk, kv_len, config)
     return dequantize_kv(k, v, dtype)
 
