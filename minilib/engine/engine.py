@@ -296,8 +296,7 @@ class Engine:
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=bool(enable_prefix_caching),
         )
-        # One pool per layer, NaN until written: a read of a slot never written shows at
-        # once. (A freed page keeps its K/V: a stale read of a reused page shows no NaN.)
+        # One pool per layer, NaN until written: a stale read shows on a page's first use.
         num_kv_heads = config.num_kv_heads * self.kv_head_replicas
         shape = (num_pages, page_size, 2 * num_kv_heads, config.head_dim)
         self.kv_pages = [jnp.full(shape, jnp.nan, config.dtype) for _ in range(config.num_layers)]
@@ -397,6 +396,7 @@ class Engine:
         """What `request_id` has produced so far: tokens, finish reason, cached tokens and
         its metrics (a copy: it does not change as the engine runs on)."""
         request = self._request(request_id)
+        asked = request.sampling_params.logprobs is not None
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=tuple(request.prompt),
@@ -404,9 +404,7 @@ class Engine:
             finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens or 0,
             metrics=dataclasses.replace(request.metrics),
-            logprobs=None
-            if request.sampling_params.logprobs is None
-            else tuple(dict(entry) for entry in request.logprobs),
+            logprobs=tuple(map(dict, request.logprobs)) if asked else None,
         )
 
     def pop_finished_outputs(self) -> list[RequestOutput]:

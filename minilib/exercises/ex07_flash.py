@@ -256,8 +256,9 @@ def _wrong_grid(grid: tuple, expected: tuple) -> str:
     )
 
 
-def _declared_grid(fn: Callable, case: Case) -> tuple | None:
-    """The grid the call gives its `pallas_call`, read from its jaxpr (None if unreadable)."""
+def _pallas_call_params(fn: Callable, case: Case) -> dict | None:
+    """The parameters of the `pallas_call` the call makes, read from its jaxpr (None if it
+    cannot be traced or makes none)."""
     try:
         call = functools.partial(fn, interpret=False, **case.kwargs)
         jaxpr = jax.make_jaxpr(call)(*case.args)
@@ -265,9 +266,14 @@ def _declared_grid(fn: Callable, case: Case) -> tuple | None:
         return None
     for eqn in jaxpr.jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
-            grid = getattr(eqn.params.get("grid_mapping"), "grid", None)
-            return tuple(int(n) for n in grid) if grid is not None else None
+            return eqn.params
     return None
+
+
+def _declared_grid(fn: Callable, case: Case) -> tuple | None:
+    """The grid the call gives its `pallas_call` (None if unreadable)."""
+    grid = getattr((_pallas_call_params(fn, case) or {}).get("grid_mapping"), "grid", None)
+    return tuple(int(n) for n in grid) if grid is not None else None
 
 
 def _grid_block_cause(fn: Callable) -> Callable:
@@ -379,19 +385,14 @@ def _declared_semantics(fn: Callable, case: Case) -> tuple | None:
     """The `dimension_semantics` the call gives its `pallas_call`, read from its jaxpr (None
     if it cannot be read). The pallas_call's compiler params hold them: a CompilerParams, or
     (jax 0.7) a dict of them by backend."""
-    try:
-        call = functools.partial(fn, interpret=False, **case.kwargs)
-        jaxpr = jax.make_jaxpr(call)(*case.args)
-    except Exception:
+    call_params = _pallas_call_params(fn, case)
+    if call_params is None:
         return None
-    for eqn in jaxpr.jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            params = eqn.params.get("compiler_params")
-            if isinstance(params, Mapping):
-                params = params.get("mosaic_tpu") or params.get("mosaic")
-            semantics = getattr(params, "dimension_semantics", None)
-            return tuple(str(x).lower() for x in semantics) if semantics else ()
-    return None
+    params = call_params.get("compiler_params")
+    if isinstance(params, Mapping):
+        params = params.get("mosaic_tpu") or params.get("mosaic")
+    semantics = getattr(params, "dimension_semantics", None)
+    return tuple(str(x).lower() for x in semantics) if semantics else ()
 
 
 def _semantics_problem(fn: Callable, case: Case) -> str | None:
