@@ -86,10 +86,12 @@ JAX_0_7_2_TPU_TESTS = "gqa-bf16 or against_jax or bad_kernel or vmem_overflow or
 # On Colab's own pair: those, every ladder rung (test_ladder.py's tpu_compile tests), and the
 # pair's tests.
 COLAB_TPU_TESTS = f"{JAX_0_7_2_TPU_TESTS} or add_vectors or test_ladder or colab_pair"
-# pytest on both cores of CI's machine (pytest-xdist): "auto" is one worker per core. Not for
-# the tpu_compile runs: their tests share each chip's compiles through a per-process cache,
-# which every worker would fill again.
-WORKERS = ("-n", os.environ.get("MINILIB_TEST_WORKERS", "auto"))
+# pytest on both cores of CI's machine (pytest-xdist): "auto" is one worker per core. Each test
+# file runs whole in one worker (loadfile), so that its tests share their compiles (jitted
+# functions, JAX's reference per batch): tests/test_exercises.py took 230 s of CPU spread over
+# two workers, 195 s with loadfile. Not for the tpu_compile runs: their tests share each chip's
+# compiles through a per-process cache, which every worker would fill again.
+WORKERS = ("-n", os.environ.get("MINILIB_TEST_WORKERS", "auto"), "--dist", "loadfile")
 
 
 def run(*cmd: str | Path, env: dict | None = None, in_one_piece: bool = False) -> None:

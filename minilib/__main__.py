@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minilib.doctor import doctor
+from minilib.doctor import doctor, tpu_self_check
 from minilib.perf import bench
 from minilib.tpu import comparison
 
@@ -24,7 +24,13 @@ class CommandLineParser(argparse.ArgumentParser):
 
 
 def run_doctor(args) -> int:
-    """`python -m minilib doctor`: 0 when the parity check passes, else 1."""
+    """`python -m minilib doctor [--tpu [--interpret] [--no-ladder]]`: 0 when every check passes,
+    else 1."""
+    if (args.interpret or args.no_ladder) and not args.tpu:
+        args.parser.error("--interpret and --no-ladder go with --tpu, as in: python -m minilib "
+                          "doctor --tpu --interpret")  # fmt: skip
+    if args.tpu:
+        return 0 if tpu_self_check(interpret=args.interpret, ladder=not args.no_ladder) else 1
     return 0 if doctor() else 1
 
 
@@ -40,7 +46,25 @@ def build_parser() -> argparse.ArgumentParser:
         "and a parity check against JAX's reference",
         description="Where you are running and whether the kernel agrees with the reference.",
     )
-    doctor_parser.set_defaults(run=run_doctor)
+    doctor_parser.add_argument(
+        "--tpu",
+        action="store_true",
+        help="the self-check to run once on a real TPU: every implementation and ladder "
+        "solution compiled and run, parity at the chip's precision, our kernel timed beside "
+        "JAX's and vLLM's v3 on a decode, a mixed and a prefill batch; a report to paste",
+    )
+    doctor_parser.add_argument(
+        "--interpret",
+        action="store_true",
+        help="with --tpu, off a TPU: run the same checks with the kernels in TPU interpret mode "
+        "(right answers, not TPU speed)",
+    )
+    doctor_parser.add_argument(
+        "--no-ladder",
+        action="store_true",
+        help="with --tpu: leave out the ladder's checkers (about a minute in interpret mode)",
+    )
+    doctor_parser.set_defaults(run=run_doctor, parser=doctor_parser)
     bench_parser = commands.add_parser(
         "bench",
         help="time the ragged paged attention implementations on the same batches",

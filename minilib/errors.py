@@ -99,12 +99,17 @@ class ScheduleTooBig(ValueError):
 
 
 class InputProblem(ValueError):
-    """Typed input the explorer cannot use (not a number, too big to draw, ...).
+    """Typed input the explorer cannot use (not a number, too big to draw, ...). `title` is
+    what the explorer shows above the message: what kind of problem it is.
 
     >>> from minilib.explore.explorer import parse_ints
     >>> try:
     ...     parse_ints("3, x", "kv_lens")
     ... except InputProblem as err:
-    ...     print(type(err).__name__, isinstance(err, ValueError))
-    InputProblem True
+    ...     print(type(err).__name__, isinstance(err, ValueError), err.title)
+    InputProblem True Cannot read this input
     """
+
+    def __init__(self, message: str, title: str = "Cannot read this input"):
+        self.title = title
+        super().__init__(message)

@@ -39,7 +39,10 @@ def valid_num_kv_heads(num_q_heads: int) -> list[int]:
     [1, 2, 3, 4, 6, 12]
     """
     if num_q_heads < 1:
-        raise ValueError(f"{num_q_heads=} must be positive.")
+        raise RPAInputError(
+            f"{num_q_heads=} must be positive.",
+            "q needs at least one head: num_q_heads is its axis 1, e.g. 12.",
+        )
     return [n for n in range(1, num_q_heads + 1) if num_q_heads % n == 0]
 
 

@@ -30,6 +30,23 @@ pytest_plugins = ["time_limit"]  # a time limit on every test: tests/time_limit.
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
+
+def pytest_terminal_summary(terminalreporter):
+    """The notebooks' times (tests/test_notebooks.py), each with its slowest cells, and their
+    sum: the notebooks' budget is 300 s for all eleven, top to bottom."""
+    times = sorted(
+        value
+        for report in terminalreporter.stats.get("passed", [])
+        for name, value in getattr(report, "user_properties", [])
+        if name == "notebook_time"
+    )
+    if times:
+        total = sum(seconds for _, seconds, _ in times)
+        terminalreporter.write_sep("-", f"notebooks: {total:.0f} s in all")
+        for notebook, seconds, slowest in times:
+            terminalreporter.write_line(f"{notebook}: {seconds} s (slowest: {slowest})")
+
+
 # The five attention functions, in course order; all take JAX's arguments.
 IMPLEMENTATIONS = {
     "reference": ref_ragged_paged_attention,

@@ -108,6 +108,8 @@ def flash_call(variant: str) -> Callable:
         if variant == "grid_to_max_kv_len":  # walks the NaN blocks past kv_len too
             num_kv_blocks = k.shape[1] // block_kv
         grid = (num_heads, q_len // block_q, num_kv_blocks)
+        if variant == "grid_swapped":  # the KV blocks on axis 1, the q blocks on axis 2
+            grid = (num_heads, num_kv_blocks, q_len // block_q)
         q_map = lambda h, i, j: (h, i, 0)
         kv_map = {
             "kv_map_uses_i": lambda h, i, j: (h, i, 0),  # the q block's index for K and V
@@ -153,9 +155,13 @@ def rung2(variant: str) -> Callable:
             return (page_indices_ref[seq, jnp.minimum(i, num_pages)], 0, 0, 0)
         if variant == "page_by_position":  # page i of the pool, not of the sequence
             return (jnp.minimum(i, num_pages), 0, 0, 0)
+        if variant == "kv_len_of_page_axis":  # kv_lens_ref[i]: i is the page, not the sequence
+            num_pages = pl.cdiv(kv_lens_ref[i], page_size)
         page = page_indices_ref[seq, jnp.minimum(i, jnp.maximum(num_pages - 1, 0))]
         if variant == "empty_slot_reads_its_row":  # kv_len 0: its whole row is garbage
             return (page, 0, 0, 0)
+        if variant == "element_offset":  # the page's first token, not its block index
+            return (jnp.where(num_pages > 0, page, 0) * page_size, 0, 0, 0)
         return (jnp.where(num_pages > 0, page, 0), 0, 0, 0)
 
     def kernel(kv_lens_ref, page_indices_ref, q_ref, page_ref, o_ref, m_ref, l_ref, acc_ref, *,
@@ -171,14 +177,54 @@ def rung2(variant: str) -> Callable:
 
         @pl.when(i * page_size < kv_len)
         def _attend():
-            attend_kv_block(page_ref, q_ref, m_ref, l_ref, acc_ref, first_pos, kv_len, sm_scale)
+            if variant in ("alpha_sign", "max_before_mask", "kv_head_by_modulo"):
+                attend_page_by_hand(page_ref, q_ref, m_ref, l_ref, acc_ref, first_pos, kv_len,
+                                    sm_scale, variant)  # fmt: skip
+            else:
+                attend_kv_block(page_ref, q_ref, m_ref, l_ref, acc_ref, first_pos, kv_len,
+                                sm_scale)  # fmt: skip
 
-        @pl.when((i == 0) if variant == "write_first_page" else (i == pl.num_programs(1) - 1))
+        last = i == pl.num_programs(1) - 1
+        if variant == "write_first_page":
+            last = i == 0
+        if variant == "write_on_last_page":  # the sequence's last page: none for kv_len 0
+            last = i == pl.cdiv(kv_len, page_size) - 1
+
+        @pl.when(last)
         def _finish():
             write_output(o_ref, l_ref, acc_ref)
 
     return functools.partial(scalar_prefetch.paged_decode_attention, kernel=kernel,
                              index_map=index_map)  # fmt: skip
+
+
+def attend_page_by_hand(page_ref, q_ref, m_ref, l_ref, acc_ref, first_pos, kv_len, sm_scale,
+                        variant):  # fmt: skip
+    """attend_kv_block written out, with one of the online softmax's usual mistakes."""
+    tokens, num_kv_heads, group = page_ref.shape[0], m_ref.shape[0], m_ref.shape[1]
+    k_pos = first_pos + lax.broadcasted_iota(jnp.int32, (group, tokens), 1)
+    for h in range(num_kv_heads):
+        k = page_ref[:, 2 * h, :].astype(jnp.float32)
+        v = page_ref[:, 2 * h + 1, :].astype(jnp.float32)
+        v = jnp.where((k_pos[0] < kv_len)[:, None], v, 0.0)
+        q = q_ref[h * group : (h + 1) * group, :].astype(jnp.float32)
+        if variant == "kv_head_by_modulo":  # q head r reads KV head r % num_kv_heads
+            q = q_ref[pl.ds(h, group, stride=num_kv_heads), :].astype(jnp.float32)
+        s = jnp.dot(q, k.T) * sm_scale
+        m_prev = m_ref[h]
+        if variant == "max_before_mask":  # the max of scores the mask then hides
+            m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+            s = jnp.where(k_pos < kv_len, s, MASK)
+        else:
+            s = jnp.where(k_pos < kv_len, s, MASK)
+            m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+        p = jnp.exp(s - m_next)
+        alpha = jnp.exp(m_prev - m_next)
+        if variant == "alpha_sign":  # exp(m_next - m_prev): the rescale upside down
+            alpha = jnp.exp(m_next - m_prev)
+        l_ref[h] = alpha * l_ref[h] + p.sum(axis=1, keepdims=True)
+        acc_ref[h] = alpha * acc_ref[h] + jnp.dot(p, v)
+        m_ref[h] = m_next
 
 
 # --- rung 3: one buffer, one copy ---------------------------------------------------------------
@@ -402,6 +448,8 @@ WRONG_ANSWERS = [
       lambda: flash_call("kv_map_offsets"), "not element offsets"),
     W("1b", "output index map uses j", ex.check_flash_pallas_call,
       lambda: flash_call("out_map_uses_j"), "out-of-bounds", "the output's block is the same"),
+    W("1b", "grid axes swapped", ex.check_flash_pallas_call, lambda: flash_call("grid_swapped"),
+      "axes", "swapped", "(num_heads, q_len // block_q, cdiv(kv_len, block_kv))"),
     W("1b", "grid to max_kv_len", ex.check_flash_pallas_call,
       lambda: flash_call("grid_to_max_kv_len"), "the grid is (2, 2, 4)"),
     W("1b", "acc in bf16", ex.check_flash_pallas_call, lambda: flash_call("acc_bf16"),
@@ -423,6 +471,19 @@ WRONG_ANSWERS = [
       lambda: rung2("positions_from_zero"), "first_pos"),
     W("2", "written after the first page", ex.check_paged_decode_attention,
       lambda: rung2("write_first_page"), "only the first page counts"),
+    W("2", "element offset as the block index", ex.check_paged_decode_attention,
+      lambda: rung2("element_offset"), "out-of-bounds", "element offset", "(page, 0, 0, 0)"),
+    W("2", "another sequence's kv_len", ex.check_paged_decode_attention,
+      lambda: rung2("kv_len_of_page_axis"), "out-of-bounds", "kv_lens_ref[seq]",
+      "another sequence's kv_len"),
+    W("2", "alpha upside down", ex.check_paged_decode_attention, lambda: rung2("alpha_sign"),
+      "alpha = exp(m_prev - m_next)"),
+    W("2", "max before the mask", ex.check_paged_decode_attention,
+      lambda: rung2("max_before_mask"), "max was taken before the mask"),
+    W("2", "output written on the sequence's last page", ex.check_paged_decode_attention,
+      lambda: rung2("write_on_last_page"), "never written", "kv_len 0"),
+    W("2", "q heads grouped by modulo", ex.check_paged_decode_attention,
+      lambda: rung2("kv_head_by_modulo"), "h // group"),
     # rung 3
     W("3", "no wait", ex.check_paged_decode_async_copy, lambda: rung3("no_wait"),
       "never waited for", fast=True),

@@ -1,15 +1,31 @@
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 
-from minilib.doctor import kernel_mode
+import jax
+import pytest
+
+from minilib.batch import make_batch
+from minilib.doctor import (
+    expected_output,
+    kernel_mode,
+    ladder_checks,
+    ladder_rungs,
+    max_abs_error,
+    parity_passes,
+)
+from minilib.vectorized import ragged_paged_attention_jnp
+
+
+def run_minilib(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "minilib", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
 def test_doctor_command_reports_and_passes():
-    result = subprocess.run(
-        [sys.executable, "-m", "minilib", "doctor"], capture_output=True, text=True, timeout=300
-    )
+    result = run_minilib("doctor")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     expected = ("backend:", "jax:", "jaxlib:", "libtpu:", "Pallas kernel:", "parity check: PASS")
@@ -23,7 +39,69 @@ def test_kernel_mode():
 
 
 def test_unknown_command_fails():
-    result = subprocess.run(
-        [sys.executable, "-m", "minilib", "frobnicate"], capture_output=True, text=True
-    )
+    result = run_minilib("frobnicate")
     assert result.returncode == 2 and "unknown command" in result.stderr
+
+
+# --- python -m minilib doctor --tpu: the self-check for a real TPU -----------------------------
+
+needs_no_tpu = pytest.mark.skipif(jax.default_backend() == "tpu", reason="this is a TPU")
+
+
+@needs_no_tpu
+def test_tpu_self_check_in_interpret_mode_reports_every_section():
+    # The ladder's checkers are left out here (a minute); test_ladder_checks_run_a_rung runs one.
+    result = run_minilib("doctor", "--tpu", "--interpret", "--no-ladder")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    sections = ("versions:", "v3:", "chip:", "kernels:", "precision:", "implementations:",
+                "ladder solutions: not checked", "timings:", "result: PASS")  # fmt: skip
+    for section in sections:
+        assert section in out, f"{section!r} missing from:\n{out}"
+    for name in ("reference", "jnp", "blockwise", "pallas_basics", "kernel", "add_vectors"):
+        assert f"PASS  {name} " in out, f"{name} did not pass:\n{out}"
+    for step in ("decode", "mixed", "prefill"):
+        assert f"\n  {step} " in out  # one timing row per step
+    assert "TPU interpret mode" in out and "jax-kernel: unavailable: needs a TPU" in out
+    assert "v3: not timed: it runs only on a TPU" in out
+
+
+@needs_no_tpu
+def test_tpu_self_check_without_a_tpu_says_so():
+    result = run_minilib("doctor", "--tpu")
+    assert result.returncode == 1
+    assert "No TPU found" in result.stdout
+    assert "python -m minilib doctor --tpu --interpret" in result.stdout
+
+
+def test_interpret_without_tpu_is_a_usage_error():
+    result = run_minilib("doctor", "--interpret")
+    assert result.returncode == 2 and "go with --tpu" in result.stderr
+
+
+def test_parity_judge_fails_a_wrong_output():
+    batch = make_batch([(3, 3), (1, 9)], num_q_heads=4, num_kv_heads=2, max_num_batched_tokens=8)
+    expected = expected_output(batch, sm_scale=0.125)
+    out = ragged_paged_attention_jnp(*batch.args(), sm_scale=0.125)
+    assert parity_passes({"jnp": max_abs_error(out, expected)})
+    # One value of one live row off by 0.1: above the tolerance even of a TPU's bfloat16 pass.
+    assert not parity_passes({"jnp": max_abs_error(out.at[3, 1, 5].add(0.1), expected)})
+    assert not parity_passes({"jnp": max_abs_error(out.at[0, 0, 0].set(float("nan")), expected)})
+    # A padding row (past the 4 live ones) is not judged.
+    assert parity_passes({"jnp": max_abs_error(out.at[6].add(1.0), expected)})
+
+
+def test_ladder_checks_run_a_rung(capsys):
+    results = ladder_checks(ladder_rungs()[-1:])
+    assert results == [("rung 5 (paged_decode_attention_prefetch)", True)]
+    assert "PASS  rung 5 paged_decode_attention_prefetch: Passed" in capsys.readouterr().out
+
+
+def test_ladder_rungs_cover_every_rung():
+    # Every module of minilib/ladder is a rung with a solution, but the strict interpret mode
+    # and its ledger (tools of the checkers) and aligned_blocks (notebook 07's step to whole
+    # tiles, which has no checker).
+    folder = pathlib.Path(__file__).parent.parent / "minilib" / "ladder"
+    not_rungs = {"__init__", "interpret", "watch", "aligned_blocks"}
+    rungs = {f"minilib.ladder.{p.stem}" for p in folder.glob("*.py") if p.stem not in not_rungs}
+    assert {solution.__module__ for _, _, solution in ladder_rungs()} == rungs

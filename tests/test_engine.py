@@ -47,7 +47,7 @@ from minilib.engine import (
     dense_generate,
     init_params,
 )
-from minilib.engine.model import dense_generate_with_margins
+from minilib.engine.model import dense_forward, dense_generate_with_margins
 from minilib.engine.prefix_cache import BlockPool, find_longest_cache_hit, hash_request_tokens
 from minilib.engine.scheduler import can_admit
 from minilib.errors import KVCacheError
@@ -559,7 +559,90 @@ def test_sampling_params_have_vllms_defaults():
     params = SamplingParams()
     assert (params.max_tokens, params.temperature, params.top_k, params.top_p) == (16, 1.0, 0, 1.0)
     assert (params.seed, params.stop_token_ids) == (None, ())
+    assert (params.min_tokens, params.logprobs) == (0, None)
     assert SamplingParams(temperature=0.0).greedy and not params.greedy
+    # vLLM: a temperature below 1e-5 is greedy.
+    assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-5).greedy
+
+
+def test_a_tiny_temperature_is_greedy(dense_tokens):
+    """Below 1e-5 the logits are not divided by the temperature (1e-38 would make them
+    overflow to inf): the tokens are the greedy ones, in the engine and in dense_generate."""
+    tiny = [SamplingParams(max_tokens=MAX_NEW, temperature=t, seed=3) for t in (1e-6, 1e-38)]
+    for params in tiny:
+        assert engine().generate(PROMPTS, sampling_params=params) == dense_tokens
+        assert (
+            dense_generate(PARAMS, CONFIG, PROMPTS[0], sampling_params=params) == (dense_tokens[0])
+        )
+
+
+def dense_logprobs(prompt: list[int], output: list[int]) -> np.ndarray:
+    """log_softmax of the model's logits at each output token, written out: the whole
+    sequence in one dense pass, the row before each output token."""
+    tokens = prompt + output
+    max_len = 64
+    padded = np.zeros(max_len, np.int32)
+    padded[: len(tokens)] = tokens
+    cache = jnp.zeros((CONFIG.num_layers, max_len, CONFIG.num_kv_heads, CONFIG.head_dim))
+    logits, _, _ = dense_forward(PARAMS, CONFIG, padded, 0, cache, cache)
+    rows = np.asarray(logits, np.float64)[len(prompt) - 1 : len(tokens) - 1]
+    top = rows.max(axis=1, keepdims=True)
+    return rows - top - np.log(np.exp(rows - top).sum(axis=1, keepdims=True))
+
+
+def test_logprobs_are_the_log_softmax_of_the_models_logits():
+    """Each token's entry: the sampled token's log-probability and the k most likely
+    tokens', of the raw logits (not of the temperature-scaled or top-k-cut ones)."""
+    params = [
+        SamplingParams(max_tokens=6, temperature=0.0, logprobs=3),
+        dataclasses.replace(SAMPLED, max_tokens=6, logprobs=5),
+        SamplingParams(max_tokens=6, temperature=0.7, seed=1, logprobs=0),
+        SamplingParams(max_tokens=6, temperature=0.7, seed=2),  # no logprobs asked
+    ]
+    eng = engine(num_pages=13)  # a small pool: requests wait, and may be preempted
+    ids = [eng.add_request(p, sampling_params=sp) for p, sp in zip(PROMPTS, params, strict=False)]
+    run_checked(eng)
+    assert eng.request_output(ids[3]).logprobs is None
+    for request_id, sp in zip(ids[:3], params, strict=False):
+        out = eng.request_output(request_id)
+        want = dense_logprobs(list(out.prompt_token_ids), list(out.token_ids))
+        assert len(out.logprobs) == len(out.token_ids) == len(want)
+        for token, entry, row in zip(out.token_ids, out.logprobs, want, strict=True):
+            assert token in entry and len(entry) in (sp.logprobs, sp.logprobs + 1)
+            for t, logprob in entry.items():
+                assert logprob == pytest.approx(row[t], abs=1e-4), (t, entry)
+            k_best = sorted(entry.values(), reverse=True)[: sp.logprobs]
+            np.testing.assert_allclose(k_best, sorted(row, reverse=True)[: sp.logprobs], atol=1e-4)
+
+
+def test_min_tokens_keeps_stop_tokens_out_until_then(dense_tokens):
+    """A stop token that greedy decoding would draw at token 1 cannot be drawn before
+    min_tokens tokens: written out here as a dense greedy loop whose stop logits are -inf
+    until then."""
+    i = next(i for i, t in enumerate(dense_tokens) if t[1] not in t[:1])
+    stop, min_tokens = dense_tokens[i][1], 5
+    params = SamplingParams(
+        max_tokens=MAX_NEW, min_tokens=min_tokens, temperature=0.0, stop_token_ids=[stop]
+    )
+    want = []
+    while len(want) < MAX_NEW:
+        row = dense_logprobs(PROMPTS[i], want + [0])[-1]  # the row after the last token
+        if len(want) < min_tokens:
+            row[stop] = -np.inf
+        want.append(int(np.argmax(row)))
+        if want[-1] == stop:
+            break
+    assert want[:2] != dense_tokens[i][:2], "min_tokens changed nothing"
+    eng = engine()
+    ours = eng.add_request(PROMPTS[i], sampling_params=params)
+    plain = eng.add_request(PROMPTS[i], sampling_params=dataclasses.replace(params, min_tokens=0))
+    run_checked(eng)
+    assert (
+        eng.output(ours)
+        == want
+        == dense_generate(PARAMS, CONFIG, PROMPTS[i], sampling_params=params)
+    )
+    assert eng.output(plain) == dense_tokens[i][:2]  # without it, the stop token ends it at once
 
 
 @pytest.mark.parametrize(
@@ -577,6 +660,12 @@ def test_sampling_params_have_vllms_defaults():
         ({"seed": 2**64}, "seed="),
         ({"stop_token_ids": 3}, "stop_token_ids=3"),
         ({"stop_token_ids": [1, -4]}, "stop_token_ids"),
+        ({"min_tokens": -1}, "min_tokens=-1"),
+        ({"min_tokens": 2.0}, "min_tokens=2.0"),
+        ({"max_tokens": 4, "min_tokens": 5}, "min_tokens=5 must be <= max_tokens=4"),
+        ({"logprobs": -1}, "logprobs=-1"),
+        ({"logprobs": 1.5}, "logprobs=1.5"),
+        ({"logprobs": True}, "logprobs=True"),
     ],
 )
 def test_bad_sampling_params(kwargs, words):
@@ -701,6 +790,10 @@ BAD_ADDS = {
     "stop token outside the vocabulary": (
         {"sampling_params": SamplingParams(stop_token_ids=[64])},
         "outside the vocabulary",
+    ),
+    "more logprobs than the vocabulary": (
+        {"sampling_params": SamplingParams(max_tokens=4, logprobs=65)},
+        "logprobs=65",
     ),
     "too many tokens for the pool": (
         {"sampling_params": SamplingParams(max_tokens=40)},

@@ -21,7 +21,7 @@ from minilib.explore.page_table import (  # noqa: E402
     page_table_figure,
     slot_usage,
 )
-from minilib.kv_cache import FILL_ORDERS, fill_cache  # noqa: E402
+from minilib.kv_cache import FILL_ORDERS, fill_cache, pool_pages_needed  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(IPYWIDGETS_7_COMMS)
 
@@ -155,6 +155,19 @@ def test_page_table_suggestions_do_what_they_say(kv_lens, page_size, total):
             assert shows_figure(ex), (hint, name, value)
 
 
+def test_page_table_note_follows_the_input():
+    """The note's suggestions are for the lengths typed now, not those the explorer began with."""
+    ex = page_table_explorer(kv_lens="37, 5, 120", page_size=16, total_num_pages=24)
+    for kv_lens in ("37, 5, 120", "100, 3", "37, 5, 120"):
+        ex.controls["kv_lens"].value = kv_lens
+        need = pool_pages_needed([int(n) for n in kv_lens.split(",")], 1)
+        assert f"page_size 1 needs {need} pages: set total_num_pages to {need} first" in (
+            ex.header.value
+        )
+    ex.controls["total_num_pages"].value = 10**6  # more than is drawn: no suggestion
+    assert "Try page_size" not in ex.header.value and "Sequence lengths" in ex.header.value
+
+
 def test_page_table_counts_read_in_the_singular_too(pages):
     pages.controls["kv_lens"].value, pages.controls["page_size"].value = "1", 1
     assert "1 sequence: 1 token in 1 page of 1 slot;" in pages.text
@@ -171,6 +184,7 @@ def test_page_table_bad_sizes(pages, page_size, total):
         err = raised(fill_cache, [37, 5, 120], page_size=page_size, total_num_pages=total)
         assert shows_error(pages, err) and "must be a positive int" in err.message
     else:
-        assert f"draws at most {MAX_PAGES} pages" in pages.text
+        limit = f"total_num_pages={total} is more than this explorer draws (at most {MAX_PAGES})"
+        assert limit in pages.text
     pages.controls["page_size"].value, pages.controls["total_num_pages"].value = 16, 24
     assert shows_figure(pages)

@@ -4,6 +4,8 @@ the validator's own messages."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -96,8 +98,14 @@ def test_ragged_batch_sliding_window(ragged):
 
 
 def test_ragged_batch_bad_lengths(ragged):
-    ragged.controls["q_lens"].value = "6, 21, 4, 1"  # q_len > kv_len: make_batch says so
-    err = raised(make_batch, [(6, 6), (21, 20), (4, 12), (1, 9)])
+    ragged.controls["q_lens"].value = "6, 21, 4, 1"  # q_len > kv_len: the validator says so
+    batch = make_batch([(6, 6), (21, 21), (4, 12), (1, 9)])
+    stale = dataclasses.replace(batch, kv_lens=batch.kv_lens.at[1].set(20))
+    err = raised(dynamic_validate_inputs, *stale.args())
+    assert isinstance(err, RPAInputError) and shows_error(ragged, err)
+    assert err.message == "q_len=21 must be less or equal to kv_len=20 at sequence 1."
+    ragged.controls["q_lens"].value = "6, 1, 4, -1"  # a negative length: make_batch says so
+    err = raised(make_batch, [(6, 6), (1, 20), (4, 12), (-1, 9)])
     assert isinstance(err, RPAInputError) and shows_error(ragged, err)
     ragged.controls["q_lens"].value = "6, 1, 4"
     assert "len(q_lens)=3 but len(kv_lens)=4" in ragged.text

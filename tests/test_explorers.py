@@ -96,15 +96,15 @@ EXTREMES = {
     ),
     "schedule, kv_len 10**12": (
         lambda: kernel_schedule_explorer(kv_lens="12, 1000000000000, 30, 9"),
-        "kv_len up to 8192",
+        "kv_lens[1]=1000000000000 is more than this explorer draws (at most 8192)",
     ),
     "schedule, page_size 10**9": (
         lambda: kernel_schedule_explorer(page_size=10**9),
-        "page_size up to 4096",
+        "page_size=1000000000 is more than this explorer draws (at most 4096)",
     ),
     "page table, 10**6 pages": (
         lambda: page_table_explorer(total_num_pages=10**6),
-        "draws at most 256 pages",
+        "total_num_pages=1000000 is more than this explorer draws (at most 256)",
     ),
     "page table, pool far too small, after frees": (
         lambda: page_table_explorer(
@@ -114,19 +114,19 @@ EXTREMES = {
     ),
     "page table, page_size 10**9": (
         lambda: page_table_explorer(page_size=10**9),
-        "pages of at most 4096 slots",
+        "page_size=1000000000 is more than this explorer draws (at most 4096)",
     ),
     "ragged batch, 4096 rows over 8192 keys": (
         lambda: ragged_batch_explorer(q_lens="4096", kv_lens="8192"),
-        "explorer draws at most 4194304",
+        "sum of q_len * kv_len=33554432 is more than this explorer draws (at most 4194304)",
     ),
     "ragged batch, kv_len 10**12": (
         lambda: ragged_batch_explorer(q_lens="1", kv_lens="1000000000000"),
-        "kv_len up to 8192",
+        "kv_lens[0]=1000000000000 is more than this explorer draws (at most 8192)",
     ),
     "head grouping, 10**9 heads": (
         lambda: head_grouping_explorer(num_q_heads=10**9, num_kv_heads=1),
-        "draws at most 256 heads",
+        "num_q_heads=1000000000 is more than this explorer draws (at most 256)",
     ),
 }
 
@@ -205,3 +205,60 @@ def test_no_typed_input_shows_unexpected(make, per_control, combos):
             control.value = value
             tried.append((name, value))
         assert "Unexpected" not in ex.text, (tried[-3:], ex.text)
+
+
+# --- every typed field: huge, negative, empty and non-numeric input --------------------------
+
+BAD_INPUTS = {"huge": 10**30, "negative": -3, "empty": "", "non-numeric": "abc"}
+# Text fields where an empty box means None (the default), as each explorer's note says.
+EMPTY_MEANS_NONE = {"sliding_window", "num_kv_pages_per_block", "num_queries_per_block"}
+TYPED_FIELDS = [
+    (make, name)
+    for make in EXPLORERS
+    for name, control in make().controls.items()
+    if isinstance(control, widgets.IntText | widgets.Text)
+]
+
+
+def typed(ex, name: str, value) -> object:
+    """`value` as a learner types it into the control: into the first entry of a list."""
+    control = ex.controls[name]
+    if isinstance(control, widgets.IntText) or value == "":
+        return value
+    if name in ("q_lens", "kv_lens"):  # the first entry bad, the others as they were
+        return ", ".join([str(value), *control.value.split(",")[1:]])
+    return str(value)
+
+
+@pytest.mark.parametrize("kind", BAD_INPUTS)
+@pytest.mark.parametrize(
+    "make, name", TYPED_FIELDS, ids=[f"{m.__name__}-{n}" for m, n in TYPED_FIELDS]
+)
+def test_every_typed_field_answers_bad_input_with_its_name(make, name, kind):
+    """The answer names the field and the value typed, in a titled message: never
+    "Unexpected", never a traceback. A number box refuses text itself (the browser does not
+    let it be typed), and the explorer stays as it was."""
+    from traitlets import TraitError
+
+    from minilib.explore.explorer import OK_COLOUR, PROBLEM_COLOUR
+
+    ex = make()
+    before = ex.text
+    value = typed(ex, name, BAD_INPUTS[kind])
+    if isinstance(ex.controls[name], widgets.IntText) and kind in ("empty", "non-numeric"):
+        with pytest.raises(TraitError):
+            ex.controls[name].value = value
+        assert ex.text == before
+        return
+    ex.controls[name].value = value
+    message = ex.views["message"].value
+    assert "Unexpected" not in ex.text and "Traceback" not in ex.text, ex.text
+    if kind == "empty" and (name in EMPTY_MEANS_NONE or make is page_table_explorer):
+        assert OK_COLOUR in message, ex.text  # None, or (page table) no sequence at all
+        return
+    assert PROBLEM_COLOUR in message and not shows_figure(ex), ex.text
+    shown = ex.text.split("Hint:")[0]  # the message, before the hint
+    assert name.removesuffix("s") in shown, shown  # q_lens: "q_lens[0]" or "q_len=-3"
+    assert str(value).split(",")[0] in shown or f"len({name})=0" in shown, shown
+    if kind == "huge":  # the title says what is wrong, not "Cannot read"
+        assert "Cannot read this input" not in shown, shown

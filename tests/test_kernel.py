@@ -120,6 +120,11 @@ KERNEL_CASES = {
         dict(page_size=16, kv_dtype=jnp.float8_e4m3fn),
         dict(k_scale=0.5, v_scale=0.25, num_kv_pages_per_block=2, num_queries_per_block=16),
     ),
+    "fp8 e5m2 KV with scales": (
+        ONE_OF_EACH,
+        dict(page_size=16, dtype=jnp.bfloat16, kv_dtype=jnp.float8_e5m2),
+        dict(k_scale=0.3, v_scale=0.7, num_kv_pages_per_block=2, num_queries_per_block=16),
+    ),
 }
 
 
@@ -157,6 +162,18 @@ STRIDED_CASES = {
         dict(num_kv_heads=8, dtype=jnp.bfloat16, head_dim=256),
         {},
     ),
+    # fp8: four values to a word, two KV heads each (`kernel.fp8`). The kernel applies the
+    # scales to the scores and the output, the reference to K and V, rounded to bf16: exact
+    # for powers of two (e4m3fn here), not for e5m2's. (A v_scale below 1 keeps the outputs
+    # under 4, where one bf16 rounding step is within the tolerance.)
+    "fp8 e4m3fn KV with scales, 8 KV heads": (
+        dict(num_kv_heads=8, dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn),
+        dict(k_scale=0.25, v_scale=0.5),
+    ),
+    "fp8 e5m2 KV with scales, 2 KV heads, head_dim 256": (
+        dict(num_kv_heads=2, dtype=jnp.bfloat16, kv_dtype=jnp.float8_e5m2, head_dim=256),
+        dict(k_scale=0.3, v_scale=0.7),
+    ),
 }
 
 
@@ -166,6 +183,7 @@ STRIDED_CASES = {
         STRIDED_CASES,
         "bfloat16, 8 KV heads",
         "bfloat16, head_dim 256 (a strided load per lane block)",
+        "fp8 e4m3fn KV with scales, 8 KV heads",
     ),
 )
 def test_strided_kv_loads_match_jax_reference(name):

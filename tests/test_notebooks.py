@@ -5,8 +5,8 @@ interpreter, so CI's venv is the one tested, whatever kernels the machine has in
 
     pytest -m notebooks tests/test_notebooks.py
 
-A failing cell fails the test with the cell's traceback. Each run's time is printed (see it
-with `-s` or in the junit report).
+A failing cell fails the test with the cell's traceback. Each run's time and its three slowest
+cells are printed at the end of the run (tests/conftest.py), with the sum of the runs.
 """
 
 from __future__ import annotations
@@ -150,6 +150,21 @@ def kernel_manager_factory(tmp_path_factory):
     return make
 
 
+def slowest_cells(nb) -> list[tuple[float, int]]:
+    """(seconds, index) of each code cell that ran, slowest first, from the times nbclient
+    records in the cells' metadata."""
+    from datetime import datetime
+
+    times = []
+    for i, cell in enumerate(nb.cells):
+        execution = cell.get("metadata", {}).get("execution", {})
+        start, end = execution.get("iopub.execute_input"), execution.get("shell.execute_reply")
+        if start and end:
+            seconds = (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
+            times.append((seconds, i))
+    return sorted(times, reverse=True)
+
+
 @pytest.mark.notebooks
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_notebook_runs(path, kernel_manager_factory, record_property):
@@ -166,8 +181,10 @@ def test_notebook_runs(path, kernel_manager_factory, record_property):
     start = time.perf_counter()
     client.execute(env=learner_env())
     seconds = time.perf_counter() - start
+    slowest = ", ".join(f"cell {i} {s:.1f} s" for s, i in slowest_cells(nb)[:3])
     record_property("seconds", round(seconds, 1))
-    print(f"{path.name}: {seconds:.1f} s")
+    record_property("notebook_time", (path.name, round(seconds, 1), slowest))
+    print(f"{path.name}: {seconds:.1f} s (slowest: {slowest})")
     assert seconds < SECONDS_LIMIT, (
         f"{path.name} took {seconds:.0f} s; the budget is {SECONDS_LIMIT} s"
     )

@@ -19,11 +19,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from ladder_wrong_answers import WRONG_ANSWERS
-from test_exercises import decode_attention_masks_scores_only, online_softmax_no_rescale
+from test_exercises import (
+    ONCE_PASSED,
+    decode_attention_masks_scores_only,
+    online_softmax_no_rescale,
+    solution,
+)
 
 import minilib.exercises as ex
 from minilib.doctor import parity_passes, parity_smoke_check
 from minilib.exercises import checking
+from minilib.ladder.async_copy import paged_decode_attention_async_copy
 from minilib.ladder.double_buffer import paged_decode_attention_double_buffered
 from minilib.ladder.flash import flash_attention
 from minilib.ladder.prefetch import paged_decode_attention_prefetch
@@ -133,13 +139,18 @@ def wrong_answer(rung: str, name: str):
     "checker, solution, wrong",
     [
         (ex.check_flash_attention, flash_attention, ("1a", "no alpha rescale")),
+        # The bf16 accumulator: a wrong answer about precision, judged under the TPU's.
+        pytest.param(ex.check_flash_pallas_call, flash_attention,
+                     ("1b", "acc in bf16"), marks=pytest.mark.matrix, id="rung1b"),
         (ex.check_paged_decode_attention, paged_decode_attention, ("2", "init every page")),
+        pytest.param(ex.check_paged_decode_async_copy, paged_decode_attention_async_copy,
+                     ("3", "compute before wait"), marks=pytest.mark.matrix, id="rung3"),
         (ex.check_double_buffered_decode, paged_decode_attention_double_buffered,
          ("4", "one slot")),
         (ex.check_prefetching_decode, paged_decode_attention_prefetch,
          ("5", "first page started every step")),
     ],
-    ids=["rung1", "rung2", "rung4", "rung5"],
+    ids=["rung1", "rung1b", "rung2", "rung3", "rung4", "rung5"],
 )  # fmt: skip
 def test_a_kernel_checker_passes_its_solution_and_rejects_a_wrong_answer(
     tpu_numerics, checker, solution, wrong
@@ -154,6 +165,25 @@ def test_a_kernel_checker_passes_its_solution_and_rejects_a_wrong_answer(
     if "max abs error" in result.report:  # a wrong output, not a wrong copy
         error, tolerance = error_in(result.report)
         assert tolerance == BF16_PASS_TOLERANCE and error > 10 * tolerance, result.report
+
+
+# Exercise 10's checkers run the engine and compare its tokens with `dense_generate`: under a
+# TPU's matmuls both sides round, in different orders. The solutions must still pass and the
+# answers learners found must still fail, with their cause.
+ENGINE_CHECKS = [c for c in ONCE_PASSED if c[0].__module__ == "minilib.exercises.ex10_engine"]
+
+
+@pytest.mark.parametrize(
+    "checker, wrong, cause", ENGINE_CHECKS, ids=[c[0].__name__ for c in ENGINE_CHECKS]
+)
+def test_an_engine_checker_passes_its_solution_and_rejects_a_wrong_answer(
+    tpu_numerics, checker, wrong, cause
+):
+    right = checker(solution("ex10_engine", checker.__name__.removeprefix("check_")),
+                    verbose=False)  # fmt: skip
+    assert right.passed, right.report
+    result = checker(wrong, verbose=False)
+    assert result.status == "failed" and cause in result.report, result.report
 
 
 def measure() -> None:

@@ -43,7 +43,13 @@ from minilib.engine.model import (
     resolve_sampling_params,
 )
 from minilib.engine.outputs import RequestMetrics, RequestOutput
-from minilib.engine.sampling import SamplingParams, request_key, sample_tokens
+from minilib.engine.sampling import (
+    SamplingParams,
+    banned_tokens,
+    request_key,
+    sample_tokens,
+    top_logprobs,
+)
 from minilib.engine.scheduler import Request, Scheduler, StepPlan
 from minilib.engine.sharding import (
     kv_head_replicas,
@@ -188,13 +194,13 @@ def pack_batch(
 
 
 @jax.jit
-def next_tokens(params, x, rows, keys, token_indices, temperature, top_k, top_p):
+def next_tokens(params, x, rows, keys, token_indices, temperature, top_k, top_p, banned):
     """The next token after each of `rows` of the final activations x: the logits of those
-    rows, then `sample_tokens` (one seed, token index and setting per row)."""
-    tokens, _ = sample_tokens(
-        final_logits(params, x[rows]), keys, token_indices, temperature, top_k, top_p
-    )
-    return tokens
+    rows, then `sample_tokens` (one seed, token index and setting per row). Also returns
+    each row's log-probabilities, log_softmax of its logits, for `SamplingParams.logprobs`."""
+    logits = final_logits(params, x[rows])
+    tokens, _ = sample_tokens(logits, keys, token_indices, temperature, top_k, top_p, banned)
+    return tokens, jax.nn.log_softmax(logits)
 
 
 class Engine:
@@ -290,7 +296,7 @@ class Engine:
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=bool(enable_prefix_caching),
         )
-        # One pool per layer, NaN until written: a read of a slot no token owns shows at once.
+        # One pool per layer, NaN until written: a stale read shows on a page's first use.
         num_kv_heads = config.num_kv_heads * self.kv_head_replicas
         shape = (num_pages, page_size, 2 * num_kv_heads, config.head_dim)
         self.kv_pages = [jnp.full(shape, jnp.nan, config.dtype) for _ in range(config.num_layers)]
@@ -390,6 +396,7 @@ class Engine:
         """What `request_id` has produced so far: tokens, finish reason, cached tokens and
         its metrics (a copy: it does not change as the engine runs on)."""
         request = self._request(request_id)
+        asked = request.sampling_params.logprobs is not None
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=tuple(request.prompt),
@@ -397,6 +404,7 @@ class Engine:
             finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens or 0,
             metrics=dataclasses.replace(request.metrics),
+            logprobs=tuple(map(dict, request.logprobs)) if asked else None,
         )
 
     def pop_finished_outputs(self) -> list[RequestOutput]:
@@ -481,8 +489,10 @@ class Engine:
             metrics = seq.request.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time, metrics.first_scheduled_step = started, step
-        sampled = self.run_model(plan) if plan.seqs else {}
+        sampled, logprobs = self.run_model(plan) if plan.seqs else ({}, {})
         finished = self.scheduler.finish_step(plan, sampled)
+        for request_id, entry in logprobs.items():
+            self.requests[request_id].logprobs.append(entry)
         ended = time.perf_counter()
         for seq in plan.seqs:
             metrics = seq.request.metrics
@@ -498,9 +508,10 @@ class Engine:
         self.num_steps += 1
         return stats
 
-    def run_model(self, plan: StepPlan) -> dict[int, int]:
+    def run_model(self, plan: StepPlan) -> tuple[dict[int, int], dict[int, dict]]:
         """The model on one packed batch. Returns {request_id: next token} for every sequence
-        that reached its last token."""
+        that reached its last token, and {request_id: that token's logprobs entry} for those
+        of them that asked for logprobs (`top_logprobs`)."""
         batch = pack_batch(
             plan,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -517,23 +528,33 @@ class Engine:
             kv_pages[i] = write_tokens(kv_pages[i], batch.page_ids, batch.slot_ids, k, v)
             attn = self.attention(q, kv_pages[i], *metadata, sm_scale=self.config.sm_scale)
             x = attention_output_and_mlp(layer, x, attn)
-        tokens = np.asarray(next_tokens(self.params, x, batch.sample_rows, *self._draws(plan)))
+        tokens, rows = next_tokens(self.params, x, batch.sample_rows, *self._draws(plan))
         self.kv_pages = kv_pages  # only now: a step that raised leaves the cache as it was
-        return {
-            seq.request.request_id: int(tokens[i]) for i, seq in enumerate(plan.seqs) if seq.samples
-        }
+        tokens, sampled, logprobs = np.asarray(tokens), {}, {}
+        for i, seq in enumerate(plan.seqs):
+            if seq.samples:
+                request = seq.request
+                sampled[request.request_id] = int(tokens[i])
+                k = request.sampling_params.logprobs
+                if k is not None:
+                    row = np.asarray(rows[i])
+                    logprobs[request.request_id] = top_logprobs(row, int(tokens[i]), k)
+        return sampled, logprobs
 
     def _draws(self, plan: StepPlan):
-        """Each sequence slot's key, output token index and settings (greedy for padding)."""
+        """Each sequence slot's key, output token index, settings and banned tokens (greedy,
+        none banned, for padding)."""
         s = self.max_num_seqs
         keys, indices = np.zeros((s, 2), np.uint32), np.zeros(s, np.int32)
         temperature, top_k, top_p = np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s)
+        banned = np.zeros((s, self.config.vocab_size), bool)
         for i, seq in enumerate(plan.seqs):
             params = seq.request.sampling_params
             keys[i] = request_key(params.seed)
             indices[i] = len(seq.request.output)  # the index of the token this row picks
             temperature[i], top_k[i], top_p[i] = params.temperature, params.top_k, params.top_p
-        return keys, indices, temperature, top_k, top_p.astype(np.float32)
+            banned[i] = banned_tokens(params, len(seq.request.output), self.config.vocab_size)
+        return keys, indices, temperature, top_k, top_p.astype(np.float32), banned
 
     def _request(self, request_id) -> Request:
         is_id = isinstance(request_id, int | np.integer) and not isinstance(request_id, bool)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minilib.engine.sampling import SamplingParams, request_key, sample_tokens
+from minilib.engine.sampling import SamplingParams, banned_tokens, request_key, sample_tokens
 from minilib.errors import EngineError
 from minilib.heads import check_head_counts
 from minilib.kv_cache import bucket_size
@@ -389,7 +389,8 @@ def dense_generate_with_margins(
     )
     while True:
         index = np.array([len(tokens)], np.int32)  # which output token this draw picks
-        token, margin = sample_tokens(last[None], key, index, *settings)
+        banned = banned_tokens(sampling, len(tokens), config.vocab_size)[None]
+        token, margin = sample_tokens(last[None], key, index, *settings, banned)
         tokens.append(int(token[0]))
         margins.append(float(margin[0]))
         if len(tokens) == max_tokens or tokens[-1] in sampling.stop_token_ids:
@@ -445,6 +446,12 @@ def resolve_sampling_params(
             f"outside the vocabulary [0, vocab_size={config.vocab_size}): the model can "
             "never produce them.",
             "use the ids of tokens in the vocabulary, such as the end-of-sequence id.",
+        )
+    if (sampling_params.logprobs or 0) > config.vocab_size:
+        raise EngineError(
+            f"logprobs={sampling_params.logprobs} asks for more tokens than the vocabulary "
+            f"has (vocab_size={config.vocab_size}).",
+            f"ask for the k most likely tokens with k <= {config.vocab_size}, such as 5.",
         )
     return sampling_params.max_tokens, sampling_params
 

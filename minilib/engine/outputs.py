@@ -100,6 +100,10 @@ class RequestOutput:
     """One request as the engine sees it now: its tokens so far, why it ended (None while
     it runs), how many prompt tokens came from the prefix cache, and its metrics.
 
+    `logprobs` is None unless the request's `SamplingParams.logprobs` is an int k; then it
+    holds one dict per token of `token_ids`, {token id: log-probability}: the sampled
+    token's, then the k most likely tokens' (as vLLM's `CompletionOutput.logprobs`).
+
     >>> out = RequestOutput(request_id=3, prompt_token_ids=(1, 2), token_ids=(7, 9),
     ...                     finish_reason="length", num_cached_tokens=0,
     ...                     metrics=RequestMetrics(arrival_time=0.0, arrival_step=0))
@@ -113,6 +117,7 @@ class RequestOutput:
     finish_reason: str | None
     num_cached_tokens: int
     metrics: RequestMetrics
+    logprobs: tuple[dict[int, float], ...] | None = None
 
     @property
     def finished(self) -> bool:

@@ -3,12 +3,19 @@
 `SamplingParams` has vLLM's fields, meanings and defaults:
 
     max_tokens      16     generate at most this many tokens (then finish_reason "length")
-    temperature     1.0    divide the logits by it; 0 means greedy (the most likely token)
+    min_tokens      0      generate at least this many tokens: until then no stop token can
+                           be drawn (its logit is -inf, as vLLM's min_tokens does it)
+    temperature     1.0    divide the logits by it; below 1e-5 (0 included) means greedy
+                           (the most likely token), as in vLLM
     top_k           0      keep only the k most likely tokens; 0 (or -1) keeps all
     top_p           1.0    keep the fewest most likely tokens whose probability reaches top_p
     seed            None   the request's random seed (the engine gives it one if None)
     stop_token_ids  []     a token in this list ends the request (finish_reason "stop"); the
                            stop token is the last token of the output, as in vLLM
+    logprobs        None   an int k: for each sampled token, its log-probability and the k
+                           most likely tokens' (vLLM's raw logprobs: log_softmax of the
+                           model's logits, before temperature, top-k, top-p and min_tokens),
+                           in `RequestOutput.logprobs`
 
 A draw is a function of the request's seed and of the index of the token it picks, and of
 nothing else: the random numbers for output token i of a request with seed s are
@@ -35,9 +42,18 @@ import numpy as np
 
 from minilib.errors import EngineError
 
-__all__ = ["SamplingParams", "request_key", "sample_tokens", "sampling_scores"]
+__all__ = [
+    "GREEDY_BELOW",
+    "SamplingParams",
+    "banned_tokens",
+    "request_key",
+    "sample_tokens",
+    "sampling_scores",
+    "top_logprobs",
+]
 
 SEED_LIMIT = 2**64  # a seed is two 32-bit words of a JAX key
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +63,12 @@ class SamplingParams:
     Every field is checked when it is built: a bad one raises `EngineError` naming it.
 
     >>> SamplingParams()
-    SamplingParams(max_tokens=16, temperature=1.0, top_k=0, top_p=1.0, seed=None, \
-stop_token_ids=())
+    SamplingParams(max_tokens=16, min_tokens=0, temperature=1.0, top_k=0, top_p=1.0, \
+seed=None, stop_token_ids=(), logprobs=None)
     >>> SamplingParams(temperature=0.0).greedy, SamplingParams(top_k=1).greedy
     (True, True)
+    >>> SamplingParams(temperature=1e-6).greedy   # below 1e-5: greedy, as in vLLM
+    True
     >>> try:
     ...     SamplingParams(top_p=0.0)
     ... except EngineError as err:
@@ -59,19 +77,31 @@ stop_token_ids=())
     """
 
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self):
         _check_count("max_tokens", self.max_tokens, minimum=1, hint="at least one token")
+        _check_count("min_tokens", self.min_tokens, minimum=0, hint="0 lets a stop token end it")
+        if self.min_tokens > self.max_tokens:
+            raise EngineError(
+                f"SamplingParams: min_tokens={self.min_tokens} must be <= "
+                f"max_tokens={self.max_tokens}.",
+                "min_tokens is the least a request generates, max_tokens the most: raise "
+                "max_tokens or lower min_tokens.",
+            )
+        if self.logprobs is not None:
+            _check_count("logprobs", self.logprobs, minimum=0, hint="or None for none")
         _check_real("temperature", self.temperature)
         if self.temperature < 0:
             raise EngineError(
                 f"SamplingParams: temperature={self.temperature!r} must be >= 0.",
-                "0 means greedy; 1.0 samples from the model's own distribution.",
+                "0 (or below 1e-5) means greedy; 1.0 samples from the model's own distribution.",
             )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int | np.integer):
             raise EngineError(
@@ -116,6 +146,9 @@ stop_token_ids=())
             )
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
         object.__setattr__(self, "max_tokens", int(self.max_tokens))
+        object.__setattr__(self, "min_tokens", int(self.min_tokens))
+        if self.logprobs is not None:
+            object.__setattr__(self, "logprobs", int(self.logprobs))
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_k", int(self.top_k))
         object.__setattr__(self, "top_p", float(self.top_p))
@@ -124,8 +157,9 @@ stop_token_ids=())
 
     @property
     def greedy(self) -> bool:
-        """True when the draw cannot matter: temperature 0, or only one token kept."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when the draw cannot matter: a temperature below 1e-5 (vLLM's rule), or
+        only one token kept."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     def with_seed(self, seed: int) -> SamplingParams:
         """These parameters with `seed` filled in.
@@ -159,8 +193,8 @@ def sampling_scores(
 
     In the order vLLM applies them: logits / temperature; keep the top_k most likely; of
     those, keep the most likely whose probabilities sum to top_p (always at least one);
-    add Gumbel noise drawn from `fold_in(key, token_index)`. At temperature 0 the noise is
-    left out and the scores are the logits: greedy.
+    add Gumbel noise drawn from `fold_in(key, token_index)`. At a temperature below 1e-5
+    (0 included) the noise is left out and the scores are the logits: greedy, as in vLLM.
 
     >>> logits = jnp.array([2.0, 1.0, 0.5, -1.0])
     >>> scores = sampling_scores(logits, request_key(0), 0, 1.0, 2, 1.0)  # top_k=2
@@ -168,7 +202,7 @@ def sampling_scores(
     (True, True)
     """
     vocab_size = logits.shape[-1]
-    greedy = temperature == 0
+    greedy = temperature < GREEDY_BELOW
     scaled = logits / jnp.where(greedy, 1.0, temperature)
     order = jnp.argsort(-scaled)  # most likely first
     rank = jnp.empty_like(order).at[order].set(jnp.arange(vocab_size))  # 0 = most likely
@@ -184,7 +218,7 @@ def sampling_scores(
 
 
 @jax.jit
-def sample_tokens(logits, keys, token_indices, temperature, top_k, top_p):
+def sample_tokens(logits, keys, token_indices, temperature, top_k, top_p, banned=None):
     """The next token of each row, `sampling_scores`' argmax, and the margin it won by.
 
     Rows are vmapped: no row's draw can depend on another row.
@@ -193,6 +227,8 @@ def sample_tokens(logits, keys, token_indices, temperature, top_k, top_p):
       keys:          u32[num_rows, 2]     each row's request key (`request_key`)
       token_indices: i32[num_rows]        each row's output token index
       temperature, top_p: f32[num_rows];  top_k: i32[num_rows]
+      banned:        bool[num_rows, vocab_size] or None: tokens that cannot be drawn (the
+                     stop tokens of a request short of its min_tokens), logit -inf
       returns        (i32[num_rows] tokens, f32[num_rows] margins)
 
     A margin is the gap between the two best scores, in units of logits (times the
@@ -207,12 +243,41 @@ def sample_tokens(logits, keys, token_indices, temperature, top_k, top_p):
     >>> tokens.tolist(), margins.tolist()          # temperature 0: greedy, won by 3 - 1
     ([1, 1], [2.0, 2.0])
     """
+    if banned is not None:
+        logits = jnp.where(banned, -jnp.inf, logits)
     scores = jax.vmap(sampling_scores)(logits, keys, token_indices, temperature, top_k, top_p)
     if scores.shape[-1] < 2:  # a vocabulary of one token: nothing to win against
         return jnp.zeros(scores.shape[0], jnp.int32), jnp.full(scores.shape[0], jnp.inf)
     top2 = jax.lax.top_k(scores, 2)[0]  # [num_rows, 2]
-    margins = (top2[:, 0] - top2[:, 1]) * jnp.where(temperature > 0, temperature, 1.0)
+    margins = (top2[:, 0] - top2[:, 1]) * jnp.where(temperature < GREEDY_BELOW, 1.0, temperature)
     return jnp.argmax(scores, axis=-1), margins
+
+
+def banned_tokens(params: SamplingParams, num_generated: int, vocab_size: int) -> np.ndarray:
+    """bool[vocab_size]: the tokens this draw may not pick. A request with fewer than
+    `min_tokens` tokens generated may not draw a stop token (vLLM's min_tokens).
+
+    >>> params = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[1])
+    >>> banned_tokens(params, 1, 3).tolist(), banned_tokens(params, 2, 3).tolist()
+    ([False, True, False], [False, False, False])
+    """
+    banned = np.zeros(vocab_size, bool)
+    if num_generated < params.min_tokens:
+        banned[list(params.stop_token_ids)] = True
+    return banned
+
+
+def top_logprobs(logprobs: np.ndarray, token: int, k: int) -> dict[int, float]:
+    """One sampled token's entry of `RequestOutput.logprobs`, from its row of log-probabilities
+    (log_softmax of the logits): {token id: log-probability} of the sampled token, then of
+    the k most likely tokens, most likely first (k or k + 1 entries, as in vLLM).
+
+    >>> row = np.log(np.array([0.1, 0.6, 0.3]))
+    >>> {t: round(p, 3) for t, p in top_logprobs(row, 0, 1).items()}  # 0 sampled, 1 top
+    {0: -2.303, 1: -0.511}
+    """
+    top = np.argsort(-logprobs, kind="stable")[:k]
+    return {int(token): float(logprobs[token])} | {int(t): float(logprobs[t]) for t in top}
 
 
 def _check_count(name: str, value, *, minimum: int, hint: str) -> None:

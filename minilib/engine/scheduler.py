@@ -87,6 +87,7 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens hit in the prefix cache, on admission
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     metrics: object = None  # the engine's RequestMetrics
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)  # one per token
 
     @property
     def tokens(self) -> list[int]:

@@ -4,8 +4,10 @@ batching, on one workload of requests that arrive over time.
 The workload: requests with prompts of mixed lengths and mixed numbers of new tokens,
 arriving as a Poisson process. The arrival rate is set from this machine's own capacity: the
 benchmark first serves all requests at once (that run also compiles every program), and
-then lets them arrive at `load` times the rate it managed. So the load is the same fraction
-of capacity on any machine, and the step counts below do not depend on how fast it is.
+then lets them arrive at `load` times the rate it managed. So the load is about the same
+fraction of capacity on any machine. The arrivals are in seconds, though: which step a
+request arrives in depends on how long this machine took for each step, so the arriving
+runs' step counts change from run to run (the all-at-once runs' do not).
 
 The same arrivals go through two loops over the same `Engine` (same model, same pages, same
 compiled programs); only the scheduling policy differs:
@@ -21,10 +23,11 @@ in seconds and in engine steps. Both loops sample with the same seeded `Sampling
 by batch invariance they must produce the same tokens, and so must `dense_generate`.
 
 What the seconds mean: they are timings of this machine (on a laptop, its CPU). What
-transfers to a TPU is the shape of the result, measured in steps: how many steps a request
-waits and takes, which comes from the scheduler alone. A TPU runs each step far faster,
-which makes Python's per-step bookkeeping a larger share of a step; the seconds, and the
-throughput in tokens per second, do not transfer.
+transfers to a TPU is the shape of the result, measured in steps: with every request at
+once, how many steps a request waits and takes comes from the scheduler alone; with
+arrivals, it also depends on when, in steps, the requests arrived here. A TPU runs each
+step far faster, which makes Python's per-step bookkeeping a larger share of a step; the
+seconds, and the throughput in tokens per second, do not transfer.
 """
 
 from __future__ import annotations
@@ -320,7 +323,9 @@ class ServingBench:
                 f"lengths); model: {c.num_layers} layers, embed_dim {c.embed_dim}, heads "
                 f"{c.num_q_heads}/{c.num_kv_heads}/{c.head_dim}",
                 "seconds and tok/s are timings of this machine (on a laptop, its CPU; not a "
-                "TPU); steps come from the scheduler alone and transfer to any machine",
+                "TPU); steps of the all-at-once runs come from the scheduler alone and "
+                "transfer to any machine; with arrivals in seconds, the step a request arrives "
+                "in, and so its steps, depend on this machine's speed",
                 "every request at once (capacity):",
                 head,
                 row(self.at_once["continuous"]),

@@ -38,6 +38,8 @@ def paged_decode_numpy(
     reset_each_page=False,
     reset_each_grid_step=False,
     stop_after_first=False,
+    alpha_upside_down=False,
+    max_before_mask=False,
 ):  # -> f64[num_seqs, num_q_heads, head_dim]; 0 for a sequence with no key
     """Decode attention page by page, as the kernels do it, in NumPy: the online softmax over
     the pages of each sequence. The keywords make the kernels' usual mistakes:
@@ -48,6 +50,8 @@ def paged_decode_numpy(
       reset_each_page        the softmax state initialised on every page
       reset_each_grid_step   ... on every grid step (rungs 2 and 3: one step per page slot)
       stop_after_first       the output written after the first page
+      alpha_upside_down      alpha = exp(m_next - m_prev), not exp(m_prev - m_next)
+      max_before_mask        the running max taken over the scores before the mask
 
     >>> from minilib.batch import make_batch
     >>> b = make_batch([(1, 5), (1, 12)], num_q_heads=2, num_kv_heads=1, head_dim=8,
@@ -67,6 +71,7 @@ def paged_decode_numpy(
     group = num_q_heads // num_kv_heads
     page_of = page_of or (lambda seq, i: table[seq, i])
     first_pos = first_pos or (lambda i: i * page_size)
+    heads = [r // group for r in range(num_q_heads)]  # the KV head of each q head
     out = np.zeros_like(q)
     for seq in range(num_seqs):
         kv_len = int(lens[seq])
@@ -80,13 +85,14 @@ def paged_decode_numpy(
                 m, l, acc = np.full(num_q_heads, -np.inf), l * 0, acc * 0
             page = kv[int(page_of(seq, i)) % kv.shape[0]]
             pos = first_pos(i) + np.arange(page_size)
-            keys = np.repeat(page[:, 0::2], group, axis=1)  # [tokens, num_q_heads, head_dim]
-            vals = np.where((pos < kv_len)[:, None, None], np.repeat(page[:, 1::2], group, 1), 0)
+            keys = page[:, 0::2][:, heads]  # [tokens, num_q_heads, head_dim]
+            vals = np.where((pos < kv_len)[:, None, None], page[:, 1::2][:, heads], 0)
             s = np.einsum("hd,thd->ht", q[seq], keys) * sm_scale
+            s_max = s.max(axis=1)  # before the mask: the keys past kv_len too
             s = np.where(pos[None, :] < kv_len, s, -np.inf)
-            m_next = np.maximum(m, s.max(axis=1))
+            m_next = np.maximum(m, s_max if max_before_mask else s.max(axis=1))
             p = np.exp(s - m_next[:, None])
-            alpha = np.exp(m - m_next)
+            alpha = np.exp(m_next - m) if alpha_upside_down else np.exp(m - m_next)
             l = alpha * l + p.sum(axis=1)
             acc = alpha[:, None] * acc + np.einsum("ht,thd->hd", p, vals)
             m = m_next
@@ -147,6 +153,12 @@ def decode_mistakes() -> dict[str, Callable]:
     def no_sm_scale(*args, sm_scale):
         return paged_decode_numpy(*args, sm_scale=1.0)
 
+    def alpha_upside_down(*args, sm_scale):
+        return paged_decode_numpy(*args, sm_scale=sm_scale, alpha_upside_down=True)
+
+    def max_before_mask(*args, sm_scale):
+        return paged_decode_numpy(*args, sm_scale=sm_scale, max_before_mask=True)
+
     return {
         "K and V are interleaved on the combined head axis: K of KV head h is slot 2h, V is "
         "slot 2h + 1 (not the first and second halves).": k_v_halves,
@@ -165,4 +177,9 @@ def decode_mistakes() -> dict[str, Callable]:
         "only the first page counts: the output was written, or the loop stopped, after page "
         "0; write `acc / l` after the last page.": first_page_only,
         "sm_scale is not applied to the scores.": no_sm_scale,
+        "alpha is upside down: alpha = exp(m_prev - m_next), at most 1. exp(m_next - m_prev) "
+        "is inf on the first page, where m_prev = -inf, and inf * 0 = NaN.": alpha_upside_down,
+        "the running max was taken before the mask: the scores of the keys past kv_len (NaN "
+        "here, garbage on a chip) then set m. Mask first (`jnp.where(k_pos < kv_len, s, "
+        "mask_value)`), then take the max.": max_before_mask,
     }

@@ -44,9 +44,12 @@ def _cases(seed: int) -> list[Case]:
     rng = np.random.default_rng(700 + seed)
     cases = []
     # (num_heads, q_len, max_kv_len, kv_len, head_dim, block_q, block_kv)
+    # Every size differs from one case to the other, block_q != block_kv, and each case has
+    # several q blocks and several KV blocks.
     specs = [
-        (2, 16, 32, 21, 128, 8, 8),  # NaN past key 21; two q blocks, three KV blocks
-        (2, 8, 32, 16 * int(rng.integers(1, 3)), 64, 8, 16),  # a whole number of KV blocks
+        (2, 16, 64, 37, 128, 8, 16),  # NaN past key 37: 2 q blocks, 3 KV blocks, the last partial
+        # a whole number of KV blocks; kv_len = q_len (a prompt from its first token) or not
+        (3, 32, 40, int(rng.choice([32, 40])), 64, 16, 8),
     ]
     for num_heads, q_len, max_kv_len, kv_len, head_dim, block_q, block_kv in specs:
         q, k, v = (
@@ -216,12 +219,7 @@ def _grid_problem(run, case: Case) -> str | None:
     expected = (q.shape[0], q.shape[1] // o["block_q"], -(-o["kv_len"] // o["block_kv"]))
     extents = tuple(max(p[a] for p in points) + 1 for a in range(len(points[0])))
     if extents != expected:
-        return (
-            f"the grid is {extents}; expected (num_heads, q_len // block_q, "
-            f"cdiv(kv_len, block_kv)) = {expected}. KV blocks past kv_len hold no key at all, "
-            "so the KV axis stops at cdiv(kv_len, block_kv); flash_kernel reads "
-            "pl.program_id(1) as the q block and pl.program_id(2) as the KV block."
-        )
+        return _wrong_grid(extents, expected)
     by_block: dict = {}
     for step, (point, core) in enumerate(run.grid):
         by_block.setdefault(point[:2], []).append((step, point[2], core))
@@ -239,6 +237,55 @@ def _grid_problem(run, case: Case) -> str | None:
                 "chip (v4, v5p) may split and reorder a parallel axis."
             )  # fmt: skip
     return None
+
+
+def _wrong_grid(grid: tuple, expected: tuple) -> str:
+    swapped = sorted(grid) == sorted(expected)
+    return (
+        f"the grid is {grid}; expected (num_heads, q_len // block_q, cdiv(kv_len, block_kv)) = "
+        f"{expected}"
+        + (
+            ": its axes are swapped. The order of the grid's axes is the order of the index "
+            "maps' arguments (h, i, j)."
+            if swapped
+            else "."
+        )  # fmt: skip
+        + " KV blocks past kv_len hold no key at all, so the KV axis stops at cdiv(kv_len, "
+        "block_kv); flash_kernel reads pl.program_id(1) as the q block and pl.program_id(2) "
+        "as the KV block."
+    )
+
+
+def _pallas_call_params(fn: Callable, case: Case) -> dict | None:
+    """The parameters of the `pallas_call` the call makes, read from its jaxpr (None if it
+    cannot be traced or makes none)."""
+    try:
+        call = functools.partial(fn, interpret=False, **case.kwargs)
+        jaxpr = jax.make_jaxpr(call)(*case.args)
+    except Exception:
+        return None
+    for eqn in jaxpr.jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            return eqn.params
+    return None
+
+
+def _declared_grid(fn: Callable, case: Case) -> tuple | None:
+    """The grid the call gives its `pallas_call` (None if unreadable)."""
+    grid = getattr((_pallas_call_params(fn, case) or {}).get("grid_mapping"), "grid", None)
+    return tuple(int(n) for n in grid) if grid is not None else None
+
+
+def _grid_block_cause(fn: Callable) -> Callable:
+    """An out-of-bounds block that comes from the grid, not from the index maps."""
+
+    def cause(step: tuple, index: tuple, case: Case) -> str | None:
+        q, o = case.args[0], case.kwargs
+        expected = (q.shape[0], q.shape[1] // o["block_q"], -(-o["kv_len"] // o["block_kv"]))
+        grid = _declared_grid(fn, case)
+        return _wrong_grid(grid, expected) if grid is not None and grid != expected else None
+
+    return cause
 
 
 _TAG = 1000  # q, K, V of the probe: element [h, row, :] holds h * _TAG + row (+ an offset)
@@ -338,19 +385,14 @@ def _declared_semantics(fn: Callable, case: Case) -> tuple | None:
     """The `dimension_semantics` the call gives its `pallas_call`, read from its jaxpr (None
     if it cannot be read). The pallas_call's compiler params hold them: a CompilerParams, or
     (jax 0.7) a dict of them by backend."""
-    try:
-        call = functools.partial(fn, interpret=False, **case.kwargs)
-        jaxpr = jax.make_jaxpr(call)(*case.args)
-    except Exception:
+    call_params = _pallas_call_params(fn, case)
+    if call_params is None:
         return None
-    for eqn in jaxpr.jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            params = eqn.params.get("compiler_params")
-            if isinstance(params, Mapping):
-                params = params.get("mosaic_tpu") or params.get("mosaic")
-            semantics = getattr(params, "dimension_semantics", None)
-            return tuple(str(x).lower() for x in semantics) if semantics else ()
-    return None
+    params = call_params.get("compiler_params")
+    if isinstance(params, Mapping):
+        params = params.get("mosaic_tpu") or params.get("mosaic")
+    semantics = getattr(params, "dimension_semantics", None)
+    return tuple(str(x).lower() for x in semantics) if semantics else ()
 
 
 def _semantics_problem(fn: Callable, case: Case) -> str | None:
@@ -423,6 +465,7 @@ def check_flash_pallas_call(
             _probe_pallas_call(fn, case) if isinstance(error, Exception) else None
         ),
         advice=_block_advice,
+        block_cause=_grid_block_cause(fn),
     )
     note = _semantics_note(fn, cases[0]) if result.passed else None
     if note:

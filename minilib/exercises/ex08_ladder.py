@@ -1,21 +1,25 @@
 """Notebook 08's kernel exercises: rungs 2 to 5 of the ladder, paged decode attention.
 
 Every kernel checker runs the learner's `fn(q, kv_pages, kv_lens, page_indices, *, sm_scale,
-interpret)` on two decode batches from `make_batch`, in strict TPU interpret mode, watched (see
+interpret)` on six decode batches from `make_batch`, of two shapes in which every size differs
+(one compile each), in strict TPU interpret mode, watched (see
 `minilib.exercises.kernel_checking`), against plain jnp, then compiles it for v5e when libtpu
 is installed. The batches hold the sequences where paging goes wrong:
 
   a sequence whose kv_len is a whole number of pages, not the last one   (the next page?)
   a sequence that uses every column of its page-table row                (no spare entry)
   a sequence of one token, and an empty slot (kv_len 0) between others   (no page at all)
+  no live sequence at all; one live sequence; every slot live and full   (degenerate batches)
 
-In the first batch, every entry of `page_indices` past a sequence's last page holds garbage
-past the end of `kv_pages`, so a copy or an index map that reads through one is an
-out-of-bounds read; in the second they point at unused pages full of NaN (JAX's test
-convention), so computing with one shows. A wrong output is placed (which sequences differ)
-and matched against the usual mistakes (`minilib.exercises.decode_mistakes`). Whatever the
-output, each copy must read a page its sequence has, and in rung 5 the first page of a
-sequence must be started by the grid step before its own.
+In some batches, every entry of `page_indices` past a sequence's last page holds garbage past
+the end of `kv_pages`, so a copy or an index map that reads through one is an out-of-bounds
+read; in the others they point at unused pages full of NaN (JAX's test convention), so
+computing with one shows. A wrong output is placed (which sequences differ) and matched
+against the usual mistakes (`minilib.exercises.decode_mistakes`), else read for what its wrong
+rows say (`_pattern`: never written? only some q heads? only the sequences of several pages?).
+An out-of-bounds block is matched against the index maps' usual mistakes (`_block_cause`).
+Whatever the output, each copy must read a page its sequence has, and in rung 5 the first
+page of a sequence must be started by the grid step before its own.
 
 Notebook 08's `check_next_work`, for rung 5's plan in plain Python, is in
 `minilib.exercises.ex08_next_work`.
@@ -48,55 +52,79 @@ __all__ = [
 GARBAGE_PAGE = 1000  # past-the-end garbage: total_num_pages + GARBAGE_PAGE + column
 
 
+# page_size, pages_per_seq, num_q_heads, num_kv_heads, head_dim, num_seqs: two shapes per
+# seed, each dimension different in the second (and num_seqs != pages_per_seq in each), so that
+# a kernel that confuses two of them, or hard-codes one, shows.
+SHAPES = {  # by seed % 3
+    0: [(8, 4, 4, 2, 128, 8), (16, 3, 8, 1, 64, 5)],
+    1: [(16, 3, 4, 1, 64, 8), (8, 5, 6, 3, 128, 3)],
+    2: [(8, 4, 8, 2, 128, 8), (16, 2, 4, 4, 64, 3)],
+}
+
+
 def _decode_cases(seed: int) -> list[Case]:
-    """Two batches of the same shapes (so that one compile serves both), whose shapes change
-    with the seed: 4 q heads on 2 KV heads and pages of 8 tokens for seed 0, one KV head (MQA)
-    and pages of 16 for odd seeds, 8 q heads on 2 KV heads for the other even ones."""
+    """Batches of two shapes (`SHAPES`; the batches of a shape share one compile), chosen by
+    the seed. Of the first shape: the edge cases, with garbage past the end of kv_pages;
+    random lengths, with NaN pages; no live sequence; one live sequence. Of the second: every
+    page slot used, an empty slot, a whole page, one token (garbage past the end); every
+    sequence slot live, each using every page slot (NaN pages)."""
     rng = np.random.default_rng(850 + seed)
-    # page_size, pages_per_seq, num_q_heads, num_kv_heads, head_dim
-    if seed == 0:
-        shape = (8, 4, 4, 2, 128)
-    elif seed % 2:
-        shape = (16, 3, 4, 1, 64)
-    else:
-        shape = (8, 4, 8, 2, 128)
-    page_size, pages_per_seq, num_q_heads, num_kv_heads, head_dim = shape
-    full = page_size * pages_per_seq
-    # 2 whole pages (not the last sequence), a partial page, an empty slot, every page slot,
-    # one token, a partial page, an empty slot last
-    edges = [2 * page_size, 5, 0, full, 1, page_size + 5, 0]
-    random_lens = [int(n) for n in rng.integers(1, full + 1, size=len(edges) - 2)]
-    random_lens.insert(int(rng.integers(0, len(random_lens))), page_size * int(rng.integers(1, 3)))
-    random_lens.insert(0, 0)  # an empty slot first
-    cases = []
-    for i, (kv_lens, garbage) in enumerate(
-        [(edges, "past the end of kv_pages"), (random_lens, "unused pages of NaN")]
-    ):
-        batch = make_batch(
-            [(1, n) if n else (0, 0) for n in kv_lens],  # kv_len 0: an empty slot
-            num_q_heads=num_q_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            page_size=page_size,
-            pages_per_seq=pages_per_seq,
-            total_num_pages=len(kv_lens) * pages_per_seq + 3,
-            seed=seed * 10 + i,
-        )
-        q = _one_row_per_slot(batch, kv_lens)
-        page_indices = np.asarray(batch.page_indices).copy()
-        if garbage.startswith("past"):
-            total = batch.kv_pages.shape[0]
-            for seq, n in enumerate(kv_lens):
-                used = pages_needed(n, page_size)
-                page_indices[seq, used:] = total + GARBAGE_PAGE + np.arange(used, pages_per_seq)
-        what = (
-            f"kv_lens={kv_lens}, page_size={page_size}, pages_per_seq={pages_per_seq}, "
-            f"num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads}, head_dim={head_dim}; "
-            f"the page-table entries past each sequence's pages hold garbage ({garbage})"
-        )
-        args = (q, batch.kv_pages, batch.kv_lens, jnp.asarray(page_indices))
-        cases.append(Case(what, args, dict(sm_scale=float(head_dim) ** -0.5)))
-    return cases
+    first, second = SHAPES[seed % 3]
+    batches = []
+    for shape in (first, second):
+        page_size, pages_per_seq, *_, num_seqs = shape
+        full = page_size * pages_per_seq
+        lens = [int(n) for n in rng.integers(1, full + 1, size=num_seqs)]
+        if shape == first:
+            # 2 whole pages (not the last sequence), a partial page, an empty slot, every
+            # page slot, one token, a partial page, an empty slot last
+            edges = [2 * page_size, 5, 0, full, 1, page_size + 5, 0, *lens][:num_seqs]
+            lens[int(rng.integers(0, num_seqs))] = page_size * int(rng.integers(1, pages_per_seq))
+            lens[int(rng.integers(1, num_seqs))] = 0  # an empty slot in the middle
+            lens[0] = 0  # an empty slot first
+            one = [0] * num_seqs
+            one[int(rng.integers(1, num_seqs))] = lens[-1] or full  # one live sequence
+            batches += [(shape, edges, "past"), (shape, lens, "nan"),
+                        (shape, [0] * num_seqs, "past"), (shape, one, "past")]  # fmt: skip
+        else:
+            edges = [full, 0, page_size, 1, *lens][:num_seqs]  # every page, none, one, 1 token
+            # every sequence slot live, every page slot used
+            every = [int(n) for n in rng.integers(full - page_size + 1, full + 1, num_seqs)]
+            batches += [(shape, edges, "past"), (shape, every, "nan")]
+    return [_decode_case(shape, lens, garbage, seed * 10 + k)
+            for k, (shape, lens, garbage) in enumerate(batches)]  # fmt: skip
+
+
+def _decode_case(shape: tuple, kv_lens: list[int], garbage: str, seed: int) -> Case:
+    """One decode batch. garbage "past": every entry of page_indices past a sequence's last
+    page holds a page number past the end of kv_pages; "nan": they point at unused pages full
+    of NaN (make_batch's)."""
+    page_size, pages_per_seq, num_q_heads, num_kv_heads, head_dim, num_seqs = shape
+    batch = make_batch(
+        [(1, n) if n else (0, 0) for n in kv_lens],  # kv_len 0: an empty slot
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        total_num_pages=num_seqs * pages_per_seq + 3,
+        seed=seed,
+    )
+    q = _one_row_per_slot(batch, kv_lens)
+    page_indices = np.asarray(batch.page_indices).copy()
+    if garbage == "past":
+        total = batch.kv_pages.shape[0]
+        for seq, n in enumerate(kv_lens):
+            used = pages_needed(n, page_size)
+            page_indices[seq, used:] = total + GARBAGE_PAGE + np.arange(used, pages_per_seq)
+    held = "past the end of kv_pages" if garbage == "past" else "unused pages of NaN"
+    what = (
+        f"kv_lens={kv_lens}, page_size={page_size}, pages_per_seq={pages_per_seq}, "
+        f"num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads}, head_dim={head_dim}; "
+        f"the page-table entries past each sequence's pages hold garbage ({held})"
+    )
+    args = (q, batch.kv_pages, batch.kv_lens, jnp.asarray(page_indices))
+    return Case(what, args, dict(sm_scale=float(head_dim) ** -0.5))
 
 
 def _one_row_per_slot(batch, kv_lens) -> jax.Array:
@@ -176,6 +204,66 @@ def _locate(expected, got, case: Case) -> str:
     return f"sequences that differ: {listed}. The other {right} are right."
 
 
+def _pattern(expected, got, case: Case) -> str | None:
+    """What the wrong rows of the output say, when no usual mistake matches: which sequences
+    (never written? only those with several pages? only those ending in a partial page?)
+    and which q heads are wrong."""
+    want = np.asarray(expected, np.float64)
+    try:
+        have = np.asarray(got, np.float64).reshape(want.shape)
+    except Exception:
+        return None
+    _, kv_pages, kv_lens, _ = case.args
+    page_size, num_kv_heads = kv_pages.shape[1], kv_pages.shape[2] // 2
+    lens = [int(n) for n in np.asarray(kv_lens)]
+    tol = BF16_PASS_TOLERANCE if one_bf16_pass() else 1e-3
+    bad = ~np.isclose(have, want, atol=tol, rtol=tol, equal_nan=True)  # [seq, head, dim]
+    wrong = [s for s in range(len(lens)) if bad[s].any()]
+    if not wrong:
+        return None
+    listed = ", ".join(str(s) for s in wrong)
+
+    def copied(s):  # the output of another sequence: what the buffer held before
+        return any(np.allclose(have[s], x[t], atol=tol) for x in (have, want)
+                   for t in range(len(lens)) if t != s)  # fmt: skip
+
+    # Never written: each wrong row holds another sequence's output, or NaN (the buffer's
+    # first contents), and at least one holds another's (NaN alone has other causes).
+    never = [copied(s) or np.isnan(have[s]).all() for s in wrong]
+    if all(never) and any(copied(s) for s in wrong):
+        empty = all(lens[s] == 0 for s in wrong)
+        return (
+            f"the output of sequence{'s' * (len(wrong) > 1)} {listed} was never written: it "
+            "holds NaN or another sequence's output, what its buffer held before. Write the "
+            "output of every sequence, on its last grid step (`i == pl.num_programs(1) - 1`, "
+            "not the sequence's last page), "
+            + ("an empty slot's too: kv_len 0 has no page, l = 0 and acc = 0, and its output "
+               "is 0." if empty else "kv_len 0 included (its output is 0).")
+        )  # fmt: skip
+    heads = sorted({int(h) for h in np.argwhere(bad[wrong].any(axis=-1))[:, 1]})
+    if len(heads) < want.shape[1]:
+        group = want.shape[1] // num_kv_heads
+        return (
+            f"only q heads {', '.join(map(str, heads))} of {want.shape[1]} differ: how q heads "
+            f"share the {num_kv_heads} KV heads. q head h reads KV head h // group (group = "
+            f"{group}), whose K is the combined slot 2 * (h // group) and V the slot after it."
+        )
+    pages = [pages_needed(n, page_size) for n in lens]
+    if all(pages[s] > 1 for s in wrong):
+        return (
+            f"only sequences with more than one page differ ({listed}): what carries from one "
+            "page to the next. m, l and acc are initialised on page 0 only, alpha = "
+            "exp(m_prev - m_next) rescales l and acc, and page i holds the keys at positions "
+            "i * page_size and on."
+        )
+    if all(lens[s] % page_size for s in wrong):
+        return (
+            f"only sequences whose last page is partial differ ({listed}): the keys past "
+            "kv_len. Mask the scores at positions >= kv_len, and zero those rows of V."
+        )
+    return None
+
+
 def _page_namer(case: Case) -> Callable[[int], str]:
     _, kv_pages, kv_lens, page_indices = case.args
     page_size, total = kv_pages.shape[1], kv_pages.shape[0]
@@ -207,6 +295,75 @@ def _names(buffer: str, semaphores: tuple[str, ...]) -> Callable[[Case], Names]:
         return Names(buffer=buffer, semaphores=semaphores, page=_page_namer(case))
 
     return names
+
+
+def _block_cause(step: tuple, index: tuple, case: Case) -> str | None:
+    """Rung 2: why the index map of `kv_pages` chose a block past its end at grid step
+    (seq, i). Each usual mistake is an index map; the one that first goes out of bounds at
+    the same step, with the same block, is the likely cause (the grid runs seq by seq, page
+    by page, and stops at the first block out of bounds)."""
+    if len(step) != 2 or len(index) != 4:
+        return None
+    _, kv_pages, kv_lens, page_indices = case.args
+    total, page_size = kv_pages.shape[0], kv_pages.shape[1]
+    table, lens = np.asarray(page_indices), [int(n) for n in np.asarray(kv_lens)]
+    num_seqs, pages_per_seq = table.shape
+    seq, i = step
+
+    def clamped(s, i, kv_len):  # the right index map, with the kv_len it is given
+        pages = pages_needed(kv_len, page_size)
+        return int(table[s, min(i, max(pages - 1, 0))]) if pages else 0
+
+    def first_out_of_bounds(index_map) -> tuple | None:
+        for s in range(num_seqs):
+            for j in range(pages_per_seq):
+                block = index_map(s, j)
+                if not 0 <= block < total:
+                    return (s, j), block
+        return None
+
+    if any(index[1:]):
+        return (
+            "a page is one whole block of kv_pages: the index map returns (page, 0, 0, 0), "
+            "with 0 for the token, head and head_dim axes."
+        )
+    right = clamped(seq, i, lens[seq])
+    if index[0] in (right * page_size, i * page_size) and page_size > 1:
+        return (
+            f"an element offset used as a block index: block {index[0]} is "
+            f"{index[0] // page_size} * page_size. An index map returns *block* indices, and "
+            "one page is one block: (page, 0, 0, 0), not (page * page_size, 0, 0, 0)."
+        )
+    pages = pages_needed(lens[seq], page_size)
+    mistakes = {
+        "no clamp": lambda s, j: int(table[s, j]),
+        "off by one": lambda s, j: int(table[s, min(j, pages_needed(lens[s], page_size))])
+        if min(j, pages_needed(lens[s], page_size)) < pages_per_seq else 0,
+        "empty slot": lambda s, j: int(
+            table[s, min(j, max(pages_needed(lens[s], page_size) - 1, 0))]
+        ),
+        "kv_lens_ref[i]": lambda s, j: clamped(s, j, lens[j % num_seqs]),
+        "kv_lens_ref[0]": lambda s, j: clamped(s, j, lens[0]),
+    }  # fmt: skip
+    fits = [m for m, index_map in mistakes.items()
+            if first_out_of_bounds(index_map) == (tuple(step), index[0])]  # fmt: skip
+    if fits and fits[0] == "empty slot":
+        return (
+            f"sequence {seq} has kv_len 0, no page at all, and its whole row of page_indices "
+            "is garbage: give a sequence with no page page 0 of the pool, "
+            "`jnp.where(num_pages > 0, page, 0)`."
+        )
+    if fits and fits[0] in ("no clamp", "off by one"):
+        return None  # the rung's advice: clamp i
+    if fits or pages > 0 and i >= pages:
+        which = fits[0] if fits else "kv_lens_ref[...] of another sequence"
+        return (
+            f"the clamp used another sequence's kv_len: sequence {seq} has kv_len "
+            f"{lens[seq]} ({pages} pages), yet grid step ({seq}, {i}) read past its pages, "
+            f"as `{which}` does. The sequence is `seq = pl.program_id(0)` (i = "
+            "pl.program_id(1) is the page): clamp with `kv_lens_ref[seq]`."
+        )
+    return None
 
 
 PAST_THE_LAST_PAGE = (
@@ -355,6 +512,8 @@ def _check_decode_kernel(
         advice=_advice(rung),
         record_grid=prefetching,
         ledger_check=_ledger_check(rung),
+        block_cause=_block_cause,
+        pattern=_pattern,
     )
 
 
@@ -371,7 +530,7 @@ def check_paged_decode_attention(
 
     >>> from minilib.ladder.scalar_prefetch import paged_decode_attention
     >>> check_paged_decode_attention(paged_decode_attention).status
-    Passed: paged_decode_attention matches the reference on all 2 cases...
+    Passed: paged_decode_attention matches the reference on all 6 cases...
     'passed'
     """
     return _check_decode_kernel("paged_decode_attention", fn, seed, verbose, details, rung=2)
@@ -385,7 +544,7 @@ def check_paged_decode_async_copy(
 
     >>> from minilib.ladder.async_copy import paged_decode_attention_async_copy as fn
     >>> check_paged_decode_async_copy(fn).status
-    Passed: paged_decode_async_copy matches the reference on all 2 cases...
+    Passed: paged_decode_async_copy matches the reference on all 6 cases...
     'passed'
     """
     return _check_decode_kernel("paged_decode_async_copy", fn, seed, verbose, details, rung=3)
@@ -400,7 +559,7 @@ def check_double_buffered_decode(
 
     >>> from minilib.ladder.double_buffer import paged_decode_attention_double_buffered as fn
     >>> check_double_buffered_decode(fn).status
-    Passed: double_buffered_decode matches the reference on all 2 cases...
+    Passed: double_buffered_decode matches the reference on all 6 cases...
     'passed'
     """
     return _check_decode_kernel(
@@ -417,7 +576,7 @@ def check_prefetching_decode(
 
     >>> from minilib.ladder.prefetch import paged_decode_attention_prefetch as fn
     >>> check_prefetching_decode(fn).status
-    Passed: prefetching_decode matches the reference on all 2 cases...
+    Passed: prefetching_decode matches the reference on all 6 cases...
     'passed'
     """
     return _check_decode_kernel(

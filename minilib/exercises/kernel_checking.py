@@ -69,6 +69,8 @@ def compare_kernel_output(
     diagnose: Callable | None = None,
     details: bool = False,
     ledger_check: Callable | None = None,
+    block_cause: Callable | None = None,
+    pattern: Callable | None = None,
 ):
     """Compare a KernelRun with the reference; on any problem, say what it means.
 
@@ -76,7 +78,10 @@ def compare_kernel_output(
     ledger, then the rung's own `ledger_check(run, case)`; a race; a wrong output, with
     `locate(expected, got, case)` (which sequences or rows
     differ) and the likely cause: `diagnose(got, case)` (a rung's own probe), else the first
-    of `mistakes` (explanation -> a jnp function making that mistake) that the output matches.
+    of `mistakes` (explanation -> a jnp function making that mistake) that the output matches,
+    else `pattern(expected, got, case)` (what the rung reads in which rows, heads or sequences
+    are wrong). `block_cause(step, index, case)` names the cause of an out-of-bounds block
+    from the grid step and the block the index map chose.
 
     >>> import numpy as np
     >>> compare = compare_kernel_output(mistakes={}, atol=1e-5, rtol=1e-5)
@@ -99,7 +104,8 @@ def compare_kernel_output(
                 "`while_loop` whose condition never turns false?)." + raw
             )
         if got.error is not None:
-            raise Mismatch(interpreter_error(got, named, advice) + raw)
+            cause = functools.partial(block_cause, case=case) if block_cause else None
+            raise Mismatch(interpreter_error(got, named, advice, cause) + raw)
         problem = dma_problem(got, named, advice)
         if problem is None and ledger_check is not None and got.watch is not None:
             problem = ledger_check(got, case)
@@ -112,7 +118,8 @@ def compare_kernel_output(
         except Mismatch as diff:
             where = f"\n{locate(expected, got.out, case)}" if locate is not None else ""
             cause = diagnose(got, case) if diagnose is not None else None
-            cause = cause or likely_cause(got.out, case, mistakes)
+            read = pattern(expected, got.out, case) if pattern is not None else None
+            cause = cause or likely_cause(got.out, case, mistakes, read)
             raise Mismatch(f"{diff}{where}\nLikely cause: {cause}" + raw) from None
 
     return compare
@@ -150,8 +157,9 @@ def check_kernel(
     compile it for v5e on `compile_case` (shapes and dtypes only) when libtpu is installed.
 
     `explainers`, passed on to `compare_kernel_output`: `names`, `locate`, `advice`,
-    `diagnose`, `ledger_check`, how a rung names its copies, places a wrong output, explains
-    an out-of-bounds access, probes a wrong output and checks its copies further.
+    `diagnose`, `ledger_check`, `block_cause`, `pattern`: how a rung names its copies, places
+    a wrong output, explains an out-of-bounds access, probes a wrong output, checks its
+    copies further, explains an out-of-bounds block, and reads the rows a wrong output has.
     `record_grid`: record the kernel's grid steps (`KernelRun.grid`, and `Copy.step` of each
     copy); `extra_check(run, case)` may then fail a run whose output is right (a "parallel"
     axis that carries state).

@@ -46,9 +46,13 @@ DETAILS_HINT = "(JAX's own output: run the check again with details=True.)"
 NAN_CAUSES = (
     "NaN in the output. In this interpret mode scratch memory starts as NaN, and unused page "
     "slots and the keys past kv_len hold NaN. Usual causes: m, l or acc not initialised before "
-    "the first KV block (`pl.when(... == 0)`); V rows past kv_len not zeroed (a masked score "
-    "gives p = 0, but 0 * NaN = NaN in p @ v); a page past the sequence's last one read or "
-    "computed; or the output written before the last KV block."
+    "the first KV block (`pl.when(... == 0)`); alpha upside down (`exp(m_next - m_prev)` is "
+    "inf on the first block, where m_prev = -inf, and inf * 0 = NaN: alpha = exp(m_prev - "
+    "m_next)); the max taken before the mask (the scores of the keys past kv_len are NaN: "
+    "mask first, then take the max); V rows past kv_len not zeroed (a masked score gives "
+    "p = 0, but 0 * NaN = NaN in p @ v); a page past the sequence's last one read or "
+    "computed; the output written before the last KV block, or never written (the output "
+    "block then keeps whatever its buffer held)."
 )
 
 
@@ -239,12 +243,17 @@ def _past_the_end(where: str, shape: str) -> str:
 
 
 def interpreter_error(
-    run: KernelRun, names: Names, advice: Callable[[str], str] | None = None
+    run: KernelRun,
+    names: Names,
+    advice: Callable[[str], str] | None = None,
+    block_cause: Callable[[tuple, tuple], str | None] | None = None,
 ) -> str:
     """The interpreter's error as one paragraph: what happened, then the likely cause.
 
     `advice(kind)` gives the rung's likely cause for an out-of-bounds "block" (an index map),
     "copy" (a DMA source), "smem" or "vmem" access (None: the general one).
+    `block_cause(step, index)` may name the cause of an out-of-bounds block from what the
+    index map chose (`index`) at which grid step (`step`), before `advice("block")`.
 
     >>> text = ('IndexError: Out-of-bounds block index (1007, 0, 0, 0) for input "page_ref" in '
     ...         'iteration (0, 1) on device 0 (core 0): reading [...] but input has shape '
@@ -270,7 +279,8 @@ def interpreter_error(
             f"an out-of-bounds read: at grid step ({step}) the index map of `{ref}` chose "
             f"block ({index}), but the array has shape ({shape})."
         )
-        return f"{what} Likely cause: {advice_for('block')} {DETAILS_HINT}"
+        cause = block_cause(_ints(step), _ints(index)) if block_cause else None
+        return f"{what} Likely cause: {cause or advice_for('block')} {DETAILS_HINT}"
     access = _OOB_ACCESS.search(text)
     if access:
         kind, space, where, shape = (access.group(i) for i in (1, 4, 6, 7))
@@ -306,6 +316,11 @@ def interpreter_error(
     )
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    """'0, 3' as (0, 3)."""
+    return tuple(int(x) for x in re.findall(r"-?\d+", text))
+
+
 def _general_advice(kind: str) -> str:
     return (
         "an index past the end of an array. Entries of page_indices past a sequence's last "
@@ -314,9 +329,13 @@ def _general_advice(kind: str) -> str:
     )
 
 
-def likely_cause(out, case: Case, mistakes: dict[str, Callable]) -> str:
+def likely_cause(out, case: Case, mistakes: dict[str, Callable], pattern: str | None = None) -> str:
     """The explanation of the first mistake in `mistakes` whose output `out` matches; else
-    what NaN in the output usually means; else advice to compare row by row.
+    `pattern` (what the rung reads in which rows are wrong); else what NaN in the output
+    usually means; else advice to compare row by row.
+
+    A NaN output matches every mistake that gives NaN in the same places, whatever made it:
+    then every such mistake is named, with the other usual causes of NaN.
 
     >>> case = Case("x = 1", (np.array([1.0]),))
     >>> likely_cause(np.array([2.0]), case, {"x was doubled.": lambda x: 2 * x})
@@ -327,17 +346,26 @@ def likely_cause(out, case: Case, mistakes: dict[str, Callable]) -> str:
     # Where the kernel's matmuls are one bfloat16 pass (a TPU), it is off by up to about 0.01
     # from a mistake made exactly (minilib.tpu.numerics).
     atol = BF16_PASS_TOLERANCE if one_bf16_pass() else 1e-3
+    matched = []
     for explanation, mistaken in mistakes.items():
         try:
             compare_arrays(mistaken(*case.args, **case.kwargs), out, "output", atol=atol)
         except Exception:
             continue
-        return explanation
+        matched.append(explanation)
     try:
-        if not np.isfinite(np.asarray(out, np.float64)).all():
-            return NAN_CAUSES
+        finite = bool(np.isfinite(np.asarray(out, np.float64)).all())
     except Exception:
-        pass
+        finite = True
+    if matched and finite:
+        return matched[0]
+    if not finite:
+        listed = "".join(f"\n  - {m}" for m in matched)
+        fits = f"each of these mistakes gives NaN just where yours does:{listed}\n"
+        fits = fits if matched else ""
+        return fits + (f"{pattern}\n" if pattern else "") + NAN_CAUSES
+    if pattern:
+        return pattern
     return (
         "none of the usual mistakes. Run the reference and your kernel on this case, and compare "
         "them row by row (which rows, heads or positions differ?)."

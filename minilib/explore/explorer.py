@@ -4,6 +4,7 @@
     int_input, text_input, dropdown                     the controls, all alike
     parse_ints, parse_optional_int, parse_q_and_kv_lens typed text to numbers, or a clear
                                                         `InputProblem`
+    check_at_most                                       a number more than the explorer draws
     error_html                                          a problem as the explorer shows it
 
 Everything an explorer shows lives in widget state (text in `HTML` widgets, figures as PNG
@@ -29,6 +30,7 @@ __all__ = [
     "OK_COLOUR",
     "PROBLEM_COLOUR",
     "Explorer",
+    "check_at_most",
     "dropdown",
     "error_html",
     "int_input",
@@ -54,6 +56,9 @@ class Explorer(widgets.VBox):
     the control's choice if it is still offered (else the first option), then renders once,
     with values and options that agree. The explorer has one observer, so nothing depends on
     the order in which observers run.
+
+    `note`, the line under the title, is a string, or `note(values)` for a note that follows
+    the controls (the page table's suggestions); it is drawn again on each change.
 
     Attributes:
       controls: name -> input widget. Set `.value` and the explorer redraws.
@@ -90,12 +95,13 @@ class Explorer(widgets.VBox):
         title: str,
         controls: dict,
         render: Callable,
-        note: str = "",
+        note: str | Callable = "",
         choices: Callable | None = None,
     ):
         self.controls = controls
         self._render = render
         self._choices = choices
+        self._title, self._note = title, note
         self._offering = False  # True while the explorer sets the options of derived controls
         self.views = {
             "message": widgets.HTML(),
@@ -104,12 +110,9 @@ class Explorer(widgets.VBox):
             ),
             "details": widgets.HTML(),
         }
-        header = widgets.HTML(
-            f"<div style='font-size:1.15em;font-weight:bold;margin:4px 0'>{html.escape(title)}"
-            f"</div><div style='color:#555'>{note}</div>"
-        )
+        self.header = widgets.HTML()
         row = widgets.HBox(list(controls.values()), layout=widgets.Layout(flex_flow="row wrap"))
-        super().__init__([header, row, *self.views.values()])
+        super().__init__([self.header, row, *self.views.values()])
         for control in controls.values():
             control.observe(self._on_change, names="value")
         self.refresh()
@@ -118,6 +121,11 @@ class Explorer(widgets.VBox):
         """Offer the derived controls their options, then redraw from the control values.
         Never raises: problems are shown."""
         message, figure, details = self.views.values()
+        note = self._note(self.values()) if callable(self._note) else self._note
+        self.header.value = (
+            f"<div style='font-size:1.15em;font-weight:bold;margin:4px 0'>"
+            f"{html.escape(self._title)}</div><div style='color:#555'>{note}</div>"
+        )
         try:
             self._offer_choices()
             status, fig, table = self._render(self.values())
@@ -285,6 +293,23 @@ def parse_q_and_kv_lens(q_text: str, kv_text: str) -> tuple[list[int], list[int]
     return q_lens, kv_lens
 
 
+def check_at_most(name: str, value: int, limit: int, fix: str) -> None:
+    """Raise an `InputProblem` titled "<name> is too large" if `value` is more than the
+    explorer draws (`limit`): the message names the value and the limit, then `fix`.
+
+    >>> check_at_most("total_num_pages", 10**6, 256, "Use a smaller pool.")
+    Traceback (most recent call last):
+    ...
+    minilib.errors.InputProblem: total_num_pages=1000000 is more than this explorer draws
+    (at most 256). Use a smaller pool.
+    """
+    if value > limit:
+        raise InputProblem(
+            f"{name}={value} is more than this explorer draws (at most {limit}). {fix}",
+            title=f"{name} is too large: this explorer draws at most {limit}",
+        )
+
+
 # --- problems, as shown ----------------------------------------------------------------------
 
 
@@ -299,7 +324,7 @@ def error_html(err: Exception) -> str:
     if isinstance(err, RPAInputError):
         title = type(err).__name__
     elif isinstance(err, InputProblem):
-        title = "Cannot read this input"
+        title = err.title
     elif isinstance(err, ValueError):
         title = type(err).__name__
     else:

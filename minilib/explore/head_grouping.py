@@ -18,9 +18,8 @@ import math
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from minilib.errors import InputProblem
 from minilib.explore import style
-from minilib.explore.explorer import Explorer, int_input
+from minilib.explore.explorer import Explorer, check_at_most, int_input
 from minilib.explore.text import plural, span, table
 from minilib.heads import (
     attention_kind,
@@ -156,11 +155,8 @@ def head_grouping_explorer(num_q_heads: int = 12, num_kv_heads: int = 4) -> Expl
 
 def _render_head_grouping(values: dict):
     num_q_heads, num_kv_heads = values["num_q_heads"], values["num_kv_heads"]
-    if max(num_q_heads, num_kv_heads) > MAX_HEADS:
-        raise InputProblem(
-            f"num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads}: this explorer draws at "
-            f"most {MAX_HEADS} heads."
-        )
+    check_at_most("num_q_heads", num_q_heads, MAX_HEADS, "Use fewer heads.")
+    check_at_most("num_kv_heads", num_kv_heads, MAX_HEADS, "Use fewer heads.")
     valid = valid_num_kv_heads(num_q_heads)  # raises for num_q_heads < 1
     check_head_counts(num_q_heads, num_kv_heads)  # the validator: its message, its hint
     groups = head_groups(num_q_heads, num_kv_heads)

@@ -26,6 +26,7 @@ from minilib.errors import InputProblem, ScheduleTooBig
 from minilib.explore import style
 from minilib.explore.explorer import (
     Explorer,
+    check_at_most,
     dropdown,
     int_input,
     parse_optional_int,
@@ -441,20 +442,18 @@ def _plan(
 def _check_limits(q_lens: list[int], kv_lens: list[int], num_q_heads: int, page_size: int):
     """The limits at the top of this module, and the two counts the batch is built from,
     checked before anything is built or planned."""
-    if len(q_lens) > MAX_SEQS or sum(q_lens) > MAX_TOKENS or num_q_heads > MAX_HEADS:
-        raise InputProblem(
-            f"this explorer draws at most {MAX_SEQS} sequences, {MAX_TOKENS} q rows in all and "
-            f"{MAX_HEADS} q heads."
-        )
+    check_at_most("len(q_lens)", len(q_lens), MAX_SEQS, "Type fewer sequences.")
+    for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        check_at_most(f"q_lens[{i}]", q_len, MAX_TOKENS, "Type a shorter q_len.")
+        check_at_most(f"kv_lens[{i}]", kv_len, MAX_KV_LEN, "Type a shorter kv_len.")
+    check_at_most("sum(q_lens)", sum(q_lens), MAX_TOKENS, "Type shorter q_lens: q rows in all.")
+    check_at_most("num_q_heads", num_q_heads, MAX_HEADS, "Use fewer heads.")
     valid_num_kv_heads(num_q_heads)  # raises for num_q_heads < 1
     if page_size < 1:
         raise InputProblem(
             f"page_size={page_size} must be positive: a page holds at least one token."
         )
-    if page_size > MAX_PAGE_SIZE or max(kv_lens, default=0) > MAX_KV_LEN:
-        raise InputProblem(
-            f"this explorer draws page_size up to {MAX_PAGE_SIZE} and kv_len up to {MAX_KV_LEN}."
-        )
+    check_at_most("page_size", page_size, MAX_PAGE_SIZE, "Use smaller pages.")
 
 
 def _schedule_status(schedule) -> str:

@@ -24,7 +24,14 @@ from matplotlib.patches import Patch
 
 from minilib.errors import InputProblem, KVCacheError
 from minilib.explore import style
-from minilib.explore.explorer import Explorer, dropdown, int_input, parse_ints, text_input
+from minilib.explore.explorer import (
+    Explorer,
+    check_at_most,
+    dropdown,
+    int_input,
+    parse_ints,
+    text_input,
+)
 from minilib.explore.text import and_join, array_rows, plural, pre, span, table
 from minilib.kv_cache import FILL_ORDERS, cdiv, fill_cache, pool_pages_needed
 
@@ -321,9 +328,22 @@ def page_table_explorer(
         "The paged KV cache",
         controls,
         _render_page_table,
-        "Sequence lengths in tokens, separated by commas. "
-        + _page_size_suggestions(parse_ints(kv_lens, "kv_lens"), page_size, total_num_pages),
+        _note,
     )
+
+
+def _note(values: dict) -> str:
+    """The line under the title: what to try with the typed input, once it can be drawn."""
+    note = "Sequence lengths in tokens, separated by commas. "
+    page_size, total = values["page_size"], values["total_num_pages"]
+    try:
+        kv_lens = parse_ints(values["kv_lens"], "kv_lens")
+        _check_limits(kv_lens, page_size, total)
+    except InputProblem:  # the message under the controls says what is wrong
+        return note
+    if page_size < 1 or total < 1:  # and so does the cache's
+        return note
+    return note + _page_size_suggestions(kv_lens, page_size, total)
 
 
 def _page_size_suggestions(kv_lens, page_size: int, total_num_pages: int) -> str:
@@ -369,17 +389,10 @@ def _check_limits(kv_lens: list[int], page_size: int, total: int) -> None:
     for i, n in enumerate(kv_lens):
         if n < 0:
             raise InputProblem(f"kv_lens[{i}]={n} is negative: a sequence holds 0 or more tokens.")
-        if n > MAX_SEQ_LEN:
-            raise InputProblem(
-                f"kv_lens[{i}]={n} is longer than this explorer handles ({MAX_SEQ_LEN})."
-            )
-    if len(kv_lens) > MAX_SEQS:
-        raise InputProblem(f"{len(kv_lens)} sequences: this explorer draws at most {MAX_SEQS}.")
-    if total > MAX_PAGES or page_size > MAX_PAGE_SIZE:
-        raise InputProblem(
-            f"total_num_pages={total}, page_size={page_size}: this explorer draws at most "
-            f"{MAX_PAGES} pages of at most {MAX_PAGE_SIZE} slots."
-        )
+        check_at_most(f"kv_lens[{i}]", n, MAX_SEQ_LEN, "Type a shorter sequence.")
+    check_at_most("len(kv_lens)", len(kv_lens), MAX_SEQS, "Type fewer sequences.")
+    check_at_most("total_num_pages", total, MAX_PAGES, "Use a smaller pool.")
+    check_at_most("page_size", page_size, MAX_PAGE_SIZE, "Use smaller pages.")
 
 
 def _render_page_table(values: dict):

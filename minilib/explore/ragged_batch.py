@@ -12,6 +12,8 @@ Valid: 2 sequences (1 prefill, 1 decode), 7 q rows; no sliding window.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
@@ -19,10 +21,10 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from minilib.batch import RaggedBatch, make_batch, seq_kind
-from minilib.errors import InputProblem
 from minilib.explore import style
 from minilib.explore.explorer import (
     Explorer,
+    check_at_most,
     parse_optional_int,
     parse_q_and_kv_lens,
     text_input,
@@ -202,7 +204,7 @@ def ragged_batch_explorer(
     >>> ex.controls["q_lens"].value = "3, 1"
     >>> ex.controls["kv_lens"].value = "2, 9"  # q_len > kv_len: the validator's message
     >>> print(ex.text.splitlines()[1])
-    sequence 0: (q_len=3, kv_len=2) needs 0 <= q_len <= kv_len.
+    q_len=3 must be less or equal to kv_len=2 at sequence 0.
     """
     controls = {
         "q_lens": text_input("q_lens", q_lens, "e.g. 6, 1, 4"),
@@ -220,27 +222,32 @@ def ragged_batch_explorer(
 
 def _check_limits(q_lens: list[int], kv_lens: list[int]) -> None:
     """What this explorer draws at most, checked before the batch is built."""
-    if len(q_lens) > MAX_SEQS or sum(q_lens) > MAX_TOKENS or max(kv_lens, default=0) > MAX_KV_LEN:
-        raise InputProblem(
-            f"this explorer draws at most {MAX_SEQS} sequences, {MAX_TOKENS} q rows in all, "
-            f"and kv_len up to {MAX_KV_LEN}."
-        )
+    check_at_most("len(q_lens)", len(q_lens), MAX_SEQS, "Type fewer sequences.")
+    for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        check_at_most(f"q_lens[{i}]", q_len, MAX_TOKENS, "Type a shorter q_len.")
+        check_at_most(f"kv_lens[{i}]", kv_len, MAX_KV_LEN, "Type a shorter kv_len.")
+    check_at_most("sum(q_lens)", sum(q_lens), MAX_TOKENS, "Type shorter q_lens: q rows in all.")
     cells = sum(q * kv for q, kv in zip(q_lens, kv_lens, strict=True))
-    if cells > MAX_MASK_CELLS:
-        raise InputProblem(
-            f"the masks have {cells} (q row, key) cells in all, sum of q_len * kv_len: this "
-            f"explorer draws at most {MAX_MASK_CELLS}. Try shorter sequences."
-        )
+    fix = "Try shorter sequences: the masks have a (q row, key) cell for each."
+    check_at_most("sum of q_len * kv_len", cells, MAX_MASK_CELLS, fix)
 
 
 def _render_ragged_batch(values: dict):
     q_lens, kv_lens = parse_q_and_kv_lens(values["q_lens"], values["kv_lens"])
     window = parse_optional_int(values["sliding_window"], "sliding_window")
     _check_limits(q_lens, kv_lens)
+    # make_batch refuses q_len > kv_len itself. So that the validator judges it, such a
+    # sequence is built with kv_len = q_len, and the typed kv_lens go in after. (A negative
+    # length stays: make_batch names it.)
     batch = make_batch(
-        list(zip(q_lens, kv_lens, strict=True)), num_q_heads=2, num_kv_heads=1, head_dim=8
+        [(q, q if 0 <= kv < q else kv) for q, kv in zip(q_lens, kv_lens, strict=True)],
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
     )
-    dynamic_validate_inputs(*batch.args(), sliding_window=window)
+    typed = batch.kv_lens.at[: len(kv_lens)].set(np.asarray(kv_lens, np.int32))
+    checked = dataclasses.replace(batch, kv_lens=typed)
+    dynamic_validate_inputs(*checked.args(), sliding_window=window)
     kinds = [seq_kind(q, kv) for q, kv in batch.seq_lens]
     status = (
         f"Valid: {plural(len(kinds), 'sequence')} ("

@@ -67,6 +67,12 @@ class KernelConfig(AttentionOptions):
     reload_v: bool = False
 
     @property
+    def score_scale(self) -> float:
+        """What the kernel multiplies the scores q . k by: sm_scale, times k_scale when there
+        is one (K's dequantization, moved from every value of K to the scores: `fp8`)."""
+        return self.sm_scale if self.k_scale is None else self.sm_scale * self.k_scale
+
+    @property
     def kv_tokens_per_block(self) -> int:
         return self.num_kv_pages_per_block * self.page_size
 

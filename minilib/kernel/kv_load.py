@@ -3,7 +3,9 @@
 The plain load indexes the slot and reshapes the value: it runs everywhere, TPU interpret mode
 included. Where refs can be viewed (the chip), `strided` reads each KV head with one strided
 load instead; a head_dim of several 128-lane blocks is read one block at a time (`lane_blocks`).
-V is zeroed past kv_len (`zero_tokens_past_kv_len`), and fp8 dequantized.
+V is zeroed past kv_len (`zero_tokens_past_kv_len`). An fp8 cache is read four values to a
+word where refs can be viewed (`fp8`); fp8 values are never scaled here: k_scale and v_scale
+are applied to the scores and the output (`fp8` says why).
 """
 
 from __future__ import annotations
@@ -12,19 +14,31 @@ import jax.numpy as jnp
 from jax import lax
 
 from minilib.kernel.config import KernelConfig
+from minilib.kernel.fp8 import for_the_mxu, load_kv_head_fp8
 from minilib.kernel.lane_blocks import side_by_side
 from minilib.kernel.strided import load_kv_head_strided
-from minilib.reference import dequantize
 
 __all__: list[str] = []  # the kernel body's own: see `load_kv_for_mxu`
 
 
 def load_kv_for_mxu(kv_buf, kv_head: int, kv_blk, kv_len, dtype, config: KernelConfig):
-    """K and V of one KV head, ready for the MXU: V zeroed past kv_len, both in `dtype`
-    (dequantized from fp8). [kv_tokens_per_block, head_dim] each."""
+    """K and V of one KV head, ready for the MXU: V zeroed past kv_len, both in `dtype`, or
+    fp8 as stored (the MXU's matmuls take it as it is: `fp8`), never scaled.
+    [kv_tokens_per_block, head_dim] each."""
+    fp8 = config.kv_itemsize == 1
+    if fp8 and config.strided_kv_loads:  # four values to a word, V zeroed on the words
+        blocks = [
+            load_kv_head_fp8(kv_buf.at[f], kv_head, kv_blk, kv_len, config)
+            for f in range(config.lane_blocks)
+        ]
+        k, v = side_by_side(blocks)
+        return for_the_mxu(k, dtype), for_the_mxu(v, dtype)
     k, v = load_kv_head(kv_buf, kv_head, config)
+    if fp8:  # K as stored; V cast before it is zeroed (a cast back to fp8 is slow)
+        v = zero_tokens_past_kv_len(v.astype(dtype), kv_blk, kv_len, config)
+        return for_the_mxu(k, dtype), v
     v = zero_tokens_past_kv_len(v, kv_blk, kv_len, config)
-    return dequantize_kv(k, v, dtype, config)
+    return dequantize_kv(k, v, dtype)
 
 
 def load_kv_head(
@@ -64,10 +78,10 @@ def dequantize_kv(
     k,  # [kv_tokens_per_block, head_dim], kv dtype or float32
     v,  # [kv_tokens_per_block, head_dim], kv dtype or float32
     dtype,
-    config: KernelConfig,
 ):  # -> k, v: [kv_tokens_per_block, head_dim], dtype
-    """Dequantize (fp8) to the compute dtype; a plain cast otherwise."""
-    return dequantize(k, config.k_scale, dtype), dequantize(v, config.v_scale, dtype)
+    """K and V in the compute dtype: a plain cast. (k_scale and v_scale are applied to the
+    scores and the output, not here: see `fp8`.)"""
+    return k.astype(dtype), v.astype(dtype)
 
 
 def zero_tokens_past_kv_len(x, kv_blk, kv_len, config: KernelConfig):  # x: [kv_tokens, hd]

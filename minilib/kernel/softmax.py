@@ -94,11 +94,12 @@ class OnlineSoftmax:
     value must sit to meet 128 columns of s or acc, so they are never broadcast across lanes.
     """
 
-    def __init__(self, m_ref, l_ref, acc_ref, config: KernelConfig):
+    def __init__(self, m_ref, l_ref, acc_ref, config: KernelConfig, dtype):
         self.m_ref = m_ref  # f32[num_kv_heads_per_block, rows_per_kv_head, LANES]
         self.l_ref = l_ref  # f32[num_kv_heads_per_block, rows_per_kv_head, LANES]
         self.acc_ref = acc_ref  # f32[num_kv_heads_per_block, rows_per_kv_head, head_dim]
         self.config = config
+        self.dtype = dtype  # the compute dtype, q's: p is rounded to it for P·V
 
     def init(self):
         self.m_ref[...] = jnp.full(self.m_ref.shape, -jnp.inf, jnp.float32)
@@ -109,14 +110,14 @@ class OnlineSoftmax:
         self,
         kv_head: int,
         q,  # [rows, head_dim]
-        k,  # [kv_tokens_per_block, head_dim]
+        k,  # [kv_tokens_per_block, head_dim]: q's dtype, or fp8 as stored (`fp8`)
         mask: ScoreMask,
     ):  # -> p: f32[rows, kv_tokens_per_block], alpha: f32[rows, LANES]
         """The first half of one online-softmax step, for one KV head and its q heads: the
         scores s = q k^T, the new running max m and sum l (stored), and what the second
         half needs: the weights p = exp(s - m) and alpha, which rescales the old acc."""
         c = self.config
-        s = jnp.einsum("rd,td->rt", q, k, preferred_element_type=jnp.float32) * c.sm_scale
+        s = jnp.einsum("rd,td->rt", q, k, preferred_element_type=jnp.float32) * c.score_scale
         s = apply_soft_cap(s, c.soft_cap)
         s = apply_mask_value(s, mask.masked, c.mask_value, mask.past_kv_len)  # [rows, tokens]
         lanes = (s.shape[0], LANES)
@@ -134,25 +135,28 @@ class OnlineSoftmax:
     def accumulate(
         self,
         kv_head: int,
-        v,  # [kv_tokens_per_block, head_dim]
+        v,  # [kv_tokens_per_block, head_dim]: q's dtype, or fp8 as stored (`fp8`)
         p,  # f32[rows, kv_tokens_per_block], from `scores_and_stats`
         alpha,  # f32[rows, LANES], from `scores_and_stats`
         mask: ScoreMask,
     ):
-        """The second half: acc = alpha * acc + p v. (p is rounded to V's dtype for the
-        matmul, which halves the MXU's pushes for a bf16 V, at an error of the order of the
-        bf16 output's own rounding: notebook 08 measures it.)"""
+        """The second half: acc = alpha * acc + p v. (p is rounded to the compute dtype for
+        the matmul, V's dtype unless V comes as fp8 (`fp8`), which halves the MXU's pushes for
+        a bf16 V, at an error of the order of the bf16 output's own rounding: notebook 08
+        measures it.)"""
         acc_prev = self.acc_ref[kv_head]  # [rows, head_dim]
-        pv = jnp.einsum("rt,td->rd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        pv = jnp.einsum("rt,td->rd", p.astype(self.dtype), v, preferred_element_type=jnp.float32)
         acc_next = widen(alpha, acc_prev.shape[1]) * acc_prev + pv
         self.acc_ref[kv_head] = keep_other_rows(mask.in_seq, acc_next, acc_prev)
 
     def normalized(self, kv_head: int, lanes=slice(None)):  # -> f32[rows_per_kv_head, width]
         """out = acc / l for one KV head's group of q heads, in the columns `lanes` of head_dim
-        (all of them by default). Rows that no sequence owns have l = 0 and acc = 0, and come
-        out as zeros."""
+        (all of them by default), times v_scale when there is one (V's dequantization, moved
+        from every value of V to the output: `fp8`). Rows that no sequence owns have l = 0 and
+        acc = 0, and come out as zeros."""
         total = self.l_ref[kv_head][:, :1]  # [rows, 1]
-        return self.acc_ref[kv_head, :, lanes] / jnp.where(total == 0.0, 1.0, total)
+        out = self.acc_ref[kv_head, :, lanes] / jnp.where(total == 0.0, 1.0, total)
+        return out if self.config.v_scale is None else out * self.config.v_scale
 
     def write_output(self, o_ref):
         """The q block's output, unfolded back to [q rows, q heads, head_dim], one KV head and

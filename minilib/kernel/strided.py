@@ -11,7 +11,8 @@ compile`, 32 q / 8 KV heads, head_dim 128, 128 tokens per KV block):
 * At head_dim 256, read in 128-lane blocks (`lane_blocks`) instead of by the plain load: v5e
   4847 -> 1830 at 32 q, 4237 -> 1396 at 8 q; v6e 4751 -> 1678, 4215 -> 1369.
 On which chips: every chip Mosaic compiles for (v5e, v6e, TPU7x measured), for f32 and bf16
-K/V whose combined heads fill whole tiles and head_dim a multiple of 128 (`can_load_kv_strided`).
+K/V whose combined heads fill whole tiles and head_dim a multiple of 128 (`can_load_kv_strided`);
+for fp8 K/V, four values to a word, see `fp8`.
 Not in TPU interpret mode, which cannot view a ref as another shape or dtype.
 """
 
@@ -24,21 +25,27 @@ from jax.experimental.pallas import tpu as pltpu
 
 from minilib.block_sizes import packing, packing_of_size
 from minilib.kernel.config import LANES, KernelConfig
+from minilib.kernel.fp8 import KV_HEADS_PER_WORD
 
 __all__: list[str] = []  # the kernel body's own: see `load_kv_head_strided`
 
 
 def can_load_kv_strided(config: KernelConfig, interpret=False) -> bool:
     """Whether `load_kv_head_strided` applies: refs can be viewed (the chip, or plain
-    `interpret=True`; not TPU interpret mode), the combined heads of a token fill whole
-    (8 * packing, 128) tiles (so the flat view is free), the KV dtype is f32 or bf16, and
-    head_dim is a multiple of 128 (Mosaic's strided loads need rows of exactly 128 lanes: a
-    slot's lane blocks)."""
+    `interpret=True`; not TPU interpret mode), head_dim is a multiple of 128 (Mosaic's
+    strided loads need rows of exactly 128 lanes: a slot's lane blocks), and either the KV
+    dtype is f32 or bf16 and the combined heads of a token fill whole (8 * packing, 128)
+    tiles (so the flat view is free), or it is fp8 and the KV heads pair up into whole words
+    (`fp8.load_kv_head_fp8`)."""
     if isinstance(interpret, pltpu.InterpretParams):
         return False
     kv_packing = packing_of_size(config.kv_itemsize)
+    if config.head_dim % LANES:
+        return False
+    if kv_packing == 4:  # fp8: whole words of two KV heads each (`fp8`)
+        return config.num_kv_heads_per_block % KV_HEADS_PER_WORD == 0
     tiles_whole = (2 * config.num_kv_heads_per_block) % (8 * kv_packing) == 0
-    return kv_packing in (1, 2) and tiles_whole and config.head_dim % LANES == 0
+    return kv_packing in (1, 2) and tiles_whole
 
 
 def load_kv_head_strided(kv_lanes, kv_head: int, config: KernelConfig):

@@ -65,7 +65,7 @@ def rpa_kernel(
     decode kernel, `decode.DecodeWalker`: one block of one-token sequences, a row each)."""
     batch = SeqTable(kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref, config)
     dma = copier_class(kv_pages_hbm_ref, kv_bufs, sems, batch)
-    softmax = OnlineSoftmax(m_ref, l_ref, acc_ref, config)
+    softmax = OnlineSoftmax(m_ref, l_ref, acc_ref, config, dtype=q_fold_ref.dtype)
     step = (pl.program_id(0), pl.program_id(1))  # (heads_blk, q_blk)
 
     @pl.when((step[0] == 0) & (step[1] == 0))

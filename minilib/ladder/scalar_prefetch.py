@@ -32,7 +32,6 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from minilib.kv_cache import pages_needed
 from minilib.ladder.flash import init_online_softmax, online_softmax_update, zero_rows_past
 
 __all__ = [
@@ -44,7 +43,7 @@ __all__ = [
 
 
 def paged_decode_reference(q, kv_pages, kv_lens, page_indices, *, sm_scale, **interpret):
-    """Decode attention in plain jnp, one sequence at a time, with the signature of the kernels
+    """Decode attention in plain jnp, with the signature of the kernels
     (`paged_decode_attention` below: its arrays and their shapes; `interpret` is taken and
     ignored). Only a sequence's own pages are read; a sequence with kv_len 0 (an empty slot)
     gives 0.
@@ -54,25 +53,35 @@ def paged_decode_reference(q, kv_pages, kv_lens, page_indices, *, sm_scale, **in
     >>> paged_decode_reference(b.q, b.kv_pages, b.kv_lens, b.page_indices, sm_scale=0.1).shape
     (2, 4, 64)
     """
-    num_seqs, num_q_heads, head_dim = q.shape
-    page_size, num_kv_heads = kv_pages.shape[1], kv_pages.shape[2] // 2
-    out = []
-    for seq in range(num_seqs):
-        kv_len = int(kv_lens[seq])
-        if kv_len == 0:  # an empty slot: no key to attend to, output 0
-            out.append(jnp.zeros((num_q_heads, head_dim), jnp.float32))
-            continue
-        pages = np.asarray(page_indices[seq, : pages_needed(kv_len, page_size)])
-        kv = kv_pages[pages].reshape(-1, 2 * num_kv_heads, head_dim)[:kv_len]
-        k = jnp.repeat(kv[:, 0::2], num_q_heads // num_kv_heads, axis=1).astype(jnp.float32)
-        v = jnp.repeat(kv[:, 1::2], num_q_heads // num_kv_heads, axis=1).astype(jnp.float32)
-        # HIGHEST: the float32 answer the checkers compare with, even where a default-precision
-        # float32 matmul is one bfloat16 pass (a TPU; minilib.tpu.numerics).
-        exact = jax.lax.Precision.HIGHEST
-        scores = jnp.einsum("hd,khd->hk", q[seq].astype(jnp.float32), k, precision=exact)
-        p = jax.nn.softmax(scores * sm_scale, axis=-1)
-        out.append(jnp.einsum("hk,khd->hd", p, v, precision=exact))
-    return jnp.stack(out).astype(q.dtype)
+    page_size, pages_per_seq = kv_pages.shape[1], page_indices.shape[1]
+    lens = np.asarray(kv_lens)
+    # Every sequence at once, in shapes that depend only on the arrays' shapes (one compile
+    # per shape, whatever the lengths): a sequence's page-table entries past its last page
+    # are never followed (page 0 stands in for them), and its keys past kv_len are masked.
+    used = np.arange(pages_per_seq)[None, :] < np.ceil(lens / page_size)[:, None]
+    pages = np.where(used, np.asarray(page_indices), 0)
+    return _attend_pages(q, kv_pages, jnp.asarray(pages), jnp.asarray(lens), sm_scale)
+
+
+@jax.jit
+def _attend_pages(q, kv_pages, pages, kv_lens, sm_scale):
+    """paged_decode_reference's attention, every sequence at once: `pages` holds only pages
+    a sequence has (page 0 for the rest), and the keys past kv_len are masked."""
+    (num_seqs, num_q_heads, head_dim), num_kv_heads = q.shape, kv_pages.shape[2] // 2
+    kv = kv_pages[pages].reshape(num_seqs, -1, 2 * num_kv_heads, head_dim)
+    live = jnp.arange(kv.shape[1])[None, :] < kv_lens[:, None]  # [seq, position]
+    group = num_q_heads // num_kv_heads
+    k = jnp.repeat(kv[:, :, 0::2], group, axis=2).astype(jnp.float32)
+    v = jnp.repeat(kv[:, :, 1::2], group, axis=2).astype(jnp.float32)
+    v = jnp.where(live[:, :, None, None], v, 0.0)  # NaN past kv_len: 0 * NaN would be NaN
+    # HIGHEST: the float32 answer the checkers compare with, even where a default-precision
+    # float32 matmul is one bfloat16 pass (a TPU; minilib.tpu.numerics).
+    exact = jax.lax.Precision.HIGHEST
+    scores = jnp.einsum("shd,skhd->shk", q.astype(jnp.float32), k, precision=exact) * sm_scale
+    p = jax.nn.softmax(jnp.where(live[:, None, :], scores, -jnp.inf), axis=-1)
+    out = jnp.einsum("shk,skhd->shd", p, v, precision=exact)
+    # An empty slot (kv_len 0): no key to attend to, output 0 (not the softmax's NaN).
+    return jnp.where((kv_lens > 0)[:, None, None], out, 0.0).astype(q.dtype)
 
 
 def paged_decode_attention(

@@ -21,6 +21,7 @@ __all__ = [
     "TARGET_CASE",
     "WORKLOADS",
     "BenchCase",
+    "case_batch",
     "case_batches",
     "fit_token_budget",
     "workload_seq_lens",
@@ -132,15 +133,17 @@ class BenchCase:
         )
 
 
-def case_batches(case: BenchCase, seed: int = 0) -> tuple[RaggedBatch, RaggedBatch]:
-    """Two batches of the case with the SAME array shapes and different lengths.
+def case_batch(case: BenchCase, pairs, seed: int = 0) -> RaggedBatch:
+    """`(q_len, kv_len)` pairs packed into a batch of `case`'s array shapes.
 
-    >>> a, b = case_batches(BenchCase("mixed", 3, (4, 2, 64), 8, 4, 16))
-    >>> a.q.shape == b.q.shape, a.seq_lens != b.seq_lens
-    (True, True)
+    >>> case = BenchCase("mixed", 3, (4, 2, 64), 8, 4, 16)
+    >>> case_batch(case, [(1, 5), (1, 9)]).q.shape, case.specs()[0].shape
+    ((16, 4, 64), (16, 4, 64))
     """
     num_q_heads, num_kv_heads, head_dim = case.heads
-    shapes = dict(
+    return make_batch(
+        pairs,
+        seed=seed,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -151,6 +154,15 @@ def case_batches(case: BenchCase, seed: int = 0) -> tuple[RaggedBatch, RaggedBat
         total_num_pages=case.num_seqs * case.pages_per_seq + 3,
         dtype=jnp.dtype(case.dtype),
     )
+
+
+def case_batches(case: BenchCase, seed: int = 0) -> tuple[RaggedBatch, RaggedBatch]:
+    """Two batches of the case with the SAME array shapes and different lengths.
+
+    >>> a, b = case_batches(BenchCase("mixed", 3, (4, 2, 64), 8, 4, 16))
+    >>> a.q.shape == b.q.shape, a.seq_lens != b.seq_lens
+    (True, True)
+    """
     batches = []
     for s in (seed, seed + 1):
         pairs = workload_seq_lens(
@@ -160,7 +172,7 @@ def case_batches(case: BenchCase, seed: int = 0) -> tuple[RaggedBatch, RaggedBat
             max_num_batched_tokens=case.max_num_batched_tokens,
             seed=s,
         )
-        batches.append(make_batch(pairs, seed=s, **shapes))
+        batches.append(case_batch(case, pairs, seed=s))
     return batches[0], batches[1]
 
 
