@@ -58,7 +58,7 @@ from minilib.kernel import (
     rpa_pallas_call,
     split_configs,
 )
-from minilib.ladder.interpret import strict_interpret_params
+from minilib.ladder.interpret import detecting_races, strict_interpret_params
 from minilib.ladder.watch import watch_kernel
 
 # A DMA runs when it is started: reading a slot that a copy is still filling gets new data.
@@ -257,7 +257,7 @@ RACE_TEST_OPTIONS = dict(sm_scale=0.125, num_kv_pages_per_block=3, num_queries_p
 @pytest.mark.parametrize("dma_mode", list(DMA_MODES))
 def test_mixed_batch_without_races(dma_mode):
     """With the race detector on: a copy into one slot must never touch the slot in use."""
-    params = dataclasses.replace(DMA_MODES[dma_mode], detect_races=True)
+    params = detecting_races(DMA_MODES[dma_mode])
     assert_matches_jax(run_kernel(params), one_of_each_batch(), **RACE_TEST_OPTIONS)
     assert not races_found()
 
@@ -280,7 +280,7 @@ def run_single_buffered(interpret):
 @pytest.mark.parametrize("dma_mode", list(DMA_MODES))
 def test_the_race_detector_catches_a_single_buffered_kernel(dma_mode):
     """The race check above can fail on the kernel itself, whichever way DMAs are simulated."""
-    params = dataclasses.replace(DMA_MODES[dma_mode], detect_races=True)
+    params = detecting_races(DMA_MODES[dma_mode])
     run_single_buffered(params)
     assert races_found()
 
@@ -310,7 +310,7 @@ def test_the_race_detector_catches_a_deliberate_race():
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
         scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA],
-        interpret=pltpu.InterpretParams(detect_races=True),
+        interpret=detecting_races(),
     )(x).block_until_ready()
     assert races_found()
 

@@ -23,6 +23,10 @@ order.
 
 Options this JAX's `pltpu.InterpretParams` lacks are left out, and named in
 `MISSING_OPTIONS`, so that a report can say what was not checked.
+
+A race is reported, not raised (`on_race="warn"`, where this JAX has the option; from jax 0.12
+its default raises inside the copy's callback, which ends the run with a bare "CpuCallback
+error"): the kernel runs to its end, so a checker sees both its answer and the verdict.
 """
 
 from __future__ import annotations
@@ -32,7 +36,13 @@ import importlib
 
 from jax.experimental.pallas import tpu as pltpu
 
-__all__ = ["MISSING_OPTIONS", "STRICT_OPTIONS", "races_found", "strict_interpret_params"]
+__all__ = [
+    "MISSING_OPTIONS",
+    "STRICT_OPTIONS",
+    "detecting_races",
+    "races_found",
+    "strict_interpret_params",
+]
 
 STRICT_OPTIONS = {
     "detect_races": True,
@@ -41,6 +51,7 @@ STRICT_OPTIONS = {
 }
 _FIELDS = {f.name for f in dataclasses.fields(pltpu.InterpretParams)}
 MISSING_OPTIONS = tuple(name for name in STRICT_OPTIONS if name not in _FIELDS)
+REPORT_RACES = {"on_race": "warn"} if "on_race" in _FIELDS else {}
 
 
 def strict_interpret_params(
@@ -58,11 +69,23 @@ def strict_interpret_params(
     options = {k: v for k, v in STRICT_OPTIONS.items() if k in _FIELDS}
     cores = "num_cores_or_threads" if "num_cores_or_threads" in _FIELDS else "num_cores_per_device"
     options[cores] = num_cores
+    options.update(REPORT_RACES)
     if random_seed is not None:
         options["random_seed"] = random_seed
     if grid_point_recorder is not None:
         options["grid_point_recorder"] = grid_point_recorder
     return pltpu.InterpretParams(**options)
+
+
+def detecting_races(params: pltpu.InterpretParams | None = None) -> pltpu.InterpretParams:
+    """`params` (default: the plain interpret mode) with the race detector on, reporting races
+    rather than raising them, as `strict_interpret_params` does.
+
+    >>> detecting_races().detect_races
+    True
+    """
+    params = pltpu.InterpretParams() if params is None else params
+    return dataclasses.replace(params, detect_races=True, **REPORT_RACES)
 
 
 def races_found() -> bool:
