@@ -120,7 +120,10 @@ class Race:
         return int(m.group(1)) if m else None
 
 
-_RACE_ACCESS = re.compile(r"^\s*(read|write) of \(([^)]*)\)\[(.*)\] from (\d+), (\d+),? ?(.*)$")
+# "from 0, 0, k.py:9:4 (kernel)"; from jax 0.12 "from (0, 0), k.py:9:4 (kernel)".
+_RACE_ACCESS = re.compile(
+    r"^\s*(read|write) of \(([^)]*)\)\[(.*)\] from \(?(\d+), (\d+)\)?,? ?(.*)$"
+)
 
 
 def parse_races(output: str) -> list[Race]:
@@ -132,6 +135,9 @@ def parse_races(output: str) -> list[Race]:
     >>> race = parse_races(text)[0]
     >>> race.buffer, race.first, race.second
     (107, ('read', 0, 'k.py:9:4 (kernel)'), ('write', 101, 'k.py:7:4 (kernel)'))
+    >>> newer = text.replace("from 0, 0,", "from (0, 0),").replace("from 101, 0", "from (101, 0),")
+    >>> parse_races(newer) == parse_races(text)   # jax 0.12 writes the thread as a pair
+    True
     """
     races, lines = [], output.splitlines()
     for i, line in enumerate(lines):
@@ -395,6 +401,9 @@ class Watch:
 _ACTIVE = threading.Lock()  # one watch at a time: the patches are global
 
 
+_RACE_LOGGER = "jax._src.pallas.mosaic.interpret.race_detection_state"
+
+
 def _races_found() -> bool:
     try:
         return races_found()
@@ -464,7 +473,9 @@ def watch_kernel():
             return False
 
     keep = Keep()
-    loggers = [logging.getLogger(name) for name in ("jax._src.callback", "jax._src.dispatch")]
+    # From jax 0.12 the race detector logs its reports (race_detection_state) instead of printing.
+    names = ("jax._src.callback", "jax._src.dispatch", _RACE_LOGGER)
+    loggers = [logging.getLogger(name) for name in names]
     with _ACTIVE:
         parts.reset()
         semaphore.wait, semaphore.signal, dma.__init__ = wait, signal, init
