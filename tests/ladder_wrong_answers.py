@@ -288,7 +288,9 @@ def rung4(variant: str) -> Callable:
 
         def body(i, _):
             slot = i % 2
-            if variant == "unguarded_next":  # starts page i + 1 even after the last page
+            if variant == "no_overlap":  # page i started here, after page i - 1's wait
+                page_copy(i, slot).start()
+            elif variant == "unguarded_next":  # starts page i + 1 even after the last page
                 page_copy(jnp.minimum(i + 1, page_indices_ref.shape[1] - 1), 1 - slot).start()
             else:
 
@@ -310,7 +312,7 @@ def rung4(variant: str) -> Callable:
         init_online_softmax(m_ref, l_ref, acc_ref)
         if variant == "first_copy_unguarded":  # page 0 even for an empty slot
             page_copy(0, 0).start()
-        else:
+        elif variant != "no_overlap":
             pl.when(num_pages > 0)(lambda: page_copy(0, 0).start())
         lax.fori_loop(0, num_pages, body, None)
         write_output(o_ref, l_ref, acc_ref)
@@ -509,6 +511,8 @@ WRONG_ANSWERS = [
       "its own slot's semaphore"),
     W("4", "compute before wait", ex.check_double_buffered_decode,
       lambda: rung4("compute_before_wait"), "DMA race on bufs"),
+    W("4", "no copy overlaps a compute", ex.check_double_buffered_decode,
+      lambda: rung4("no_overlap"), "no copy overlaps a compute", "*before* waiting"),
     # rung 5
     W("5", "first page started every step", ex.check_prefetching_decode,
       lambda: rung5("first_copy_every_step"), "overwrote",
