@@ -4,6 +4,8 @@
     int_input, text_input, dropdown                     the controls, all alike
     parse_ints, parse_optional_int, parse_q_and_kv_lens typed text to numbers, or a clear
                                                         `InputProblem`
+    typed_batch                                         a batch of the typed lengths, for
+                                                        the validator to judge
     check_at_most                                       a number more than the explorer draws
     error_html                                          a problem as the explorer shows it
 
@@ -16,12 +18,15 @@ note on the typed input that could not be read.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import re
 from collections.abc import Callable
 
 import ipywidgets as widgets
+import numpy as np
 
+from minilib.batch import RaggedBatch, make_batch
 from minilib.errors import InputProblem, RPAInputError
 from minilib.explore.style import OKABE_ITO, figure_png
 from minilib.explore.text import message_box, pre
@@ -38,6 +43,7 @@ __all__ = [
     "parse_optional_int",
     "parse_q_and_kv_lens",
     "text_input",
+    "typed_batch",
 ]
 
 # The bar of the message box (Okabe-Ito): all clear in bluish green, problems in vermillion.
@@ -291,6 +297,26 @@ def parse_q_and_kv_lens(q_text: str, kv_text: str) -> tuple[list[int], list[int]
             f"{len(q_lens)=} but {len(kv_lens)=}: give one q_len and one kv_len per sequence."
         )
     return q_lens, kv_lens
+
+
+def typed_batch(q_lens: list[int], kv_lens: list[int], **sizes) -> RaggedBatch:
+    """`make_batch` of the typed (q_len, kv_len) pairs, with the typed kv_lens as they are, so
+    that `dynamic_validate_inputs` judges them and the explorer shows the message the kernel
+    would give. (`make_batch` refuses a kv_len shorter than its q_len, or negative, with a
+    message of its own: such a sequence is built with kv_len = q_len, and the typed kv_lens go
+    in after. A negative q_len stays: make_batch names it.) `sizes` go to `make_batch`.
+
+    >>> from minilib.validation import dynamic_validate_inputs
+    >>> dynamic_validate_inputs(*typed_batch([3, 1], [2, 9]).args())
+    Traceback (most recent call last):
+    ...
+    minilib.errors.RPAInputError: q_len=3 must be less or equal to kv_len=2 at sequence 0.
+    Hint: ...
+    """
+    pairs = list(zip(q_lens, kv_lens, strict=True))
+    batch = make_batch([(q, q if kv < q else kv) for q, kv in pairs], **sizes)
+    typed = batch.kv_lens.at[: len(kv_lens)].set(np.asarray(kv_lens, np.int32))
+    return dataclasses.replace(batch, kv_lens=typed)
 
 
 def check_at_most(name: str, value: int, limit: int, fix: str) -> None:
