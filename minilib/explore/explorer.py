@@ -7,6 +7,7 @@
     typed_batch                                         a batch of the typed lengths, for
                                                         the validator to judge
     check_at_most                                       a number more than the explorer draws
+    check_at_least                                      a number out of range: too small
     error_html                                          a problem as the explorer shows it
 
 Everything an explorer shows lives in widget state (text in `HTML` widgets, figures as PNG
@@ -35,6 +36,7 @@ __all__ = [
     "OK_COLOUR",
     "PROBLEM_COLOUR",
     "Explorer",
+    "check_at_least",
     "check_at_most",
     "dropdown",
     "error_html",
@@ -333,6 +335,24 @@ def check_at_most(name: str, value: int, limit: int, fix: str) -> None:
         raise InputProblem(
             f"{name}={value} is more than this explorer draws (at most {limit}). {fix}",
             title=f"{name} is too large: this explorer draws at most {limit}",
+        )
+
+
+def check_at_least(name: str, value: int, minimum: int, fix: str) -> None:
+    """Raise an `InputProblem` titled "<name> is out of range" if `value` is less than
+    `minimum`: a number that reads well but means nothing (a page of -3 tokens). The message
+    names the value and the minimum, then `fix`.
+
+    >>> check_at_least("page_size", 0, 1, "A page holds at least one token: try 16.")
+    Traceback (most recent call last):
+    ...
+    minilib.errors.InputProblem: page_size=0 must be at least 1. A page holds at least one
+    token: try 16.
+    """
+    if value < minimum:
+        raise InputProblem(
+            f"{name}={value} must be at least {minimum}. {fix}",
+            title=f"{name} is out of range: it must be at least {minimum}",
         )
 
 

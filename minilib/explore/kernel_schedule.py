@@ -25,6 +25,7 @@ from minilib.errors import InputProblem, ScheduleTooBig
 from minilib.explore import style
 from minilib.explore.explorer import (
     Explorer,
+    check_at_least,
     check_at_most,
     dropdown,
     int_input,
@@ -432,8 +433,11 @@ def _plan(
             max_grid_steps=MAX_GRID_STEPS,
         )
     except ScheduleTooBig as err:
-        raise InputProblem(f"{err} This explorer draws at most {MAX_COMPUTES} KV blocks "
-                           f"and {MAX_GRID_STEPS} grid steps.") from None  # fmt: skip
+        limits = f"{MAX_COMPUTES} KV blocks and {MAX_GRID_STEPS} grid steps"
+        raise InputProblem(
+            f"{err} This explorer draws at most {limits}.",
+            title=f"The schedule is too large: this explorer draws at most {limits}",
+        ) from None
 
 
 def _check_limits(q_lens: list[int], kv_lens: list[int], num_q_heads: int, page_size: int):
@@ -446,10 +450,7 @@ def _check_limits(q_lens: list[int], kv_lens: list[int], num_q_heads: int, page_
     check_at_most("sum(q_lens)", sum(q_lens), MAX_TOKENS, "Type shorter q_lens: q rows in all.")
     check_at_most("num_q_heads", num_q_heads, MAX_HEADS, "Use fewer heads.")
     valid_num_kv_heads(num_q_heads)  # raises for num_q_heads < 1
-    if page_size < 1:
-        raise InputProblem(
-            f"page_size={page_size} must be positive: a page holds at least one token."
-        )
+    check_at_least("page_size", page_size, 1, "A page holds at least one token: try 8 or 16.")
     check_at_most("page_size", page_size, MAX_PAGE_SIZE, "Use smaller pages.")
 
 
