@@ -75,13 +75,18 @@ def flash_body(variant: str) -> Callable:
         visible = (k_pos <= q_pos) & (k_pos < kv_len)
         if variant == "no_causal_mask":
             visible = k_pos < kv_len
+        s_max = s.max(axis=1, keepdims=True)  # before the mask: used by "max_before_mask"
         s = jnp.where(visible, s, MASK)
+        if variant != "max_before_mask":  # takes the max over the keys past kv_len too
+            s_max = s.max(axis=1, keepdims=True)
         m_prev = m_ref[...]
-        m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+        m_next = jnp.maximum(m_prev, s_max)
         p = jnp.exp(s - m_next)
         alpha = jnp.exp(m_prev - m_next)
         if variant == "no_rescale":  # forgets alpha
             alpha = jnp.ones_like(alpha)
+        if variant == "alpha_sign":  # alpha upside down: exp(-inf) on the first block is inf
+            alpha = jnp.exp(m_next - m_prev)
         l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
         acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v)
         m_ref[...] = m_next
@@ -89,6 +94,8 @@ def flash_body(variant: str) -> Callable:
         last = j == pl.num_programs(2) - 1
         if variant == "write_first":  # writes acc / l after the first KV block
             last = j == 0
+        if variant == "write_never":  # one past the last KV block: the output is never written
+            last = j == pl.num_programs(2)
 
         @pl.when(last)
         def _finish():
@@ -432,9 +439,16 @@ WRONG_ANSWERS = [
       lambda: flash_body("no_block_offset"), "i * block_q` of the q block is missing"),
     W("1a", "output written early", ex.check_flash_attention, lambda: flash_body("write_first"),
       "written on the first KV block"),
-    W("1a", "no init", ex.check_flash_attention, lambda: flash_body("no_init"), "initialised"),
+    W("1a", "no init", ex.check_flash_attention, lambda: flash_body("no_init"),
+      "m, l and acc are not initialised: scratch starts as NaN"),
     W("1a", "V not zeroed", ex.check_flash_attention, lambda: flash_body("v_not_zeroed"),
-      "0 * NaN"),
+      "the rows of V past kv_len are not zeroed", "0 * NaN"),
+    W("1a", "alpha upside down", ex.check_flash_attention, lambda: flash_body("alpha_sign"),
+      "alpha is upside down: alpha = exp(m_prev - m_next)"),
+    W("1a", "max before the mask", ex.check_flash_attention,
+      lambda: flash_body("max_before_mask"), "the running max was taken before the mask"),
+    W("1a", "output never written", ex.check_flash_attention, lambda: flash_body("write_never"),
+      "the output was never written"),
     W("1a", "no causal mask", ex.check_flash_attention, lambda: flash_body("no_causal_mask"),
       "no causal mask"),
     W("1a", "no sm_scale", ex.check_flash_attention, lambda: flash_body("no_sm_scale"),
