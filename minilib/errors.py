@@ -100,7 +100,9 @@ class ScheduleTooBig(ValueError):
 
 class InputProblem(ValueError):
     """Typed input the explorer cannot use (not a number, too big to draw, ...). `title` is
-    what the explorer shows above the message: what kind of problem it is.
+    what the explorer shows above the message: what kind of problem it is. The default is for
+    text that cannot be read; a number that reads well but is out of range gets a title that
+    says so (`check_at_most`, `check_at_least` in minilib.explore.explorer).
 
     >>> from minilib.explore.explorer import parse_ints
     >>> try:

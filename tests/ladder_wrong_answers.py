@@ -75,13 +75,18 @@ def flash_body(variant: str) -> Callable:
         visible = (k_pos <= q_pos) & (k_pos < kv_len)
         if variant == "no_causal_mask":
             visible = k_pos < kv_len
+        s_max = s.max(axis=1, keepdims=True)  # before the mask: used by "max_before_mask"
         s = jnp.where(visible, s, MASK)
+        if variant != "max_before_mask":  # takes the max over the keys past kv_len too
+            s_max = s.max(axis=1, keepdims=True)
         m_prev = m_ref[...]
-        m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+        m_next = jnp.maximum(m_prev, s_max)
         p = jnp.exp(s - m_next)
         alpha = jnp.exp(m_prev - m_next)
         if variant == "no_rescale":  # forgets alpha
             alpha = jnp.ones_like(alpha)
+        if variant == "alpha_sign":  # alpha upside down: exp(-inf) on the first block is inf
+            alpha = jnp.exp(m_next - m_prev)
         l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
         acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v)
         m_ref[...] = m_next
@@ -89,6 +94,8 @@ def flash_body(variant: str) -> Callable:
         last = j == pl.num_programs(2) - 1
         if variant == "write_first":  # writes acc / l after the first KV block
             last = j == 0
+        if variant == "write_never":  # one past the last KV block: the output is never written
+            last = j == pl.num_programs(2)
 
         @pl.when(last)
         def _finish():
@@ -288,7 +295,9 @@ def rung4(variant: str) -> Callable:
 
         def body(i, _):
             slot = i % 2
-            if variant == "unguarded_next":  # starts page i + 1 even after the last page
+            if variant == "no_overlap":  # page i started here, after page i - 1's wait
+                page_copy(i, slot).start()
+            elif variant == "unguarded_next":  # starts page i + 1 even after the last page
                 page_copy(jnp.minimum(i + 1, page_indices_ref.shape[1] - 1), 1 - slot).start()
             else:
 
@@ -310,7 +319,7 @@ def rung4(variant: str) -> Callable:
         init_online_softmax(m_ref, l_ref, acc_ref)
         if variant == "first_copy_unguarded":  # page 0 even for an empty slot
             page_copy(0, 0).start()
-        else:
+        elif variant != "no_overlap":
             pl.when(num_pages > 0)(lambda: page_copy(0, 0).start())
         lax.fori_loop(0, num_pages, body, None)
         write_output(o_ref, l_ref, acc_ref)
@@ -430,9 +439,16 @@ WRONG_ANSWERS = [
       lambda: flash_body("no_block_offset"), "i * block_q` of the q block is missing"),
     W("1a", "output written early", ex.check_flash_attention, lambda: flash_body("write_first"),
       "written on the first KV block"),
-    W("1a", "no init", ex.check_flash_attention, lambda: flash_body("no_init"), "initialised"),
+    W("1a", "no init", ex.check_flash_attention, lambda: flash_body("no_init"),
+      "m, l and acc are not initialised: scratch starts as NaN"),
     W("1a", "V not zeroed", ex.check_flash_attention, lambda: flash_body("v_not_zeroed"),
-      "0 * NaN"),
+      "the rows of V past kv_len are not zeroed", "0 * NaN"),
+    W("1a", "alpha upside down", ex.check_flash_attention, lambda: flash_body("alpha_sign"),
+      "alpha is upside down: alpha = exp(m_prev - m_next)"),
+    W("1a", "max before the mask", ex.check_flash_attention,
+      lambda: flash_body("max_before_mask"), "the running max was taken before the mask"),
+    W("1a", "output never written", ex.check_flash_attention, lambda: flash_body("write_never"),
+      "the output was never written"),
     W("1a", "no causal mask", ex.check_flash_attention, lambda: flash_body("no_causal_mask"),
       "no causal mask"),
     W("1a", "no sm_scale", ex.check_flash_attention, lambda: flash_body("no_sm_scale"),
@@ -509,6 +525,8 @@ WRONG_ANSWERS = [
       "its own slot's semaphore"),
     W("4", "compute before wait", ex.check_double_buffered_decode,
       lambda: rung4("compute_before_wait"), "DMA race on bufs"),
+    W("4", "no copy overlaps a compute", ex.check_double_buffered_decode,
+      lambda: rung4("no_overlap"), "no copy overlaps a compute", "*before* waiting"),
     # rung 5
     W("5", "first page started every step", ex.check_prefetching_decode,
       lambda: rung5("first_copy_every_step"), "overwrote",

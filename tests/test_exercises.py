@@ -885,12 +885,21 @@ def kv_blocks_window_off_by_one(first_q_pos, last_q_pos, kv_tokens_per_block, sl
     return max(first_q_pos - sliding_window, 0) // kv_tokens_per_block, end
 
 
+def kv_blocks_window_not_clamped(first_q_pos, last_q_pos, kv_tokens_per_block, sliding_window):
+    # A window reaching back past key 0 gives a negative first block.
+    end = last_q_pos // kv_tokens_per_block + 1
+    if sliding_window is None:
+        return 0, end
+    return (first_q_pos - sliding_window + 1) // kv_tokens_per_block, end
+
+
 ONCE_PASSED = [
     (ex.check_seq_for_row, seq_for_row_searchsorted_everything, "padding"),
     (ex.check_seq_for_row, seq_for_row_scan_ignoring_num_seqs, "not live"),
     (ex.check_seq_for_row, seq_for_row_last_start, "not live"),
     (ex.check_seq_for_row, seq_for_row_without_idle_sequences, "idle ones counted"),
     (ex.check_kv_blocks_to_visit, kv_blocks_window_off_by_one, "the window's first key"),
+    (ex.check_kv_blocks_to_visit, kv_blocks_window_not_clamped, "past key 0"),
 ]
 
 

@@ -3,6 +3,7 @@ buffer), and the explorer, whose grid_step menu follows the planned grid."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -14,6 +15,7 @@ from conftest import schedule_batch  # noqa: E402
 from explorer_checks import IPYWIDGETS_7_COMMS, raised, shows_error, shows_figure  # noqa: E402
 from figure_checks import assert_reads_well, draw  # noqa: E402
 
+from minilib.errors import RPAInputError  # noqa: E402
 from minilib.explore.kernel_schedule import (  # noqa: E402
     ALL_STEPS,
     kernel_schedule_explorer,
@@ -125,6 +127,24 @@ def test_schedule_bad_heads(schedule):
     schedule.controls["num_kv_heads"].value = 6
     assert shows_error(schedule, raised(check_head_counts, 16, 6))
     schedule.controls["num_kv_heads"].value = 8
+    assert shows_figure(schedule)
+
+
+def test_schedule_bad_lengths(schedule):
+    """A kv_len shorter than its q_len, or negative: the validator's message, as the kernel
+    gives it (not make_batch's)."""
+    batch = schedule_batch()  # q_lens 12, 1, 6, 1
+    cases = [
+        ("10, 40, 30, 9", 0, 10, "q_len=12 must be less or equal to kv_len=10 at sequence 0."),
+        ("12, 40, -3, 9", 2, -3, "kv_lens[2]=-3 must be non-negative."),
+    ]
+    for kv_lens, i, kv_len, message in cases:
+        schedule.controls["kv_lens"].value = kv_lens
+        typed = dataclasses.replace(batch, kv_lens=batch.kv_lens.at[i].set(kv_len))
+        err = raised(dynamic_validate_inputs, *typed.args())
+        assert isinstance(err, RPAInputError) and err.message == message
+        assert shows_error(schedule, err), schedule.text
+    schedule.controls["kv_lens"].value = "12, 40, 30, 9"
     assert shows_figure(schedule)
 
 

@@ -87,7 +87,7 @@ def test_page_table_orders_match_the_cache(pages, order):
     [
         ("37, abc, 5", "'abc' (entry 1) is not a whole number"),
         ("37, 5.5", "'5.5' (entry 1) is not a whole number"),
-        ("37, -5", "kv_lens[1]=-5 is negative"),
+        ("37, -5", "kv_lens[1]=-5 must be at least 0. A sequence holds 0 or more tokens."),
         (",".join(["1"] * 17), "at most 16"),
     ],
 )

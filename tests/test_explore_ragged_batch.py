@@ -107,6 +107,12 @@ def test_ragged_batch_bad_lengths(ragged):
     ragged.controls["q_lens"].value = "6, 1, 4, -1"  # a negative length: make_batch says so
     err = raised(make_batch, [(6, 6), (1, 20), (4, 12), (-1, 9)])
     assert isinstance(err, RPAInputError) and shows_error(ragged, err)
+    ragged.controls["q_lens"].value = "6, 1, 4, 1"
+    ragged.controls["kv_lens"].value = "6, 20, -3, 9"  # a negative kv_len: the validator
+    stale = dataclasses.replace(batch, kv_lens=batch.kv_lens.at[2].set(-3))
+    err = raised(dynamic_validate_inputs, *stale.args())
+    assert err.message == "kv_lens[2]=-3 must be non-negative." and shows_error(ragged, err)
+    ragged.controls["kv_lens"].value = "6, 20, 12, 9"
     ragged.controls["q_lens"].value = "6, 1, 4"
     assert "len(q_lens)=3 but len(kv_lens)=4" in ragged.text
     ragged.controls["q_lens"].value = "6, x, 4, 1"

@@ -140,6 +140,7 @@ def test_extreme_settings_answer_at_once(case):
     ex = make()
     elapsed = time.perf_counter() - start
     assert message in ex.text, ex.text
+    assert ex.text.split("\n")[0] != "Cannot read this input", ex.text  # it reads well
     assert not shows_figure(ex)
     assert elapsed < 2.0, f"{case}: {elapsed:.1f} s"
 
@@ -209,9 +210,15 @@ def test_no_typed_input_shows_unexpected(make, per_control, combos):
 
 # --- every typed field: huge, negative, empty and non-numeric input --------------------------
 
-BAD_INPUTS = {"huge": 10**30, "negative": -3, "empty": "", "non-numeric": "abc"}
+BAD_INPUTS = {"huge": 10**30, "negative": -3, "zero": 0, "empty": "", "non-numeric": "abc"}
 # Text fields where an empty box means None (the default), as each explorer's note says.
 EMPTY_MEANS_NONE = {"sliding_window", "num_kv_pages_per_block", "num_queries_per_block"}
+# Fields where 0 is valid: an idle sequence (q_len 0), an empty one (the page table's kv_len).
+ZERO_IS_VALID = {
+    (ragged_batch_explorer, "q_lens"),
+    (kernel_schedule_explorer, "q_lens"),
+    (page_table_explorer, "kv_lens"),
+}
 TYPED_FIELDS = [
     (make, name)
     for make in EXPLORERS
@@ -237,7 +244,9 @@ def typed(ex, name: str, value) -> object:
 def test_every_typed_field_answers_bad_input_with_its_name(make, name, kind):
     """The answer names the field and the value typed, in a titled message: never
     "Unexpected", never a traceback. A number box refuses text itself (the browser does not
-    let it be typed), and the explorer stays as it was."""
+    let it be typed), and the explorer stays as it was. A number that reads well but is out
+    of range (huge, negative, zero) is a validation problem, not text that cannot be read:
+    its title says so."""
     from traitlets import TraitError
 
     from minilib.explore.explorer import OK_COLOUR, PROBLEM_COLOUR
@@ -256,9 +265,14 @@ def test_every_typed_field_answers_bad_input_with_its_name(make, name, kind):
     if kind == "empty" and (name in EMPTY_MEANS_NONE or make is page_table_explorer):
         assert OK_COLOUR in message, ex.text  # None, or (page table) no sequence at all
         return
+    if kind == "zero" and (make, name) in ZERO_IS_VALID:
+        assert OK_COLOUR in message and shows_figure(ex), ex.text
+        return
     assert PROBLEM_COLOUR in message and not shows_figure(ex), ex.text
-    shown = ex.text.split("Hint:")[0]  # the message, before the hint
+    title, shown = ex.text.split("\n")[0], ex.text.split("Hint:")[0]  # before the hint
     assert name.removesuffix("s") in shown, shown  # q_lens: "q_lens[0]" or "q_len=-3"
     assert str(value).split(",")[0] in shown or f"len({name})=0" in shown, shown
-    if kind == "huge":  # the title says what is wrong, not "Cannot read"
-        assert "Cannot read this input" not in shown, shown
+    if kind in ("huge", "negative", "zero"):  # the title says what is wrong, not "Cannot read"
+        assert title != "Cannot read this input", shown
+    else:
+        assert title == "Cannot read this input", shown

@@ -21,7 +21,9 @@ import pytest
 from ladder_wrong_answers import WRONG_ANSWERS
 from test_exercises import (
     ONCE_PASSED,
+    attend_cap_after_mask,
     decode_attention_masks_scores_only,
+    grouped_query_attention_interleaved,
     online_softmax_no_rescale,
     solution,
 )
@@ -128,6 +130,39 @@ def test_exercise_6_decode_attention_passes_its_solution_and_rejects_a_wrong_ans
     assert right.passed, right.report
     wrong = ex.check_decode_attention(decode_attention_masks_scores_only, verbose=False)
     assert not wrong.passed and "0 * NaN" in wrong.report, wrong.report
+
+
+def normalised_after_pv(q, k, v, *, sm_scale, soft_cap=None):
+    """Causal GQA attention of one sequence, right, but in flash attention's order: the
+    unnormalised weights meet V, and the sum divides the result. On a TPU that rounds other
+    numbers to bfloat16 than the reference does."""
+    q_len, num_q_heads, head_dim = q.shape
+    kv_len, num_kv_heads, _ = k.shape
+    q_grouped = q.reshape(q_len, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    scores = jnp.einsum("qhgd,khd->hgqk", q_grouped, k) * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    future = jnp.arange(kv_len)[None, :] > kv_len - q_len + jnp.arange(q_len)[:, None]
+    scores = jnp.where(future, -1e30, scores)
+    p = jnp.exp(scores - scores.max(-1, keepdims=True))
+    out = jnp.einsum("hgqk,khd->qhgd", p, v) / jnp.moveaxis(p.sum(-1), -1, 0)[..., None]
+    return out.reshape(q_len, num_q_heads, head_dim)
+
+
+@pytest.mark.parametrize(
+    "checker, wrong, cause",
+    [
+        (ex.check_grouped_query_attention, grouped_query_attention_interleaved, "h % num_kv"),
+        (ex.check_attend_soft_cap, attend_cap_after_mask, "after masking"),
+    ],
+)
+def test_exercises_1_and_4_pass_a_right_answer_in_another_order_and_reject_a_wrong_one(
+    tpu_numerics, checker, wrong, cause
+):
+    right = checker(normalised_after_pv, verbose=False)
+    assert right.passed, right.report
+    result = checker(wrong, verbose=False)
+    assert not result.passed and cause in result.report, result.report
 
 
 def wrong_answer(rung: str, name: str):

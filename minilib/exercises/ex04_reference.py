@@ -14,6 +14,7 @@ from minilib.exercises.ex03_ragged import describe_seq
 from minilib.masking import causal_mask
 from minilib.options import DEFAULT_MASK_VALUE
 from minilib.reference import attend
+from minilib.tpu.numerics import BF16_PASS_TOLERANCE, one_bf16_pass
 
 __all__ = ["check_attend_soft_cap", "check_sliding_window_mask"]
 
@@ -77,8 +78,11 @@ def check_attend_soft_cap(fn: Callable, *, seed: int = 0, verbose: bool = True) 
             )
         ),
     }
+    # Where float32 matmuls run as one bfloat16 pass (a TPU), a right answer that rounds other
+    # intermediates (say, normalises after P·V) is off the reference by about 0.005.
+    tol = BF16_PASS_TOLERANCE if one_bf16_pass() else 1e-4
     compare = diagnose(
-        lambda want, got, case: compare_arrays(want, got, "out", atol=1e-4, rtol=1e-4), mistakes
+        lambda want, got, case: compare_arrays(want, got, "out", atol=tol, rtol=tol), mistakes
     )
     return run_check("attend_soft_cap", fn, _attend_soft_cap, cases, compare, verbose=verbose)
 

@@ -29,8 +29,10 @@ from jax.experimental import pallas as pl
 
 from minilib.exercises.checking import Case, CheckResult, call_with_time_limit
 from minilib.exercises.kernel_checking import check_kernel
+from minilib.exercises.kernel_run import run_in_strict_interpret_mode
 from minilib.ladder.flash import flash_attention, flash_attention_reference
 from minilib.options import DEFAULT_MASK_VALUE
+from minilib.tpu.numerics import BF16_PASS_TOLERANCE, one_bf16_pass
 
 __all__ = [
     "check_flash_attention",
@@ -91,6 +93,7 @@ def flash_simulation(
     rescale: bool = True, init_every_step: bool = False, q_offset: str = "right",
     write_after_first_block: bool = False, causal: bool = True, zero_v: bool = True,
     mask_past_kv_len: bool = True, mask_value: float = DEFAULT_MASK_VALUE,
+    alpha_upside_down: bool = False,
 ) -> np.ndarray:  # fmt: skip
     """The flash kernel's algorithm in NumPy, grid step by grid step; each keyword makes one
     of the usual mistakes (the defaults make none).
@@ -101,6 +104,7 @@ def flash_simulation(
       q_offset="no block offset"    row r of q block i at position kv_len - q_len + r
       write_after_first_block=True  acc / l written on the first KV block, not the last
       causal=False, zero_v=False, mask_past_kv_len=False: a mask or the V zeroing left out
+      alpha_upside_down=True        alpha = exp(m_next - m_prev): inf on the first block, NaN
 
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = (rng.standard_normal((1, 8, 4)) for _ in range(3))
@@ -141,6 +145,8 @@ def flash_simulation(
                 m_next = np.maximum(m, s.max(axis=1, keepdims=True))
                 p = np.exp(s - m_next)
                 alpha = np.exp(m - m_next) if rescale else 1.0
+                if alpha_upside_down:
+                    alpha = np.exp(m_next - m)
                 l = alpha * l + p.sum(axis=1, keepdims=True)
                 acc = alpha * acc + p @ vb
                 m = m_next
@@ -178,6 +184,69 @@ def _mistakes() -> dict[str, Callable]:
     }
 
 
+# What NaN in the output means, once `_nan_probe` has found where it came from.
+NAN_FROM = {
+    "output": "the output was never written: it holds what its buffer held before (NaN here; "
+    "run with memory starting at 0, it is 0). Write acc / l on the last KV block, "
+    "`pl.when(j == pl.num_programs(2) - 1)`.",
+    "scratch": "m, l and acc are not initialised: scratch starts as NaN here, garbage on a chip "
+    "(run with memory starting at 0, the output has no NaN). Initialise them on the first KV "
+    "block of every q block, `pl.when(j == 0)`: m to -inf, l and acc to 0.",
+    "keys": "the running max was taken before the mask: the scores of the keys past kv_len "
+    "(NaN here, garbage on a chip) then set m (with those keys 0, not NaN, the output is "
+    "right). Mask first (`jnp.where(visible, s, mask_value)`), then take the max.",
+    "values": "the rows of V past kv_len are not zeroed: a masked score gives p = 0, but "
+    "0 * NaN = NaN in p @ v (with those rows 0, not NaN, the output is right). Zero them "
+    "with `jnp.where(k_pos.T < kv_len, v, 0.0)`.",
+    "alpha": "alpha is upside down: alpha = exp(m_prev - m_next), at most 1. exp(m_next - "
+    "m_prev) is inf on the first KV block, where m_prev = -inf, and inf * 0 = NaN (NaN even "
+    "with every input finite and memory starting at 0).",
+}
+
+
+def _nan_probe(fn: Callable) -> Callable:
+    """`diagnose(run, case)` for `check_kernel`: where a NaN in the output came from, found by
+    running `fn` again with one thing changed at a time. With memory starting at 0 instead of
+    NaN: 0 where the NaN was means the output was never written, no NaN at all means m, l or
+    acc were not initialised. Then with the keys and values past kv_len 0 instead of NaN:
+    right means the NaN came from them (the keys alone: the max taken before the mask; else
+    V not zeroed). NaN still, just where the simulation of alpha upside down has it: alpha.
+    None if the output has no NaN or nothing fits: the usual causes are listed then."""
+    run = run_in_strict_interpret_mode(fn, uninitialized_memory="zero")
+
+    def diagnose(got, case: Case) -> str | None:
+        nan = ~np.isfinite(np.asarray(got.out, np.float64))
+        if not nan.any():
+            return None
+        (q, k, v), o = case.args, case.kwargs
+        expected = np.asarray(flash_attention_reference(q, k, v, kv_len=o["kv_len"],
+                                                        sm_scale=o["sm_scale"]))  # fmt: skip
+        tol = BF16_PASS_TOLERANCE if one_bf16_pass() else 1e-3
+
+        def output(k, v):
+            again = run(q, k, v, **o)
+            return None if again.out is None else np.asarray(again.out, np.float64)
+
+        def right(out):
+            return out is not None and np.allclose(out, expected, atol=tol, rtol=tol)
+
+        zeroed = output(k, v)
+        if zeroed is not None and (zeroed[nan] == 0).all():
+            return NAN_FROM["output"]
+        if zeroed is not None and np.isfinite(zeroed).all():
+            return NAN_FROM["scratch"]
+        k0, v0 = (x.at[:, o["kv_len"] :].set(0.0) for x in (k, v))
+        finite = output(k0, v0)
+        if right(finite):
+            return NAN_FROM["keys"] if right(output(k0, v)) else NAN_FROM["values"]
+        upside_down = np.isnan(flash_simulation(q, k0, v0, **o, alpha_upside_down=True))
+        if finite is not None and (upside_down == ~np.isfinite(finite)).all():
+            return NAN_FROM["alpha"]
+        return None
+
+    return diagnose
+
+
 def check_flash_attention(
     fn: Callable, *, seed: int = 0, verbose: bool = True, details: bool = False
 ) -> CheckResult:
@@ -200,6 +269,7 @@ def check_flash_attention(
         _cases(seed),
         compile_case=_compile_case(),
         mistakes=_mistakes(),
+        diagnose=_nan_probe(fn),
         verbose=verbose,
         details=details,
     )

@@ -43,7 +43,7 @@ def check_kv_blocks_to_visit(fn: Callable, *, seed: int = 0, verbose: bool = Tru
     sliding_window may be None.
 
     >>> check_kv_blocks_to_visit(_reference)
-    Passed: kv_blocks_to_visit matches the reference on all 14 cases.
+    Passed: kv_blocks_to_visit matches the reference on all 15 cases.
     CheckResult('kv_blocks_to_visit', status='passed')
     """
     rng = np.random.default_rng(900 + seed)
@@ -60,6 +60,7 @@ def check_kv_blocks_to_visit(fn: Callable, *, seed: int = 0, verbose: bool = Tru
         (1, 25, (0, 1), 16, 9),  # ... the window's first key starts a block (key 16)
         (16, 64, (0, 8), 8, 5),
         (6, 6, (2, 6), 2, 3),
+        (4, 6, (0, 4), 4, 10),  # the window reaches back past key 0: block 0, not below
     ]
     for _ in range(4):
         kv_len = int(rng.integers(2, 80))
@@ -95,6 +96,12 @@ def check_kv_blocks_to_visit(fn: Callable, *, seed: int = 0, verbose: bool = Tru
             return 0, end
         return max(last_q_pos - sliding_window + 1, 0) // kv_tokens_per_block, end
 
+    def window_not_clamped(first_q_pos, last_q_pos, kv_tokens_per_block, sliding_window):
+        end = last_q_pos // kv_tokens_per_block + 1
+        if sliding_window is None:
+            return 0, end
+        return (first_q_pos - sliding_window + 1) // kv_tokens_per_block, end
+
     def end_exclusive_wrong(first_q_pos, last_q_pos, kv_tokens_per_block, sliding_window):
         first, _ = _reference(first_q_pos, last_q_pos, kv_tokens_per_block, sliding_window)
         return first, cdiv(last_q_pos, kv_tokens_per_block)
@@ -112,6 +119,11 @@ def check_kv_blocks_to_visit(fn: Callable, *, seed: int = 0, verbose: bool = Tru
         "the sliding window: no row sees a key before first_q_pos - sliding_window + 1, so the "
         "blocks before the one holding it are never needed (copying them would waste "
         "bandwidth).": _as_ints(ignoring_the_window),
+        "the window reaches back past key 0: first_q_pos - sliding_window + 1 is negative, "
+        "and a negative block would copy pages through entries before the sequence's page "
+        "table row. Clamp the first key at 0: max(first_q_pos - sliding_window + 1, 0).": (
+            _as_ints(window_not_clamped)
+        ),
         "the window of the *first* row reaches back furthest: start from first_q_pos, not "
         "last_q_pos.": _as_ints(window_of_the_last_row),
         "end is exclusive: the block holding key last_q_pos is last_q_pos // "

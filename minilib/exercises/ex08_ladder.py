@@ -438,6 +438,8 @@ def _ledger_check(rung: int) -> Callable:
 
     def check(run, case: Case) -> str | None:
         problem = _copy_through_garbage(run, case, rung)
+        if problem is None and rung >= 4:
+            problem = _no_copy_overlaps(run, case)
         if problem is None and rung == 5:
             problem = _started_by_the_step_before(run, case)
         return problem
@@ -467,6 +469,27 @@ def _copy_through_garbage(run, case: Case, rung: int) -> str | None:
             )
         name = _page_namer(case)(copy.page)
         return f"a copy of a page no sequence has: {name}. Likely cause: {cause}"
+    return None
+
+
+def _no_copy_overlaps(run, case: Case) -> str | None:
+    """Rungs 4 and 5: page i + 1 of a sequence must be on its way while page i computes, so
+    its copy starts before page i's wait. A kernel that starts each page only after waiting
+    for the one before computes the right answer with the copies never overlapping."""
+    _, kv_pages, kv_lens, page_indices = case.args
+    page_size, table = kv_pages.shape[1], np.asarray(page_indices)
+    later_pages = {}  # page number -> (seq, i), for pages i >= 1 of a sequence
+    for seq, n in enumerate(int(n) for n in np.asarray(kv_lens)):
+        for i in range(1, pages_needed(n, page_size)):
+            later_pages[int(table[seq, i])] = (seq, i)
+    for copy in run.watch.copies:
+        if copy.page in later_pages and copy.in_flight == 0:
+            seq, i = later_pages[copy.page]
+            return (
+                f"page {i} of sequence {seq} was copied only after every earlier copy had been "
+                "waited for: no copy overlaps a compute, so the two slots do not double-buffer. "
+                "Start page i + 1's copy into the other slot *before* waiting for page i."
+            )
     return None
 
 
@@ -555,7 +578,8 @@ def check_double_buffered_decode(
 ) -> CheckResult:
     """Rung 4: like `check_paged_decode_attention`, for the kernel that double-buffers the pages
     of one sequence (two slots, two semaphores). No race, every copy waited for, one
-    semaphore per slot, no copy into a slot still being filled.
+    semaphore per slot, no copy into a slot still being filled, and page i + 1's copy started
+    before page i's wait (else nothing overlaps).
 
     >>> from minilib.ladder.double_buffer import paged_decode_attention_double_buffered as fn
     >>> check_double_buffered_decode(fn).status

@@ -76,8 +76,10 @@ def run_in_strict_interpret_mode(
     num_cores: int = 1,
     random_seed: int | None = None,
     record_grid: bool = False,
+    uninitialized_memory: str = "nan",
 ):
     """`fn` run with `interpret=strict_interpret_params(...)`, watched; returns a KernelRun.
+    (`uninitialized_memory="zero"`: scratch and outputs start as 0, for a checker's probe.)
 
     A learner's error while tracing (a TypeError in their code, NotImplementedError) is
     raised, for `run_check` to report with their line. An error of the interpreter while the
@@ -106,6 +108,7 @@ def run_in_strict_interpret_mode(
         num_cores=num_cores,
         random_seed=random_seed,
         grid_point_recorder=record if record_grid else None,
+        uninitialized_memory=uninitialized_memory,
     )
     compiled = {}
 

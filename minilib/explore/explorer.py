@@ -4,7 +4,10 @@
     int_input, text_input, dropdown                     the controls, all alike
     parse_ints, parse_optional_int, parse_q_and_kv_lens typed text to numbers, or a clear
                                                         `InputProblem`
+    typed_batch                                         a batch of the typed lengths, for
+                                                        the validator to judge
     check_at_most                                       a number more than the explorer draws
+    check_at_least                                      a number out of range: too small
     error_html                                          a problem as the explorer shows it
 
 Everything an explorer shows lives in widget state (text in `HTML` widgets, figures as PNG
@@ -16,12 +19,15 @@ note on the typed input that could not be read.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import re
 from collections.abc import Callable
 
 import ipywidgets as widgets
+import numpy as np
 
+from minilib.batch import RaggedBatch, make_batch
 from minilib.errors import InputProblem, RPAInputError
 from minilib.explore.style import OKABE_ITO, figure_png
 from minilib.explore.text import message_box, pre
@@ -30,6 +36,7 @@ __all__ = [
     "OK_COLOUR",
     "PROBLEM_COLOUR",
     "Explorer",
+    "check_at_least",
     "check_at_most",
     "dropdown",
     "error_html",
@@ -38,6 +45,7 @@ __all__ = [
     "parse_optional_int",
     "parse_q_and_kv_lens",
     "text_input",
+    "typed_batch",
 ]
 
 # The bar of the message box (Okabe-Ito): all clear in bluish green, problems in vermillion.
@@ -293,6 +301,26 @@ def parse_q_and_kv_lens(q_text: str, kv_text: str) -> tuple[list[int], list[int]
     return q_lens, kv_lens
 
 
+def typed_batch(q_lens: list[int], kv_lens: list[int], **sizes) -> RaggedBatch:
+    """`make_batch` of the typed (q_len, kv_len) pairs, with the typed kv_lens as they are, so
+    that `dynamic_validate_inputs` judges them and the explorer shows the message the kernel
+    would give. (`make_batch` refuses a kv_len shorter than its q_len, or negative, with a
+    message of its own: such a sequence is built with kv_len = q_len, and the typed kv_lens go
+    in after. A negative q_len stays: make_batch names it.) `sizes` go to `make_batch`.
+
+    >>> from minilib.validation import dynamic_validate_inputs
+    >>> dynamic_validate_inputs(*typed_batch([3, 1], [2, 9]).args())
+    Traceback (most recent call last):
+    ...
+    minilib.errors.RPAInputError: q_len=3 must be less or equal to kv_len=2 at sequence 0.
+    Hint: ...
+    """
+    pairs = list(zip(q_lens, kv_lens, strict=True))
+    batch = make_batch([(q, q if kv < q else kv) for q, kv in pairs], **sizes)
+    typed = batch.kv_lens.at[: len(kv_lens)].set(np.asarray(kv_lens, np.int32))
+    return dataclasses.replace(batch, kv_lens=typed)
+
+
 def check_at_most(name: str, value: int, limit: int, fix: str) -> None:
     """Raise an `InputProblem` titled "<name> is too large" if `value` is more than the
     explorer draws (`limit`): the message names the value and the limit, then `fix`.
@@ -307,6 +335,24 @@ def check_at_most(name: str, value: int, limit: int, fix: str) -> None:
         raise InputProblem(
             f"{name}={value} is more than this explorer draws (at most {limit}). {fix}",
             title=f"{name} is too large: this explorer draws at most {limit}",
+        )
+
+
+def check_at_least(name: str, value: int, minimum: int, fix: str) -> None:
+    """Raise an `InputProblem` titled "<name> is out of range" if `value` is less than
+    `minimum`: a number that reads well but means nothing (a page of -3 tokens). The message
+    names the value and the minimum, then `fix`.
+
+    >>> check_at_least("page_size", 0, 1, "A page holds at least one token: try 16.")
+    Traceback (most recent call last):
+    ...
+    minilib.errors.InputProblem: page_size=0 must be at least 1. A page holds at least one
+    token: try 16.
+    """
+    if value < minimum:
+        raise InputProblem(
+            f"{name}={value} must be at least {minimum}. {fix}",
+            title=f"{name} is out of range: it must be at least {minimum}",
         )
 
 

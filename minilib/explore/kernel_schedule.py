@@ -21,17 +21,18 @@ import jax.numpy as jnp
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from minilib.batch import make_batch
 from minilib.errors import InputProblem, ScheduleTooBig
 from minilib.explore import style
 from minilib.explore.explorer import (
     Explorer,
+    check_at_least,
     check_at_most,
     dropdown,
     int_input,
     parse_optional_int,
     parse_q_and_kv_lens,
     text_input,
+    typed_batch,
 )
 from minilib.explore.text import plural, pre, span, table
 from minilib.heads import valid_num_kv_heads
@@ -94,6 +95,7 @@ def kernel_schedule_figure(schedule, step: tuple[int, int] | None = None) -> Fig
     one VMEM slot (solid) while the DMA engine copies the next KV block into the other slot
     (hatched). `step=(heads_blk, q_blk)` zooms in on one grid step (outlined on the grid).
 
+    >>> from minilib.batch import make_batch
     >>> from minilib.schedule import plan_schedule
     >>> s = plan_schedule(*make_batch([(5, 5), (1, 20)], page_size=8).args(),
     ...                   num_kv_pages_per_block=1, num_queries_per_block=4)
@@ -407,13 +409,9 @@ def _plan(
     _check_limits(q_lens, kv_lens, num_q_heads, page_size)
     # Only the shapes and dtypes of q and kv_pages matter to the schedule: the index arrays
     # come from a real batch, q and kv_pages are shapes, so big head counts cost no memory.
-    batch = make_batch(
-        list(zip(q_lens, kv_lens, strict=True)),
-        num_q_heads=1,
-        num_kv_heads=1,
-        head_dim=1,
-        page_size=page_size,
-    )
+    # The typed kv_lens are the validator's to judge, as in the kernel (typed_batch).
+    batch = typed_batch(q_lens, kv_lens, num_q_heads=1, num_kv_heads=1, head_dim=1,
+                        page_size=page_size)  # fmt: skip
     num_tokens, total_num_pages = batch.q.shape[0], batch.kv_pages.shape[0]
     q = jax.ShapeDtypeStruct((num_tokens, num_q_heads, HEAD_DIM), jnp.float32)
     kv_pages = jax.ShapeDtypeStruct(
@@ -435,8 +433,11 @@ def _plan(
             max_grid_steps=MAX_GRID_STEPS,
         )
     except ScheduleTooBig as err:
-        raise InputProblem(f"{err} This explorer draws at most {MAX_COMPUTES} KV blocks "
-                           f"and {MAX_GRID_STEPS} grid steps.") from None  # fmt: skip
+        limits = f"{MAX_COMPUTES} KV blocks and {MAX_GRID_STEPS} grid steps"
+        raise InputProblem(
+            f"{err} This explorer draws at most {limits}.",
+            title=f"The schedule is too large: this explorer draws at most {limits}",
+        ) from None
 
 
 def _check_limits(q_lens: list[int], kv_lens: list[int], num_q_heads: int, page_size: int):
@@ -449,10 +450,7 @@ def _check_limits(q_lens: list[int], kv_lens: list[int], num_q_heads: int, page_
     check_at_most("sum(q_lens)", sum(q_lens), MAX_TOKENS, "Type shorter q_lens: q rows in all.")
     check_at_most("num_q_heads", num_q_heads, MAX_HEADS, "Use fewer heads.")
     valid_num_kv_heads(num_q_heads)  # raises for num_q_heads < 1
-    if page_size < 1:
-        raise InputProblem(
-            f"page_size={page_size} must be positive: a page holds at least one token."
-        )
+    check_at_least("page_size", page_size, 1, "A page holds at least one token: try 8 or 16.")
     check_at_most("page_size", page_size, MAX_PAGE_SIZE, "Use smaller pages.")
 
 

@@ -26,6 +26,7 @@ from minilib.errors import InputProblem, KVCacheError
 from minilib.explore import style
 from minilib.explore.explorer import (
     Explorer,
+    check_at_least,
     check_at_most,
     dropdown,
     int_input,
@@ -387,8 +388,7 @@ def _pool_hint(kv_lens, page_size: int, total_num_pages: int) -> str:
 def _check_limits(kv_lens: list[int], page_size: int, total: int) -> None:
     """What this explorer draws at most, checked before the cache is built."""
     for i, n in enumerate(kv_lens):
-        if n < 0:
-            raise InputProblem(f"kv_lens[{i}]={n} is negative: a sequence holds 0 or more tokens.")
+        check_at_least(f"kv_lens[{i}]", n, 0, "A sequence holds 0 or more tokens.")
         check_at_most(f"kv_lens[{i}]", n, MAX_SEQ_LEN, "Type a shorter sequence.")
     check_at_most("len(kv_lens)", len(kv_lens), MAX_SEQS, "Type fewer sequences.")
     check_at_most("total_num_pages", total, MAX_PAGES, "Use a smaller pool.")

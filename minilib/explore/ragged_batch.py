@@ -12,15 +12,13 @@ Valid: 2 sequences (1 prefill, 1 decode), 7 q rows; no sliding window.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from minilib.batch import RaggedBatch, make_batch, seq_kind
+from minilib.batch import RaggedBatch, seq_kind
 from minilib.explore import style
 from minilib.explore.explorer import (
     Explorer,
@@ -28,6 +26,7 @@ from minilib.explore.explorer import (
     parse_optional_int,
     parse_q_and_kv_lens,
     text_input,
+    typed_batch,
 )
 from minilib.explore.text import plural, pre, span, table
 from minilib.kv_cache import cdiv
@@ -64,6 +63,7 @@ def ragged_batch_figure(batch: RaggedBatch, sliding_window: int | None = None) -
     *last* q_len tokens, so row r sits at position `kv_len - q_len + r` (row 0 is right of the
     dashed line) and sees keys up to it; with `sliding_window=w`, only the last w of them.
 
+    >>> from minilib.batch import make_batch
     >>> fig = ragged_batch_figure(make_batch([(4, 4), (1, 9), (3, 7)]), sliding_window=4)
     >>> [ax.get_title().splitlines()[0] for ax in fig.axes[1:]]
     ['seq 0: prefill', 'seq 1: decode', 'seq 2: chunk']
@@ -236,18 +236,8 @@ def _render_ragged_batch(values: dict):
     q_lens, kv_lens = parse_q_and_kv_lens(values["q_lens"], values["kv_lens"])
     window = parse_optional_int(values["sliding_window"], "sliding_window")
     _check_limits(q_lens, kv_lens)
-    # make_batch refuses q_len > kv_len itself. So that the validator judges it, such a
-    # sequence is built with kv_len = q_len, and the typed kv_lens go in after. (A negative
-    # length stays: make_batch names it.)
-    batch = make_batch(
-        [(q, q if 0 <= kv < q else kv) for q, kv in zip(q_lens, kv_lens, strict=True)],
-        num_q_heads=2,
-        num_kv_heads=1,
-        head_dim=8,
-    )
-    typed = batch.kv_lens.at[: len(kv_lens)].set(np.asarray(kv_lens, np.int32))
-    checked = dataclasses.replace(batch, kv_lens=typed)
-    dynamic_validate_inputs(*checked.args(), sliding_window=window)
+    batch = typed_batch(q_lens, kv_lens, num_q_heads=2, num_kv_heads=1, head_dim=8)
+    dynamic_validate_inputs(*batch.args(), sliding_window=window)
     kinds = [seq_kind(q, kv) for q, kv in batch.seq_lens]
     status = (
         f"Valid: {plural(len(kinds), 'sequence')} ("

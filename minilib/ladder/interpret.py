@@ -55,18 +55,25 @@ REPORT_RACES = {"on_race": "warn"} if "on_race" in _FIELDS else {}
 
 
 def strict_interpret_params(
-    *, num_cores: int = 1, random_seed: int | None = None, grid_point_recorder=None
+    *,
+    num_cores: int = 1,
+    random_seed: int | None = None,
+    grid_point_recorder=None,
+    uninitialized_memory: str = "nan",
 ) -> pltpu.InterpretParams:
     """`pltpu.InterpretParams` with every option of `STRICT_OPTIONS` this JAX has.
 
     `num_cores`: TensorCores per device (2: megacore). `random_seed`: the shuffle of the
     "parallel" grid axes. `grid_point_recorder`: called with each grid point the interpreter
     runs and its core (and, from jax 0.8, a token first, which it must return).
+    `uninitialized_memory="zero"`: scratch and output buffers start as 0, not NaN (a checker
+    runs a wrong kernel so to see whether its NaN came from memory it never wrote).
 
     >>> strict_interpret_params().detect_races
     True
     """
-    options = {k: v for k, v in STRICT_OPTIONS.items() if k in _FIELDS}
+    strict = STRICT_OPTIONS | {"uninitialized_memory": uninitialized_memory}
+    options = {k: v for k, v in strict.items() if k in _FIELDS}
     cores = "num_cores_or_threads" if "num_cores_or_threads" in _FIELDS else "num_cores_per_device"
     options[cores] = num_cores
     options.update(REPORT_RACES)

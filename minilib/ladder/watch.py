@@ -76,6 +76,7 @@ class Copy:
     dma_id: int = -1  # the interpreter's id of the DMA (the race detector names it)
     started_at: str = ""  # the line of code that started it, when JAX says
     step: int = -1  # the grid step that started it, when the grid steps are recorded
+    in_flight: int = 0  # copies on its core not yet waited for when it started
 
     @property
     def outstanding(self) -> int:
@@ -329,6 +330,11 @@ class Watch:
                 dma_id=int(dma.id),
                 started_at=_line(getattr(dma, "source_info", None)),
                 step=self.step,
+                in_flight=sum(
+                    old.outstanding > 0 or old.nbytes == 0  # started, not yet landed
+                    for old in self.copies
+                    if old.core == int(dma.dst_local_core_id)
+                ),
             )
             for old in self.copies:
                 if (
