@@ -79,7 +79,11 @@ TPU_OLDEST = (ROOT / ".venv-tpu-oldest", ROOT / "constraints" / "tpu-oldest.txt"
 TPU_JAX_0_7_2 = (ROOT / ".venv-tpu-jax-0.7.2", ROOT / "constraints" / "tpu-jax-0.7.2.txt")
 # The test files holding `tpu_compile` tests (the TPU venvs lack the course's packages, so
 # only these are collected there).
-TPU_COMPILE_TESTS = ("tests/test_tpu_compile.py", "tests/test_ladder.py")
+TPU_COMPILE_TESTS = (
+    "tests/test_tpu_compile.py",
+    "tests/test_ladder.py",
+    "tests/test_tpu_listing.py",
+)
 # With jax 0.7.2, one kernel configuration per chip, the comparison with JAX's kernel and
 # the harness's own failure tests: the whole matrix runs once, on the newest stack.
 JAX_0_7_2_TPU_TESTS = "gqa-bf16 or against_jax or bad_kernel or vmem_overflow or by_design"
