@@ -122,6 +122,7 @@ def page_html(content: dict, nav: str, site_title: str) -> str:
     heading = f"<h1>{title}</h1>" if title else ""
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<link rel="icon" href="data:,">'
         f"<title>{title} · {html.escape(site_title)}</title><style>{STYLE}</style></head>"
         f"<body><nav>{nav}</nav><main>{heading}{render(content['mdast'])}</main></body></html>\n"
     )
