@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # The README's sections that the landing page shows, in this order, after its opening.
 LANDING_SECTIONS = ["Two commands", "On Colab", "On a TPU VM", "The course"]
 LIVE_NOTE = (
-    "*A static figure of the explorer: when you run the notebook (locally, on Colab or on a "
-    "TPU VM) its controls are live.*"
+    "A static figure of the explorer: when you run the notebook (locally, on Colab or on a "
+    "TPU VM) its controls are live."
 )
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
@@ -190,7 +190,8 @@ def static_explorer(output: dict, widget_state: dict) -> list[dict]:
         if model.get("model_name") == "ImageModel" and buffers.get(("value",)):
             outputs.append({"output_type": "display_data", "metadata": {},
                             "data": {"image/png": buffers[("value",)]}})  # fmt: skip
-    note = {"output_type": "display_data", "metadata": {}, "data": {"text/markdown": LIVE_NOTE}}
+    note = {"output_type": "display_data", "metadata": {},
+            "data": {"text/html": f"<p><em>{LIVE_NOTE}</em></p>"}}  # fmt: skip
     return [*outputs, note]
 
 

@@ -57,7 +57,7 @@ def test_an_explorer_becomes_its_figure_and_a_live_note():
     output = {"data": {book.WIDGET_VIEW: {"model_id": "box"}}}
     figure, note = book.static_explorer(output, state)
     assert figure["data"] == {"image/png": "iVBORw0K"}
-    assert note["data"]["text/markdown"] == book.LIVE_NOTE
+    assert book.LIVE_NOTE in note["data"]["text/html"]
 
 
 def test_a_reference_page_documents_each_public_name():

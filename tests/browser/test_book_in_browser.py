@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import re
 import shutil
 import sys
 import threading
@@ -136,6 +137,22 @@ def test_notebook_01_shows_the_head_grouping_error_in_an_output(site, browser):
     page = browser.new_page()
     page.goto(notebook_page(site, browser, "01"))
     assert page.locator(".output", has_text=HEAD_GROUPING_ERROR).count() >= 1
+    page.close()
+
+
+def test_notebook_01_links_to_notebooks_and_the_reference_and_shows_its_explorer(site, browser):
+    """Its prose links another notebook and a minilib function's entry (whose anchors the
+    first test checks); its explorer is a figure with the line saying it is live."""
+    page = browser.new_page()
+    page.goto(notebook_page(site, browser, "01"))
+    links = page.eval_on_selector_all("main a[href]", "as => as.map(a => a.getAttribute('href'))")
+    notebooks = [a.get_attribute("href") for a in page.locator("nav a").all()
+                 if re.match(r"\d\d ·", a.inner_text())]  # fmt: skip
+    assert any("#api-minilib" in link for link in links), links
+    assert any(link.split("#")[0] in notebooks for link in links), (links, notebooks)
+    live = page.locator(".output", has_text="A static figure of the explorer")
+    assert live.count() >= 1
+    assert page.locator("img.output").count() >= 1
     page.close()
 
 
