@@ -59,6 +59,14 @@ def landing_page(readme: str) -> str:
     return "".join(sections[name] for name in ["", *LANDING_SECTIONS])
 
 
+def link_notebook_names(markdown: str, notebooks: list[Path]) -> str:
+    """`01_attention_and_head_grouping` (the README's table of the course) as a link to it."""
+    names = {p.stem for p in notebooks}
+    return re.sub(r"`(\d\d_\w+)`",
+                  lambda m: f"[{m[0]}](notebooks/{m[1]}.ipynb)" if m[1] in names else m[0],
+                  markdown)  # fmt: skip
+
+
 def label(module: str, name: str) -> str:
     return f"api-{module.replace('.', '-')}-{name}"
 
@@ -242,7 +250,8 @@ def write_book(executed: Path, source: Path) -> None:
         (source / folder).mkdir(parents=True)
     shutil.copytree(ROOT / "docs" / "img", source / "docs" / "img")
     shutil.copytree(ROOT / "docs" / "book_template", source / "template")
-    (source / "index.md").write_text(landing_page((ROOT / "README.md").read_text()))
+    landing = landing_page((ROOT / "README.md").read_text())
+    (source / "index.md").write_text(link_notebook_names(landing, notebooks))
 
     modules = [m for m in imported_modules(notebooks) if not m.startswith("minilib.exercises")]
     for module in modules:

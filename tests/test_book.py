@@ -29,6 +29,11 @@ def test_landing_page_names_a_missing_section():
         book.landing_page("# Course\n\n## Two commands\n\n## On a TPU VM\n\n## The course\n")
 
 
+def test_the_landing_page_links_each_notebook_by_its_name():
+    page = book.link_notebook_names("| 01 | `01_heads` | `02_other` |", [Path("x/01_heads.ipynb")])
+    assert page == "| 01 | [`01_heads`](notebooks/01_heads.ipynb) | `02_other` |"
+
+
 def test_docstring_examples_and_indented_blocks_are_fenced():
     doc = "A sum.\n\n    a + b\n\nSo 2*h:\n\n>>> 1 + 1\n2\n\nThe end."
     assert book.docstring_markdown(doc) == (
