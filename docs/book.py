@@ -96,10 +96,28 @@ def unstarred(line: str) -> str:
     return "".join(parts)
 
 
+class Annotation(str):
+    """An annotation kept as a string (`from __future__ import annotations`), shown as code
+    rather than as a quoted string."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def plain_signature(obj) -> inspect.Signature:
+    sig = inspect.signature(obj)
+
+    def plain(annotation):
+        return Annotation(annotation) if isinstance(annotation, str) else annotation
+
+    params = [p.replace(annotation=plain(p.annotation)) for p in sig.parameters.values()]
+    return sig.replace(parameters=params, return_annotation=plain(sig.return_annotation))
+
+
 def entry(module: str, name: str, obj) -> str:
     """One public name: its label, heading, signature and docstring."""
     try:
-        signature = f"{name}{inspect.signature(obj)}" if callable(obj) else name
+        signature = f"{name}{plain_signature(obj)}" if callable(obj) else name
     except (TypeError, ValueError):
         signature = name
     kind = "class " if inspect.isclass(obj) else ""
@@ -121,13 +139,13 @@ def module_page(module_name: str) -> str:
 
 
 def imported_modules(notebooks: list[Path]) -> list[str]:
-    """The minilib modules the notebooks import, in course order."""
+    """The minilib modules the notebooks import: minilib, then the others in course order."""
     found = []
     for path in notebooks:
         for match in re.finditer(r"(?:from|import) (minilib[\w.]*)", path.read_text()):
             if match[1] not in found:
                 found.append(match[1])
-    return found
+    return sorted(found, key=lambda name: name != "minilib")
 
 
 def exercise_page(number: str, notebook: Path) -> str:

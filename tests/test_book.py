@@ -73,6 +73,14 @@ def test_a_reference_page_documents_each_public_name():
         assert f"({book.label('minilib.heads', name)})=\n### `{name}`" in page
 
 
+def test_signatures_show_annotations_as_code():
+    from minilib.heads import attention_kind
+
+    assert (
+        str(book.plain_signature(attention_kind)) == "(num_q_heads: int, num_kv_heads: int) -> str"
+    )
+
+
 def test_html_links_between_the_pages_files():
     assert book_html.href("/minilib-heads#api-x") == "minilib-heads.html#api-x"
     assert book_html.href("/page_table-1f2e.png") == "page_table-1f2e.png"
