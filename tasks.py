@@ -105,9 +105,9 @@ WORKERS = ("-n", os.environ.get("MINILIB_TEST_WORKERS", "auto"), "--dist", "load
 
 def run(*cmd: str | Path, env: dict | None = None, in_one_piece: bool = False,
         cwd: Path = ROOT) -> None:  # fmt: skip
-    """Run `cmd` from `cwd`, the project's root; a non-zero exit raises. `in_one_piece` keeps its
-    output and prints it when it ends, so that it does not interleave with a command running
-    beside it."""
+    """Run `cmd` from `cwd` (the project's root unless told); a non-zero exit raises.
+    `in_one_piece` keeps its output and prints it when it ends, so that it does not interleave
+    with a command running beside it."""
     line = "+ " + " ".join(str(c) for c in cmd)
     if not in_one_piece:
         print(line, flush=True)
@@ -330,8 +330,11 @@ def book(args: list[str]) -> None:
     it on localhost."""
     python = make_venv(*NEWEST, extra="dev,browser")
     if not list(EXECUTED.glob("*.ipynb")):
-        pytest(python, *WORKERS, "-m", "notebooks", "-p", "no:cacheprovider",
-               "tests/test_notebooks.py")  # fmt: skip
+        # A notebook over the tests' time limit is kept all the same; one that raised is not,
+        # and docs/book.py says which are missing.
+        with contextlib.suppress(subprocess.CalledProcessError):
+            pytest(python, *WORKERS, "-m", "notebooks", "-p", "no:cacheprovider",
+                   "tests/test_notebooks.py")  # fmt: skip
     build_book(python, make_venv(*BOOK, extra="book"))
     if "--serve" in args:
         print("Serving the book on http://localhost:8000/ (Ctrl-C stops it)", flush=True)

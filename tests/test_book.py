@@ -88,3 +88,10 @@ def test_html_links_between_the_pages_files():
     link = {"type": "crossReference", "url": "/heads", "html_id": "api-h",
             "children": [{"type": "text", "value": "h < 2"}]}  # fmt: skip
     assert book_html.render(link) == '<a href="heads.html#api-h">h &lt; 2</a>'
+
+
+def test_the_book_names_each_notebook_that_was_not_executed(tmp_path):
+    (tmp_path / "00_setup_and_tour.ipynb").write_text("{}")
+    with pytest.raises(ValueError, match="01_attention_and_head_grouping.ipynb"):
+        book.write_book(tmp_path, tmp_path / "source")
+    assert not (tmp_path / "source").exists()
