@@ -120,10 +120,11 @@ def navigation(pages: list[dict], current: str) -> str:
 def page_html(content: dict, nav: str, site_title: str) -> str:
     title = html.escape(content["frontmatter"].get("title", ""))
     heading = f"<h1>{title}</h1>" if title else ""
+    tab = title if title == html.escape(site_title) else f"{title} · {html.escape(site_title)}"
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<link rel="icon" href="data:,">'
-        f"<title>{title} · {html.escape(site_title)}</title><style>{STYLE}</style></head>"
+        f"<title>{tab}</title><style>{STYLE}</style></head>"
         f"<body><nav>{nav}</nav><main>{heading}{render(content['mdast'])}</main></body></html>\n"
     )
 
