@@ -2,10 +2,11 @@
 
     python3 tasks.py course   # make .venv, install, open JupyterLab on notebooks/
     python3 tasks.py test     # make the venvs, install, lint, run every test
+    python3 tasks.py book     # build the course as a book, build/book/html (--serve: serve it)
 
 Every environment is made by `uv` (from the package index, into .venv-uv the first time:
 it installs a venv in seconds where pip takes minutes, and shares one download cache among
-all of them). `test` runs in five environments, each pinned by a file of constraints/
+all of them). `test` runs in five environments (and builds the book in a sixth), each pinned by a file of constraints/
 (README: "Supported stacks"):
   * .venv         the newest supported jax (newest.txt) on Python 3.13 when this machine
                   has it (jax 0.12 needs 3.12 or newer): lint, then every test (notebooks
@@ -27,8 +28,9 @@ all of them). `test` runs in five environments, each pinned by a file of constra
                   two fixes for this pair, and each fix is checked to be still needed;
   * .venv-tpu-jax-0.7.2  jax 0.7.2 with the libtpu its `jax[tpu]` pins (tpu-jax-0.7.2.txt):
                   a few of those compiles (JAX_0_7_2_TPU_TESTS);
-then the browser test in .venv and .venv-oldest (tests/browser: the explorers in
-JupyterLab, or the classic notebook for ipywidgets 7, in headless Chromium), which needs
+then the course's book (`book`, below) from the notebooks .venv executed, and the browser
+test in .venv and .venv-oldest (tests/browser: the explorers in JupyterLab, or the classic
+notebook for ipywidgets 7, in headless Chromium; in .venv, the book too), which needs
 Debian's `chromium` and is skipped, loudly, without it. The three TPU venvs' compiles run
 beside the CPU venvs' tests (one process, one core), each phase's output printed when it
 ends. At the end it prints a table of each phase's minutes, passed or not.
@@ -38,6 +40,14 @@ ends. At the end it prints a table of each phase's minutes, passed or not.
 runs the fast tests, notebooks included, in .venv-colab-2026.07 (colab-2026.07.txt, from
 constraints/colab/2026.07/: Python 3.12, numpy 2.0.2, jax 0.7.2). It is not part of `test`,
 whose time it would add to CI's.
+
+    python3 tasks.py book [--serve]
+
+builds the course as a static site with Jupyter Book 2 (.venv-book, pinned by
+constraints/book.txt; it needs Node.js: Debian's `nodejs`): docs/book.py writes its source
+from the executed notebooks (build/executed/venv/, which tests/test_notebooks.py keeps, and
+runs first if they are missing), `jupyter book build --site` makes each page's content, and
+docs/book_html.py the HTML, in build/book/html. `--serve` then serves it on localhost.
 
 Extra arguments after `test` (or `test-colab-2026.07`) go to pytest in its first
 environment, e.g. `python3 tasks.py test -m slow`.
@@ -70,6 +80,10 @@ COLAB_2026_07 = (ROOT / ".venv-colab-2026.07", ROOT / "constraints" / "colab-202
 COLAB_2026_07_PYTHON = "3.12"
 # The course's JupyterLab settings: no news pop-up (labconfig/default_setting_overrides.json).
 JUPYTER_CONFIG = ROOT / "jupyter_config"
+# The course as a book: Jupyter Book 2, built from the notebooks executed on the newest stack.
+BOOK = (ROOT / ".venv-book", ROOT / "constraints" / "book.txt")
+EXECUTED = ROOT / "build" / "executed" / "venv"  # kept by tests/test_notebooks.py in .venv
+BOOK_SOURCE, BOOK_HTML = ROOT / "build" / "book" / "source", ROOT / "build" / "book" / "html"
 TPU = (ROOT / ".venv-tpu", ROOT / "constraints" / "tpu.txt")
 # Colab's jax 0.7.2 and libtpu 0.0.21.1 (from its list): every kernel of the course compiles
 # with minilib's two fixes for the pair, each still needed (tests/test_tpu_colab_pair.py).
@@ -98,16 +112,17 @@ COLAB_TPU_TESTS = f"{JAX_0_7_2_TPU_TESTS} or add_vectors or test_ladder or colab
 WORKERS = ("-n", os.environ.get("MINILIB_TEST_WORKERS", "auto"), "--dist", "loadfile")
 
 
-def run(*cmd: str | Path, env: dict | None = None, in_one_piece: bool = False) -> None:
-    """Run `cmd` from the project's root; a non-zero exit raises. `in_one_piece` keeps its
-    output and prints it when it ends, so that it does not interleave with a command running
-    beside it."""
+def run(*cmd: str | Path, env: dict | None = None, in_one_piece: bool = False,
+        cwd: Path = ROOT) -> None:  # fmt: skip
+    """Run `cmd` from `cwd` (the project's root unless told); a non-zero exit raises.
+    `in_one_piece` keeps its output and prints it when it ends, so that it does not interleave
+    with a command running beside it."""
     line = "+ " + " ".join(str(c) for c in cmd)
     if not in_one_piece:
         print(line, flush=True)
-        subprocess.run([str(c) for c in cmd], cwd=ROOT, check=True, env=env)
+        subprocess.run([str(c) for c in cmd], cwd=cwd, check=True, env=env)
         return
-    done = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, text=True,
+    done = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     print(f"{line}\n{done.stdout}", flush=True)
     done.check_returncode()
@@ -220,7 +235,7 @@ def test(args: list[str]) -> None:
 def run_tests(args: list[str], phases: Phases) -> None:
     colab = colab_python()
     newest = colab if NEWEST_PYTHON == COLAB_PYTHON else python_for(NEWEST_PYTHON)
-    with phases("make the five venvs (uv, in parallel)"):
+    with phases("make the six venvs (uv, in parallel)"):
         uv()
         with ThreadPoolExecutor() as pool:
             venvs = [
@@ -229,8 +244,9 @@ def run_tests(args: list[str], phases: Phases) -> None:
                 pool.submit(make_venv, *TPU, extra="tpu-test", base_python=newest),
                 pool.submit(make_venv, *TPU_OLDEST, extra="tpu-test", base_python=colab),
                 pool.submit(make_venv, *TPU_JAX_0_7_2, extra="tpu-test", base_python=colab),
+                pool.submit(make_venv, *BOOK, extra="book"),
             ]
-            python, oldest, tpu, tpu_oldest, tpu_jax = (venv.result() for venv in venvs)
+            python, oldest, tpu, tpu_oldest, tpu_jax, book = (venv.result() for venv in venvs)
         run(tpu, "-m", "minilib.tpu.v3", "fetch")  # the v3 kernel's wheel, alone, into the venv
 
     with phases(".venv: lint"):
@@ -242,21 +258,24 @@ def run_tests(args: list[str], phases: Phases) -> None:
     with ThreadPoolExecutor(max_workers=1) as pool:
         tpu_lane = pool.submit(run_tpu_compiles, phases, tpu, tpu_oldest, tpu_jax)
         try:
-            run_cpu_suites(args, phases, python, oldest)
+            run_cpu_suites(args, phases, python, oldest, book)
         finally:
             wait([tpu_lane])
     tpu_lane.result()
 
 
-def run_cpu_suites(args: list[str], phases: Phases, python: Path, oldest: Path) -> None:
+def run_cpu_suites(args: list[str], phases: Phases, python: Path, oldest: Path,
+                   book: Path) -> None:  # fmt: skip
     with phases(".venv: the tests and the notebooks"):
         pytest(python, *WORKERS, *args, fast_cpu_compiles=True)
+    with phases(".venv-book: the book, from the executed notebooks"):
+        build_book(python, book)
     with phases(".venv-oldest: the tests (one case per matrix path) and the notebooks"):
         pytest(oldest, *WORKERS, "-m", "not slow and not browser and not matrix",
                "-p", "no:cacheprovider", fast_cpu_compiles=True)  # fmt: skip
     for env in (python, oldest):
         with phases(f"{env.parent.parent.name}: the browser test"):
-            browser_test(env)
+            browser_test(env, book=env == python)
 
 
 def run_tpu_compiles(phases: Phases, tpu: Path, tpu_oldest: Path, tpu_jax: Path) -> None:
@@ -284,8 +303,9 @@ def test_colab_2026_07(args: list[str]) -> None:
            fast_cpu_compiles=True)  # fmt: skip
 
 
-def browser_test(python: Path) -> None:
-    """The explorers in JupyterLab in headless Chromium (tests/browser)."""
+def browser_test(python: Path, book: bool = True) -> None:
+    """The explorers in JupyterLab in headless Chromium (tests/browser); the book too, unless
+    `book` is False."""
     if shutil.which("chromium") is None:
         banner = "!" * 78
         print(
@@ -296,7 +316,41 @@ def browser_test(python: Path) -> None:
         )
         return
     # -s: print the versions tried, each Run All's time and how fast the explorers reacted.
-    pytest(python, "-m", "browser", "tests/browser", "-p", "no:cacheprovider", "-s")
+    skip_book = [] if book else ["--ignore", "tests/browser/test_book_in_browser.py"]
+    pytest(python, "-m", "browser", "tests/browser", "-p", "no:cacheprovider", "-s", *skip_book)
+
+
+def build_book(python: Path, book_python: Path) -> None:
+    """The course as a book, in BOOK_HTML, from the notebooks in EXECUTED: `python` (with
+    minilib) writes its source, Jupyter Book 2 in `book_python` its pages, then their HTML."""
+    shutil.rmtree(BOOK_HTML, ignore_errors=True)
+    if shutil.which("node") is None:
+        banner = "!" * 78
+        print(f"{banner}\nBOOK SKIPPED: Jupyter Book needs Node.js, which is not installed."
+              f"\nInstall it: apt-get install nodejs\n{banner}", flush=True)  # fmt: skip
+        return
+    run(python, "docs/book.py", EXECUTED, BOOK_SOURCE)
+    run(book_python, "-m", "jupyter_book", "build", "--site", "--ci", cwd=BOOK_SOURCE)
+    run(book_python, "docs/book_html.py", BOOK_SOURCE / "_build" / "site", BOOK_HTML)
+    print(f"The book: {BOOK_HTML / 'index.html'}", flush=True)
+
+
+def book(args: list[str]) -> None:
+    """Builds the book (executing the notebooks first if no test run has); `--serve` serves
+    it on localhost."""
+    python = make_venv(*NEWEST, extra="dev,browser", base_python=python_for(NEWEST_PYTHON))
+    if not list(EXECUTED.glob("*.ipynb")):
+        # A notebook over the tests' time limit is kept all the same; one that raised is not,
+        # and docs/book.py says which are missing.
+        with contextlib.suppress(subprocess.CalledProcessError):
+            pytest(python, *WORKERS, "-m", "notebooks", "-p", "no:cacheprovider",
+                   "tests/test_notebooks.py")  # fmt: skip
+    build_book(python, make_venv(*BOOK, extra="book"))
+    if "--serve" in args:
+        print("Serving the book on http://localhost:8000/ (Ctrl-C stops it)", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            run(sys.executable, "-m", "http.server", "--bind", "localhost", "--directory",
+                BOOK_HTML, "8000")  # fmt: skip
 
 
 def course(args: list[str]) -> None:
@@ -316,7 +370,8 @@ def jupyter_config_path() -> list[str]:
 
 
 def main() -> None:
-    commands = {"test": test, "test-colab-2026.07": test_colab_2026_07, "course": course}
+    commands = {"test": test, "test-colab-2026.07": test_colab_2026_07, "course": course,
+                "book": book}  # fmt: skip
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         sys.exit(__doc__)
     try:

@@ -27,6 +27,9 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
 # that got twice as slow.
 SECONDS_LIMIT = 120
 KERNEL_NAME = "minilib-tests"
+# Each executed notebook, outputs included, is kept in build/executed/<venv>/ (git-ignored):
+# the book (`python3 tasks.py book`) is built from the newest stack's, build/executed/venv/.
+EXECUTED_DIR = ROOT / "build" / "executed" / Path(sys.prefix).name.lstrip(".")
 OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
 
 
@@ -178,9 +181,12 @@ def test_notebook_runs(path, kernel_manager_factory, record_property):
         timeout=600,  # per cell
         resources={"metadata": {"path": str(NOTEBOOK_DIR)}},  # run from notebooks/, as Jupyter
     )
+    (EXECUTED_DIR / path.name).unlink(missing_ok=True)  # no stale copy if this run fails
     start = time.perf_counter()
     client.execute(env=learner_env())
     seconds = time.perf_counter() - start
+    EXECUTED_DIR.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, EXECUTED_DIR / path.name)
     slowest = ", ".join(f"cell {i} {s:.1f} s" for s, i in slowest_cells(nb)[:3])
     record_property("seconds", round(seconds, 1))
     record_property("notebook_time", (path.name, round(seconds, 1), slowest))

@@ -68,3 +68,23 @@ def test_a_lane_command_prints_its_output_in_one_piece_and_still_fails(capsys):
     assert failure.value.returncode == 3
     out = capsys.readouterr().out
     assert out.index("+ ") < out.index("first line\nsecond line")
+
+
+def test_without_node_the_book_is_skipped_loudly_and_no_old_book_is_left(
+    monkeypatch, tmp_path, capsys
+):
+    tasks = load_tasks()
+    old_book = tmp_path / "html"
+    old_book.mkdir()
+    (old_book / "index.html").write_text("an old build")
+    monkeypatch.setattr(tasks, "BOOK_HTML", old_book)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no node on it
+    tasks.build_book(tmp_path / "no-python", tmp_path / "no-book-python")  # runs nothing
+    assert "BOOK SKIPPED" in capsys.readouterr().out
+    assert not old_book.exists()
+
+
+def test_the_book_reads_the_notebooks_that_the_newest_venv_executed():
+    """tests/test_notebooks.py keeps them in build/executed/<its venv's name, no dot>."""
+    tasks = load_tasks()
+    assert tasks.EXECUTED == ROOT / "build" / "executed" / tasks.NEWEST[0].name.lstrip(".")
