@@ -15,8 +15,10 @@ pinned by a file of constraints/ (README: "Supported stacks"):
   * .venv-oldest  Colab's TPU runtime, package for package (oldest.txt, made from the
                   package list Colab publishes, constraints/colab/tpu/, by
                   constraints/colab_freeze.py) on Python 3.13 when this machine has it:
-                  the fast tests and the notebooks, with each interpret-mode matrix cut to
-                  one case per path (the tests marked `matrix` run on .venv alone);
+                  the fast tests and the notebooks (these with a TPU's matmul numerics,
+                  as on Colab's TPU: one bfloat16 pass, minilib.tpu.numerics), with each
+                  interpret-mode matrix cut to one case per path (the tests marked `matrix`
+                  run on .venv alone);
   * .venv-tpu     the newest jax with its libtpu, pinned (tpu.txt), on Python 3.13 as
                   .venv: the `tpu_compile`
                   tests, which compile every kernel for five TPU chips here, without a TPU,
@@ -91,6 +93,9 @@ TPU_OLDEST = (ROOT / ".venv-tpu-oldest", ROOT / "constraints" / "tpu-oldest.txt"
 # jax 0.7.2 with the libtpu its `jax[tpu]` extra pins, 0.0.23: the kernels through the
 # oldest jax's Pallas lowering, compiled by Mosaic.
 TPU_JAX_0_7_2 = (ROOT / ".venv-tpu-jax-0.7.2", ROOT / "constraints" / "tpu-jax-0.7.2.txt")
+# Set for .venv-oldest's run: the notebooks' kernels get a TPU's matmul numerics (one bfloat16
+# pass, minilib.tpu.numerics), as on Colab's TPU runtime; tests/test_notebooks.py reads it.
+NOTEBOOKS_AS_ON_TPU = "MINILIB_NOTEBOOKS_AS_ON_TPU"
 # The test files holding `tpu_compile` tests (the TPU venvs lack the course's packages, so
 # only these are collected there).
 TPU_COMPILE_TESTS = (
@@ -191,12 +196,15 @@ def colab_python() -> str:
 FAST_CPU_COMPILES = "--xla_backend_optimization_level=0"
 
 
-def pytest(python: Path, *args: str, fast_cpu_compiles: bool = False, **run_options) -> None:
+def pytest(python: Path, *args: str, fast_cpu_compiles: bool = False,
+           notebooks_as_on_tpu: bool = False, **run_options) -> None:  # fmt: skip
     # pytest exits 5 when it collected no tests: that is a failure here, as any non-zero code.
     # --durations: the slowest tests of each run, where CI's time goes.
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     if fast_cpu_compiles:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_CPU_COMPILES}".strip()
+    if notebooks_as_on_tpu:
+        env[NOTEBOOKS_AS_ON_TPU] = "1"
     run(python, "-m", "pytest", "--durations=15", *args, env=env, **run_options)
 
 
@@ -270,9 +278,10 @@ def run_cpu_suites(args: list[str], phases: Phases, python: Path, oldest: Path,
         pytest(python, *WORKERS, *args, fast_cpu_compiles=True)
     with phases(".venv-book: the book, from the executed notebooks"):
         build_book(python, book)
-    with phases(".venv-oldest: the tests (one case per matrix path) and the notebooks"):
+    with phases(".venv-oldest: the tests (one case per matrix path) and the notebooks as on a TPU"):
         pytest(oldest, *WORKERS, "-m", "not slow and not browser and not matrix",
-               "-p", "no:cacheprovider", fast_cpu_compiles=True)  # fmt: skip
+               "-p", "no:cacheprovider", fast_cpu_compiles=True,
+               notebooks_as_on_tpu=True)  # fmt: skip
     for env in (python, oldest):
         with phases(f"{env.parent.parent.name}: the browser test"):
             browser_test(env, book=env == python)

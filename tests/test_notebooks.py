@@ -31,16 +31,26 @@ KERNEL_NAME = "minilib-tests"
 # the book (`python3 tasks.py book`) is built from the newest stack's, build/executed/venv/.
 EXECUTED_DIR = ROOT / "build" / "executed" / Path(sys.prefix).name.lstrip(".")
 OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
+# Set to 1 (tasks.py does, for Colab's TPU stack), the notebooks run with a TPU's numerics:
+# their kernels get minilib.tpu.numerics' MINILIB_TPU_NUMERICS=1, so every float32 matmul at
+# the default precision is one bfloat16 pass, as on Colab's TPU, and each notebook's parity
+# cells and checkers must hold under it. (Not for this process: its tests expect the CPU's.)
+AS_ON_TPU = "MINILIB_NOTEBOOKS_AS_ON_TPU"
 
 
 def learner_env(environ=os.environ) -> dict[str, str]:
     """The notebooks' kernels get this environment as a learner's would: without the test
     suite's headless matplotlib backend (figures render as a learner sees them) and without
     the CPU test runs' unoptimised XLA compiles (tasks.py's FAST_CPU_COMPILES), which would
-    slow the notebooks' jnp code and skew the machine figures notebook 09 measures."""
-    env = {k: v for k, v in environ.items() if k != "MPLBACKEND"}
+    slow the notebooks' jnp code and skew the machine figures notebook 09 measures. With
+    AS_ON_TPU=1, with a TPU's matmul numerics."""
+    from minilib.tpu.numerics import ENV_VAR
+
+    env = {k: v for k, v in environ.items() if k not in ("MPLBACKEND", AS_ON_TPU)}
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(OPT_LEVEL_FLAG)]
     env["XLA_FLAGS"] = " ".join(flags)
+    if environ.get(AS_ON_TPU) == "1":
+        env[ENV_VAR] = "1"
     return env
 
 

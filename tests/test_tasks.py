@@ -55,6 +55,19 @@ def test_the_notebooks_run_without_the_cpu_test_runs_unoptimised_compiles():
     assert learner_env(environ) == {"XLA_FLAGS": devices, "A": "1"}
 
 
+def test_colabs_stack_runs_the_notebooks_with_a_tpus_numerics_and_only_them():
+    """tasks.py asks test_notebooks for a TPU's matmul numerics by name; the notebooks'
+    kernels get the emulation's switch, the test process does not."""
+    from test_notebooks import AS_ON_TPU, learner_env
+
+    from minilib.tpu.numerics import ENV_VAR
+
+    assert load_tasks().NOTEBOOKS_AS_ON_TPU == AS_ON_TPU
+    kernel_env = learner_env({AS_ON_TPU: "1"})
+    assert kernel_env[ENV_VAR] == "1" and AS_ON_TPU not in kernel_env
+    assert ENV_VAR not in learner_env({})
+
+
 def test_a_lane_command_prints_its_output_in_one_piece_and_still_fails(capsys):
     """The TPU lane runs beside the CPU suites: its commands' output is kept and printed whole
     when each ends, and a failing one still raises."""
