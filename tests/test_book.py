@@ -24,6 +24,17 @@ def test_landing_page_is_the_readmes_own_sections():
     assert "**Who it is for:**" in page and "## Working on it" not in page
 
 
+def test_every_section_the_landing_page_points_to_is_on_it():
+    """The README's 'see "X" below' must hold on the landing page, which shows a few sections."""
+    import re
+
+    page = book.landing_page((ROOT / "README.md").read_text())
+    headings = set(re.findall(r"^#+ (.+)$", page, flags=re.M))
+    pointed = re.findall(r'see "([^"]+)" below', page)
+    assert pointed, "the README's opening points to a section below; this test reads it"
+    assert set(pointed) <= headings, f"not on the landing page: {set(pointed) - headings}"
+
+
 def test_landing_page_names_a_missing_section():
     with pytest.raises(ValueError, match="On Colab"):
         book.landing_page("# Course\n\n## Two commands\n\n## On a TPU VM\n\n## The course\n")
