@@ -401,6 +401,7 @@ def test_command_line_errors_are_one_line_with_exit_code_2(argv, capsys):
         (["compile", "--num-kv-pages-per-block", "0"], "num_kv_pages_per_block=0 must be in"),
         (["compile", "--soft-cap", "nan"], "soft_cap=nan must be finite"),
         (["compile", "--page-size", "0"], "--page-size=0 must be at least 1"),
+        (["compile", "--kv-dtype", "fp8", "--k-scale", "0"], "k_scale=0.0 must be positive"),
     ],
 )  # fmt: skip
 def test_a_bad_flag_is_named_with_exit_code_2_libtpu_or_not(argv, message, capsys):

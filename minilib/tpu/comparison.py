@@ -231,6 +231,8 @@ SHAPE_FLAGS = {name: value for name, value in COMPARISON_CASE.items()}  # name: 
 OPTION_FLAGS = {  # name: (type, default), the kernel options all three kernels take
     "sliding_window": (int, None),
     "soft_cap": (float, None),
+    "k_scale": (float, None),  # an fp8 cache's scales (--kv-dtype fp8): x is stored as x / scale
+    "v_scale": (float, None),
 }
 
 
@@ -342,8 +344,9 @@ def run(args) -> int:
             **options,
         )
     table = comparison_table(
-        cells, libtpu_version=libtpu_version(), case=case,
-        num_kv_pages_per_block=args.num_kv_pages_per_block,
+        cells, libtpu_version=libtpu_version(),
+        case=case | {"kv_dtype": DTYPES[args.kv_dtype] if args.kv_dtype else None},
+        num_kv_pages_per_block=args.num_kv_pages_per_block, options=options,
     )  # fmt: skip
     print(table)
     if args.source_lines:

@@ -306,8 +306,10 @@ def comparison_table(
     libtpu_version: str,
     case: dict = COMPARISON_CASE,
     num_kv_pages_per_block: int = COMPARISON_KV_PAGES_PER_BLOCK,
+    options: dict | None = None,
 ) -> str:
-    """The three-way table of `compare_kernels`' cells, with the rule and the workload.
+    """The three-way table of `compare_kernels`' cells, with the rule and the workload (and
+    the kernel options the cells were compiled with, `options`).
 
     >>> def cell(kernel, config, bundles, spills=0, note=""):
     ...     stats = KernelStats("k.1", 5000, bundles, 9 << 20, spills << 10, ())
@@ -327,6 +329,11 @@ def comparison_table(
     <BLANKLINE>
     * no decode kernel: ...
     ours (v5e, decode): did not compile: ...
+    >>> fp8 = COMPARISON_CASE | {"kv_dtype": jnp.float8_e4m3fn}
+    >>> table = comparison_table(cells, libtpu_version="0.0.42.1", case=fp8,
+    ...                          options={"k_scale": 0.5, "v_scale": 0.5})
+    >>> print(table.splitlines()[2])  # doctest: +ELLIPSIS
+    Workload: bf16 (cache fp8), ...; all three kernels with k_scale=0.5, v_scale=0.5.
     """  # noqa: E501
     by_place = {(c.chip, c.config, c.kernel): c for c in cells}
     places = list(dict.fromkeys((c.chip, c.config) for c in cells))
@@ -334,7 +341,9 @@ def comparison_table(
         "Bundles per KV block: static estimates from the compiled programs (libtpu "
         f"{libtpu_version}), not timings.",
         f"Rule: {COUNTING_RULE}.",
-        f"Workload: {describe_case(case, num_kv_pages_per_block)}.",
+        f"Workload: {describe_case(case, num_kv_pages_per_block)}"
+        + (f"; all three kernels with {_keywords(options)}" if options else "")
+        + ".",
         "",
         f"{'chip':7}{'config':16}{'v3':>8}{'JAX':>8}{'ours':>8}{'ours/v3':>9}{'ours/JAX':>10}"
         "  spills KiB v3 / JAX / ours",
@@ -391,6 +400,11 @@ def describe_case(case: dict, num_kv_pages_per_block: int) -> str:
         f"(nq, {tokens}, nq, {tokens}), d_block_sizes=(1, {tokens}, 1, {tokens}), vmem_limit_bytes="
         f"{V3_VMEM_LIMIT_BYTES >> 20} MiB"
     )
+
+
+def _keywords(options: dict) -> str:
+    """{"k_scale": 0.5} as 'k_scale=0.5'."""
+    return ", ".join(f"{name}={value}" for name, value in options.items())
 
 
 def short_dtype(dtype) -> str:
