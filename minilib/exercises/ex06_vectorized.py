@@ -106,31 +106,35 @@ def _unrolled(fn: Callable, case: Case) -> str | None:
     """The problem if `fn`'s traced program grows with the number of sequence slots: a Python
     loop over them (say `for i in range(q.shape[0])`) runs while jax.jit traces, and leaves
     one copy of its body per slot. Traced for the case's batch and for one twice as wide,
-    shapes only; a vectorized program (jax.vmap included) has as many operations for both."""
+    shapes only: such a loop adds at least one operation per added slot, where a vectorized
+    program (jax.vmap included) has as many for both, or nearly (an einsum of three arrays
+    may pick another order of contractions for other sizes)."""
     q, kv_pages, kv_lens, page_indices = case.args
     num_seqs = q.shape[0]
+
+    def with_slots(x, n):  # x's shape and dtype, with n sequence slots
+        return jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype)
+
     sizes = {}
     for n in (num_seqs, 2 * num_seqs):
-        shapes = [
-            jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype) for x in (q, kv_lens, page_indices)
-        ]
-        args = (shapes[0], jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype), *shapes[1:])
+        args = (with_slots(q, n), with_slots(kv_pages, kv_pages.shape[0]),
+                with_slots(kv_lens, n), with_slots(page_indices, n))  # fmt: skip
         try:
             sizes[n] = _operations(jax.make_jaxpr(functools.partial(fn, **case.kwargs))(*args))
         except Exception:  # it ran on the case already: no verdict on a batch it cannot trace
             return None
-    if sizes[2 * num_seqs] <= sizes[num_seqs]:
+    if sizes[2 * num_seqs] - sizes[num_seqs] < num_seqs:
         return None
     return (
         f"your function's program grows with the batch: traced for {num_seqs} sequence slots "
         f"it has {sizes[num_seqs]} operations, for {2 * num_seqs} slots "
         f"{sizes[2 * num_seqs]}. A Python loop over the sequences (for i in "
         "range(q.shape[0])) runs while jax.jit traces, and unrolls into one copy of its body "
-        "per sequence slot: the compile grows with the batch, and the copies run one after "
-        "the other. Write it as one array program over all the slots: gather every page of "
-        "every sequence at once (kv_pages[page_indices]), mask each slot by position "
-        "(jnp.arange(max_kv_len)[None, :] < kv_lens[:, None]) and compute every sequence's "
-        "scores in one einsum, or jax.vmap a one-sequence function."
+        "per sequence slot: the program and its compile time grow with the batch. Write it as "
+        "one array program over all the slots: gather every page of every sequence at once "
+        "(kv_pages[page_indices]), mask each slot by position (jnp.arange(max_kv_len)[None, :] "
+        "< kv_lens[:, None]) and compute every sequence's scores in one einsum, or jax.vmap a "
+        "one-sequence function."
     )
 
 
