@@ -75,6 +75,10 @@ def flash_body(variant: str) -> Callable:
         visible = (k_pos <= q_pos) & (k_pos < kv_len)
         if variant == "no_causal_mask":
             visible = k_pos < kv_len
+        if variant == "diagonal_hidden":  # `<` where `<=` is due: each row hides its own key
+            visible = (k_pos < q_pos) & (k_pos < kv_len)
+        if variant == "one_future_key":  # one past the diagonal: each row sees the next key too
+            visible = (k_pos <= q_pos + 1) & (k_pos < kv_len)
         s_max = s.max(axis=1, keepdims=True)  # before the mask: used by "max_before_mask"
         s = jnp.where(visible, s, MASK)
         if variant != "max_before_mask":  # takes the max over the keys past kv_len too
@@ -451,6 +455,10 @@ WRONG_ANSWERS = [
       "the output was never written"),
     W("1a", "no causal mask", ex.check_flash_attention, lambda: flash_body("no_causal_mask"),
       "no causal mask"),
+    W("1a", "causal mask hides the diagonal", ex.check_flash_attention,
+      lambda: flash_body("diagonal_hidden"), "hides each row's own key", "`k_pos <= q_pos`"),
+    W("1a", "causal mask one key too wide", ex.check_flash_attention,
+      lambda: flash_body("one_future_key"), "one key too wide", "`k_pos <= q_pos`"),
     W("1a", "no sm_scale", ex.check_flash_attention, lambda: flash_body("no_sm_scale"),
       "sm_scale"),
     # rung 1b: the pallas_call

@@ -572,6 +572,45 @@ def test_solution_passes_wrong_answer_fails_stub_not_attempted(checker, module, 
     assert checker(stub, verbose=False).status == "not attempted"
 
 
+def decode_attention_one_seq(q, kv_pages, kv_len, pages, *, sm_scale):
+    # One sequence: q [num_q_heads, head_dim], its kv_len and its row of page_indices.
+    num_q_heads, head_dim = q.shape
+    combined = kv_pages.shape[2]
+    slots = kv_pages[pages].reshape(-1, combined, head_dim)
+    live = jnp.arange(slots.shape[0]) < kv_len
+    slots = jnp.where(live[:, None, None], slots, 0.0)
+    k, v = slots[:, 0::2], slots[:, 1::2]
+    scores = jnp.einsum("hgd,khd->hgk", q.reshape(combined // 2, -1, head_dim), k) * sm_scale
+    scores = jnp.where(live, scores, -1e30)
+    out = jnp.einsum("hgk,khd->hgd", jax.nn.softmax(scores, axis=-1), v)
+    return out.reshape(num_q_heads, head_dim)
+
+
+def decode_attention_loop_over_slots(q, kv_pages, kv_lens, page_indices, *, sm_scale):
+    # A Python loop over range(q.shape[0]): it runs under jit, unrolled, one copy per slot.
+    out = []
+    for i in range(q.shape[0]):
+        out.append(decode_attention_one_seq(q[i], kv_pages, kv_lens[i], page_indices[i],
+                                            sm_scale=sm_scale))  # fmt: skip
+    return jnp.stack(out)
+
+
+def decode_attention_vmapped(q, kv_pages, kv_lens, page_indices, *, sm_scale):
+    one_seq = functools.partial(decode_attention_one_seq, sm_scale=sm_scale)
+    return jax.vmap(one_seq, in_axes=(0, None, 0, 0))(q, kv_pages, kv_lens, page_indices)
+
+
+def test_decode_attention_checker_rejects_a_loop_over_the_slots_not_vmap():
+    """A loop over range(q.shape[0]) runs under jit, and its output is right: the checker sees
+    it unrolled, as a program that grows with the number of slots. jax.vmap does not unroll."""
+    looped = ex.check_decode_attention(decode_attention_loop_over_slots, verbose=False)
+    assert looped.status == "failed", looped.report
+    assert "one copy of its body per sequence slot" in looped.report, looped.report
+    assert "kv_pages[page_indices]" in looped.report, looped.report
+    vmapped = ex.check_decode_attention(decode_attention_vmapped, verbose=False)
+    assert vmapped.passed, vmapped.report
+
+
 def test_decode_attention_checker_reference_matches_jax():
     """check_decode_attention compares with a small NumPy reference: it must agree with JAX's
     own reference on a NaN-padded batch."""

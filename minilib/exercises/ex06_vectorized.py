@@ -3,6 +3,7 @@ over sequences, compiled once by `jax.jit` for every batch of the same shapes.""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -11,7 +12,7 @@ import numpy as np
 
 from minilib.batch import make_batch
 from minilib.exercises.checking import Case, CheckResult, diagnose, run_check
-from minilib.exercises.comparisons import compare_arrays
+from minilib.exercises.comparisons import Mismatch, compare_arrays
 from minilib.kv_cache import pages_needed
 from minilib.options import DEFAULT_MASK_VALUE
 from minilib.tpu.numerics import BF16_PASS_TOLERANCE, one_bf16_pass
@@ -87,6 +88,56 @@ def _under_jit(fn: Callable) -> Callable:
     return run
 
 
+def _operations(jaxpr) -> int:
+    """How many operations a jaxpr holds, those of the jaxprs inside it included (the body of
+    a nested `jax.jit`, of `jax.nn.softmax`'s custom derivative rule...)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += 1
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else [param]:
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr holds its Jaxpr
+                if hasattr(inner, "eqns"):
+                    count += _operations(inner)
+    return count
+
+
+def _unrolled(fn: Callable, case: Case) -> str | None:
+    """The problem if `fn`'s traced program grows with the number of sequence slots: a Python
+    loop over them (say `for i in range(q.shape[0])`) runs while jax.jit traces, and leaves
+    one copy of its body per slot. Traced for the case's batch and for one twice as wide,
+    shapes only: such a loop adds at least one operation per added slot, where a vectorized
+    program (jax.vmap included) has as many for both, or nearly (an einsum of three arrays
+    may pick another order of contractions for other sizes)."""
+    q, kv_pages, kv_lens, page_indices = case.args
+    num_seqs = q.shape[0]
+
+    def with_slots(x, n):  # x's shape and dtype, with n sequence slots
+        return jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype)
+
+    sizes = {}
+    for n in (num_seqs, 2 * num_seqs):
+        args = (with_slots(q, n), with_slots(kv_pages, kv_pages.shape[0]),
+                with_slots(kv_lens, n), with_slots(page_indices, n))  # fmt: skip
+        try:
+            sizes[n] = _operations(jax.make_jaxpr(functools.partial(fn, **case.kwargs))(*args))
+        except Exception:  # it ran on the case already: no verdict on a batch it cannot trace
+            return None
+    if sizes[2 * num_seqs] - sizes[num_seqs] < num_seqs:
+        return None
+    return (
+        f"your function's program grows with the batch: traced for {num_seqs} sequence slots "
+        f"it has {sizes[num_seqs]} operations, for {2 * num_seqs} slots "
+        f"{sizes[2 * num_seqs]}. A Python loop over the sequences (for i in "
+        "range(q.shape[0])) runs while jax.jit traces, and unrolls into one copy of its body "
+        "per sequence slot: the program and its compile time grow with the batch. Write it as "
+        "one array program over all the slots: gather every page of every sequence at once "
+        "(kv_pages[page_indices]), mask each slot by position (jnp.arange(max_kv_len)[None, :] "
+        "< kv_lens[:, None]) and compute every sequence's scores in one einsum, or jax.vmap a "
+        "one-sequence function."
+    )
+
+
 def _decode_attention(q, kv_pages, kv_lens, page_indices, *, sm_scale, mistake=None):
     """Vectorized decode attention; `mistake` makes one of the errors the checker names."""
     num_seqs, num_q_heads, head_dim = q.shape
@@ -160,7 +211,8 @@ def check_decode_attention(fn: Callable, *, seed: int = 0, verbose: bool = True)
 
     The checker runs `jax.jit(fn)`, so kv_lens and page_indices have no values while `fn` is
     traced, and one compile serves all the cases of the same shapes. Unused slots and pages
-    of the cache hold NaN.
+    of the cache hold NaN. It also traces `fn` for two numbers of sequence slots: a program
+    that grows with them is a Python loop over the sequences, unrolled, and fails.
 
     >>> check_decode_attention(_decode_attention)
     Passed: decode_attention matches the reference on all 6 cases.
@@ -186,9 +238,16 @@ def check_decode_attention(fn: Callable, *, seed: int = 0, verbose: bool = True)
     # The reference is float64; where float32 matmuls run as one bfloat16 pass (a TPU), the
     # solution is off it by up to 0.0082 here (measured under minilib.tpu.numerics' emulation).
     tol = BF16_PASS_TOLERANCE if one_bf16_pass() else 1e-4
-    compare = diagnose(
+    compare_values = diagnose(
         lambda want, got, case: compare_arrays(want, got, "out", atol=tol, rtol=tol), mistakes
     )
+
+    def compare(want, got, case):
+        compare_values(want, got, case)
+        problem = _unrolled(fn, case) if case is cases[0] else None
+        if problem:
+            raise Mismatch(problem)
+
     return run_check(
         "decode_attention", _under_jit(fn), _reference, cases, compare, verbose=verbose
     )

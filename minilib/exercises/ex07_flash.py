@@ -93,7 +93,7 @@ def flash_simulation(
     rescale: bool = True, init_every_step: bool = False, q_offset: str = "right",
     write_after_first_block: bool = False, causal: bool = True, zero_v: bool = True,
     mask_past_kv_len: bool = True, mask_value: float = DEFAULT_MASK_VALUE,
-    alpha_upside_down: bool = False,
+    alpha_upside_down: bool = False, diagonal: int = 0,
 ) -> np.ndarray:  # fmt: skip
     """The flash kernel's algorithm in NumPy, grid step by grid step; each keyword makes one
     of the usual mistakes (the defaults make none).
@@ -105,6 +105,8 @@ def flash_simulation(
       write_after_first_block=True  acc / l written on the first KV block, not the last
       causal=False, zero_v=False, mask_past_kv_len=False: a mask or the V zeroing left out
       alpha_upside_down=True        alpha = exp(m_next - m_prev): inf on the first block, NaN
+      diagonal=-1, diagonal=1       the causal mask off by one: a row sees the keys at positions
+                                    <= its own + diagonal (-1: not its own, `<`; 1: one future)
 
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = (rng.standard_normal((1, 8, 4)) for _ in range(3))
@@ -135,7 +137,7 @@ def flash_simulation(
                     m, l, acc = np.full((block_q, 1), -np.inf), l * 0, acc * 0
                 cols = np.arange(j * block_kv, (j + 1) * block_kv)
                 k_pos = cols[None, :]
-                masked = (k_pos > q_pos) if causal else np.zeros((block_q, block_kv), bool)
+                masked = (k_pos > q_pos + diagonal) & causal  # causal=False: none masked
                 if mask_past_kv_len:
                     masked = masked | (k_pos >= kv_len)
                 kb, vb = k[h, cols], v[h, cols]
@@ -178,6 +180,12 @@ def _mistakes() -> dict[str, Callable]:
         "`pl.when(j == pl.num_programs(2) - 1)`.": simulated(write_after_first_block=True),
         "no causal mask: row i of q sits at position kv_len - q_len + i, and sees only the keys "
         "at positions <= its own.": simulated(causal=False),
+        "the causal mask hides each row's own key too (the diagonal): a query at position i "
+        "sees the keys at positions 0..i, its own included, so the test is `k_pos <= q_pos`, "
+        "not `k_pos < q_pos`.": simulated(diagonal=-1),
+        "the causal mask is one key too wide: a query at position i sees the keys at "
+        "positions 0..i and none after them, so the test is `k_pos <= q_pos`; yours lets key "
+        "i + 1 through too.": simulated(diagonal=1),
         "sm_scale is not applied to the scores (q @ k.T * sm_scale).": lambda q, k, v, **o: (
             flash_attention_reference(q, k, v, kv_len=o["kv_len"], sm_scale=1.0)
         ),
