@@ -52,7 +52,7 @@ HIGHEST = jax.lax.Precision.HIGHEST
 @pytest.fixture
 def tpu_numerics(monkeypatch):
     """The emulation on. Switching it clears JAX's caches, so every case of a checker compiles
-    afresh, which on a busy CI machine can pass the checkers' 5 s per case (a limit for
+    afresh, which on a busy CI machine can pass the checkers' 30 s per case (a limit for
     endless loops, compiles included): these tests judge numbers, so a case gets a minute."""
     monkeypatch.setattr(checking, "TIME_LIMIT_SECONDS", 60.0)
     with emulate_tpu_matmul_precision():
