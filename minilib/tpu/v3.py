@@ -68,6 +68,7 @@ __all__ = [
     "load_v3",
     "load_v3_hd64",
     "rpa_v3",
+    "rpa_v3_hd64",
     "v3_available",
     "v3_folder",
     "v3_specs",
@@ -293,15 +294,55 @@ def rpa_v3(
     return out
 
 
-def v3_specs(specs: tuple[jax.ShapeDtypeStruct, ...]) -> tuple[jax.ShapeDtypeStruct, ...]:
+def rpa_v3_hd64(
+    q,
+    k,
+    v,
+    kv_cache,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    distribution,  # as for `rpa_v3`
+    *,
+    sm_scale: float,
+    num_queries_per_block: int,
+    kv_tokens_per_block: int,
+    vmem_limit_bytes: int | None,
+    **options,
+):
+    """v3's `ragged_paged_attention_hd64`, its kernel for head_dim 64 (which vLLM calls when
+    head_dim is 64), returning only the attention output; arguments as for `rpa_v3`, the
+    cache in that kernel's layout (`v3_specs(..., hd64=True)`). One kernel serves decode,
+    prefill and mixed sequences, with q blocks of `num_queries_per_block` tokens and KV blocks
+    of `kv_tokens_per_block` tokens, fetched and computed whole. Needs `load_v3_hd64`.
+    """
+    out, _ = load_v3_hd64().ragged_paged_attention_hd64(
+        q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
+        sm_scale=sm_scale,
+        num_queries_per_block=num_queries_per_block,
+        num_kv_pages_per_block=kv_tokens_per_block // kv_cache.shape[1],
+        vmem_limit_bytes=vmem_limit_bytes,
+        **options,
+    )  # fmt: skip
+    return out
+
+
+def v3_specs(
+    specs: tuple[jax.ShapeDtypeStruct, ...], *, hd64: bool = False
+) -> tuple[jax.ShapeDtypeStruct, ...]:
     """The same case as `specs`, our kernel's arrays (`kernel_costs.rpa_specs`), in `rpa_v3`'s:
-    the new tokens' K and V apart, the cache in v3's own layout (in kv_pages' dtype), the page
+    the new tokens' K and V apart, the cache in v3's own layout (in kv_pages' dtype; with
+    `hd64`, that of its head_dim-64 kernel, K and V side by side in 128 lanes), the page
     table flat, and the distribution of the sequences. Needs v3.
 
     >>> from minilib.tpu.kernel_costs import rpa_specs
     >>> ours = rpa_specs(num_q_heads=4, num_kv_heads=2, num_pages=8192)
     >>> specs = v3_specs(ours) if v3_available()[0] else None
     >>> specs is None or specs[3].shape == (8192, 16, 2, 2, 128)   # (K, V) pairs, packed
+    True
+    >>> ours = rpa_specs(num_q_heads=4, num_kv_heads=2, head_dim=64, num_pages=8192)
+    >>> specs = v3_specs(ours, hd64=True) if v3_available()[0] else None
+    >>> specs is None or specs[3].shape == (8192, 16, 1, 2, 128)   # K and V in 128 lanes
     True
     """
     q, kv_pages, kv_lens, page_indices, cu_q_lens, _ = specs
@@ -310,7 +351,8 @@ def v3_specs(specs: tuple[jax.ShapeDtypeStruct, ...]) -> tuple[jax.ShapeDtypeStr
     max_num_seqs, pages_per_seq = page_indices.shape
     spec = jax.ShapeDtypeStruct
     new_kv = spec((q.shape[0], num_kv_heads, head_dim), kv_dtype)
-    cache = load_v3().get_kv_cache_shape(num_pages, page_size, num_kv_heads, head_dim, kv_dtype)
+    kernel = load_v3_hd64() if hd64 else load_v3()
+    cache = kernel.get_kv_cache_shape(num_pages, page_size, num_kv_heads, head_dim, kv_dtype)
     return (
         q,
         new_kv,  # k
