@@ -466,6 +466,34 @@ def test_v3_loads_from_its_wheel_without_vllm_or_torch():
     assert done.returncode == 0 and "v3 alone ok" in done.stdout, done.stderr[-3000:]
 
 
+def test_v3_hd64_kernel_compiles_and_the_rule_finds_its_kv_loop_per_branch():
+    """v3's kernel for head_dim 64, which vLLM calls when head_dim is 64, compiles for v5e, and
+    the counting rule, applied per branch, finds its three KV-block loops in v3's order
+    (decode, prefill, mixed): decode's, one q token per sequence, with the fewest MXU ops;
+    prefill's and mixed's the same code. Its cells read the mixed one, and the decode one."""
+    from minilib.tpu.kernel_costs import V3_HD64_BRANCHES, cell_of, compile_v3
+    from minilib.tpu.v3 import V3Unavailable, load_v3_hd64
+
+    require_chip("v5e")
+    try:
+        load_v3_hd64()
+    except V3Unavailable as err:
+        pytest.skip(str(err))
+    case = dict(COMPARISON_CASE, head_dim=64)
+    report = compile_v3("v5e", num_queries_per_block=8, case=case, hd64=True)
+    assert_compiled(report)
+    (kernel,) = report.kernels
+    assert kernel.name.startswith("RPA-HD_64-") and kernel.bundles_per_kv_block is None
+    assert len(kernel.branches) == len(V3_HD64_BRANCHES), kernel.branches
+    decode, prefill, mixed = kernel.branches
+    mxu = [dict(branch.loop_op_kinds)["MXU"] for branch in kernel.branches]
+    assert mxu[0] < mxu[1] == mxu[2], mxu
+    assert 0 < decode.bundles_per_kv_block < mixed.bundles_per_kv_block
+    assert prefill.bundles_per_kv_block == mixed.bundles_per_kv_block
+    assert cell_of(report, "v3", "v5e", "8 q per block").stats == mixed
+    assert cell_of(report, "v3", "v5e", "decode", 8).stats == decode
+
+
 def test_doctor_compiles_the_kernel_for_v5e(capsys):
     from minilib.doctor import tpu_compile_check
 
