@@ -314,7 +314,16 @@ def rpa_v3_hd64(
     head_dim is 64), returning only the attention output; arguments as for `rpa_v3`, the
     cache in that kernel's layout (`v3_specs(..., hd64=True)`). One kernel serves decode,
     prefill and mixed sequences, with q blocks of `num_queries_per_block` tokens and KV blocks
-    of `kv_tokens_per_block` tokens, fetched and computed whole. Needs `load_v3_hd64`.
+    of `kv_tokens_per_block` tokens, fetched and computed whole. Needs `load_v3_hd64`; here
+    its output's shape, traced without compiling:
+
+    >>> from minilib.tpu.kernel_costs import rpa_specs
+    >>> ours = rpa_specs(num_q_heads=4, num_kv_heads=2, head_dim=64, num_pages=64)
+    >>> run = functools.partial(rpa_v3_hd64, sm_scale=0.125, num_queries_per_block=8,
+    ...                         kv_tokens_per_block=128, vmem_limit_bytes=None)
+    >>> hd64 = v3_available()[0]
+    >>> not hd64 or jax.eval_shape(run, *v3_specs(ours, hd64=True)).shape == (256, 4, 64)
+    True
     """
     out, _ = load_v3_hd64().ragged_paged_attention_hd64(
         q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
