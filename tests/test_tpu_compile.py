@@ -425,12 +425,21 @@ def test_recorded_comparison_is_what_compiles_here():
 
 V3_ALONE_SCRIPT = """
 import sys
-from minilib.tpu.v3 import load_v3, load_v3_hd64
+from minilib.tpu.v3 import HD64_OLDEST_JAX, V3Unavailable, jax_version, load_v3, load_v3_hd64
 kernel = load_v3()
 loaded = sorted(name for name in sys.modules if name.startswith("tpu_inference"))
 package = kernel.__name__[:-len("kernel")]
 assert loaded[-2:] == [package + "kernel", package + "util"], loaded
 assert len(loaded) == 6, loaded  # four bare parents, kernel and util
+if jax_version() < HD64_OLDEST_JAX:  # too old for the head_dim-64 kernel: said, not loaded
+    try:
+        load_v3_hd64()
+    except V3Unavailable as err:
+        assert "needs jax" in str(err), err
+    else:
+        raise AssertionError("load_v3_hd64 must say this jax is too old for it")
+    print("v3 alone ok")
+    sys.exit(0)
 hd64 = load_v3_hd64()
 loaded = sorted(name for name in sys.modules if name.startswith("tpu_inference"))
 assert loaded[-4:] == [package + name for name in
@@ -449,8 +458,9 @@ print("v3 alone ok")
 
 def test_v3_loads_from_its_wheel_without_vllm_or_torch():
     """With jax 0.10.2 or newer, v3 must load (`python3 tasks.py test` fetches its wheel):
-    only its kernel and util modules, under bare parent packages, then its head_dim-64 kernel
-    (whose table of tuned block sizes would import vLLM and torch), with no vLLM or torch."""
+    only its kernel and util modules, under bare parent packages, then (with jax 0.12 or
+    newer; older, it says why not) its head_dim-64 kernel (whose table of tuned block sizes
+    would import vLLM and torch), with no vLLM or torch."""
     import os
     import subprocess
     import sys

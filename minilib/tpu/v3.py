@@ -33,11 +33,12 @@ v3 0.32.0 compiles with jax 0.10.2 and 0.12.0.1. With jax 0.7.2 its import fails
 available: ...".
 
 v3's kernel for head_dim 64, `v3/kernel_hd64.py`, is loaded the same way by `load_v3_hd64`
-(with jax 0.10.2 and 0.12.0.1), with one more step: it imports its table of tuned block
-sizes (`tuned_block_sizes_hd64`), whose module imports tpu_inference's `logger` and `utils`,
-and through them vLLM and torch. Block sizes are always passed here, so that table is never
-read: `load_v3_hd64` registers in its place a module whose `get_tuned_block_sizes` raises,
-saying to pass them.
+(with jax 0.12.0.1: with jax 0.10.2 it imports, but its kernel calls `pltpu.reciprocal`,
+which that jax lacks, so `load_v3_hd64` says no there), with one more step: it imports its
+table of tuned block sizes (`tuned_block_sizes_hd64`), whose module imports tpu_inference's
+`logger` and `utils`, and through them vLLM and torch. Block sizes are always passed here,
+so that table is never read: `load_v3_hd64` registers in its place a module whose
+`get_tuned_block_sizes` raises, saying to pass them.
 
 >>> ok, reason = v3_available()
 >>> ok or "v3" in reason
@@ -87,6 +88,7 @@ PARENTS = (
 # All that is unpacked and imported, in this order (kernel_hd64.py by `load_v3_hd64` alone).
 FILES = ("util.py", "kernel.py", "kernel_hd64.py")
 OLDEST_JAX = (0, 10, 2)
+HD64_OLDEST_JAX = (0, 12, 0)  # the head_dim-64 kernel calls pltpu.reciprocal
 FETCH_COMMAND = "python -m minilib.tpu.v3 fetch"
 
 
@@ -160,8 +162,7 @@ def v3_available() -> tuple[bool, str]:
     >>> isinstance(ok, bool) and reason.startswith(("v3", "vLLM"))
     True
     """
-    version = tuple(int(part) for part in jax.__version__.split(".")[:3] if part.isdigit())
-    if version < OLDEST_JAX:
+    if jax_version() < OLDEST_JAX:
         oldest = ".".join(map(str, OLDEST_JAX))
         return False, (
             f"vLLM's RPA v3 ({WHEEL}) needs jax {oldest} or newer (with jax 0.7.2 its import "
@@ -176,6 +177,11 @@ def v3_available() -> tuple[bool, str]:
             "nothing), or `python3 tasks.py test`, which does it for .venv-tpu"
         )
     return True, f"v3 from {WHEEL} in {folder}"
+
+
+def jax_version() -> tuple[int, ...]:
+    """This jax's version as numbers: (0, 12, 0, 1) for 0.12.0.1."""
+    return tuple(int(part) for part in jax.__version__.split(".") if part.isdigit())
 
 
 @functools.cache
@@ -216,6 +222,12 @@ def load_v3_hd64() -> types.ModuleType:
     True
     """
     load_v3()  # the bare parent packages and v3's util, patched
+    if jax_version() < HD64_OLDEST_JAX:
+        oldest = ".".join(map(str, HD64_OLDEST_JAX))
+        raise V3Unavailable(
+            f"vLLM's RPA v3 head_dim-64 kernel ({WHEEL}) needs jax {oldest} or newer (it calls "
+            f"pltpu.reciprocal); this is jax {jax.__version__}"
+        )
     tuned = f"{PACKAGE}.tuned_block_sizes_hd64"
     if tuned not in sys.modules:
         sys.modules[tuned] = stand_in = types.ModuleType(tuned)
