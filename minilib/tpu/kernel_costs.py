@@ -25,6 +25,13 @@ chunk per fetched block, so one loop pass is one block, as in ours and JAX's) an
 ours and JAX's, which set none, compile there). Left to itself v3 asks for the whole VMEM
 (128 MiB on v5e and v6e), and its loops there come out a little shorter.
 
+At head_dim 64 (`--head-dim 64`), v3's column is v3's kernel for head_dim 64, as vLLM picks
+it (`v3_hd64_here`; with jax older than 0.12, its head_dim-128 kernel, and the cells say so).
+That one kernel runs a copy of its KV-block loop for each kind of sequence: the 8 and 32 q
+per block cells read its mixed copy, the decode cell its decode copy (`cell_of`), each
+counted by the rule; its spills are the whole kernel's. JAX's kernel does not compile at
+head_dim 64 (an assertion: its rows of softmax statistics are 128 lanes wide).
+
 What we claim from these figures, the figures recorded for where nothing compiles, and the
 command line are in `minilib.tpu.comparison`.
 """
