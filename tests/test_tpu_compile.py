@@ -427,12 +427,21 @@ def test_recorded_comparison_is_what_compiles_here():
 
 V3_ALONE_SCRIPT = """
 import sys
-from minilib.tpu.v3 import load_v3, load_v3_hd64
+from minilib.tpu.v3 import HD64_OLDEST_JAX, V3Unavailable, jax_version, load_v3, load_v3_hd64
 kernel = load_v3()
 loaded = sorted(name for name in sys.modules if name.startswith("tpu_inference"))
 package = kernel.__name__[:-len("kernel")]
 assert loaded[-2:] == [package + "kernel", package + "util"], loaded
 assert len(loaded) == 6, loaded  # four bare parents, kernel and util
+if jax_version() < HD64_OLDEST_JAX:  # too old for the head_dim-64 kernel: said, not loaded
+    try:
+        load_v3_hd64()
+    except V3Unavailable as err:
+        assert "needs jax" in str(err), err
+    else:
+        raise AssertionError("load_v3_hd64 must say this jax is too old for it")
+    print("v3 alone ok")
+    sys.exit(0)
 hd64 = load_v3_hd64()
 loaded = sorted(name for name in sys.modules if name.startswith("tpu_inference"))
 assert loaded[-4:] == [package + name for name in
@@ -451,8 +460,9 @@ print("v3 alone ok")
 
 def test_v3_loads_from_its_wheel_without_vllm_or_torch():
     """With jax 0.10.2 or newer, v3 must load (`python3 tasks.py test` fetches its wheel):
-    only its kernel and util modules, under bare parent packages, then its head_dim-64 kernel
-    (whose table of tuned block sizes would import vLLM and torch), with no vLLM or torch."""
+    only its kernel and util modules, under bare parent packages, then (with jax 0.12 or
+    newer; older, it says why not) its head_dim-64 kernel (whose table of tuned block sizes
+    would import vLLM and torch), with no vLLM or torch."""
     import os
     import subprocess
     import sys
@@ -466,6 +476,34 @@ def test_v3_loads_from_its_wheel_without_vllm_or_torch():
         [sys.executable, "-c", V3_ALONE_SCRIPT], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0 and "v3 alone ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_v3_hd64_kernel_compiles_and_the_rule_finds_its_kv_loop_per_branch():
+    """v3's kernel for head_dim 64, which vLLM calls when head_dim is 64, compiles for v5e, and
+    the counting rule, applied per branch, finds its three KV-block loops in v3's order
+    (decode, prefill, mixed): decode's, one q token per sequence, with the fewest MXU ops;
+    prefill's and mixed's the same code. Its cells read the mixed one, and the decode one."""
+    from minilib.tpu.kernel_costs import V3_HD64_BRANCHES, cell_of, compile_v3
+    from minilib.tpu.v3 import V3Unavailable, load_v3_hd64
+
+    require_chip("v5e")
+    try:
+        load_v3_hd64()
+    except V3Unavailable as err:
+        pytest.skip(str(err))
+    case = dict(COMPARISON_CASE, head_dim=64)
+    report = compile_v3("v5e", num_queries_per_block=8, case=case, hd64=True)
+    assert_compiled(report)
+    (kernel,) = report.kernels
+    assert kernel.name.startswith("RPA-HD_64-") and kernel.bundles_per_kv_block is None
+    assert len(kernel.branches) == len(V3_HD64_BRANCHES), kernel.branches
+    decode, prefill, mixed = kernel.branches
+    mxu = [dict(branch.loop_op_kinds)["MXU"] for branch in kernel.branches]
+    assert mxu[0] < mxu[1] == mxu[2], mxu
+    assert 0 < decode.bundles_per_kv_block < mixed.bundles_per_kv_block
+    assert prefill.bundles_per_kv_block == mixed.bundles_per_kv_block
+    assert cell_of(report, "v3", "v5e", "8 q per block").stats == mixed
+    assert cell_of(report, "v3", "v5e", "decode", 8).stats == decode
 
 
 def test_doctor_compiles_the_kernel_for_v5e(capsys):

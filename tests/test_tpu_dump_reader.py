@@ -12,6 +12,7 @@ from minilib.tpu.dump_reader import (
     DMA_START,
     EXAMPLE_TWO_LOOPS,
     MATMUL,
+    branch_kv_block_loops,
     count_ops,
     kernel_stats,
     kv_block_loop,
@@ -191,6 +192,45 @@ def test_a_kernel_without_a_dma_start_in_its_loops_has_no_kv_block_loop():
     stats, notes = kernel_stats("k.1", no_copy, ALLOCATIONS)
     assert stats.bundles_per_kv_block is None
     assert any("every matmul and a DMA start" in note for note in notes), notes
+
+
+# A grid loop that holds one KV loop per branch (as in vLLM's RPA v3 for head_dim 64, where
+# decode, prefill and mixed sequences each get a copy): a short one, then a longer one.
+TWO_BRANCHES = """\
+= control target key start
+LB: loop body
+= control target key end
+
+     0   :  { %s1 = smov 0 } /* entry bundle: %k.1 = custom-call(%a) */
+   0x1 LB: > { %s2 = sadd.s32 1, %s1 }
+   0x2 LB: >> { %v4 = vld [vmem:[#allocation2]]  ;;  %13 = dma.hbm_to_vmem [thread:$0]  %s2 }
+   0x3   : >> { %v5 = vmatmul.bf16.gmra.mxu0 %v4 }
+   0x4 PF: > { %s6 = sbr.rel %s2 }
+   0x5 LB: >> { %v7 = vld [vmem:[#allocation2]]  ;;  %14 = dma.hbm_to_vmem [thread:$0]  %s2 }
+   0x6   : >> { %v8 = vmatmul.bf16.gmra.mxu0 %v7 }
+   0x7   : >> { %v9 = vmatmul.bf16.gmra.mxu0 %v7 }
+   0x8 PF: > { %s10 = sbr.rel %s2 }
+   0x9 PF:  { %s11 = shalt }
+"""
+
+
+def test_a_kv_loop_per_branch_is_counted_per_branch_not_as_the_grid_loop():
+    bundles = parse_bundles(TWO_BRANCHES)
+    assert kv_block_loop(bundles) == (1, 9)  # the rule alone: the grid loop, not a KV block
+    assert branch_kv_block_loops(bundles) == [(2, 4), (5, 8)]
+    stats, notes = kernel_stats("k.1", TWO_BRANCHES, ALLOCATIONS)
+    assert stats.bundles_per_kv_block is None
+    assert [(b.name, b.bundles_per_kv_block) for b in stats.branches] == [
+        ("k.1, branch 1 of 2", 2),
+        ("k.1, branch 2 of 2", 3),
+    ]
+    assert dict(stats.branches[1].loop_op_kinds)["MXU"] == 2
+
+
+def test_a_kernel_of_one_kv_loop_has_no_branches():
+    assert branch_kv_block_loops(parse_bundles(BUNDLES)) == []
+    stats, _ = kernel_stats("k.1", BUNDLES, ALLOCATIONS)
+    assert stats.branches == () and stats.bundles_per_kv_block == 6
 
 
 def test_an_unrecognised_dump_is_said_with_the_fix(tmp_path):

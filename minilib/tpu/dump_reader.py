@@ -32,6 +32,7 @@ __all__ = [
     "COUNTING_RULE",
     "DUMP_FLAGS",
     "KernelStats",
+    "branch_kv_block_loops",
     "count_ops",
     "kv_block_loop",
     "loop_bodies",
@@ -75,6 +76,9 @@ class KernelStats:
     source_code: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
     # The ops of the KV-block loop by kind (`op_kinds`): (("vector load", 553), ...)
     loop_op_kinds: tuple[tuple[str, int], ...] = ()
+    # A kernel with a KV-block loop per branch (`branch_kv_block_loops`): each branch's figures,
+    # in program order; its own bundles_per_kv_block is then None.
+    branches: tuple[KernelStats, ...] = ()
 
 
 # "  0x2b1 LB: >>> { ops ;; ops }": address, optional control tag, loop depth, then the bundle.
@@ -360,6 +364,35 @@ def vmem_usage(text: str) -> tuple[int, int] | None:
     return (peak, spills) if found else None
 
 
+def branch_kv_block_loops(bundles: list[Bundle]) -> list[tuple[int, int]]:
+    """`COUNTING_RULE` applied to each branch of a kernel that traces its KV-block loop once
+    per branch: the loops that hold a matmul and a DMA start, and no such loop inside, in
+    program order. [] for a kernel of one KV-block loop, the rule's own.
+
+    vLLM's RPA v3 kernel for head_dim 64 is one: under `pl.when`s on the kind of sequence it
+    runs its KV-block loop for decode, prefill and mixed sequences, three copies in its
+    sequence loop. No single KV-block loop holds every matmul, and the rule's loop is the
+    sequence loop around the three, not one KV block. In the example, the one KV-block loop:
+
+    >>> branch_kv_block_loops(parse_bundles(EXAMPLE_TWO_LOOPS))
+    []
+    """
+    loop = kv_block_loop(bundles)
+    if loop is None:
+        return []
+    candidates = [
+        (s, e)
+        for s, e in loop_bodies(bundles)
+        if count_ops(bundles[s:e], MATMUL) > 0 and count_ops(bundles[s:e], DMA_START) > 0
+    ]
+    innermost = [
+        (s, e)
+        for s, e in candidates
+        if not any(s <= s2 and e2 <= e for s2, e2 in candidates if (s2, e2) != (s, e))
+    ]
+    return [] if innermost == [loop] else innermost
+
+
 def kernel_stats(name: str, bundles_text: str, allocations_text: str | None):
     notes = []
     bundles = parse_bundles(bundles_text)
@@ -371,14 +404,25 @@ def kernel_stats(name: str, bundles_text: str, allocations_text: str | None):
             f"{name}: no loop holds every matmul and a DMA start, so there is no KV-block loop "
             f"to count ({COUNTING_RULE})"
         )
+    usage = vmem_usage(allocations_text) if allocations_text else None
+    if usage is None:
+        notes.append(f"{name}: no VMEM allocations found in the dump ({dump_hint()})")
+    branch_loops = branch_kv_block_loops(bundles)
+    branches = tuple(
+        loop_stats(f"{name}, branch {i} of {len(branch_loops)}", bundles, branch, usage)
+        for i, branch in enumerate(branch_loops, 1)
+    )
+    stats = loop_stats(name, bundles, None if branches else loop, usage)
+    return dataclasses.replace(stats, branches=branches), notes
+
+
+def loop_stats(name: str, bundles: list[Bundle], loop: tuple[int, int] | None, usage):
+    """The `KernelStats` of a kernel, its KV-block loop being `loop` (None: none counted)."""
     body = bundles[loop[0] : loop[1]] if loop else bundles
     ops = ops_by_source_line(body)
     top = [(f"{short_path(path)}:{line}", n, linecache.getline(path, line).strip())
            for (path, line), n in ops.most_common(8)]  # fmt: skip
-    usage = vmem_usage(allocations_text) if allocations_text else None
-    if usage is None:
-        notes.append(f"{name}: no VMEM allocations found in the dump ({dump_hint()})")
-    stats = KernelStats(
+    return KernelStats(
         name=name,
         total_bundles=len(bundles),
         bundles_per_kv_block=(loop[1] - loop[0]) if loop else None,
@@ -388,7 +432,6 @@ def kernel_stats(name: str, bundles_text: str, allocations_text: str | None):
         source_code={location: code for location, _, code in top},
         loop_op_kinds=tuple(op_kinds(body).most_common()) if loop else (),
     )
-    return stats, notes
 
 
 def libtpu_version() -> str:

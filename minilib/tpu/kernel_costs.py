@@ -25,6 +25,13 @@ chunk per fetched block, so one loop pass is one block, as in ours and JAX's) an
 ours and JAX's, which set none, compile there). Left to itself v3 asks for the whole VMEM
 (128 MiB on v5e and v6e), and its loops there come out a little shorter.
 
+At head_dim 64 (`--head-dim 64`), v3's column is v3's kernel for head_dim 64, as vLLM picks
+it (`v3_hd64_here`; with jax older than 0.12, its head_dim-128 kernel, and the cells say so).
+That one kernel runs a copy of its KV-block loop for each kind of sequence: the 8 and 32 q
+per block cells read its mixed copy, the decode cell its decode copy (`cell_of`), each
+counted by the rule; its spills are the whole kernel's. JAX's kernel does not compile at
+head_dim 64 (an assertion: its rows of softmax statistics are 128 lanes wide).
+
 What we claim from these figures, the figures recorded for where nothing compiles, and the
 command line are in `minilib.tpu.comparison`.
 """
@@ -147,12 +154,15 @@ def compile_v3(
     case: dict = COMPARISON_CASE,
     vmem_limit_bytes: int | None = V3_VMEM_LIMIT_BYTES,
     kv_dtype=None,
+    hd64: bool = False,
     **options,
 ) -> CompileReport:
     """Compile vLLM's RPA v3 (`minilib.tpu.v3`) for `chip` on `case`'s shapes, its mixed
     kernel with q blocks of `num_queries_per_block` tokens, both kernels with KV blocks of
     `num_kv_pages_per_block` pages. Its program holds two kernels, decode and mixed (see
-    `kernel_for`). Raises `V3Unavailable` when v3 cannot be loaded here.
+    `kernel_for`). With `hd64`, its kernel for head_dim 64 instead (`rpa_v3_hd64`): one
+    kernel, with a KV-block loop for each kind of sequence (see `cell_of`). Raises
+    `V3Unavailable` when v3 cannot be loaded here.
 
     Needs libtpu and v3 (jax 0.10.2 and the fetched wheel), so the example is not run:
 
@@ -160,11 +170,11 @@ def compile_v3(
     >>> [k.name for k in report.kernels]  # doctest: +SKIP
     ['RPAd-p_16-bq_1_1-bkv_128_128.1', 'RPAm-p_16-bq_8_8-bkv_128_128.1']
     """
-    from minilib.tpu.v3 import rpa_v3, v3_specs
+    from minilib.tpu.v3 import rpa_v3, rpa_v3_hd64, v3_specs
 
-    specs = v3_specs(rpa_specs(**case, kv_dtype=kv_dtype))
+    specs = v3_specs(rpa_specs(**case, kv_dtype=kv_dtype), hd64=hd64)
     run = functools.partial(
-        rpa_v3,
+        rpa_v3_hd64 if hd64 else rpa_v3,
         sm_scale=case["head_dim"] ** -0.5,
         num_queries_per_block=num_queries_per_block,
         kv_tokens_per_block=num_kv_pages_per_block * case["page_size"],
@@ -254,12 +264,13 @@ def compare_kernels(
     from minilib.tpu.v3 import V3Unavailable
 
     specs = rpa_specs(**case, kv_dtype=kv_dtype)
+    hd64, fallback = v3_hd64_here(case)
     programs: dict[tuple[str, int], CompileReport | str] = {}
     for queries in queries_per_block:
         blocks = dict(num_kv_pages_per_block=num_kv_pages_per_block, num_queries_per_block=queries)
         try:
-            programs["v3", queries] = compile_v3(chip, case=case, kv_dtype=kv_dtype, **blocks,
-                                                 **options)  # fmt: skip
+            programs["v3", queries] = compile_v3(chip, case=case, kv_dtype=kv_dtype, hd64=hd64,
+                                                 **blocks, **options)  # fmt: skip
         except V3Unavailable as err:
             programs["v3", queries] = f"not available: {err}"
         programs["JAX", queries] = compile_rpa("jax", specs, chip=chip, **blocks, **options)
@@ -271,7 +282,32 @@ def compare_kernels(
     smallest = min(queries_per_block)
     for kernel in KERNELS:
         cells.append(cell_of(programs[kernel, smallest], kernel, chip, "decode", smallest))
+    if fallback:
+        cells = [with_note(c, fallback) if c.kernel == "v3" and c.stats else c for c in cells]
     return cells
+
+
+def v3_hd64_here(case: dict) -> tuple[bool, str]:
+    """Whether v3's column uses v3's kernel for head_dim 64, as vLLM does when head_dim is 64:
+    (True, "") when it loads here; (False, why) when head_dim is 64 and it does not, and its
+    head_dim-128 kernel serves instead; (False, "") for any other head_dim.
+
+    >>> v3_hd64_here(COMPARISON_CASE)
+    (False, '')
+    """
+    from minilib.tpu.v3 import V3Unavailable, load_v3_hd64
+
+    if case["head_dim"] != 64:
+        return False, ""
+    try:
+        load_v3_hd64()
+    except V3Unavailable as err:
+        return False, f"v3's head_dim-128 kernel, as its head_dim-64 kernel is not here: {err}"
+    return True, ""
+
+
+def with_note(cell: Cell, note: str) -> Cell:
+    return dataclasses.replace(cell, note="; ".join(filter(None, (cell.note, note))))
 
 
 def cell_of(program: CompileReport | str, kernel: str, chip: str, config: str,
@@ -284,6 +320,15 @@ def cell_of(program: CompileReport | str, kernel: str, chip: str, config: str,
     if not program.compiled:
         return cell(missing=f"did not compile: {first_line(program.error or '')}")
     stats, note = kernel_for(program, decode=decode_queries is not None), ""
+    mixed = kernel_for(program, decode=False)
+    branches = mixed.branches if kernel == "v3" and mixed else ()
+    if len(branches) == len(V3_HD64_BRANCHES):  # v3's head_dim-64 kernel
+        which = "decode" if decode_queries is not None else "mixed"
+        stats = branches[V3_HD64_BRANCHES.index(which)]
+        note = (
+            "v3's head_dim-64 kernel has a KV-block loop for each kind of sequence "
+            f"({', '.join(V3_HD64_BRANCHES)}): its {which} one, counted by the rule"
+        )
     if stats is None and decode_queries is not None:
         stats = kernel_for(program, decode=False)
         note = (
@@ -293,6 +338,11 @@ def cell_of(program: CompileReport | str, kernel: str, chip: str, config: str,
     if stats is None:
         return cell(missing="no Pallas kernel read: " + "; ".join(program.notes))
     return cell(stats=stats, note=note)
+
+
+# The branches of v3's kernel for head_dim 64, in its program order: its sequence loop runs
+# `process` under `pl.when(seq_idx < decode_end)`, then for prefill, then for mixed sequences.
+V3_HD64_BRANCHES = ("decode", "prefill", "mixed")
 
 
 def first_line(text: str) -> str:
@@ -391,14 +441,21 @@ def describe_case(case: dict, num_kv_pages_per_block: int) -> str:
     kv_dtype = jnp.dtype(case.get("kv_dtype") or dtype)
     tokens = num_kv_pages_per_block * case["page_size"]
     pages = case.get("num_pages") or case["max_num_seqs"] * case["pages_per_seq"]
+    v3_blocks = (
+        f"m_block_sizes=(nq, {tokens}, nq, {tokens}), d_block_sizes=(1, {tokens}, 1, {tokens})"
+    )
+    if case["head_dim"] == 64:  # v3_hd64_here
+        v3_blocks = (
+            f"its head_dim-64 kernel where it loads (num_queries_per_block=nq, "
+            f"num_kv_pages_per_block={num_kv_pages_per_block}), else {v3_blocks}"
+        )
     return (
         f"{short_dtype(dtype)} (cache {short_dtype(kv_dtype)}), {case['num_q_heads']} q / "
         f"{case['num_kv_heads']} KV heads, head_dim {case['head_dim']}, page_size "
         f"{case['page_size']}, {num_kv_pages_per_block} pages ({tokens} tokens) per KV block, "
         f"{case['max_num_batched_tokens']} tokens, {case['max_num_seqs']} sequences of up to "
-        f"{case['pages_per_seq']} pages, a cache of {pages} pages; v3: m_block_sizes="
-        f"(nq, {tokens}, nq, {tokens}), d_block_sizes=(1, {tokens}, 1, {tokens}), vmem_limit_bytes="
-        f"{V3_VMEM_LIMIT_BYTES >> 20} MiB"
+        f"{case['pages_per_seq']} pages, a cache of {pages} pages; v3: {v3_blocks}, "
+        f"vmem_limit_bytes={V3_VMEM_LIMIT_BYTES >> 20} MiB"
     )
 
 

@@ -33,11 +33,12 @@ v3 0.32.0 compiles with jax 0.10.2 and 0.12.0.1. With jax 0.7.2 its import fails
 available: ...".
 
 v3's kernel for head_dim 64, `v3/kernel_hd64.py`, is loaded the same way by `load_v3_hd64`
-(with jax 0.10.2 and 0.12.0.1), with one more step: it imports its table of tuned block
-sizes (`tuned_block_sizes_hd64`), whose module imports tpu_inference's `logger` and `utils`,
-and through them vLLM and torch. Block sizes are always passed here, so that table is never
-read: `load_v3_hd64` registers in its place a module whose `get_tuned_block_sizes` raises,
-saying to pass them.
+(with jax 0.12.0.1: with jax 0.10.2 it imports, but its kernel calls `pltpu.reciprocal`,
+which that jax lacks, so `load_v3_hd64` says no there), with one more step: it imports its
+table of tuned block sizes (`tuned_block_sizes_hd64`), whose module imports tpu_inference's
+`logger` and `utils`, and through them vLLM and torch. Block sizes are always passed here,
+so that table is never read: `load_v3_hd64` registers in its place a module whose
+`get_tuned_block_sizes` raises, saying to pass them.
 
 >>> ok, reason = v3_available()
 >>> ok or "v3" in reason
@@ -68,6 +69,7 @@ __all__ = [
     "load_v3",
     "load_v3_hd64",
     "rpa_v3",
+    "rpa_v3_hd64",
     "v3_available",
     "v3_folder",
     "v3_specs",
@@ -86,6 +88,7 @@ PARENTS = (
 # All that is unpacked and imported, in this order (kernel_hd64.py by `load_v3_hd64` alone).
 FILES = ("util.py", "kernel.py", "kernel_hd64.py")
 OLDEST_JAX = (0, 10, 2)
+HD64_OLDEST_JAX = (0, 12, 0)  # the head_dim-64 kernel calls pltpu.reciprocal
 FETCH_COMMAND = "python -m minilib.tpu.v3 fetch"
 
 
@@ -159,8 +162,7 @@ def v3_available() -> tuple[bool, str]:
     >>> isinstance(ok, bool) and reason.startswith(("v3", "vLLM"))
     True
     """
-    version = tuple(int(part) for part in jax.__version__.split(".")[:3] if part.isdigit())
-    if version < OLDEST_JAX:
+    if jax_version() < OLDEST_JAX:
         oldest = ".".join(map(str, OLDEST_JAX))
         return False, (
             f"vLLM's RPA v3 ({WHEEL}) needs jax {oldest} or newer (with jax 0.7.2 its import "
@@ -175,6 +177,11 @@ def v3_available() -> tuple[bool, str]:
             "nothing), or `python3 tasks.py test`, which does it for .venv-tpu"
         )
     return True, f"v3 from {WHEEL} in {folder}"
+
+
+def jax_version() -> tuple[int, ...]:
+    """This jax's version as numbers: (0, 12, 0, 1) for 0.12.0.1."""
+    return tuple(int(part) for part in jax.__version__.split(".") if part.isdigit())
 
 
 @functools.cache
@@ -215,6 +222,12 @@ def load_v3_hd64() -> types.ModuleType:
     True
     """
     load_v3()  # the bare parent packages and v3's util, patched
+    if jax_version() < HD64_OLDEST_JAX:
+        oldest = ".".join(map(str, HD64_OLDEST_JAX))
+        raise V3Unavailable(
+            f"vLLM's RPA v3 head_dim-64 kernel ({WHEEL}) needs jax {oldest} or newer (it calls "
+            f"pltpu.reciprocal); this is jax {jax.__version__}"
+        )
     tuned = f"{PACKAGE}.tuned_block_sizes_hd64"
     if tuned not in sys.modules:
         sys.modules[tuned] = stand_in = types.ModuleType(tuned)
@@ -293,15 +306,64 @@ def rpa_v3(
     return out
 
 
-def v3_specs(specs: tuple[jax.ShapeDtypeStruct, ...]) -> tuple[jax.ShapeDtypeStruct, ...]:
+def rpa_v3_hd64(
+    q,
+    k,
+    v,
+    kv_cache,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    distribution,  # as for `rpa_v3`
+    *,
+    sm_scale: float,
+    num_queries_per_block: int,
+    kv_tokens_per_block: int,
+    vmem_limit_bytes: int | None,
+    **options,
+):
+    """v3's `ragged_paged_attention_hd64`, its kernel for head_dim 64 (which vLLM calls when
+    head_dim is 64), returning only the attention output; arguments as for `rpa_v3`, the
+    cache in that kernel's layout (`v3_specs(..., hd64=True)`). One kernel serves decode,
+    prefill and mixed sequences, with q blocks of `num_queries_per_block` tokens and KV blocks
+    of `kv_tokens_per_block` tokens, fetched and computed whole. Needs `load_v3_hd64`; here
+    its output's shape, traced without compiling:
+
+    >>> from minilib.tpu.kernel_costs import rpa_specs
+    >>> ours = rpa_specs(num_q_heads=4, num_kv_heads=2, head_dim=64, num_pages=64)
+    >>> run = functools.partial(rpa_v3_hd64, sm_scale=0.125, num_queries_per_block=8,
+    ...                         kv_tokens_per_block=128, vmem_limit_bytes=None)
+    >>> hd64 = v3_available()[0]
+    >>> not hd64 or jax.eval_shape(run, *v3_specs(ours, hd64=True)).shape == (256, 4, 64)
+    True
+    """
+    out, _ = load_v3_hd64().ragged_paged_attention_hd64(
+        q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
+        sm_scale=sm_scale,
+        num_queries_per_block=num_queries_per_block,
+        num_kv_pages_per_block=kv_tokens_per_block // kv_cache.shape[1],
+        vmem_limit_bytes=vmem_limit_bytes,
+        **options,
+    )  # fmt: skip
+    return out
+
+
+def v3_specs(
+    specs: tuple[jax.ShapeDtypeStruct, ...], *, hd64: bool = False
+) -> tuple[jax.ShapeDtypeStruct, ...]:
     """The same case as `specs`, our kernel's arrays (`kernel_costs.rpa_specs`), in `rpa_v3`'s:
-    the new tokens' K and V apart, the cache in v3's own layout (in kv_pages' dtype), the page
+    the new tokens' K and V apart, the cache in v3's own layout (in kv_pages' dtype; with
+    `hd64`, that of its head_dim-64 kernel, K and V side by side in 128 lanes), the page
     table flat, and the distribution of the sequences. Needs v3.
 
     >>> from minilib.tpu.kernel_costs import rpa_specs
     >>> ours = rpa_specs(num_q_heads=4, num_kv_heads=2, num_pages=8192)
     >>> specs = v3_specs(ours) if v3_available()[0] else None
     >>> specs is None or specs[3].shape == (8192, 16, 2, 2, 128)   # (K, V) pairs, packed
+    True
+    >>> ours = rpa_specs(num_q_heads=4, num_kv_heads=2, head_dim=64, num_pages=8192)
+    >>> specs = v3_specs(ours, hd64=True) if v3_available()[0] else None
+    >>> specs is None or specs[3].shape == (8192, 16, 1, 2, 128)   # K and V in 128 lanes
     True
     """
     q, kv_pages, kv_lens, page_indices, cu_q_lens, _ = specs
@@ -310,7 +372,8 @@ def v3_specs(specs: tuple[jax.ShapeDtypeStruct, ...]) -> tuple[jax.ShapeDtypeStr
     max_num_seqs, pages_per_seq = page_indices.shape
     spec = jax.ShapeDtypeStruct
     new_kv = spec((q.shape[0], num_kv_heads, head_dim), kv_dtype)
-    cache = load_v3().get_kv_cache_shape(num_pages, page_size, num_kv_heads, head_dim, kv_dtype)
+    kernel = load_v3_hd64() if hd64 else load_v3()
+    cache = kernel.get_kv_cache_shape(num_pages, page_size, num_kv_heads, head_dim, kv_dtype)
     return (
         q,
         new_kv,  # k
