@@ -113,6 +113,16 @@ def test_the_top_level_is_the_course_and_the_tools_are_in_packages():
     assert packages == {"kernel", "ladder", "engine", "exercises", "explore", "tpu", "perf"}
 
 
+# A module a learner reads in one sitting (the kernel package's reason for being).
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_is_longer_than_a_sitting():
+    long = {name: n for name, path in MODULES.items()
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}  # fmt: skip
+    assert not long, f"over {MAX_MODULE_LINES} lines, split by idea: {long}"
+
+
 def test_minilib_readme_names_every_module():
     """In its tables (`kernel`, `tpu/compile`; an exercise module by its name), and every
     package in the tree (`tpu/`)."""

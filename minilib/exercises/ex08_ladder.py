@@ -37,7 +37,7 @@ from minilib.batch import make_batch
 from minilib.exercises.checking import Case, CheckResult
 from minilib.exercises.decode_mistakes import decode_mistakes
 from minilib.exercises.kernel_checking import check_kernel
-from minilib.exercises.kernel_failures import Names
+from minilib.exercises.kernel_failures import Names, copies_never_overlap, first_page_not_prefetched
 from minilib.kv_cache import pages_needed
 from minilib.ladder.scalar_prefetch import paged_decode_reference
 from minilib.tpu.numerics import BF16_PASS_TOLERANCE, one_bf16_pass
@@ -439,9 +439,9 @@ def _ledger_check(rung: int) -> Callable:
     def check(run, case: Case) -> str | None:
         problem = _copy_through_garbage(run, case, rung)
         if problem is None and rung >= 4:
-            problem = _no_copy_overlaps(run, case)
+            problem = copies_never_overlap(run, case)
         if problem is None and rung == 5:
-            problem = _started_by_the_step_before(run, case)
+            problem = first_page_not_prefetched(run, case)
         return problem
 
     return check
@@ -469,46 +469,6 @@ def _copy_through_garbage(run, case: Case, rung: int) -> str | None:
             )
         name = _page_namer(case)(copy.page)
         return f"a copy of a page no sequence has: {name}. Likely cause: {cause}"
-    return None
-
-
-def _no_copy_overlaps(run, case: Case) -> str | None:
-    """Rungs 4 and 5: page i + 1 of a sequence must be on its way while page i computes, so
-    its copy starts before page i's wait. A kernel that starts each page only after waiting
-    for the one before computes the right answer with the copies never overlapping."""
-    _, kv_pages, kv_lens, page_indices = case.args
-    page_size, table = kv_pages.shape[1], np.asarray(page_indices)
-    later_pages = {}  # page number -> (seq, i), for pages i >= 1 of a sequence
-    for seq, n in enumerate(int(n) for n in np.asarray(kv_lens)):
-        for i in range(1, pages_needed(n, page_size)):
-            later_pages[int(table[seq, i])] = (seq, i)
-    for copy in run.watch.copies:
-        if copy.page in later_pages and copy.in_flight == 0:
-            seq, i = later_pages[copy.page]
-            return (
-                f"page {i} of sequence {seq} was copied only after every earlier copy had been "
-                "waited for: no copy overlaps a compute, so the two slots do not double-buffer. "
-                "Start page i + 1's copy into the other slot *before* waiting for page i."
-            )
-    return None
-
-
-def _started_by_the_step_before(run, case: Case) -> str | None:
-    """Rung 5: the first page of every sequence but the first one with pages must be started by
-    an earlier grid step (grid step s computes sequence s)."""
-    _, kv_pages, kv_lens, page_indices = case.args
-    lens, table = [int(n) for n in np.asarray(kv_lens)], np.asarray(page_indices)
-    with_pages = [s for s, n in enumerate(lens) if n > 0]
-    for seq in with_pages[1:]:
-        first_page = int(table[seq, 0])
-        mine = [c for c in run.watch.copies if c.page == first_page and c.step >= 0]
-        if mine and min(c.step for c in mine) >= seq:
-            return (
-                f"page 0 of sequence {seq} was copied in its own grid step ({seq}): nothing "
-                "overlaps that copy. Prefetching across grid steps means the step before "
-                "starts it, when it computes its last page (next_work); a grid step starts no "
-                "copy of its own, but grid step 0 the very first."
-            )
     return None
 
 

@@ -10,6 +10,8 @@ one paragraph: what happened, then "Likely cause: ...".
 * `interpreter_error`: an out-of-bounds read or write, a revisited output block, or another
   error of JAX's TPU interpreter;
 * `likely_cause`: for a wrong output, the known mistake it matches, or what NaN in it means.
+* `copies_never_overlap`, `first_page_not_prefetched`: a decode rung's copy schedule that
+  computes the right answer but does not double-buffer (rung 4) or prefetch (rung 5).
 
 `Names` says how a report names a kernel's copies (its buffer, its semaphores, a page), and a
 rung's `advice(kind)` may put the likely cause in the rung's own words. JAX's own output (the
@@ -28,6 +30,7 @@ import numpy as np
 from minilib.exercises.checking import Case
 from minilib.exercises.comparisons import compare_arrays
 from minilib.exercises.kernel_run import KernelRun
+from minilib.kv_cache import pages_needed
 from minilib.ladder.watch import Copy, Watch
 from minilib.tpu.numerics import BF16_PASS_TOLERANCE, one_bf16_pass
 
@@ -370,3 +373,46 @@ def likely_cause(out, case: Case, mistakes: dict[str, Callable], pattern: str | 
         "none of the usual mistakes. Run the reference and your kernel on this case, and compare "
         "them row by row (which rows, heads or positions differ?)."
     )
+
+
+# --- the decode rungs' copy schedule, read from the ledger (rungs 4 and 5) ---------------
+
+
+def copies_never_overlap(run: KernelRun, case: Case) -> str | None:
+    """Rungs 4 and 5: page i + 1 of a sequence must be on its way while page i computes, so
+    its copy starts before page i's wait. A kernel that starts each page only after waiting
+    for the one before computes the right answer with the copies never overlapping."""
+    _, kv_pages, kv_lens, page_indices = case.args
+    page_size, table = kv_pages.shape[1], np.asarray(page_indices)
+    later_pages = {}  # page number -> (seq, i), for pages i >= 1 of a sequence
+    for seq, n in enumerate(int(n) for n in np.asarray(kv_lens)):
+        for i in range(1, pages_needed(n, page_size)):
+            later_pages[int(table[seq, i])] = (seq, i)
+    for copy in run.watch.copies:
+        if copy.page in later_pages and copy.in_flight == 0:
+            seq, i = later_pages[copy.page]
+            return (
+                f"page {i} of sequence {seq} was copied only after every earlier copy had been "
+                "waited for: no copy overlaps a compute, so the two slots do not double-buffer. "
+                "Start page i + 1's copy into the other slot *before* waiting for page i."
+            )
+    return None
+
+
+def first_page_not_prefetched(run: KernelRun, case: Case) -> str | None:
+    """Rung 5: the first page of every sequence but the first one with pages must be started by
+    an earlier grid step (grid step s computes sequence s)."""
+    _, kv_pages, kv_lens, page_indices = case.args
+    lens, table = [int(n) for n in np.asarray(kv_lens)], np.asarray(page_indices)
+    with_pages = [s for s, n in enumerate(lens) if n > 0]
+    for seq in with_pages[1:]:
+        first_page = int(table[seq, 0])
+        mine = [c for c in run.watch.copies if c.page == first_page and c.step >= 0]
+        if mine and min(c.step for c in mine) >= seq:
+            return (
+                f"page 0 of sequence {seq} was copied in its own grid step ({seq}): nothing "
+                "overlaps that copy. Prefetching across grid steps means the step before "
+                "starts it, when it computes its last page (next_work); a grid step starts no "
+                "copy of its own, but grid step 0 the very first."
+            )
+    return None
