@@ -215,7 +215,7 @@ def test_every_head_pipeline_matches_jax_reference(heads_in_flight, reload_v, pa
     """The software pipeline over KV heads (`attend_kv_heads`) in the mixed kernel, however
     many heads are in flight (one, some, all 8) and wherever V comes from: the defaults pick
     one per chip, so each is forced here. (The decode kernel takes its own default, all heads,
-    V kept on this batch's strided layout; the other cases reload it.)"""
+    V reloaded on this batch's padded slot (`padded_slot`), kept in TPU interpret mode.)"""
     batch = make_batch(ONE_OF_EACH, num_q_heads=16, num_kv_heads=8, head_dim=128, page_size=8,
                        dtype=jnp.bfloat16)  # fmt: skip
     options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8)

@@ -26,6 +26,7 @@ from minilib.kernel.config import KERNEL_NAMES, LANES, KernelConfig
 from minilib.kernel.copier import KVBlockCopier
 from minilib.kernel.decode import DecodeWalker, decode_batch, split_configs
 from minilib.kernel.heads_in_flight import with_head_pipeline
+from minilib.kernel.padded_slot import slots_scratch
 from minilib.kernel.strided import can_load_kv_strided
 from minilib.kernel.table import clamp_tables
 from minilib.kernel.tracing import with_trace
@@ -256,17 +257,7 @@ def rpa_pallas_call(
         out_shape.append(jax.ShapeDtypeStruct((1 + trace_capacity, TRACE_FIELDS), jnp.int32))
     rows = c.rows_per_kv_head
     scratch_shapes = [
-        pltpu.VMEM(  # kv_bufs: two slots of one KV block each, head_dim in lane blocks
-            (
-                2,
-                c.lane_blocks,
-                c.num_kv_pages_per_block,
-                c.page_size,
-                2 * c.num_kv_heads_per_block,
-                head_dim // c.lane_blocks,
-            ),
-            kv_pages.dtype,
-        ),  # fmt: skip
+        slots_scratch(c, kv_pages.dtype),  # kv_bufs: two slots of one KV block each
         pltpu.SemaphoreType.DMA((2,)),  # sems: one per slot
         pltpu.VMEM((c.num_kv_heads_per_block, rows, LANES), jnp.float32),  # m_ref
         pltpu.VMEM((c.num_kv_heads_per_block, rows, LANES), jnp.float32),  # l_ref
