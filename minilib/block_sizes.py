@@ -222,10 +222,10 @@ def default_decode_seqs_per_block(max_num_seqs: int, bytes_per_seq: int) -> int:
 # and holding V on top of that spills (head_dim 64, decode on v5e: 2306 bundles with V kept, 2024
 # reloaded). Beyond that, loading V again costs fewer bundles and far fewer spills (and keeps the
 # spills within JAX's kernel's at 8 q rows), except on v4, where the second load costs more than any
-# spill. A bf16 cache on the strided load now sits in a padded slot (`minilib.kernel.padded_slot`),
-# whose loads are whole: there loading V again pays wherever reloading pays at all, V kept or not
-# above (libtpu 0.0.50.1, padded: decode v5e 518 -> 482, v6e 652 -> 606, TPU7x 675 -> 618, no
-# spills; v5e 32 q rows, one head at a time, 1264 -> 1249).
+# spill. On TPU7x a bf16 cache on the strided load sits in a padded slot
+# (`minilib.kernel.padded_slot`), whose loads are whole: there loading V again pays wherever
+# reloading pays at all, V kept or not above (libtpu 0.0.50.1, decode: TPU7x 675 -> 618, no
+# spills; with the padded slot forced, v5e 518 -> 482, v6e 652 -> 606).
 SCORE_REGISTERS_FOR_ALL_HEADS = {"v4": 8, "v5e": 8, "v5p": 8}  # chips not named: no limit
 RELOADING_V_PAYS = {"v4": False}  # chips not named: True
 KEEP_V_REGISTERS = 72
