@@ -222,7 +222,10 @@ def default_decode_seqs_per_block(max_num_seqs: int, bytes_per_seq: int) -> int:
 # and holding V on top of that spills (head_dim 64, decode on v5e: 2306 bundles with V kept, 2024
 # reloaded). Beyond that, loading V again costs fewer bundles and far fewer spills (and keeps the
 # spills within JAX's kernel's at 8 q rows), except on v4, where the second load costs more than any
-# spill.
+# spill. On TPU7x a bf16 cache on the strided load sits in a padded slot
+# (`minilib.kernel.padded_slot`), whose loads are whole: there loading V again pays wherever
+# reloading pays at all, V kept or not above (libtpu 0.0.50.1, decode: TPU7x 675 -> 618, no
+# spills; with the padded slot forced, v5e 518 -> 482, v6e 652 -> 606).
 SCORE_REGISTERS_FOR_ALL_HEADS = {"v4": 8, "v5e": 8, "v5p": 8}  # chips not named: no limit
 RELOADING_V_PAYS = {"v4": False}  # chips not named: True
 KEEP_V_REGISTERS = 72
@@ -230,15 +233,20 @@ KEEP_V_REGISTERS = 72
 
 def default_head_pipeline(
     *, rows: int, kv_tokens: int, head_dim: int, num_kv_heads: int, itemsize: int,
-    strided: bool = True, chip: str | None = None,
+    strided: bool = True, padded: bool = False, chip: str | None = None,
 ) -> tuple[int, bool]:  # fmt: skip
     """(heads in flight, reload V) for a KV head's `rows` of scores against `kv_tokens` keys
     (see the table above). `itemsize`: bytes per value of the compute dtype (V's on the MXU);
-    `strided`: whether K and V come from the strided load. `chip` None: `current_chip()`.
+    `strided`: whether K and V come from the strided load; `padded`: whether from a padded slot
+    (`minilib.kernel.padded_slot`), whose loads are whole: there V is loaded again wherever
+    reloading pays at all (see the table's last lines). `chip` None: `current_chip()`.
 
     >>> default_head_pipeline(rows=4, kv_tokens=128, head_dim=128, num_kv_heads=8,
     ...                       itemsize=2, chip="v6e")        # decode: all heads, V kept
     (8, False)
+    >>> default_head_pipeline(rows=4, kv_tokens=128, head_dim=128, num_kv_heads=8,
+    ...                       itemsize=2, padded=True, chip="v6e")   # ... V reloaded, padded
+    (8, True)
     >>> default_head_pipeline(rows=32, kv_tokens=128, head_dim=128, num_kv_heads=8,
     ...                       itemsize=2, chip="v6e")        # 8 q rows: all heads, V reloaded
     (8, True)
@@ -252,7 +260,7 @@ def default_head_pipeline(
     v_registers = math.ceil(kv_tokens / v_rows_per_register) * math.ceil(head_dim / 128)
     limit = SCORE_REGISTERS_FOR_ALL_HEADS.get(chip)
     heads = num_kv_heads if limit is None or score_registers <= limit else 1
-    v_fits = strided and heads * (score_registers + v_registers) <= KEEP_V_REGISTERS
+    v_fits = strided and not padded and heads * (score_registers + v_registers) <= KEEP_V_REGISTERS
     return heads, RELOADING_V_PAYS.get(chip, True) and not v_fits
 
 

@@ -12,7 +12,8 @@ Which path of the kernel each test covers:
   still being read changes the answer. The race tests add the race detector.
 - The compiled path reads each KV head with one strided load through a flat 32-bit view of
   the slot (`load_kv_head_strided`). Plain `interpret=True` can run that (it can view refs, but
-  does not simulate DMA timing): `test_strided_kv_loads_match_jax_reference`.
+  does not simulate DMA timing): `test_strided_kv_loads_match_jax_reference`, and with TPU7x's
+  padded slot, `test_padded_slot_matches_jax_reference`.
 - `ragged_paged_attention` runs two kernels: the decode kernel on the one-token sequences, the
   mixed kernel on the others. Every parity test above runs both; the decode tests below also
   give the decode kernel several grid steps and watch every copy (`watch_kernel`).
@@ -195,6 +196,28 @@ def test_strided_kv_loads_match_jax_reference(name):
     options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8, **options)
     config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
     assert can_load_kv_strided(config, interpret=True)
+    out, _ = _rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
+    assert_output_matches_jax(out, batch, **options)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "bfloat16, 8 KV heads",
+        "bfloat16, two heads blocks",
+        "bfloat16, head_dim 256 (a strided load per lane block)",
+    ],
+)
+def test_padded_slot_matches_jax_reference(name):
+    """The padded slot of TPU7x (`padded_slot`: a bf16 slot as words, a spare row per token),
+    forced here (a CPU is no TPU7x), in both kernels, run by plain `interpret=True`."""
+    batch_options, options = STRIDED_CASES[name]
+    batch_options = {"head_dim": 128, **batch_options}
+    num_kv_heads = batch_options["num_kv_heads"]
+    batch = make_batch(ONE_OF_EACH, num_q_heads=2 * num_kv_heads, page_size=8, **batch_options)
+    options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8, **options)
+    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
+    config = dataclasses.replace(config, padded_slot=True)
     out, _ = _rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 

@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from minilib.block_sizes import (
+    current_chip,
     default_block_sizes,
     default_decode_seqs_per_block,
     num_kv_heads_per_block,
@@ -26,6 +27,7 @@ from minilib.kernel.config import KERNEL_NAMES, LANES, KernelConfig
 from minilib.kernel.copier import KVBlockCopier
 from minilib.kernel.decode import DecodeWalker, decode_batch, split_configs
 from minilib.kernel.heads_in_flight import with_head_pipeline
+from minilib.kernel.padded_slot import PADDED_SLOT_CHIPS, slots_scratch
 from minilib.kernel.strided import can_load_kv_strided
 from minilib.kernel.table import clamp_tables
 from minilib.kernel.tracing import with_trace
@@ -170,6 +172,7 @@ def kernel_config(
         q_itemsize=q.dtype.itemsize,
         kv_itemsize=kv_pages.dtype.itemsize,
         decode_seqs_per_block=default_decode_seqs_per_block(max_num_seqs, bytes_per_q_row),
+        padded_slot=current_chip() in PADDED_SLOT_CHIPS,
     )
     return with_head_pipeline(config)
 
@@ -256,17 +259,7 @@ def rpa_pallas_call(
         out_shape.append(jax.ShapeDtypeStruct((1 + trace_capacity, TRACE_FIELDS), jnp.int32))
     rows = c.rows_per_kv_head
     scratch_shapes = [
-        pltpu.VMEM(  # kv_bufs: two slots of one KV block each, head_dim in lane blocks
-            (
-                2,
-                c.lane_blocks,
-                c.num_kv_pages_per_block,
-                c.page_size,
-                2 * c.num_kv_heads_per_block,
-                head_dim // c.lane_blocks,
-            ),
-            kv_pages.dtype,
-        ),  # fmt: skip
+        slots_scratch(c, kv_pages.dtype),  # kv_bufs: two slots of one KV block each
         pltpu.SemaphoreType.DMA((2,)),  # sems: one per slot
         pltpu.VMEM((c.num_kv_heads_per_block, rows, LANES), jnp.float32),  # m_ref
         pltpu.VMEM((c.num_kv_heads_per_block, rows, LANES), jnp.float32),  # l_ref

@@ -65,6 +65,9 @@ class KernelConfig(AttentionOptions):
     # `with_head_pipeline`.
     heads_in_flight: int = 1
     reload_v: bool = False
+    # A bf16 slot held as words with a spare row per token (the lever of `padded_slot`), set
+    # by `kernel_config` on the chips of `padded_slot.PADDED_SLOT_CHIPS`.
+    padded_slot: bool = False
 
     @property
     def score_scale(self) -> float:

@@ -13,6 +13,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from minilib.kernel.lane_blocks import lane_columns
+from minilib.kernel.padded_slot import as_words, pads_slot
 from minilib.kernel.table import SeqTable, Work
 
 __all__: list[str] = []  # the kernel body's own: see `KVBlockCopier`
@@ -22,7 +23,8 @@ class KVBlockCopier:
     """Starts and waits for the page copies of one KV block into one slot of `kv_bufs`.
 
     Page i of a KV block goes to `kv_bufs[slot, :, i]`: one copy per page, or per page and
-    lane block when head_dim is held in several blocks of 128 lanes (`lane_blocks`).
+    lane block when head_dim is held in several blocks of 128 lanes (`lane_blocks`). A bf16
+    slot read by the strided load is held as words, with a spare row per token (`padded_slot`).
     """
 
     def __init__(self, kv_pages_hbm_ref, kv_bufs, sems, batch: SeqTable):
@@ -35,7 +37,8 @@ class KVBlockCopier:
 
     def buffer(self, slot):
         """The VMEM buffer of a slot: [lane_blocks, num_kv_pages_per_block, page_size,
-        2*kvh_per_blk, head_dim // lane_blocks]."""
+        2*kvh_per_blk, head_dim // lane_blocks], or padded (`padded_slot`) [...,
+        kvh_per_blk + 1, 1, head_dim // lane_blocks] words."""
         return self.kv_bufs.at[slot]
 
     def start(self, work: Work, slot):
@@ -70,9 +73,8 @@ class KVBlockCopier:
             combined_heads = slice(None)
         page = self.batch.page(work.seq, page_pos)
         for f, lanes in lane_columns(c):
-            copy = pltpu.make_async_copy(
-                self.kv_pages_hbm_ref.at[page, :, combined_heads, lanes],  # [ps, 2*kvh, width]
-                self.buffer(slot).at[f, i],  # [page_size, 2*num_kv_heads_per_block, width]
-                self.sems.at[slot],
-            )
-            action(copy)
+            source = self.kv_pages_hbm_ref.at[page, :, combined_heads, lanes]  # [ps, 2*kvh, width]
+            target = self.buffer(slot).at[f, i]  # [page_size, 2*num_kv_heads_per_block, width]
+            if pads_slot(c):  # the same bytes, as words, a spare row per token (`padded_slot`)
+                source, target = as_words(source, target, c)
+            action(pltpu.make_async_copy(source, target, self.sems.at[slot]))

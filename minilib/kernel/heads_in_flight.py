@@ -23,6 +23,7 @@ import dataclasses
 from minilib.block_sizes import default_head_pipeline
 from minilib.kernel.config import KernelConfig
 from minilib.kernel.kv_load import load_kv_for_mxu
+from minilib.kernel.padded_slot import pads_slot
 from minilib.kernel.softmax import OnlineSoftmax, ScoreMask
 from minilib.kernel.strided import can_load_kv_strided
 
@@ -32,13 +33,15 @@ __all__: list[str] = []  # the kernel body's own: see `attend_kv_heads`
 def with_head_pipeline(config: KernelConfig) -> KernelConfig:
     """`config` with the default software pipeline over KV heads for its rows per KV head
     (`block_sizes.default_head_pipeline`)."""
+    strided = can_load_kv_strided(config)
     heads, reload_v = default_head_pipeline(
         rows=config.rows_per_kv_head,
         kv_tokens=config.kv_tokens_per_block,
         head_dim=config.head_dim,
         num_kv_heads=config.num_kv_heads_per_block,
         itemsize=config.q_itemsize,
-        strided=can_load_kv_strided(config),
+        strided=strided,
+        padded=pads_slot(config, strided),
     )
     return dataclasses.replace(config, heads_in_flight=heads, reload_v=reload_v)
 

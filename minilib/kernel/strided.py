@@ -26,6 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 from minilib.block_sizes import packing, packing_of_size
 from minilib.kernel.config import LANES, KernelConfig
 from minilib.kernel.fp8 import KV_HEADS_PER_WORD
+from minilib.kernel.padded_slot import pads_slot, word_rows
 
 __all__: list[str] = []  # the kernel body's own: see `load_kv_head_strided`
 
@@ -60,14 +61,18 @@ def load_kv_head_strided(kv_lanes, kv_head: int, config: KernelConfig):
     """
     c = config
     tokens = c.kv_tokens_per_block
-    flat = kv_lanes.reshape(tokens * 2 * c.num_kv_heads_per_block, LANES)
-    if packing(kv_lanes.dtype) == 1:  # f32: one row per combined head
-        stride = 2 * c.num_kv_heads_per_block
-        k = flat[pl.ds(2 * kv_head, tokens, stride=stride), :]
-        v = flat[pl.ds(2 * kv_head + 1, tokens, stride=stride), :]
-        return k, v
-    words = flat.bitcast(jnp.uint32)  # [tokens * kvh, 128]: one (K, V) pair per row
-    pair = words[pl.ds(kv_head, tokens, stride=c.num_kv_heads_per_block), :]  # [tokens, 128]
+    if pads_slot(c):  # words already, a spare row per token (`padded_slot`)
+        words, rows_per_token = word_rows(kv_lanes, c)
+    else:
+        flat = kv_lanes.reshape(tokens * 2 * c.num_kv_heads_per_block, LANES)
+        if packing(kv_lanes.dtype) == 1:  # f32: one row per combined head
+            stride = 2 * c.num_kv_heads_per_block
+            k = flat[pl.ds(2 * kv_head, tokens, stride=stride), :]
+            v = flat[pl.ds(2 * kv_head + 1, tokens, stride=stride), :]
+            return k, v
+        words = flat.bitcast(jnp.uint32)  # [tokens * kvh, 128]: one (K, V) pair per row
+        rows_per_token = c.num_kv_heads_per_block
+    pair = words[pl.ds(kv_head, tokens, stride=rows_per_token), :]  # [tokens, 128]
     k = lax.bitcast_convert_type(pair.astype(jnp.uint16), jnp.bfloat16)
     v = lax.bitcast_convert_type(pair & jnp.uint32(0xFFFF0000), jnp.float32)
     return k, v
