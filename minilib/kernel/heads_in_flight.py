@@ -4,8 +4,9 @@ What it saves. The MXU takes matmuls in program order and returns each result lo
 went in. One head at a time, the MXU idles while the vector units compute a head's softmax,
 and the other way round. With `heads_in_flight` heads' Q·K (and softmax statistics) issued
 before the first of their P·V, both work at once; V is loaded again for its P·V (`reload_v`)
-where keeping it would spill. Bundles per KV block, static estimates (`python -m minilib
-compile`, 32 q / 8 KV heads, head_dim 128, 128 tokens per KV block):
+where keeping it would spill. Bundles per KV block, static estimates, as measured when the
+lever was written (libtpu 0.0.42.1, before the padded slot; `python -m minilib compile` gives
+today's figures), 32 q / 8 KV heads, head_dim 128, 128 tokens per KV block:
 * P·V of head h - 1 after Q·K of head h (one head in flight): v5e 1451 -> 1408 at 32 q per
   block, 1062 -> 950 at 8 q; v6e 1925 -> 1585, 1129 -> 1065 (spills up, v5e 32 q 704 -> 940 KiB).
 * Deeper where it pays (`block_sizes.default_head_pipeline`, a per-chip table): v5e 32 q
