@@ -59,6 +59,7 @@ from minilib.kernel import (
     rpa_pallas_call,
     split_configs,
 )
+from minilib.kernel.padded_slot import pads_slot
 from minilib.ladder.interpret import detecting_races, strict_interpret_params
 from minilib.ladder.watch import watch_kernel
 
@@ -178,6 +179,16 @@ STRIDED_CASES = {
 }
 
 
+def strided_case(name: str):
+    """One of STRIDED_CASES: its batch (head_dim 128 unless it says), options and config."""
+    batch_options, options = STRIDED_CASES[name]
+    batch_options = {"head_dim": 128, **batch_options}
+    num_kv_heads = batch_options["num_kv_heads"]
+    batch = make_batch(ONE_OF_EACH, num_q_heads=2 * num_kv_heads, page_size=8, **batch_options)
+    options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8, **options)
+    return batch, options, kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
+
+
 @pytest.mark.parametrize(
     "name",
     one_case_per_path(
@@ -189,12 +200,7 @@ STRIDED_CASES = {
 )
 def test_strided_kv_loads_match_jax_reference(name):
     """The compiled path's strided K/V loads, in both kernels, run by plain `interpret=True`."""
-    batch_options, options = STRIDED_CASES[name]
-    batch_options = {"head_dim": 128, **batch_options}
-    num_kv_heads = batch_options["num_kv_heads"]
-    batch = make_batch(ONE_OF_EACH, num_q_heads=2 * num_kv_heads, page_size=8, **batch_options)
-    options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8, **options)
-    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
+    batch, options, config = strided_case(name)
     assert can_load_kv_strided(config, interpret=True)
     out, _ = _rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
@@ -211,13 +217,9 @@ def test_strided_kv_loads_match_jax_reference(name):
 def test_padded_slot_matches_jax_reference(name):
     """The padded slot of TPU7x (`padded_slot`: a bf16 slot as words, a spare row per token),
     forced here (a CPU is no TPU7x), in both kernels, run by plain `interpret=True`."""
-    batch_options, options = STRIDED_CASES[name]
-    batch_options = {"head_dim": 128, **batch_options}
-    num_kv_heads = batch_options["num_kv_heads"]
-    batch = make_batch(ONE_OF_EACH, num_q_heads=2 * num_kv_heads, page_size=8, **batch_options)
-    options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8, **options)
-    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
+    batch, options, config = strided_case(name)
     config = dataclasses.replace(config, padded_slot=True)
+    assert pads_slot(config, strided=can_load_kv_strided(config, interpret=True))
     out, _ = _rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 
