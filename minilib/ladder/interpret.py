@@ -76,17 +76,16 @@ def strict_interpret_params(
     options = {k: v for k, v in strict.items() if k in _FIELDS}
     cores = "num_cores_or_threads" if "num_cores_or_threads" in _FIELDS else "num_cores_per_device"
     options[cores] = num_cores
-    options.update(REPORT_RACES)
     if random_seed is not None:
         options["random_seed"] = random_seed
     if grid_point_recorder is not None:
         options["grid_point_recorder"] = grid_point_recorder
-    return pltpu.InterpretParams(**options)
+    return detecting_races(pltpu.InterpretParams(**options))
 
 
 def detecting_races(params: pltpu.InterpretParams | None = None) -> pltpu.InterpretParams:
     """`params` (default: the plain interpret mode) with the race detector on, reporting races
-    rather than raising them, as `strict_interpret_params` does.
+    rather than raising them (`strict_interpret_params` is made so too).
 
     >>> detecting_races().detect_races
     True
