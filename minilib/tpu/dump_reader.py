@@ -24,6 +24,7 @@ import collections
 import dataclasses
 import importlib.metadata
 import linecache
+import math
 import re
 from pathlib import Path
 
@@ -32,9 +33,14 @@ __all__ = [
     "COUNTING_RULE",
     "DUMP_FLAGS",
     "KernelStats",
+    "PATH_RULES",
+    "PathsNotRead",
     "branch_kv_block_loops",
+    "branches",
     "count_ops",
+    "delay_slots",
     "kv_block_loop",
+    "kv_block_paths",
     "loop_bodies",
     "loop_extents",
     "op_kinds",
@@ -76,6 +82,12 @@ class KernelStats:
     source_code: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
     # The ops of the KV-block loop by kind (`op_kinds`): (("vector load", 553), ...)
     loop_op_kinds: tuple[tuple[str, int], ...] = ()
+    # Paths through one pass of that loop, following its branches (`kv_block_paths`): the
+    # longest, and the shortest that holds every matmul and a page copy (an interior block's
+    # stand-in). None where the loop was not counted or its branches were not read (a note
+    # says why).
+    longest_path: int | None = None
+    interior_path: int | None = None
     # A kernel with a KV-block loop per branch (`branch_kv_block_loops`): each branch's figures,
     # in program order; its own bundles_per_kv_block is then None.
     branches: tuple[KernelStats, ...] = ()
@@ -281,6 +293,204 @@ def kv_block_loop(bundles: list[Bundle]) -> tuple[int, int] | None:
     return max(holding)[2] if holding else None
 
 
+# The two paths `kv_block_paths` follows through one pass of the KV-block loop, for every
+# kernel alike. A pass runs from the loop's first bundle to its back edge, and at each branch
+# either falls through or jumps to its target.
+PATH_RULES = (
+    "longest path = the most bundles one pass of the KV-block loop can issue, following its "
+    "branches; interior path = the fewest bundles of a pass that issues every matmul and a page "
+    "copy (an interior KV block's path: the next block's copy started, no first-block or "
+    "last-block work; the listing does not say which branch an interior block takes, so this "
+    "is the shortest pass that does an interior block's work); an inner loop counted once"
+)
+# A branch, as libtpu 0.0.50.1 prints it: `%7 = sbr.rel (%p3_p1) target = $region157`
+# (`(!%p..)` when it jumps on false). Its target is the bundle whose comment says the region
+# starts there: `/* Start region 157 */`, or `/* Start/End empty region 157 */`, a region
+# with no bundle of its own (the branch jumps over everything up to there). A loop's back edge
+# jumps to the region that starts at its `LB` bundle.
+BRANCH = re.compile(r"=\s*sbr\.rel\b[^;]*?target = \$region(\d+)")
+REGION_START = re.compile(r"Start(?:/End empty)? region (\d+)\b")
+# A page copy into VMEM: the copy of a KV block's pages (the next block's, in a pass).
+PAGE_COPY = re.compile(r"=\s*dma\.hbm_to_vmem\b")
+# A cut-down real listing (v5e, operands shortened; a branch's delay slots are the 4 bundles
+# after it): a KV-block loop (0x1 to 0x15) that skips the next block's copy (0x7) on the last
+# block, skips the first block's initialisation (0xe, 0xf) on every other block, then issues
+# its matmul and jumps back (0x11) to the region that starts at 0x1.
+EXAMPLE_BRANCHES = "\n".join([
+    "   0x0   :  { %s1 = smov 0 }",
+    "   0x1 LB: > { %p2_p8 = scmp.ge.s32.totalorder %s1158_s24, 1 } /* Start region 648 */",
+    "   0x2   : > { %1167 = sbr.rel (%p2_p8) target = $region157 }",
+    "   0x3   : > { %s8997_s8 = sshll.u32 (!%p2_p8), %s1160_s30, 3 }",
+    "   0x4   : > {}",
+    "   0x5   : > {}",
+    "   0x6   : > {} /* End region 156 */",
+    "   0x7   : > { %7031 = dma.hbm_to_vmem [thread:$0]  %s1458_s13, 2048, %s1460_s14 } "
+    "/* Start region 158 */",
+    "   0x8 PF: > { %8174 = dma.done.wait %s9264_s26, 2048 } /* Start/End empty region 157 */",
+    "   0x9   : > { %1590 = sbr.rel (!%p1162_p6) target = $region160 }",
+    "   0xa   : > {}",
+    "   0xb   : > {}",
+    "   0xc   : > {}",
+    "   0xd   : > {} /* End region 159 */",
+    "   0xe   : > { %585 = vst [vmem:[#allocation5] sm:$0xf] %v4804_v5 } /* Start region 161 */",
+    "   0xf   : > { %586 = vst [vmem:[#allocation5 + $0x4] sm:$0xf] %v4804_v5 }",
+    "  0x10 PF: > { %v281 = vmatmul.bf16.gmra.mxu0 %v592_v40 } /* Start/End empty region 160 */",
+    "  0x11   : > { %v4558_v31 = vpop.f32.mrf.mxu3  ;;  %1154 = sbr.rel (!%p1151_p3) "
+    "target = $region648 }",
+    "  0x12   : > { %v4568_v2 = vadd.f32 %v4564_v7, %v4558_v31 }",
+    "  0x13   : > {}",
+    "  0x14   : > { %v4572_v37 = vsel %vm10064_vm0, %v4568_v2, %v4539_v28 }",
+    "  0x15   : > { %4576 = vst [vmem:[#allocation7 + $0x8] sm:$0xff] %v4572_v37 }",
+    "  0x16   :  { %366 = dma.vmem_to_hbm [thread:$0]  %s359_s10 }",
+])  # fmt: skip
+
+
+class PathsNotRead(ValueError):
+    """The branches of a KV-block loop do not fit the model of `kv_block_paths`: its paths
+    are not counted (never guessed), and the message says which branch, and why.
+
+    >>> bundles = parse_bundles(EXAMPLE_BRANCHES.replace("$region157", "$region9"))
+    >>> kv_block_paths(bundles, kv_block_loop(bundles))
+    Traceback (most recent call last):
+    ...
+    minilib.tpu.dump_reader.PathsNotRead: the branch at 0x2: its target region starts at no bundle
+    """
+
+
+def branches(bundles: list[Bundle]) -> list[tuple[int, int | None]]:
+    """(index of each branch bundle, index of the bundle its target region starts at), in
+    order; None when no bundle starts the target region.
+
+    >>> bundles = parse_bundles(EXAMPLE_BRANCHES)
+    >>> [(hex(bundles[b].address), hex(bundles[t].address)) for b, t in branches(bundles)]
+    [('0x2', '0x8'), ('0x9', '0x10'), ('0x11', '0x1')]
+    """
+    starts: dict[int, int] = {}
+    for i, bundle in enumerate(bundles):
+        for m in REGION_START.finditer(bundle.text):
+            starts.setdefault(int(m.group(1)), i)
+    return [
+        (i, starts.get(int(m.group(1))))
+        for i, bundle in enumerate(bundles)
+        for m in BRANCH.finditer(COMMENT.sub("", bundle.text))
+    ]
+
+
+def delay_slots(bundles: list[Bundle]) -> int:
+    """How many bundles after a branch issue whether it jumps or not (its delay slots).
+
+    The listing does not print them, but it bounds them: no region starts in a branch's
+    delay slots (they run on both paths), so there are fewer than the shortest distance from a
+    branch to the next bundle that starts a region or carries a tag. The compiler pads the
+    slots it cannot fill with empty bundles. In libtpu 0.0.50.1's listings the bound is 4 on
+    v5e and v6e (a branch is followed by 4 bundles, often empty `{}`, then its fall-through
+    region) and 1 on TPU7x. On TPU7x a few branches are followed by up to 6 bundles whose
+    ops are predicated on the branch's condition, as if they were delay slots: there a jump
+    may issue up to 5 bundles more than the paths count.
+
+    >>> delay_slots(parse_bundles(EXAMPLE_BRANCHES))   # 0x2: slots 0x3 to 0x6, 0x7 a region
+    4
+    """
+    starts = [
+        i for i, bundle in enumerate(bundles) if bundle.tag or REGION_START.search(bundle.text)
+    ]
+    gaps = [min((j - b for j in starts if j > b), default=None) for b, _ in branches(bundles)]
+    gaps = [gap for gap in gaps if gap is not None]
+    if not gaps:
+        raise PathsNotRead("no branch is followed by a region: its delay slots are not known")
+    return min(gaps) - 1
+
+
+def pass_successors(bundles: list[Bundle], loop: tuple[int, int]) -> dict[int, list[int]]:
+    """For each bundle of `loop` ([start, end)), the bundles a pass can issue next (`end`:
+    the pass is over). After a branch's delay slots a pass falls through or jumps to its
+    target. The back edge (the branch to the loop's first bundle) is not followed: the pass
+    runs on to the loop's last bundle, its delay slots and, on TPU7x, the few bundles after
+    them that the listing prints at the loop's depth (the loop's own work, as `loop_bodies`
+    counts it). An inner loop's back edge is not followed either: its body is counted once,
+    as `COUNTING_RULE` counts it. Raises `PathsNotRead` for a branch that does not fit: a
+    target region that starts nowhere, or out of the loop, or in the branch's own delay
+    slots, or a branch in another's delay slots.
+
+    >>> bundles = parse_bundles(EXAMPLE_BRANCHES)
+    >>> nexts = pass_successors(bundles, kv_block_loop(bundles))
+    >>> nexts[6], nexts[13], nexts[21]   # after 0x2's delay slots; after 0x9's; the last one
+    ([7, 8], [14, 16], [22])
+    """
+    start, end = loop
+    nexts = {i: [i + 1] for i in range(start, end)}
+    in_loop = [(branch, target) for branch, target in branches(bundles) if start <= branch < end]
+    delay = delay_slots(bundles) if in_loop else 0
+    in_slots: set[int] = set()
+    for branch, target in in_loop:
+        where = f"the branch at {hex(bundles[branch].address)}"
+        if target is None:
+            raise PathsNotRead(f"{where}: its target region starts at no bundle")
+        if branch in in_slots:
+            raise PathsNotRead(f"{where} is in the delay slots of the branch before it")
+        in_slots.update(range(branch + 1, branch + delay + 1))
+        last = min(branch + delay, end - 1)  # its last delay slot (in the listing's loop)
+        if target == start:  # the back edge: the pass runs on to the loop's last bundle
+            continue
+        if start < target <= branch:  # an inner loop's back edge: one pass of that loop
+            continue
+        elif branch + delay < target < end:
+            nexts[last].append(target)
+        else:
+            raise PathsNotRead(
+                f"{where} jumps to {hex(bundles[target].address)}, out of the loop "
+                f"({hex(bundles[start].address)} to {hex(bundles[end - 1].address)}) or into "
+                f"its own {delay} delay slots"
+            )
+    return nexts
+
+
+def kv_block_paths(bundles: list[Bundle], loop: tuple[int, int]) -> tuple[int, int]:
+    """(longest path, interior path) of `PATH_RULES`: bundles a pass of `loop` issues,
+    following its branches (`pass_successors`). Raises `PathsNotRead` when a branch does not
+    fit, or no pass issues every matmul of the loop and a page copy.
+
+    The bundles of the listing's loop after its back edge's delay slots are on no path, so
+    interior <= longest <= the loop's length. In the example (21 bundles), a pass may skip the
+    next block's copy (0x7, the last block), and the first block's initialisation (0xe, 0xf,
+    every other block):
+
+    >>> bundles = parse_bundles(EXAMPLE_BRANCHES)
+    >>> loop = kv_block_loop(bundles)
+    >>> loop[1] - loop[0], kv_block_paths(bundles, loop)
+    (21, (21, 19))
+    """
+    start, end = loop
+    nexts = pass_successors(bundles, loop)
+    # matmuls_before[i]: matmul bundles of the loop before bundle i; a jump from i to j skips
+    # a matmul when matmuls_before[j] > matmuls_before[i + 1].
+    matmuls_before = {start: 0}
+    for i in range(start, end):
+        matmuls_before[i + 1] = matmuls_before[i] + (count_ops([bundles[i]], MATMUL) > 0)
+    longest = {end: 0}
+    # fewest[i, copied]: the fewest bundles from i to the end of the pass, without skipping a
+    # matmul, and with a page copy on the way unless `copied` (one was issued before i).
+    fewest = {(end, True): 0, (end, False): math.inf}
+    for i in reversed(range(start, end)):
+        longest[i] = 1 + max(longest[j] for j in nexts[i])
+        copies = count_ops([bundles[i]], PAGE_COPY) > 0
+        for copied in (False, True):
+            fewest[i, copied] = 1 + min(
+                (
+                    fewest[j, copied or copies]
+                    for j in nexts[i]
+                    if matmuls_before[j] == matmuls_before[i + 1]
+                ),
+                default=math.inf,
+            )
+    if math.isinf(fewest[start, False]):
+        raise PathsNotRead(
+            f"no pass of the loop at {hex(bundles[start].address)} issues every matmul and a "
+            "page copy"
+        )
+    return longest[start], fewest[start, False]
+
+
 # What a bundle's ops do, by mnemonic (the word after "="), for `op_kinds`. Pushing weights
 # into the MXU, streaming rows through it and popping results are all "MXU"; the EUP computes
 # exponentials and reciprocals; everything else starting with "v" is vector ALU work (selects,
@@ -409,16 +619,24 @@ def kernel_stats(name: str, bundles_text: str, allocations_text: str | None):
         notes.append(f"{name}: no VMEM allocations found in the dump ({dump_hint()})")
     branch_loops = branch_kv_block_loops(bundles)
     branches = tuple(
-        loop_stats(f"{name}, branch {i} of {len(branch_loops)}", bundles, branch, usage)
+        loop_stats(f"{name}, branch {i} of {len(branch_loops)}", bundles, branch, usage, notes)
         for i, branch in enumerate(branch_loops, 1)
     )
-    stats = loop_stats(name, bundles, None if branches else loop, usage)
+    stats = loop_stats(name, bundles, None if branches else loop, usage, notes)
     return dataclasses.replace(stats, branches=branches), notes
 
 
-def loop_stats(name: str, bundles: list[Bundle], loop: tuple[int, int] | None, usage):
-    """The `KernelStats` of a kernel, its KV-block loop being `loop` (None: none counted)."""
+def loop_stats(name: str, bundles: list[Bundle], loop: tuple[int, int] | None, usage, notes):
+    """The `KernelStats` of a kernel, its KV-block loop being `loop` (None: none counted).
+    When the loop's branches do not fit `kv_block_paths`, its paths are None and `notes` gets
+    a line saying why."""
     body = bundles[loop[0] : loop[1]] if loop else bundles
+    paths = (None, None)
+    if loop:
+        try:
+            paths = kv_block_paths(bundles, loop)
+        except PathsNotRead as err:
+            notes.append(f"{name}: paths through the KV-block loop not counted: {err}")
     ops = ops_by_source_line(body)
     top = [(f"{short_path(path)}:{line}", n, linecache.getline(path, line).strip())
            for (path, line), n in ops.most_common(8)]  # fmt: skip
@@ -426,6 +644,8 @@ def loop_stats(name: str, bundles: list[Bundle], loop: tuple[int, int] | None, u
         name=name,
         total_bundles=len(bundles),
         bundles_per_kv_block=(loop[1] - loop[0]) if loop else None,
+        longest_path=paths[0],
+        interior_path=paths[1],
         vmem_bytes=usage[0] if usage else None,
         spill_bytes=usage[1] if usage else None,
         top_source_lines=tuple((location, n) for location, n, _ in top),
