@@ -46,9 +46,10 @@ import jax.numpy as jnp
 
 from minilib.tpu.chips import FACTS
 from minilib.tpu.compile import CompileReport, compile_for_tpu, kib
-from minilib.tpu.dump_reader import COUNTING_RULE, KernelStats
+from minilib.tpu.dump_reader import COUNTING_RULE, PATH_RULES, KernelStats
 
 __all__ = [
+    "COUNTS",
     "Cell",
     "KVBlockTimes",
     "compare_kernels",
@@ -237,8 +238,25 @@ class Cell:
         return None if self.stats is None else self.stats.bundles_per_kv_block
 
     @property
+    def longest_path(self) -> int | None:
+        return None if self.stats is None else self.stats.longest_path
+
+    @property
+    def interior_path(self) -> int | None:
+        return None if self.stats is None else self.stats.interior_path
+
+    @property
     def spill_bytes(self) -> int | None:
         return None if self.stats is None else self.stats.spill_bytes
+
+
+# The three counts of a KV block, each a `Cell` property: the listing's length of the loop
+# (`COUNTING_RULE`), and two paths through one pass of it (`PATH_RULES`).
+COUNTS = {
+    "bundles_per_kv_block": "listing",
+    "longest_path": "longest path",
+    "interior_path": "interior path",
+}
 
 
 def compare_kernels(
@@ -337,6 +355,9 @@ def cell_of(program: CompileReport | str, kernel: str, chip: str, config: str,
         )
     if stats is None:
         return cell(missing="no Pallas kernel read: " + "; ".join(program.notes))
+    if stats.bundles_per_kv_block and stats.longest_path is None:  # said, never guessed
+        why = [n for n in program.notes if n.startswith(f"{stats.name}: paths")]
+        note = "; ".join(filter(None, [note, *why]))
     return cell(stats=stats, note=note)
 
 
@@ -358,72 +379,85 @@ def comparison_table(
     num_kv_pages_per_block: int = COMPARISON_KV_PAGES_PER_BLOCK,
     options: dict | None = None,
 ) -> str:
-    """The three-way table of `compare_kernels`' cells, with the rule and the workload (and
-    the kernel options the cells were compiled with, `options`).
+    """The three-way table of `compare_kernels`' cells, with the rules and the workload (and
+    the kernel options the cells were compiled with, `options`): per chip and config, the
+    three counts of `COUNTS`.
 
-    >>> def cell(kernel, config, bundles, spills=0, note=""):
-    ...     stats = KernelStats("k.1", 5000, bundles, 9 << 20, spills << 10, ())
+    >>> def cell(kernel, config, bundles, paths, spills=0, note=""):
+    ...     stats = KernelStats("k.1", 5000, bundles, 9 << 20, spills << 10, (),
+    ...                         longest_path=paths[0], interior_path=paths[1])
     ...     return Cell(kernel, "v5e", config, stats, note=note)
-    >>> cells = [cell("v3", "8 q per block", 953, 160), cell("JAX", "8 q per block", 1209, 464),
-    ...          cell("ours", "8 q per block", 1128, 256), cell("v3", "decode", 696, 136),
-    ...          cell("JAX", "decode", 1209, 464, note="no decode kernel: ..."),
+    >>> cells = [cell("v3", "8 q per block", 953, (953, 900), 160),
+    ...          cell("JAX", "8 q per block", 1209, (1209, 1209), 464),
+    ...          cell("ours", "8 q per block", 1128, (1128, 1128), 256),
+    ...          cell("v3", "decode", 696, (696, 640), 136),
+    ...          cell("JAX", "decode", 1209, (1209, 1209), 464, note="no decode kernel: ..."),
     ...          Cell("ours", "v5e", "decode", missing="did not compile: ...")]
     >>> print(comparison_table(cells, libtpu_version="0.0.42.1"))  # doctest: +ELLIPSIS
-    Bundles per KV block: static estimates from the compiled programs (libtpu 0.0.42.1), not timings.
+    Bundles per KV block: static estimates from the compiled programs (libtpu 0.0.42.1), not timings: ...
     Rule: bundles per KV block = one pass of the innermost loop that holds every matmul of the ...
+    Paths: longest path = the most bundles one pass of the KV-block loop can issue, ...
     Workload: bf16 ..., 8 pages (128 tokens) per KV block, ...
     <BLANKLINE>
-    chip   config              v3     JAX    ours  ours/v3  ours/JAX  spills KiB v3 / JAX / ours
-    v5e    8 q per block      953   1,209   1,128    1.18x     0.93x  160 / 464 / 256
-    v5e    decode             696  1,209*       -                     136 / 464 / -
+    chip   config           count               v3     JAX    ours  ours/v3  ours/JAX  spills KiB v3 / JAX / ours
+    v5e    8 q per block    listing            953   1,209   1,128    1.18x     0.93x  160 / 464 / 256
+                            longest path       953   1,209   1,128    1.18x     0.93x
+                            interior path      900   1,209   1,128    1.25x     0.93x
+    v5e    decode           listing            696  1,209*       -                     136 / 464 / -
+                            longest path       696   1,209       -
+                            interior path      640   1,209       -
     <BLANKLINE>
     * no decode kernel: ...
     ours (v5e, decode): did not compile: ...
     >>> fp8 = COMPARISON_CASE | {"kv_dtype": jnp.float8_e4m3fn}
     >>> table = comparison_table(cells, libtpu_version="0.0.42.1", case=fp8,
     ...                          options={"k_scale": 0.5, "v_scale": 0.5})
-    >>> print(table.splitlines()[2])  # doctest: +ELLIPSIS
+    >>> print(table.splitlines()[3])  # doctest: +ELLIPSIS
     Workload: bf16 (cache fp8), ...; all three kernels with k_scale=0.5, v_scale=0.5.
     """  # noqa: E501
     by_place = {(c.chip, c.config, c.kernel): c for c in cells}
     places = list(dict.fromkeys((c.chip, c.config) for c in cells))
     lines = [
         "Bundles per KV block: static estimates from the compiled programs (libtpu "
-        f"{libtpu_version}), not timings.",
-        f"Rule: {COUNTING_RULE}.",
+        f"{libtpu_version}), not timings: bundles issued in one KV block's loop, without the "
+        "stalls on DMA waits and MXU results.",
+        f"Rule: {COUNTING_RULE} (listing).",
+        f"Paths: {PATH_RULES}.",
         f"Workload: {describe_case(case, num_kv_pages_per_block)}"
         + (f"; all three kernels with {_keywords(options)}" if options else "")
         + ".",
         "",
-        f"{'chip':7}{'config':16}{'v3':>8}{'JAX':>8}{'ours':>8}{'ours/v3':>9}{'ours/JAX':>10}"
-        "  spills KiB v3 / JAX / ours",
+        f"{'chip':7}{'config':17}{'count':14}{'v3':>8}{'JAX':>8}{'ours':>8}{'ours/v3':>9}"
+        f"{'ours/JAX':>10}  spills KiB v3 / JAX / ours",
     ]
     notes: dict[str, None] = {}
     missing: dict[tuple[str, str], list[str]] = {}  # (kernel, why) -> where
     for chip, config in places:
         row = {kernel: by_place.get((chip, config, kernel)) for kernel in KERNELS}
-        figures = []
-        for kernel in KERNELS:
-            cell = row[kernel]
-            mark = ""
+        for cell in row.values():
             if cell is not None and cell.note:
-                mark = "*"
                 notes[f"* {cell.note}"] = None
             if cell is not None and cell.missing:
-                missing.setdefault((kernel, cell.missing), []).append(f"{chip}, {config}")
-            value = None if cell is None else cell.bundles_per_kv_block
-            figures.append("-" if value is None else f"{value:,}{mark}")
-        ours = row["ours"].bundles_per_kv_block if row["ours"] else None
-        ratios = []
-        for other in ("v3", "JAX"):
-            theirs = row[other].bundles_per_kv_block if row[other] else None
-            ratios.append(f"{ours / theirs:.2f}x" if ours and theirs else "")
-        spill_bytes = [None if row[k] is None else row[k].spill_bytes for k in KERNELS]
-        spills = " / ".join("-" if b is None else f"{b // 1024:,}" for b in spill_bytes)
-        lines.append(
-            f"{chip:7}{config:16}{figures[0]:>8}{figures[1]:>8}{figures[2]:>8}"
-            f"{ratios[0]:>9}{ratios[1]:>10}  {spills}"
-        )
+                missing.setdefault((cell.kernel, cell.missing), []).append(f"{chip}, {config}")
+        for n, (count, label) in enumerate(COUNTS.items()):
+            value = {k: None if row[k] is None else getattr(row[k], count) for k in KERNELS}
+            mark = {
+                k: "*" if n == 0 and row[k] is not None and row[k].note else "" for k in KERNELS
+            }
+            figures = ["-" if value[k] is None else f"{value[k]:,}{mark[k]}" for k in KERNELS]
+            ours = value["ours"]
+            ratios = [f"{ours / value[k]:.2f}x" if ours and value[k] else "" for k in ("v3", "JAX")]
+            place = f"{chip:7}{config:17}" if n == 0 else " " * 24
+            line = (
+                f"{place}{label:14}{figures[0]:>8}{figures[1]:>8}{figures[2]:>8}"
+                f"{ratios[0]:>9}{ratios[1]:>10}"
+            )
+            if n == 0:
+                spill_bytes = [None if row[k] is None else row[k].spill_bytes for k in KERNELS]
+                line += "  " + " / ".join(
+                    "-" if b is None else f"{b // 1024:,}" for b in spill_bytes
+                )
+            lines.append(line.rstrip())
     if notes or missing:
         lines.append("")
     lines += list(notes)
