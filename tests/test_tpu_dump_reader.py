@@ -3,19 +3,27 @@
 `tests/test_tpu_compile.py` checks it on real dumps; these check the rules themselves: loop
 extents and bodies, the counting rule (where it and the older "deepest loop with a matmul"
 pick different loops, and where a loop must not end at an unmarked shallower bundle), delay
-slots, VMEM and spills, and that an unknown format is said.
+slots, the paths through a KV-block loop (on `EXAMPLE_BRANCHES`, in libtpu 0.0.50.1's format),
+VMEM and spills, and that an unknown format is said.
 """
 
 from __future__ import annotations
 
+import pytest
+
 from minilib.tpu.dump_reader import (
     DMA_START,
+    EXAMPLE_BRANCHES,
     EXAMPLE_TWO_LOOPS,
     MATMUL,
+    PathsNotRead,
     branch_kv_block_loops,
     count_ops,
+    delay_slots,
     kernel_stats,
     kv_block_loop,
+    kv_block_passes,
+    kv_block_paths,
     loop_bodies,
     loop_extents,
     parse_bundles,
@@ -243,3 +251,61 @@ def test_an_unrecognised_dump_is_said_with_the_fix(tmp_path):
 def test_no_dump_for_a_pallas_kernel_is_said(tmp_path):
     kernels, notes = read_dump(tmp_path, [], {"k"})
     assert kernels == () and any("no readable bundle dump" in note for note in notes), notes
+
+
+def test_the_interior_path_skips_first_block_work_but_no_matmul_and_no_copy():
+    """In the example a pass can skip the next block's copy (0x7) and the first block's work
+    (0xe, 0xf): the interior path skips the latter only. With a matmul in the first block's
+    region, that region is on the interior path too."""
+    bundles = parse_bundles(EXAMPLE_BRANCHES)
+    loop = kv_block_loop(bundles)
+    longest, interior = kv_block_passes(bundles, loop)
+    assert longest == list(range(*loop))
+    assert [hex(bundles[i].address) for i in longest if i not in interior] == ["0xe", "0xf"]
+    with_matmul = EXAMPLE_BRANCHES.replace(
+        "%585 = vst [vmem:[#allocation5] sm:$0xf] %v4804_v5", "%v585 = vmatmul.bf16.gmra.mxu0 %v5"
+    )
+    bundles = parse_bundles(with_matmul)
+    assert kv_block_paths(bundles, kv_block_loop(bundles)) == (21, 21)
+
+
+def test_delay_slots_are_bounded_by_where_the_next_region_starts():
+    """v5e and v6e: 4 bundles after a branch before its fall-through region; TPU7x: 1."""
+    assert delay_slots(parse_bundles(EXAMPLE_BRANCHES)) == 4
+    one_slot = "\n".join(
+        line
+        for line in EXAMPLE_BRANCHES.splitlines()
+        if not line.startswith(("   0x4 ", "   0x5 ", "   0x6 "))
+    )
+    assert delay_slots(parse_bundles(one_slot)) == 1
+
+
+def test_a_branch_out_of_the_loop_leaves_its_paths_uncounted_and_says_so():
+    """A jump out of the loop body (here to 0x16, after the loop) is no pass of it: the
+    listing is still counted, the paths are None, and a note says which branch."""
+    out = EXAMPLE_BRANCHES.replace("target = $region160", "target = $region170").replace(
+        "%366 = dma.vmem_to_hbm [thread:$0]  %s359_s10 }",
+        "%366 = dma.vmem_to_hbm [thread:$0]  %s359_s10 } /* Start region 170 */",
+    )
+    with pytest.raises(PathsNotRead, match="the branch at 0x9 jumps to 0x16, out of the loop"):
+        kv_block_paths(parse_bundles(out), kv_block_loop(parse_bundles(out)))
+    stats, notes = kernel_stats("k.1", out, ALLOCATIONS)
+    assert stats.bundles_per_kv_block == 21
+    assert stats.longest_path is None and stats.interior_path is None
+    assert notes == ["k.1: paths through the KV-block loop not counted: the branch at 0x9 "
+                     "jumps to 0x16, out of the loop (0x1 to 0x15) or into its own 4 delay "
+                     "slots"]  # fmt: skip
+
+
+def test_a_branch_in_another_branchs_delay_slots_is_said():
+    nested = EXAMPLE_BRANCHES.replace(
+        "   0x4   : > {}", "   0x4   : > { %9 = sbr.rel (%p2_p8) target = $region157 }"
+    )
+    with pytest.raises(PathsNotRead, match="0x4 is in the delay slots"):
+        kv_block_paths(parse_bundles(nested), kv_block_loop(parse_bundles(nested)))
+
+
+def test_paths_of_a_loop_with_no_branch_are_its_listing():
+    stats, notes = kernel_stats("k.1", BUNDLES, ALLOCATIONS)
+    assert notes == []
+    assert stats.longest_path == stats.interior_path == stats.bundles_per_kv_block == 6

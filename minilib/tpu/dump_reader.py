@@ -40,6 +40,7 @@ __all__ = [
     "count_ops",
     "delay_slots",
     "kv_block_loop",
+    "kv_block_passes",
     "kv_block_paths",
     "loop_bodies",
     "loop_extents",
@@ -445,20 +446,16 @@ def pass_successors(bundles: list[Bundle], loop: tuple[int, int]) -> dict[int, l
     return nexts
 
 
-def kv_block_paths(bundles: list[Bundle], loop: tuple[int, int]) -> tuple[int, int]:
-    """(longest path, interior path) of `PATH_RULES`: bundles a pass of `loop` issues,
-    following its branches (`pass_successors`). Raises `PathsNotRead` when a branch does not
-    fit, or no pass issues every matmul of the loop and a page copy.
-
-    The bundles of the listing's loop after its back edge's delay slots are on no path, so
-    interior <= longest <= the loop's length. In the example (21 bundles), a pass may skip the
-    next block's copy (0x7, the last block), and the first block's initialisation (0xe, 0xf,
-    every other block):
+def kv_block_passes(bundles: list[Bundle], loop: tuple[int, int]) -> tuple[list[int], list[int]]:
+    """(longest pass, interior pass) of `PATH_RULES` through `loop`, each as the indices of
+    the bundles it issues, following the loop's branches (`pass_successors`). Raises
+    `PathsNotRead` when a branch does not fit, or no pass issues every matmul of the loop and
+    a page copy.
 
     >>> bundles = parse_bundles(EXAMPLE_BRANCHES)
-    >>> loop = kv_block_loop(bundles)
-    >>> loop[1] - loop[0], kv_block_paths(bundles, loop)
-    (21, (21, 19))
+    >>> longest, interior = kv_block_passes(bundles, kv_block_loop(bundles))
+    >>> [hex(bundles[i].address) for i in longest if i not in interior]  # the first block's
+    ['0xe', '0xf']
     """
     start, end = loop
     nexts = pass_successors(bundles, loop)
@@ -467,28 +464,55 @@ def kv_block_paths(bundles: list[Bundle], loop: tuple[int, int]) -> tuple[int, i
     matmuls_before = {start: 0}
     for i in range(start, end):
         matmuls_before[i + 1] = matmuls_before[i] + (count_ops([bundles[i]], MATMUL) > 0)
-    longest = {end: 0}
-    # fewest[i, copied]: the fewest bundles from i to the end of the pass, without skipping a
-    # matmul, and with a page copy on the way unless `copied` (one was issued before i).
-    fewest = {(end, True): 0, (end, False): math.inf}
+    # Walking back from the end, each bundle's best (length to the end, next bundle):
+    # longest[i]: the most bundles from i to the end of the pass;
+    # fewest[i, copied]: the fewest, without skipping a matmul, and with a page copy on the
+    # way unless `copied` (one was issued before i).
+    longest = {end: (0, end)}
+    fewest = {(end, True): (0, end), (end, False): (math.inf, end)}
     for i in reversed(range(start, end)):
-        longest[i] = 1 + max(longest[j] for j in nexts[i])
+        longest[i] = max((1 + longest[j][0], j) for j in nexts[i])
         copies = count_ops([bundles[i]], PAGE_COPY) > 0
         for copied in (False, True):
-            fewest[i, copied] = 1 + min(
+            fewest[i, copied] = min(
                 (
-                    fewest[j, copied or copies]
+                    (1 + fewest[j, copied or copies][0], j)
                     for j in nexts[i]
                     if matmuls_before[j] == matmuls_before[i + 1]
                 ),
-                default=math.inf,
+                default=(math.inf, end),
             )
-    if math.isinf(fewest[start, False]):
+    if math.isinf(fewest[start, False][0]):
         raise PathsNotRead(
             f"no pass of the loop at {hex(bundles[start].address)} issues every matmul and a "
             "page copy"
         )
-    return longest[start], fewest[start, False]
+    longest_pass, interior_pass, i, copied = [], [], start, False
+    while i < end:
+        longest_pass.append(i)
+        i = longest[i][1]
+    i = start
+    while i < end:
+        interior_pass.append(i)
+        i, copied = fewest[i, copied][1], copied or count_ops([bundles[i]], PAGE_COPY) > 0
+    return longest_pass, interior_pass
+
+
+def kv_block_paths(bundles: list[Bundle], loop: tuple[int, int]) -> tuple[int, int]:
+    """(longest path, interior path) of `PATH_RULES`: the bundles of `kv_block_passes`.
+
+    Each pass issues bundles of the listing's loop, none twice, so interior <= longest <= the
+    loop's length. In the example (21 bundles) a pass may skip the next block's copy (0x7, on
+    the last block) and the first block's initialisation (0xe and 0xf, on every other block):
+    the interior path skips the second alone.
+
+    >>> bundles = parse_bundles(EXAMPLE_BRANCHES)
+    >>> loop = kv_block_loop(bundles)
+    >>> loop[1] - loop[0], kv_block_paths(bundles, loop)
+    (21, (21, 19))
+    """
+    longest, interior = kv_block_passes(bundles, loop)
+    return len(longest), len(interior)
 
 
 # What a bundle's ops do, by mnemonic (the word after "="), for `op_kinds`. Pushing weights
