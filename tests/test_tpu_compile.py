@@ -21,7 +21,9 @@ The matrix (one compile each, 1 to 4 s):
   compute chunks, where the deepest loop with a matmul is one chunk.
 * the three-way comparison (`minilib.tpu.kernel_costs`, `minilib.tpu.comparison`): ours,
   JAX's kernel and vLLM's RPA v3 on v5e, v6e and TPU7x, the table printed; each claim of
-  `CLAIMS` asserted; v3 and its head_dim-64 kernel loaded from its wheel without vLLM or
+  `CLAIMS` asserted on the listing, the longest path and the interior path; each kernel's
+  paths read from its own listing (interior <= longest <= listing, every matmul on the
+  interior path); v3 and its head_dim-64 kernel loaded from its wheel without vLLM or
   torch.
 
 Every figure here is a static estimate from the compiled program, never a timing.
@@ -39,8 +41,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from minilib import block_sizes
 from minilib.pallas_basics import add_vectors, ragged_paged_attention_pallas_basic
+from minilib.tpu import dump_reader
 from minilib.tpu.chips import CHIPS, FACTS
-from minilib.tpu.comparison import CLAIMS, recorded_comparison
+from minilib.tpu.comparison import CLAIMS, claimed_as, recorded_comparison
 from minilib.tpu.compile import (
     chip_unknown_here,
     chips_here,
@@ -51,6 +54,7 @@ from minilib.tpu.compile import (
 from minilib.tpu.kernel_costs import (
     COMPARISON_CASE,
     COMPARISON_CHIPS,
+    COUNTS,
     TARGET_CASE,
     compare_kernels,
     comparison_table,
@@ -363,10 +367,28 @@ def test_the_counting_rule_takes_the_kv_loop_around_a_chunk_loop(monkeypatch):
     assert report.bundles_per_kv_block == kv_loop[1] - kv_loop[0]
 
 
+# The listing each kernel's figures were read from: [(its KernelStats, its listing)], kept
+# by `comparison` as it compiles (a program compiled again is not read again); the cells hold
+# those very KernelStats.
+LISTINGS: list[tuple[dump_reader.KernelStats, str]] = []
+
+
 @functools.cache
 def comparison(chip):
-    """Every cell of `compare_kernels(chip)`, compiled once per test run."""
-    return {(cell.config, cell.kernel): cell for cell in compare_kernels(chip)}
+    """Every cell of `compare_kernels(chip)`, compiled once per test run; the listings read
+    go to `LISTINGS`."""
+    real_kernel_stats = dump_reader.kernel_stats
+
+    def keep_listing(name, bundles_text, allocations_text):
+        stats, notes = real_kernel_stats(name, bundles_text, allocations_text)
+        LISTINGS.append((stats, bundles_text))
+        return stats, notes
+
+    dump_reader.kernel_stats = keep_listing
+    try:
+        return {(cell.config, cell.kernel): cell for cell in compare_kernels(chip)}
+    finally:
+        dump_reader.kernel_stats = real_kernel_stats
 
 
 def test_three_way_table_against_jax_and_v3(capsys):
@@ -393,17 +415,52 @@ def test_three_way_table_against_jax_and_v3(capsys):
         print("\n" + comparison_table(cells, libtpu_version=libtpu_version()))
 
 
+@pytest.mark.parametrize("chip", COMPARISON_CHIPS)
+def test_paths_follow_each_kernels_own_listing(chip):
+    """For every kernel of the comparison, its paths read again from its own listing: the
+    interior path <= the longest path <= the listing's loop, and the interior path issues
+    every matmul of the loop and a page copy (the next block's), as `PATH_RULES` says."""
+    require_chip(chip)
+    cells = [cell for cell in comparison(chip).values() if cell.stats is not None]
+    listings = {id(stats): text for stats, text in LISTINGS}
+    checked = 0
+    for cell in cells:
+        where = f"{cell.kernel} ({chip}, {cell.config}, {cell.stats.name})"
+        text = listings.get(id(cell.stats))
+        assert text is not None, f"{where}: its listing was not kept"
+        bundles = dump_reader.parse_bundles(text)
+        start, end = loop = dump_reader.kv_block_loop(bundles)
+        longest, interior = dump_reader.kv_block_passes(bundles, loop)
+        assert (len(longest), len(interior)) == (cell.longest_path, cell.interior_path), where
+        assert len(interior) <= len(longest) <= cell.bundles_per_kv_block == end - start, where
+        assert set(interior) <= set(range(start, end)), where
+        on_interior = [bundles[i] for i in interior]
+        matmuls = dump_reader.count_ops(bundles[start:end], dump_reader.MATMUL)
+        assert matmuls > 0, where
+        assert dump_reader.count_ops(on_interior, dump_reader.MATMUL) == matmuls, where
+        assert dump_reader.count_ops(on_interior, dump_reader.PAGE_COPY) > 0, where
+        checked += 1
+    assert checked == len(cells) > 0
+
+
 @pytest.mark.parametrize(("chip", "config"), list(CLAIMS))
 def test_ours_meets_each_claim(chip, config):
     """Where `CLAIMS` says ours is at most another kernel, the compiled figures say so."""
     require_chip(chip)
     cells = comparison(chip)
     ours = cells[config, "ours"]
-    for other, figure in CLAIMS[chip, config]:
+    missed = []
+    for other, claimed in CLAIMS[chip, config]:
         theirs = cells[config, other]
-        a, b = getattr(ours, figure), getattr(theirs, figure)
-        assert a is not None and b is not None, f"not measured: {ours.missing} {theirs.missing}"
-        assert a <= b, f"{chip}, {config}: ours {figure} {a:,} > {other}'s {b:,}"
+        for figure in [f for f in (*COUNTS, "spill_bytes") if claimed_as(f) == claimed]:
+            a, b = getattr(ours, figure), getattr(theirs, figure)
+            assert a is not None and b is not None, (
+                f"{figure} not measured: {ours.missing or ours.note} / "
+                f"{theirs.missing or theirs.note}"
+            )
+            if a > b:
+                missed.append(f"{chip}, {config}: ours {figure} {a:,} > {other}'s {b:,}")
+    assert not missed, "\n".join(missed)
 
 
 def test_recorded_comparison_is_what_compiles_here():
@@ -418,7 +475,8 @@ def test_recorded_comparison_is_what_compiles_here():
     for cell in cells:
         require_chip(cell.chip)
         fresh = comparison(cell.chip)[cell.config, cell.kernel]
-        figures = [(c.bundles_per_kv_block, c.spill_bytes, c.note) for c in (cell, fresh)]
+        figures = [(*(getattr(c, count) for count in COUNTS), c.spill_bytes, c.note)
+                   for c in (cell, fresh)]  # fmt: skip
         if figures[0] != figures[1]:
             stale.append(f"{cell.kernel} ({cell.chip}, {cell.config}): recorded {figures[0]}, "
                          f"compiled {figures[1]}")  # fmt: skip
@@ -520,7 +578,11 @@ def test_static_targets_judge_every_claim_from_real_compiles():
     chips = [chip for chip in COMPARISON_CHIPS if chip in chips_here()]
     results = static_targets(chips)
     judged = [(name, passed, detail) for name, passed, detail in results if passed is not None]
-    assert len(judged) == sum(len(CLAIMS[key]) for key in CLAIMS if key[0] in chips)
+    claims = [figure for key in CLAIMS if key[0] in chips for _, figure in CLAIMS[key]]
+    counts_per_claim = {claimed_as(f): 0 for f in (*COUNTS, "spill_bytes")}
+    for figure in (*COUNTS, "spill_bytes"):
+        counts_per_claim[claimed_as(figure)] += 1  # bundles per KV block: its three counts
+    assert len(judged) == sum(counts_per_claim[figure] for figure in claims)
     for name, _, detail in results:  # every figure measured, v3's included
         assert detail.startswith("ours "), f"{name}: {detail}"
     # A change that costs bundles or spills where a claim is made fails here, with the numbers.

@@ -16,12 +16,13 @@ import jax
 
 from minilib.tpu.chips import CHIPS
 from minilib.tpu.compile import chips_here
-from minilib.tpu.dump_reader import COUNTING_RULE, KernelStats
+from minilib.tpu.dump_reader import COUNTING_RULE, PATH_RULES, KernelStats
 from minilib.tpu.kernel_costs import (
     COMPARISON_CASE,
     COMPARISON_CHIPS,
     COMPARISON_KV_PAGES_PER_BLOCK,
     COMPARISON_QUERIES_PER_BLOCK,
+    COUNTS,
     DTYPES,
     Cell,
     compare_kernels,
@@ -90,6 +91,7 @@ def record_comparison(path: Path = RECORDED) -> dict:
         "libtpu": libtpu_version(),
         "v3": f"tpu-inference {V3_VERSION}",
         "rule": COUNTING_RULE,
+        "paths": PATH_RULES,
         "workload": describe_case(COMPARISON_CASE, COMPARISON_KV_PAGES_PER_BLOCK),
         "cells": [
             {
@@ -98,6 +100,8 @@ def record_comparison(path: Path = RECORDED) -> dict:
                 "kernel": cell.kernel,
                 "name": cell.stats.name if cell.stats else None,
                 "bundles_per_kv_block": cell.bundles_per_kv_block,
+                "longest_path": cell.longest_path,
+                "interior_path": cell.interior_path,
                 "total_bundles": cell.stats.total_bundles if cell.stats else None,
                 "vmem_bytes": cell.stats.vmem_bytes if cell.stats else None,
                 "spill_bytes": cell.spill_bytes,
@@ -127,6 +131,7 @@ def recorded_comparison(path: Path = RECORDED) -> tuple[list[Cell], dict]:
             stats = KernelStats(
                 c["name"], c["total_bundles"], c["bundles_per_kv_block"], c["vmem_bytes"],
                 c["spill_bytes"], (), loop_op_kinds=tuple(c["loop_op_kinds"].items()),
+                longest_path=c["longest_path"], interior_path=c["interior_path"],
             )  # fmt: skip
         cells.append(Cell(c["kernel"], c["chip"], c["config"], stats, c["missing"], c["note"]))
     return cells, record
@@ -166,22 +171,33 @@ def comparison_here_or_recorded(chips=("v5e", "v6e")) -> tuple[list[Cell], str, 
     )
 
 
-FIGURES = {"bundles_per_kv_block": "bundles per KV block", "spill_bytes": "spill bytes"}
+FIGURES = {**{count: f"bundles per KV block ({label})" for count, label in COUNTS.items()},
+           "spill_bytes": "spill bytes"}  # fmt: skip
+
+
+def claimed_as(figure: str) -> str:
+    """The figure of `CLAIMS` that claims `figure`: a claim on bundles per KV block holds on
+    each of its three counts (`COUNTS`: the listing, the longest and the interior path).
+
+    >>> claimed_as("interior_path"), claimed_as("spill_bytes")
+    ('bundles_per_kv_block', 'spill_bytes')
+    """
+    return "bundles_per_kv_block" if figure in COUNTS else figure
 
 
 def static_targets(chips=COMPARISON_CHIPS) -> list[tuple[str, bool | None, str]]:
-    """[(target, passed, detail)]: each claim of `CLAIMS` judged (True or False), and ours
-    against v3 and JAX's in bundles per KV block where nothing is claimed, reported (None).
-    Static estimates from the compiled programs, not timings. Without libtpu, or for a chip
-    this libtpu does not know, an entry with passed None says why.
+    """[(target, passed, detail)]: each claim of `CLAIMS` judged (True or False), a claim on
+    bundles per KV block on each of its three counts (`claimed_as`), and ours against v3 and
+    JAX's in bundles per KV block where nothing is claimed, reported (None). Static estimates
+    from the compiled programs, not timings. Without libtpu, or for a chip this libtpu does
+    not know, an entry with passed None says why.
 
     With libtpu it compiles six kernels per chip, so the example is not run:
 
     >>> for target, passed, detail in static_targets():  # doctest: +SKIP
     ...     print(passed, target, detail)
-    True static: bundles per KV block, ours <= JAX's (v5e, 32 q per block): ours ... vs JAX ...
-    ...
-    None static: bundles per KV block, ours against v3 (v5e, decode): ours ... vs v3 ...
+    True static: bundles per KV block (listing), ours <= JAX's (v5e, 32 q per block): ours ...
+    True static: bundles per KV block (longest path), ours <= JAX's (v5e, 32 q per block): ...
     ...
     """
     from minilib.tpu.compile import chip_unknown_here, tpu_compile_available
@@ -200,15 +216,16 @@ def static_targets(chips=COMPARISON_CHIPS) -> list[tuple[str, bool | None, str]]
             claimed = CLAIMS.get((chip, config), ())
             for other in ("JAX", "v3"):
                 for figure, label in FIGURES.items():
-                    judged = (other, figure) in claimed
-                    if not judged and figure != "bundles_per_kv_block":
+                    judged = (other, claimed_as(figure)) in claimed
+                    if not judged and figure not in COUNTS:
                         continue
                     verb = f"ours <= {other}'s" if judged else f"ours against {other}'s"
                     name = f"static: {label}, {verb} ({chip}, {config})"
                     ours, theirs = cells[config, "ours"], cells[config, other]
                     a, b = getattr(ours, figure), getattr(theirs, figure)
                     if a is None or b is None:
-                        why = "; ".join(c.missing for c in (ours, theirs) if c.missing)
+                        why = "; ".join(c.missing or c.note for c in (ours, theirs)
+                                        if getattr(c, figure) is None)  # fmt: skip
                         results.append((name, False if judged else None,
                                         f"not measured: {why or 'no figure read'}"))  # fmt: skip
                         continue

@@ -244,7 +244,8 @@ class CompileReport:
             if k is not None:
                 lines += [
                     f"  kernel {k.name}: static estimates from the compiled program, not timings",
-                    f"  bundles per KV block: {fmt(k.bundles_per_kv_block)}; "
+                    f"  bundles per KV block: {fmt(k.bundles_per_kv_block)} (longest path "
+                    f"{fmt(k.longest_path)}, interior path {fmt(k.interior_path)}); "
                     f"total: {fmt(k.total_bundles)}",
                     f"  VMEM: {kib(k.vmem_bytes)}, of which spills: {kib(k.spill_bytes)}",
                 ]
