@@ -8,9 +8,11 @@ learn two things:
 1. whether Mosaic accepts the kernel (the chip's own compiler, not interpret mode), and
 2. what it made of it: the scheduled VLIW *bundles* of the compiled kernel, and its VMEM.
 
-A TPU core issues one bundle per cycle when nothing stalls, so the bundle count of one
-KV-block iteration is a *static estimate* of its compute time: DMA waits, stalls and the
-clock are not modelled. These are figures of the compiled program, never timings.
+A TPU core issues one bundle per cycle when nothing stalls, so the bundles one KV block issues
+along a path through the loop's body (`minilib.tpu.dump_reader`: the loop's length in the
+listing, its longest path and an interior block's) are a *static count* of issue cycles, not
+a time: stalls on DMA waits and on the MXU's results, and the clock, are not in it. These are
+figures of the compiled program, never timings.
 
 The recipe (`compile_for_tpu`):
 

@@ -6,7 +6,10 @@ are checked on small excerpts (the examples below, and `tests/test_tpu_dump_read
 
 * `*-final_bundles.txt`: one line per bundle. A loop's first bundle is marked `LB:`, and every
   bundle inside loops carries one `>` per nesting level. `bundles_per_kv_block` is the length
-  of one loop, chosen by `COUNTING_RULE` (see `kv_block_loop`). With source annotations on,
+  of one loop, chosen by `COUNTING_RULE` (see `kv_block_loop`). That length holds regions a
+  branch jumps over, so `kv_block_paths` follows the loop's branches (`sbr.rel ... target =
+  $region157` jumps to the bundle whose comment says `Start region 157`) through one pass:
+  the longest path, and an interior block's (`PATH_RULES`). With source annotations on,
   each op carries the `loc("file":line)` it came from, which gives `top_source_lines` (with
   jax 0.7.2 the locations are coarser, often the enclosing `pl.when`).
 * `*-post-delay-converter.txt`: the kernel's memory allocations. Peak VMEM is the highest end
