@@ -309,3 +309,15 @@ def test_paths_of_a_loop_with_no_branch_are_its_listing():
     stats, notes = kernel_stats("k.1", BUNDLES, ALLOCATIONS)
     assert notes == []
     assert stats.longest_path == stats.interior_path == stats.bundles_per_kv_block == 6
+
+
+def test_a_strided_page_copy_counts_as_the_next_blocks_copy_and_an_output_copy_does_not():
+    """Our kernel's page copies on TPU7x at head_dim 256 are `dma.general` (strided): the
+    interior path keeps them. A copy out of VMEM is no page copy: no pass holds one."""
+    general = EXAMPLE_BRANCHES.replace("dma.hbm_to_vmem [thread:$0]", "dma.general")
+    bundles = parse_bundles(general)
+    assert kv_block_paths(bundles, kv_block_loop(bundles)) == (21, 19)
+    out = EXAMPLE_BRANCHES.replace("dma.hbm_to_vmem", "dma.vmem_to_hbm")
+    bundles = parse_bundles(out)
+    with pytest.raises(PathsNotRead, match="issues every matmul and a page copy"):
+        kv_block_paths(bundles, kv_block_loop(bundles))

@@ -314,8 +314,11 @@ PATH_RULES = (
 # jumps to the region that starts at its `LB` bundle.
 BRANCH = re.compile(r"=\s*sbr\.rel\b[^;]*?target = \$region(\d+)")
 REGION_START = re.compile(r"Start(?:/End empty)? region (\d+)\b")
-# A page copy into VMEM: the copy of a KV block's pages (the next block's, in a pass).
-PAGE_COPY = re.compile(r"=\s*dma\.hbm_to_vmem\b")
+# A page copy into VMEM: the copy of a KV block's pages (the next block's, in a pass). Most
+# are `dma.hbm_to_vmem`; a strided copy, whose strides are read from a descriptor, is a
+# `dma.general` (our kernel's page copies on TPU7x at head_dim 256). Copies out of VMEM
+# (`dma.vmem_to_hbm`: an output, or v3's update of the KV cache) are not page copies.
+PAGE_COPY = re.compile(r"=\s*dma\.(?:hbm_to_vmem|general)\b")
 # A cut-down real listing (v5e, operands shortened; a branch's delay slots are the 4 bundles
 # after it): a KV-block loop (0x1 to 0x15) that skips the next block's copy (0x7) on the last
 # block, skips the first block's initialisation (0xe, 0xf) on every other block, then issues
