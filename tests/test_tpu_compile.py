@@ -162,6 +162,11 @@ def test_kernel_compiles(case, chip):
     report = compile_rpa("ours", specs, chip=chip, **options)
     assert_compiled(report)
     assert report.bundles_per_kv_block and report.bundles_per_kv_block > 0, str(report)
+    kernel = report.kernel  # its paths, read from its branches (`PATH_RULES`), or why not
+    if kernel.interior_path is None:  # MQA on v6e: XLA puts the small cache in VMEM, no DMAs
+        assert any("paths through the KV-block loop not counted" in n for n in report.notes)
+    else:
+        assert kernel.interior_path <= kernel.longest_path <= kernel.bundles_per_kv_block
     assert report.vmem_bytes <= VMEM_HEADROOM_LIMIT, f"default blocks leave no headroom: {report}"
 
 
