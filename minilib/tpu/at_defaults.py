@@ -326,10 +326,11 @@ def weighted_bundles(bundles, passes_outward: list[int], chunk_passes: int | Non
 
 def ours_trips(workload: Workload, pages: int, queries: int) -> dict[str, list[int]]:
     """Per kernel of ours ("decode", "mixed"): passes of its KV-block loop, its sequence loop
-    and its grid loop, read from `minilib.schedule.plan_schedule` (the kernel's own walk).
+    and its grid loop, read from `minilib.schedule.plan_schedule` (the kernel's own walk). A
+    grid of one step compiles to no loop: then there is no grid loop to count.
 
     >>> ours_trips(Workload("two", ((1, 40), (8, 40))), pages=1, queries=8)
-    {'decode': [3, 1, 1], 'mixed': [6, 2, 2]}
+    {'decode': [3, 1], 'mixed': [6, 2, 2]}
     """
     from minilib.schedule import plan_schedule
 
@@ -339,7 +340,8 @@ def ours_trips(workload: Workload, pages: int, queries: int) -> dict[str, list[i
     trips = {}
     for kernel, grid in (("decode", s.decode_grid), ("mixed", s.grid)):
         work = [e for e in s.computes() if e.kernel == kernel]
-        trips[kernel] = [len(work), len({(e.step, e.seq) for e in work}), math.prod(grid)]
+        steps = [math.prod(grid)] if math.prod(grid) > 1 else []
+        trips[kernel] = [len(work), len({(e.step, e.seq) for e in work}), *steps]
     return trips
 
 
@@ -453,32 +455,37 @@ class Row:
         return self.per_128_kv_tokens / self.q_rows
 
 
-def defaults_rows(chip: str, case: dict = COMPARISON_CASE) -> list[Row]:
-    """Each kernel compiled at its own defaults on `case` (three compiles), per config."""
-    specs = rpa_specs(**case)
-    rows = []
+def ours_rows(chip: str, specs) -> list[Row]:
     blocks, kernels, _ = ours_kernels(chip, specs)
-    for config in ("mixed", "decode"):
-        b, decode = blocks[config], config == "decode"
-        rows.append(Row(chip, config, "ours", b["kv_tokens"], 1 if decode else b["q_rows"],
-                        block_bundles(kernels[config].bundles),
-                        f"{b['q_rows']} sequences per grid step" if decode else ""))  # fmt: skip
+    return [Row(chip, config, "ours", b["kv_tokens"], 1 if config == "decode" else b["q_rows"],
+                block_bundles(kernels[config].bundles),
+                f"{b['q_rows']} sequences per grid step" * (config == "decode"))
+            for config, b in blocks.items()]  # fmt: skip
+
+
+def jax_rows(chip: str, specs) -> list[Row]:
     b = jax_defaults(chip, specs)
-    call = functools.partial(jax_call, sm_scale=case["head_dim"] ** -0.5, pages=b["pages"],
+    call = functools.partial(jax_call, sm_scale=specs[0].shape[2] ** -0.5, pages=b["pages"],
                              queries=b["q_rows"])  # fmt: skip
     (kernel,) = [p for p in compile_programs(call, specs, chip) if p.kernel]
-    for config in ("mixed", "decode"):
-        note = "no decode kernel: its one kernel serves decode" if config == "decode" else ""
-        rows.append(Row(chip, config, "JAX", b["kv_tokens"], b["q_rows"],
-                        block_bundles(kernel.bundles), note))  # fmt: skip
+    note = "no decode kernel: its one kernel serves decode"
+    return [Row(chip, config, "JAX", b["kv_tokens"], b["q_rows"], block_bundles(kernel.bundles),
+                note * (config == "decode")) for config in ("mixed", "decode")]  # fmt: skip
+
+
+def v3_rows(chip: str, specs) -> list[Row]:
     blocks, kernels, _ = v3_kernels(chip, specs)
-    for config in ("mixed", "decode"):
-        b = blocks[config]
-        chunks = -(-b["bkv_sz"] // b["bkv_csz"])
-        rows.append(Row(chip, config, "v3", b["bkv_sz"], b["bq_sz"],
-                        block_bundles(kernels[config].bundles, chunks),
-                        f"{chunks} compute chunks of {b['bkv_csz']} per block"))  # fmt: skip
-    return rows
+    chunks = {config: -(-b["bkv_sz"] // b["bkv_csz"]) for config, b in blocks.items()}
+    return [Row(chip, config, "v3", b["bkv_sz"], b["bq_sz"],
+                block_bundles(kernels[config].bundles, chunks[config]),
+                f"{chunks[config]} compute chunks of {b['bkv_csz']} per block")
+            for config, b in sorted(blocks.items(), reverse=True)]  # fmt: skip
+
+
+def defaults_rows(chip: str, case: dict = COMPARISON_CASE, kernels=("ours", "JAX", "v3")):
+    """[Row]: each of `kernels` compiled at its own defaults on `case` (one compile each)."""
+    rows_of = {"ours": ours_rows, "JAX": jax_rows, "v3": v3_rows}
+    return [row for kernel in kernels for row in rows_of[kernel](chip, rpa_specs(**case))]
 
 
 def whole_program(chip: str, workload: Workload) -> dict[str, list[tuple[str, int, str]]]:
