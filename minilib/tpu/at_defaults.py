@@ -67,12 +67,8 @@ from minilib.tpu.dump_reader import (
 )
 from minilib.tpu.kernel_costs import COMPARISON_CASE, rpa_function, rpa_specs
 
-# fmt: off
-__all__ = [
-    "WORKLOADS", "Workload", "block_bundles", "defaults_table", "jax_defaults",
-    "ours_defaults", "v3_defaults", "weighted_bundles", "whole_program", "workloads_table",
-]
-# fmt: on
+__all__ = ["WORKLOADS", "Workload", "block_bundles", "defaults_rows", "ours_trips", "v3_trips",
+           "weighted_bundles", "whole_program"]  # fmt: skip
 
 MODEL = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
 LABEL = "static estimate from the compiled program, not a timing"
@@ -208,10 +204,8 @@ def compile_programs(fn, specs, chip: str, donate: tuple[int, ...] = ()) -> tupl
     started here without its dump flags."""
     tpu.require_libtpu()
     if not tpu.dump_here():
-        raise RuntimeError(
-            "libtpu started in this process without its dump flags, so whole programs cannot "
-            "be read here. Hint: run `python -m minilib compile --workloads` in a fresh process."
-        )
+        raise RuntimeError("libtpu started here without its dump flags, so whole programs "
+                           "cannot be read. Hint: run them in a fresh Python process.")  # fmt: skip
     sharding = NamedSharding(Mesh(np.array([tpu.topology_device(chip)]), "x"), PartitionSpec())
     structs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
     with on_chip(chip):
@@ -446,13 +440,8 @@ class Row:
     bundles_per_kv_block: int
     note: str = ""
 
-    @property
-    def per_128_kv_tokens(self) -> float:
-        return self.bundles_per_kv_block * 128 / self.kv_tokens
-
-    @property
-    def per_128_and_q_row(self) -> float:
-        return self.per_128_kv_tokens / self.q_rows
+    per_128_kv_tokens = property(lambda r: r.bundles_per_kv_block * 128 / r.kv_tokens)
+    per_128_and_q_row = property(lambda r: r.per_128_kv_tokens / r.q_rows)
 
 
 def ours_rows(chip: str, specs) -> list[Row]:
@@ -483,15 +472,22 @@ def v3_rows(chip: str, specs) -> list[Row]:
 
 
 def defaults_rows(chip: str, case: dict = COMPARISON_CASE, kernels=("ours", "JAX", "v3")):
-    """[Row]: each of `kernels` compiled at its own defaults on `case` (one compile each)."""
+    """[Row]: each of `kernels` compiled at its own defaults on `case` (one compile each).
+
+    >>> [(r.kernel, r.config, r.kv_tokens) for r in defaults_rows("v5e")][-1]  # doctest: +SKIP
+    ('v3', 'decode', 512)
+    """
     rows_of = {"ours": ours_rows, "JAX": jax_rows, "v3": v3_rows}
     return [row for kernel in kernels for row in rows_of[kernel](chip, rpa_specs(**case))]
 
 
 def whole_program(chip: str, workload: Workload) -> dict[str, list[tuple[str, int, str]]]:
     """{kernel: [(part, bundles, how counted)]}: the whole-program static estimate of one
-    call of ours and of v3 on `workload` (see the module docstring); the sum of each list is
-    its bundles per call."""
+    call of ours and of v3 on `workload` (see the module docstring); each list sums to it.
+
+    >>> sum(n for _, n, _ in whole_program("v5e", WORKLOADS["decode"])["v3"])  # doctest: +SKIP
+    392655
+    """
     specs = workload.specs()
     result = {}
     for name, kernels_of in (("ours", ours_kernels), ("v3", v3_kernels)):
