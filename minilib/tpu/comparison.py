@@ -291,6 +291,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"compile the default comparison for {', '.join(COMPARISON_CHIPS)} and write it to "
         f"minilib/tpu/{RECORDED.name}, for where nothing can be compiled (notebook 09)",
     )  # fmt: skip
+    parser.add_argument(
+        "--defaults",
+        action="store_true",
+        help="each kernel at its own default block sizes (minilib.tpu.at_defaults)",
+    )
+    parser.add_argument(
+        "--workloads",
+        action="store_true",
+        help="whole-program bundles per call on two workloads, ours and v3",
+    )
 
 
 def _flag(name: str) -> str:
@@ -337,6 +347,12 @@ def run(args) -> int:
     flag (`flag_problem`)."""
     from minilib.tpu.compile import chip_unknown_here, libtpu_version, tpu_compile_available
 
+    if args.defaults or args.workloads:  # each kernel at its own block sizes
+        from minilib.tpu import at_defaults
+
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        return at_defaults.run(args, flag_defaults=vars(parser.parse_args([])))
     problem = flag_problem(args)
     if problem is not None:
         print(f"python -m minilib compile: error: {problem} (see --help)", file=sys.stderr)

@@ -1,0 +1,598 @@
+"""Each kernel at its own default block sizes, and whole programs on two workloads: static
+estimates from the compiled programs, never timings.
+
+`minilib.tpu.kernel_costs` compiles ours, JAX's kernel and vLLM's RPA v3 at one block size
+for all three (128 KV tokens). A ratio that flips when each runs at the block sizes it picks
+for itself is not a result, so this module compiles each at its own:
+
+* **ours**: `minilib.block_sizes` (`kernel_config`, under the chip's abstract mesh);
+* **JAX's**: its `get_tuned_block_sizes`, which reads the chip from `jax.devices()` (the CPU
+  here): `jax_defaults` lets it read the chip's compile-only device instead;
+* **v3**: its own `get_default_block_sizes` (`v3/kernel.py`), what vLLM runs: tpu-inference
+  0.32.0 (`layers/common/attention_interface.py`) calls v3 without block sizes unless the
+  `RPA_V3_*_BLOCK_SIZES` variables are set. The wheel's table `v3/tuned_block_sizes.py` is
+  imported by nothing for head_dim 128 (only the head_dim-64 kernel reads a table), so it is
+  not used. v3 also keeps its own VMEM limit (the whole VMEM).
+
+`defaults_table` gives bundles per KV block, and **per 128 KV tokens** (x 128 / the block's
+KV tokens), which compares across block sizes; and per 128 KV tokens and q row, as a KV-block
+pass serves the q rows of its block (v3's mixed kernel: 128 rows, ours: 32). v3 splits a KV
+block into compute chunks (`bkv_csz`): its chunk loop counts once per chunk (`block_bundles`).
+
+**Whole programs** (`whole_program`). XLA compiles more than the kernels: our call gathers the
+decode rows and tables, runs two `pallas_call`s and scatters the decode rows back
+(`minilib/kernel/call.py`); v3 reshapes q, K and V around its kernels. The estimate of one
+call sums, over every program XLA compiles for it (top-level program, fusions, copies,
+Pallas kernels):
+
+* a program of XLA's own: each bundle once. Its loops run as often as the shapes say, which
+  the dump does not print, so they count once (a lower bound; the table says how many of its
+  bundles sit in loops);
+* a Pallas kernel: each bundle x the passes, in the call, of the innermost loop around it (1
+  outside loops). The passes come from the batch (`ours_trips`, `v3_trips`): the KV-block
+  loop (`COUNTING_RULE`) once per KV block visited, the loops around it once per sequence,
+  q block or grid step, v3's chunk loop once per chunk; any other loop (a table scan, v3's
+  K/V-write loop) once per pass of the loop around it. Both sides of a branch count.
+
+v3 also writes the new tokens' K/V into the cache inside its kernel; ours writes none, so the
+comparison includes that difference. v3's cache is donated, as in vLLM: XLA copies none of it.
+Workloads (`WORKLOADS`): 64 decode sequences of 2048 tokens; and 32 of them with 2 prefill
+chunks of 256 new tokens on 768 cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+import os
+import re
+import sys
+import types
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from minilib.tpu import compile as tpu
+from minilib.tpu.dump_reader import (
+    DUMP_FILE,
+    MATMUL,
+    NON_KERNEL_PROGRAMS,
+    count_ops,
+    kv_block_loop,
+    loop_bodies,
+    parse_bundles,
+)
+from minilib.tpu.kernel_costs import COMPARISON_CASE, rpa_function, rpa_specs
+
+__all__ = ["WORKLOADS", "Workload", "block_bundles", "defaults_rows", "ours_trips", "v3_trips",
+           "weighted_bundles", "whole_program"]  # fmt: skip
+
+MODEL = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+LABEL = "static estimate from the compiled program, not a timing"
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A batch: (q_len, kv_len) per sequence, decode sequences first (v3 wants them first).
+
+    >>> w = Workload("two", ((1, 40), (8, 40)))
+    >>> w.tokens, w.pages_per_seq, w.tables()[2].tolist()   # cu_q_lens
+    (9, 3, [0, 1, 9])
+    """
+
+    name: str
+    seqs: tuple[tuple[int, int], ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(q for q, _ in self.seqs)
+
+    @property
+    def pages_per_seq(self) -> int:
+        return math.ceil(max(kv for _, kv in self.seqs) / MODEL["page_size"])
+
+    def specs(self):
+        """Our kernel's argument shapes for this batch (an 8192-page cache, see kernel_costs)."""
+        return rpa_specs(**MODEL, pages_per_seq=self.pages_per_seq, max_num_seqs=len(self.seqs),
+                         max_num_batched_tokens=self.tokens, num_pages=8192)  # fmt: skip
+
+    def tables(self):
+        """(kv_lens, page_indices, cu_q_lens, num_seqs) as numpy arrays: distinct pages."""
+        q_lens = np.array([q for q, _ in self.seqs], np.int32)
+        pages = np.arange(len(self.seqs) * self.pages_per_seq, dtype=np.int32)
+        return (np.array([kv for _, kv in self.seqs], np.int32),
+                pages.reshape(len(self.seqs), self.pages_per_seq),
+                np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+                np.array([len(self.seqs)], np.int32))  # fmt: skip
+
+    def distribution(self) -> tuple[int, int, int]:
+        """v3's: sequences [0, d) decode, [d, d) prefill-only (none), [d, n) mixed."""
+        decode = sum(1 for q, _ in self.seqs if q == 1)
+        return decode, decode, len(self.seqs)
+
+
+WORKLOADS = {
+    "decode": Workload("64 decode sequences of 2048 tokens", ((1, 2048),) * 64),
+    "mixed": Workload(
+        "32 decode sequences of 2048 tokens + 2 prefill chunks of 256 tokens on 768 cached",
+        ((1, 2048),) * 32 + ((256, 1024),) * 2,
+    ),
+}
+
+
+# Each kernel's own defaults. --------------------------------------------------------------------
+
+
+def on_chip(chip: str):
+    """The abstract mesh of `chip`'s compile-only device, under which kernels lower."""
+    tpu.dump_here()  # libtpu starts with its dump flags before the device is made
+    return jax.sharding.use_abstract_mesh(tpu.abstract_mesh(tpu.topology_device(chip)))
+
+
+def ours_defaults(chip: str, specs) -> dict[str, dict]:
+    """Our kernel's block sizes on `chip` (kernel_config, under the chip's mesh): per kernel,
+    {"kv_tokens", "q_rows"} (q rows: sequences per grid step for decode)."""
+    from minilib.kernel import kernel_config
+    from minilib.kernel.decode import split_configs
+
+    q, kv_pages, _, page_indices, _, _ = specs
+    with on_chip(chip):
+        mixed, decode = split_configs(kernel_config(q, kv_pages, page_indices))
+    return {name: dict(kv_tokens=c.num_kv_pages_per_block * c.page_size,
+                       q_rows=c.num_queries_per_block, pages=c.num_kv_pages_per_block)
+            for name, c in (("mixed", mixed), ("decode", decode))}  # fmt: skip
+
+
+def jax_defaults(chip: str, specs) -> dict[str, int]:
+    """JAX's kernel's (num_kv_pages_per_block, num_queries_per_block) on `chip`, from its own
+    `get_tuned_block_sizes`, which reads `jax.devices()[0]`: here it reads the chip's
+    compile-only device instead."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel, tuned_block_sizes
+
+    q, kv_pages, _, page_indices, _, _ = specs
+    q_heads, kv_heads = kernel.get_min_heads_per_blk(q.shape[1], kv_pages.shape[2], q.dtype,
+                                                     kv_pages.dtype)  # fmt: skip
+    tpu.dump_here()
+    device = tpu.topology_device(chip)
+    real_jax = tuned_block_sizes.jax
+    tuned_block_sizes.jax = types.SimpleNamespace(devices=lambda: [device])
+    try:
+        pages, queries = tuned_block_sizes.get_tuned_block_sizes(
+            q.dtype, kv_pages.dtype, q_heads, kv_heads // 2, q.shape[2], kv_pages.shape[1],
+            q.shape[0], page_indices.shape[1],
+        )  # fmt: skip
+    finally:
+        tuned_block_sizes.jax = real_jax
+    return dict(kv_tokens=pages * kv_pages.shape[1], q_rows=queries, pages=pages)
+
+
+def v3_defaults(chip: str, specs) -> dict[str, dict]:
+    """v3's own block sizes on `chip` (its `get_default_block_sizes`, which vLLM runs), per
+    kernel: {"bq_sz", "bkv_sz", "bq_csz", "bkv_csz"}."""
+    from minilib.tpu.v3 import load_v3
+
+    v3 = load_v3()
+    q, kv_pages, kv_lens, page_indices, _, _ = specs
+    args = (q.dtype, kv_pages.dtype, q.shape[1], kv_pages.shape[2] // 2, q.shape[2],
+            kv_pages.shape[1], q.shape[0], kv_lens.shape[0], page_indices.shape[1])  # fmt: skip
+    cases = {"decode": v3.RpaCase.DECODE, "mixed": v3.RpaCase.MIXED}
+    with on_chip(chip):  # v3's get_tpu_version reads the mesh (minilib.tpu.v3)
+        return {name: v3.get_default_block_sizes(*args, case=case) for name, case in cases.items()}
+
+
+# Compiling a whole call, and reading every program XLA compiled for it. -------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A program of a compiled call: its bundles; a Pallas kernel, or one of XLA's own."""
+
+    name: str
+    bundles: tuple
+    kernel: bool
+
+
+_COMPILED: dict = {}
+
+
+def compile_programs(fn, specs, chip: str, donate: tuple[int, ...] = ()) -> tuple[Program, ...]:
+    """Compile `fn(*specs)` for `chip` (as `minilib.tpu.compile` does) and return every
+    program libtpu dumped for it. Runs in this process only: raises RuntimeError when libtpu
+    started here without its dump flags."""
+    tpu.require_libtpu()
+    if not tpu.dump_here():
+        raise RuntimeError("libtpu started here without its dump flags, so whole programs "
+                           "cannot be read. Hint: run them in a fresh Python process.")  # fmt: skip
+    sharding = NamedSharding(Mesh(np.array([tpu.topology_device(chip)]), "x"), PartitionSpec())
+    structs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
+    with on_chip(chip):
+        lowered = jax.jit(fn, donate_argnums=donate).lower(*structs)
+    key = (chip, hashlib.sha256(lowered.as_text().encode()).hexdigest())
+    if key in _COMPILED:  # JAX reuses its executable: libtpu writes no new dump
+        return _COMPILED[key]
+    folder = tpu.dump_folder().path
+    before = set(os.listdir(folder))
+    try:
+        with tpu.default_layouts_assumed():
+            lowered.compile()
+        kernel_names = tpu.pallas_kernel_names(lowered.as_text())
+        programs = []
+        for file in sorted(set(os.listdir(folder)) - before):
+            m = DUMP_FILE.match(file)
+            if m and m.group(2) == "final_bundles":
+                text = (folder / file).read_text(errors="replace")
+                name = m.group(1)
+                base = re.sub(r"\.\d+$", "", name)
+                kernel = name not in NON_KERNEL_PROGRAMS and (
+                    base in kernel_names or "custom-call(" in text[:20000])  # fmt: skip
+                programs.append(Program(name, tuple(parse_bundles(text)), kernel))
+    finally:
+        for file in set(os.listdir(folder)) - before:
+            (folder / file).unlink(missing_ok=True)
+    _COMPILED[key] = tuple(programs)
+    return _COMPILED[key]
+
+
+# Counting: bundles x the passes of the loop around them. ----------------------------------------
+
+
+def _size(loop):
+    return loop[1] - loop[0]
+
+
+def _inside(inner, outer) -> bool:
+    return inner != outer and outer[0] <= inner[0] and inner[1] <= outer[1]
+
+
+def compute_loop(bundles, kv) -> tuple[int, int] | None:
+    """The innermost loop inside the KV-block loop `kv` that holds all its matmuls (v3's
+    compute-chunk loop), or None."""
+    matmuls = count_ops(bundles[kv[0] : kv[1]], MATMUL)
+    holding = [loop for loop in loop_bodies(bundles) if _inside(loop, kv)
+               and count_ops(bundles[loop[0] : loop[1]], MATMUL) == matmuls]  # fmt: skip
+    return min(holding, key=_size, default=None)
+
+
+def block_bundles(bundles, chunks_per_block: int = 1) -> int:
+    """Bundles of one KV block: the KV-block loop (`COUNTING_RULE`), its compute-chunk loop
+    (if any, `compute_loop`) counted `chunks_per_block` times.
+
+    >>> from minilib.tpu.dump_reader import EXAMPLE_TWO_LOOPS
+    >>> bundles = parse_bundles(EXAMPLE_TWO_LOOPS)     # a KV loop of 14, a chunk loop of 7
+    >>> block_bundles(bundles), block_bundles(bundles, chunks_per_block=3)
+    (14, 28)
+    """
+    kv = kv_block_loop(bundles)
+    if kv is None:
+        raise ValueError("no KV-block loop in this kernel: nothing to count per block")
+    chunk = compute_loop(bundles, kv)
+    return _size(kv) + (chunks_per_block - 1) * (_size(chunk) if chunk else 0)
+
+
+def weighted_bundles(bundles, passes_outward: list[int], chunk_passes: int | None = None) -> int:
+    """A Pallas kernel's bundles for one call: each bundle x the passes, in the call, of the
+    innermost loop around it (1 outside every loop). `passes_outward`: the passes of the
+    KV-block loop, then of each loop around it, outward; `chunk_passes`: of the compute-chunk
+    loop inside it. Any other loop runs once per pass of the loop around it.
+
+    >>> from minilib.tpu.dump_reader import EXAMPLE_TWO_LOOPS
+    >>> bundles = parse_bundles(EXAMPLE_TWO_LOOPS)  # 17 bundles: 3 outside, KV loop 14 (7 chunk)
+    >>> weighted_bundles(bundles, [10], chunk_passes=20)     # 3 + 7 x 10 + 7 x 20
+    213
+    >>> weighted_bundles(bundles, [10, 2])
+    Traceback (most recent call last):
+    ...
+    ValueError: expected the KV-block loop inside 1 loop(s), found 0: the kernel's loops are not the ones its trip counts describe
+    """  # noqa: E501
+    kv = kv_block_loop(bundles)
+    if kv is None:
+        raise ValueError("no KV-block loop in this kernel: its trip counts cannot be placed")
+    loops = loop_bodies(bundles)
+    chain = [kv, *sorted((loop for loop in loops if _inside(kv, loop)), key=_size)]
+    if len(chain) != len(passes_outward):
+        raise ValueError(
+            f"expected the KV-block loop inside {len(passes_outward) - 1} loop(s), found "
+            f"{len(chain) - 1}: the kernel's loops are not the ones its trip counts describe"
+        )
+    passes = dict(zip(chain, passes_outward, strict=True))
+    chunk = compute_loop(bundles, kv)
+    if chunk is not None:
+        passes[chunk] = passes[kv] if chunk_passes is None else chunk_passes
+
+    def passes_of(loop) -> int:
+        if loop in passes:
+            return passes[loop]
+        around = [outer for outer in loops if _inside(loop, outer)]
+        return passes_of(min(around, key=_size)) if around else 1
+
+    total = 0
+    for i in range(len(bundles)):
+        holding = [loop for loop in loops if loop[0] <= i < loop[1]]
+        total += passes_of(min(holding, key=_size)) if holding else 1
+    return total
+
+
+# Trip counts, from the batch. -------------------------------------------------------------------
+
+
+def ours_trips(workload: Workload, pages: int, queries: int) -> dict[str, list[int]]:
+    """Per kernel of ours ("decode", "mixed"): passes of its KV-block loop, its sequence loop
+    and its grid loop, read from `minilib.schedule.plan_schedule` (the kernel's own walk). A
+    grid of one step compiles to no loop: then there is no grid loop to count.
+
+    >>> ours_trips(Workload("two", ((1, 40), (8, 40))), pages=1, queries=8)
+    {'decode': [3, 1], 'mixed': [6, 2, 2]}
+    """
+    from minilib.schedule import plan_schedule
+
+    q, kv_pages, *_ = workload.specs()
+    s = plan_schedule(q, kv_pages, *workload.tables(), num_kv_pages_per_block=pages,
+                      num_queries_per_block=queries)  # fmt: skip
+    trips = {}
+    for kernel, grid in (("decode", s.decode_grid), ("mixed", s.grid)):
+        work = [e for e in s.computes() if e.kernel == kernel]
+        steps = [math.prod(grid)] if math.prod(grid) > 1 else []
+        trips[kernel] = [len(work), len({(e.step, e.seq) for e in work}), *steps]
+    return trips
+
+
+def v3_trips(workload: Workload, blocks: dict[str, dict]) -> dict[str, tuple[list[int], int]]:
+    """Per kernel of v3 ("decode", "mixed"): (passes of its KV-block loop and of the loops
+    around it, outward; passes of its compute-chunk loop), from the batch as v3's kernel walks
+    it (`v3/kernel.py`: sequences of its range, q blocks, KV blocks up to the causal end, chunks
+    of `bkv_csz`). Its decode kernel has one q block per sequence, so no q-block loop.
+
+    >>> w = Workload("two", ((1, 40), (8, 40)))
+    >>> b = dict(bq_sz=4, bkv_sz=32, bq_csz=4, bkv_csz=16)
+    >>> v3_trips(w, {"decode": b, "mixed": b})
+    {'decode': ([2, 1], 3), 'mixed': ([4, 2, 1], 6)}
+    """
+    decode, _, num_seqs = workload.distribution()
+    trips = {}
+    for kernel, (first, end) in (("decode", (0, decode)), ("mixed", (decode, num_seqs))):
+        b = blocks[kernel]
+        kv_passes = q_passes = chunks = 0
+        for q_len, kv_len in workload.seqs[first:end]:
+            bq = 1 if kernel == "decode" else b["bq_sz"]
+            for bq_idx in range(-(-q_len // bq)):
+                q_passes += 1
+                effective = min(kv_len, kv_len - q_len + (bq_idx + 1) * bq)
+                for bkv_idx in range(-(-effective // b["bkv_sz"])):
+                    kv_passes += 1
+                    size = min(effective - bkv_idx * b["bkv_sz"], b["bkv_sz"])
+                    chunks += -(-size // b["bkv_csz"])
+        outward = [kv_passes] + ([] if kernel == "decode" else [q_passes]) + [end - first]
+        trips[kernel] = (outward, chunks)
+    return trips
+
+
+# The calls compiled, at each kernel's own defaults. ---------------------------------------------
+
+
+def ours_whole_call(*args, sm_scale):
+    """Our `ragged_paged_attention`, compiled, at its default block sizes."""
+    return rpa_function("ours")(*args, sm_scale=sm_scale)
+
+
+def v3_whole_call(*args, sm_scale):
+    """v3's `ragged_paged_attention` (q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens,
+    distribution) at its own block sizes and VMEM limit: (out, the cache, K/V written)."""
+    from minilib.tpu.v3 import load_v3
+
+    return load_v3().ragged_paged_attention(*args, sm_scale=sm_scale)
+
+
+def jax_call(*args, sm_scale, pages, queries):
+    """JAX's kernel (a function of its own, so that JAX compiles it here again)."""
+    return rpa_function("jax")(*args, sm_scale=sm_scale, num_kv_pages_per_block=pages,
+                               num_queries_per_block=queries)  # fmt: skip
+
+
+def kernel_named(programs, prefix: str) -> Program:
+    """The one Pallas kernel of `programs` whose name starts with `prefix`."""
+    found = [p for p in programs if p.kernel and p.name.startswith(prefix)]
+    if len(found) != 1:
+        names = [p.name for p in programs if p.kernel]
+        raise ValueError(f"expected one kernel named {prefix}..., found {names}")
+    return found[0]
+
+
+def v3_kernels(chip: str, specs) -> tuple[dict, dict[str, Program], tuple[Program, ...]]:
+    """v3 compiled at its defaults on `specs` (our shapes): (its block sizes, its kernels
+    {"decode", "mixed"}, every program). Each kernel's name carries its block sizes, checked
+    against `v3_defaults`."""
+    from minilib.tpu.v3 import v3_specs
+
+    blocks = v3_defaults(chip, specs)
+    call = functools.partial(v3_whole_call, sm_scale=specs[0].shape[2] ** -0.5)
+    programs = compile_programs(call, v3_specs(specs), chip, donate=(3,))
+    kernels = {}
+    for kernel, symbol in (("decode", "d"), ("mixed", "m")):
+        b = blocks[kernel]
+        kernels[kernel] = kernel_named(programs, f"RPA{symbol}-")
+        sizes = f"-bq_{b['bq_sz']}_{b['bq_csz']}-bkv_{b['bkv_sz']}_{b['bkv_csz']}"
+        if sizes not in kernels[kernel].name:
+            raise ValueError(f"v3 compiled {kernels[kernel].name}, not its defaults {sizes}")
+    return blocks, kernels, programs
+
+
+def ours_kernels(chip: str, specs) -> tuple[dict, dict[str, Program], tuple[Program, ...]]:
+    """Ours compiled at its defaults on `specs`: (block sizes, kernels, every program)."""
+    call = functools.partial(ours_whole_call, sm_scale=specs[0].shape[2] ** -0.5)
+    programs = compile_programs(call, specs, chip)
+    kernels = {"decode": kernel_named(programs, "minilib_ragged_paged_attention_decode"),
+               "mixed": kernel_named(programs, "minilib_ragged_paged_attention.")}  # fmt: skip
+    return ours_defaults(chip, specs), kernels, programs
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One kernel's figure at its own block sizes, on one chip and config."""
+
+    chip: str
+    config: str  # "mixed" (prefill and mixed sequences) or "decode"
+    kernel: str  # "ours", "JAX", "v3"
+    kv_tokens: int  # KV tokens per block
+    q_rows: int  # live q rows a KV-block pass serves (decode: one sequence's row)
+    bundles_per_kv_block: int
+    note: str = ""
+
+    per_128_kv_tokens = property(lambda r: r.bundles_per_kv_block * 128 / r.kv_tokens)
+    per_128_and_q_row = property(lambda r: r.per_128_kv_tokens / r.q_rows)
+
+
+def ours_rows(chip: str, specs) -> list[Row]:
+    blocks, kernels, _ = ours_kernels(chip, specs)
+    return [Row(chip, config, "ours", b["kv_tokens"], 1 if config == "decode" else b["q_rows"],
+                block_bundles(kernels[config].bundles),
+                f"{b['q_rows']} sequences per grid step" * (config == "decode"))
+            for config, b in blocks.items()]  # fmt: skip
+
+
+def jax_rows(chip: str, specs) -> list[Row]:
+    b = jax_defaults(chip, specs)
+    call = functools.partial(jax_call, sm_scale=specs[0].shape[2] ** -0.5, pages=b["pages"],
+                             queries=b["q_rows"])  # fmt: skip
+    (kernel,) = [p for p in compile_programs(call, specs, chip) if p.kernel]
+    note = f"no decode kernel: a q block of {b['q_rows']} rows, one live, serves decode"
+    return [Row(chip, config, "JAX", b["kv_tokens"], 1 if config == "decode" else b["q_rows"],
+                block_bundles(kernel.bundles), note * (config == "decode"))
+            for config in ("mixed", "decode")]  # fmt: skip
+
+
+def v3_rows(chip: str, specs) -> list[Row]:
+    blocks, kernels, _ = v3_kernels(chip, specs)
+    chunks = {config: -(-b["bkv_sz"] // b["bkv_csz"]) for config, b in blocks.items()}
+    return [Row(chip, config, "v3", b["bkv_sz"], b["bq_sz"],
+                block_bundles(kernels[config].bundles, chunks[config]),
+                f"{chunks[config]} compute chunks of {b['bkv_csz']} per block")
+            for config, b in sorted(blocks.items(), reverse=True)]  # fmt: skip
+
+
+def defaults_rows(chip: str, case: dict = COMPARISON_CASE, kernels=("ours", "JAX", "v3")):
+    """[Row]: each of `kernels` compiled at its own defaults on `case` (one compile each).
+
+    >>> [(r.kernel, r.config, r.kv_tokens) for r in defaults_rows("v5e")][-1]  # doctest: +SKIP
+    ('v3', 'decode', 512)
+    """
+    rows_of = {"ours": ours_rows, "JAX": jax_rows, "v3": v3_rows}
+    return [row for kernel in kernels for row in rows_of[kernel](chip, rpa_specs(**case))]
+
+
+def whole_program(chip: str, workload: Workload) -> dict[str, list[tuple[str, int, str]]]:
+    """{kernel: [(part, bundles, how counted)]}: the whole-program static estimate of one
+    call of ours and of v3 on `workload` (see the module docstring); each list sums to it.
+
+    >>> sum(n for _, n, _ in whole_program("v5e", WORKLOADS["decode"])["v3"])  # doctest: +SKIP
+    392655
+    """
+    specs = workload.specs()
+    result = {}
+    for name, kernels_of in (("ours", ours_kernels), ("v3", v3_kernels)):
+        blocks, kernels, programs = kernels_of(chip, specs)
+        if name == "ours":
+            trips = ours_trips(workload, blocks["mixed"]["pages"], blocks["mixed"]["q_rows"])
+            passes = {k: (trips[k], None) for k in kernels}
+        else:
+            passes = v3_trips(workload, blocks)
+        parts = []
+        xla = [p for p in programs if not p.kernel]
+        in_loops = sum(len({i for s, e in loop_bodies(p.bundles) for i in range(s, e)})
+                       for p in xla)  # fmt: skip
+        how = f"each bundle once; {in_loops:,} of them in loops, counted once"
+        parts.append((f"{len(xla)} XLA programs", sum(len(p.bundles) for p in xla), how))
+        for kernel, program in kernels.items():
+            outward, chunks = passes[kernel]
+            how = "passes of its loops, KV-block loop outward: " + ", ".join(map(str, outward))
+            how += f"; compute chunks: {chunks}" if chunks is not None else ""
+            parts.append((program.name, weighted_bundles(program.bundles, outward, chunks), how))
+        result[name] = parts
+    return result
+
+
+# Tables, and `python -m minilib compile --defaults / --workloads`. ------------------------------
+
+
+def defaults_table(rows: list[Row]) -> str:
+    """The rows of `defaults_rows` as a table, with ours against v3 per 128 KV tokens."""
+    lines = [f"Each kernel at its own default block sizes: bundles, a {LABEL}.",
+             f"{'chip':6} {'config':7} {'kernel':6} {'KV tokens':>9} {'q rows':>6} "
+             f"{'per KV block':>12} {'per 128 KV tokens':>17} {'and q row':>9}  note"]  # fmt: skip
+    for r in rows:
+        figures = f"{r.bundles_per_kv_block:12,} {r.per_128_kv_tokens:17,.1f}"
+        figures += f" {r.per_128_and_q_row:9,.1f}"
+        lines.append(f"{r.chip:6} {r.config:7} {r.kernel:6} {r.kv_tokens:9,} {r.q_rows:6} "
+                     f"{figures}  {r.note}")  # fmt: skip
+    cells = {(r.chip, r.config, r.kernel): r for r in rows}
+    for chip, config, kernel in cells:
+        if kernel == "ours" and (chip, config, "v3") in cells:
+            a, b = cells[chip, config, "ours"], cells[chip, config, "v3"]
+            for label, x, y in (
+                ("", a.per_128_kv_tokens, b.per_128_kv_tokens),
+                (" and q row", a.per_128_and_q_row, b.per_128_and_q_row),
+            ):
+                verdict = "holds" if x <= y else "FAILS"
+                lines.append(f"ours <= v3 per 128 KV tokens{label} ({chip}, {config}): "
+                             f"{verdict}, {x:,.1f} vs {y:,.1f} ({x / y:.2f}x)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def workloads_table(chip: str, name: str, parts: dict) -> str:
+    """`whole_program`'s result for one chip and workload, as lines."""
+    totals = {kernel: sum(n for _, n, _ in rows) for kernel, rows in parts.items()}
+    lines = [f"{chip}, {WORKLOADS[name].name}: whole-program bundles per call, a {LABEL}"]
+    for kernel, rows in parts.items():
+        extra = " (it writes the new tokens' K/V into the cache; ours does not)" * (kernel == "v3")
+        lines.append(f"  {kernel}: {totals[kernel]:,}{extra}")
+        lines += [f"    {n:12,}  {part}: {how}" for part, n, how in rows]
+    verdict = "holds" if totals["ours"] <= totals["v3"] else "FAILS"
+    lines.append(f"  ours <= v3 ({chip}, {name}): {verdict} ({totals['ours'] / totals['v3']:.2f}x)")
+    return "\n".join(lines)
+
+
+def flag_problem(args, flag_defaults: dict) -> str | None:
+    """Why `--defaults` / `--workloads` cannot run with these flags (`flag_defaults`: every
+    flag's default), or None: they compile each kernel at its own block sizes on fixed shapes,
+    so only --chip goes with them.
+
+    >>> from argparse import Namespace
+    >>> defaults = dict(chip=None, defaults=False, workloads=False, head_dim=128)
+    >>> print(flag_problem(Namespace(**defaults | dict(defaults=True, head_dim=64)), defaults))
+    --defaults compiles each kernel at its own block sizes and shapes: drop --head-dim (only --chip goes with it)
+    """  # noqa: E501
+    mode = "--defaults" if args.defaults else "--workloads"
+    for name in [n for n in flag_defaults if n not in ("chip", "defaults", "workloads")]:
+        if getattr(args, name) != flag_defaults[name]:
+            flag = "--" + name.replace("_", "-")
+            return (f"{mode} compiles each kernel at its own block sizes and shapes: drop "
+                    f"{flag} (only --chip goes with it)")  # fmt: skip
+    return None
+
+
+def run(args, flag_defaults: dict) -> int:
+    """`python -m minilib compile --defaults` and/or `--workloads`: 0, 1 when this host cannot
+    compile them, 2 for a flag that does not go with them (`flag_problem`)."""
+    from minilib.tpu.kernel_costs import COMPARISON_CHIPS
+    from minilib.tpu.v3 import v3_available
+
+    problem = flag_problem(args, flag_defaults)
+    if problem is not None:
+        print(f"python -m minilib compile: error: {problem} (see --help)", file=sys.stderr)
+        return 2
+    for ok, reason in (tpu.tpu_compile_available(), v3_available()):
+        if not ok:
+            print(f"Cannot compile each kernel at its defaults here: {reason}")
+            return 1
+    chips = [chip for chip in args.chip or COMPARISON_CHIPS if chip in tpu.chips_here()]
+    for chip in set(args.chip or ()) - set(chips):
+        print(f"Skipping {chip}: {tpu.chip_unknown_here(chip)}")
+    if args.defaults:
+        print(defaults_table([row for chip in chips for row in defaults_rows(chip)]))
+    if args.workloads:
+        for chip in chips:
+            for name, workload in WORKLOADS.items():
+                print(workloads_table(chip, name, whole_program(chip, workload)))
+    return 0
