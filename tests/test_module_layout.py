@@ -44,8 +44,9 @@ LAYERS = [
     # 0. Leaves, or nearly: what every layer may read (errors, the mask rule, the TPU chips
     #    and the dump reader, the checkers' report machinery and their comparisons, the
     #    figures' style and the explorers' words, which know nothing of attention).
-    ("errors", "masking", "kernel_trace", "tpu.chips", "tpu.dump_reader", "tpu.memory",
-     "tpu.compile", "tpu.mosaic_version", "tpu.numerics", "tpu.v3", "perf.roofline",
+    ("errors", "masking", "kernel_trace", "tpu.chips", "tpu.bundles", "tpu.loop_paths",
+     "tpu.dump_reader", "tpu.memory", "tpu.compile", "tpu.mosaic_version", "tpu.numerics",
+     "tpu.v3", "perf.roofline",
      "exercises.checking", "exercises.comparisons",
      "ladder.interpret", "explore.style", "explore.text"),
     # 1. Head grouping and the options object.
@@ -65,7 +66,7 @@ LAYERS = [
     #    the packages' front doors.
     ("explore.head_grouping", "explore.page_table", "explore.ragged_batch",
      "explore.kernel_schedule", "explore.playground", "perf.bench", "tpu.kernel_costs",
-     "tpu.comparison", "tpu.at_defaults", "tpu.listing",
+     "tpu.comparison", "tpu.block_times", "tpu.at_defaults", "tpu.listing",
      "doctor", "__main__", "engine", "engine.*", "exercises", "exercises.*", "explore", "tpu",
      "perf", ""),
 ]  # fmt: skip

@@ -42,6 +42,14 @@ from jax.experimental.pallas import tpu as pltpu
 from minilib import block_sizes
 from minilib.pallas_basics import add_vectors, ragged_paged_attention_pallas_basic
 from minilib.tpu import dump_reader
+from minilib.tpu.bundles import (
+    DMA_START,
+    MATMUL,
+    count_ops,
+    kv_block_loop,
+    loop_bodies,
+    parse_bundles,
+)
 from minilib.tpu.chips import CHIPS, FACTS
 from minilib.tpu.comparison import CLAIMS, claimed_as, recorded_comparison
 from minilib.tpu.compile import (
@@ -62,6 +70,7 @@ from minilib.tpu.kernel_costs import (
     kernel_for,
     rpa_specs,
 )
+from minilib.tpu.loop_paths import PAGE_COPY, kv_block_passes
 from minilib.tpu.v3 import v3_available
 
 AVAILABLE, REASON = tpu_compile_available()
@@ -355,20 +364,16 @@ def test_the_counting_rule_takes_the_kv_loop_around_a_chunk_loop(monkeypatch):
     report = compile_for_tpu(two_loops, *specs, chip="v5e")
     assert_compiled(report)
     (listing,) = listings
-    bundles = dump_reader.parse_bundles(listing)
-    bodies = dump_reader.loop_bodies(bundles)
-    matmuls = dump_reader.count_ops(bundles, dump_reader.MATMUL)
-    with_every_matmul = [
-        (s, e)
-        for s, e in bodies
-        if dump_reader.count_ops(bundles[s:e], dump_reader.MATMUL) == matmuls
-    ]
-    kv_loop = dump_reader.kv_block_loop(bundles)
+    bundles = parse_bundles(listing)
+    bodies = loop_bodies(bundles)
+    matmuls = count_ops(bundles, MATMUL)
+    with_every_matmul = [(s, e) for s, e in bodies if count_ops(bundles[s:e], MATMUL) == matmuls]
+    kv_loop = kv_block_loop(bundles)
     chunk_loop = max(with_every_matmul, key=lambda loop: bundles[loop[0]].depth)
     assert matmuls > 0 and kv_loop is not None and chunk_loop != kv_loop
     assert bundles[chunk_loop[0]].depth > bundles[kv_loop[0]].depth
-    assert dump_reader.count_ops(bundles[slice(*chunk_loop)], dump_reader.DMA_START) == 0
-    assert dump_reader.count_ops(bundles[slice(*kv_loop)], dump_reader.DMA_START) > 0
+    assert count_ops(bundles[slice(*chunk_loop)], DMA_START) == 0
+    assert count_ops(bundles[slice(*kv_loop)], DMA_START) > 0
     assert report.bundles_per_kv_block == kv_loop[1] - kv_loop[0]
 
 
@@ -433,17 +438,17 @@ def test_paths_follow_each_kernels_own_listing(chip):
         where = f"{cell.kernel} ({chip}, {cell.config}, {cell.stats.name})"
         text = listings.get(id(cell.stats))
         assert text is not None, f"{where}: its listing was not kept"
-        bundles = dump_reader.parse_bundles(text)
-        start, end = loop = dump_reader.kv_block_loop(bundles)
-        longest, interior = dump_reader.kv_block_passes(bundles, loop)
+        bundles = parse_bundles(text)
+        start, end = loop = kv_block_loop(bundles)
+        longest, interior = kv_block_passes(bundles, loop)
         assert (len(longest), len(interior)) == (cell.longest_path, cell.interior_path), where
         assert len(interior) <= len(longest) <= cell.bundles_per_kv_block == end - start, where
         assert set(interior) <= set(range(start, end)), where
         on_interior = [bundles[i] for i in interior]
-        matmuls = dump_reader.count_ops(bundles[start:end], dump_reader.MATMUL)
+        matmuls = count_ops(bundles[start:end], MATMUL)
         assert matmuls > 0, where
-        assert dump_reader.count_ops(on_interior, dump_reader.MATMUL) == matmuls, where
-        assert dump_reader.count_ops(on_interior, dump_reader.PAGE_COPY) > 0, where
+        assert count_ops(on_interior, MATMUL) == matmuls, where
+        assert count_ops(on_interior, PAGE_COPY) > 0, where
         checked += 1
     assert checked == len(cells) > 0
 
@@ -653,7 +658,6 @@ def test_each_kernel_runs_at_what_its_own_heuristic_answers():
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes
 
     from minilib.tpu import at_defaults
-    from minilib.tpu.dump_reader import kv_block_loop
     from minilib.tpu.v3 import load_v3
 
     chip = "v5e"

@@ -11,24 +11,24 @@ from __future__ import annotations
 
 import pytest
 
-from minilib.tpu.dump_reader import (
+from minilib.tpu.bundles import (
     DMA_START,
-    EXAMPLE_BRANCHES,
     EXAMPLE_TWO_LOOPS,
     MATMUL,
-    PathsNotRead,
     branch_kv_block_loops,
     count_ops,
-    delay_slots,
-    kernel_stats,
     kv_block_loop,
-    kv_block_passes,
-    kv_block_paths,
     loop_bodies,
     loop_extents,
     parse_bundles,
-    read_dump,
-    vmem_usage,
+)
+from minilib.tpu.dump_reader import kernel_stats, read_dump, vmem_usage
+from minilib.tpu.loop_paths import (
+    EXAMPLE_BRANCHES,
+    PathsNotRead,
+    delay_slots,
+    kv_block_passes,
+    kv_block_paths,
 )
 
 # An outer loop (the grid) holding a KV loop that starts a copy and holds the matmul, which

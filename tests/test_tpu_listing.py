@@ -8,13 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from minilib.tpu.bundles import EXAMPLE_BUNDLES, EXAMPLE_TWO_LOOPS, kv_block_loop, parse_bundles
 from minilib.tpu.compile import tpu_compile_available
-from minilib.tpu.dump_reader import (
-    EXAMPLE_BUNDLES,
-    EXAMPLE_TWO_LOOPS,
-    kv_block_loop,
-    parse_bundles,
-)
 from minilib.tpu.listing import (
     COMMAND,
     PICKED,

@@ -6,9 +6,12 @@ too: `mosaic_version`, which minilib applies when it is imported.
   chips.py         the chips, their clocks and bandwidths, with their sources
   memory.py        HBM, VMEM, SMEM, vector registers and MXUs per chip (no libtpu needed)
   compile.py       compile a kernel for a chip with libtpu; bundles, VMEM, spills
-  dump_reader.py   what libtpu wrote down: the counting rule, loops, ops, VMEM
+  bundles.py       a compiled kernel's listing: bundles, loops, the counting rule
+  loop_paths.py    paths through one KV block's loop, following its branches
+  dump_reader.py   what libtpu wrote down: per kernel, its loop, paths, ops, VMEM
   v3.py            vLLM's RPA v3 kernel, loaded from its published wheel
   kernel_costs.py  ours against JAX's and v3, compiled, per chip and config
+  block_times.py   a KV block's bundles and bytes as time, per chip (static)
   comparison.py    what we claim from it, its recorded figures, `python -m minilib compile`
   mosaic_version.py  kernels lowered at the Mosaic IR version the installed libtpu reads
   numerics.py      a TPU's float32 matmuls (one bfloat16 pass) emulated on the CPU

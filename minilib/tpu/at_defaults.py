@@ -56,15 +56,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from minilib.tpu import compile as tpu
-from minilib.tpu.dump_reader import (
-    DUMP_FILE,
-    MATMUL,
-    NON_KERNEL_PROGRAMS,
-    count_ops,
-    kv_block_loop,
-    loop_bodies,
-    parse_bundles,
-)
+from minilib.tpu.bundles import MATMUL, count_ops, kv_block_loop, loop_bodies, parse_bundles
+from minilib.tpu.dump_reader import DUMP_FILE, NON_KERNEL_PROGRAMS
 from minilib.tpu.kernel_costs import COMPARISON_CASE, rpa_function, rpa_specs
 
 __all__ = ["WORKLOADS", "Workload", "block_bundles", "defaults_rows", "ours_trips", "v3_trips",
@@ -260,7 +253,7 @@ def block_bundles(bundles, chunks_per_block: int = 1) -> int:
     """Bundles of one KV block: the KV-block loop (`COUNTING_RULE`), its compute-chunk loop
     (if any, `compute_loop`) counted `chunks_per_block` times.
 
-    >>> from minilib.tpu.dump_reader import EXAMPLE_TWO_LOOPS
+    >>> from minilib.tpu.bundles import EXAMPLE_TWO_LOOPS
     >>> bundles = parse_bundles(EXAMPLE_TWO_LOOPS)     # a KV loop of 14, a chunk loop of 7
     >>> block_bundles(bundles), block_bundles(bundles, chunks_per_block=3)
     (14, 28)
@@ -278,7 +271,7 @@ def weighted_bundles(bundles, passes_outward: list[int], chunk_passes: int | Non
     KV-block loop, then of each loop around it, outward; `chunk_passes`: of the compute-chunk
     loop inside it. Any other loop runs once per pass of the loop around it.
 
-    >>> from minilib.tpu.dump_reader import EXAMPLE_TWO_LOOPS
+    >>> from minilib.tpu.bundles import EXAMPLE_TWO_LOOPS
     >>> bundles = parse_bundles(EXAMPLE_TWO_LOOPS)  # 17 bundles: 3 outside, KV loop 14 (7 chunk)
     >>> weighted_bundles(bundles, [10], chunk_passes=20)     # 3 + 7 x 10 + 7 x 20
     213

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import jax
 
+from minilib.tpu.bundles import COUNTING_RULE
 from minilib.tpu.chips import CHIPS
 from minilib.tpu.compile import chips_here
-from minilib.tpu.dump_reader import COUNTING_RULE, PATH_RULES, KernelStats
+from minilib.tpu.dump_reader import KernelStats
 from minilib.tpu.kernel_costs import (
     COMPARISON_CASE,
     COMPARISON_CHIPS,
@@ -30,6 +31,7 @@ from minilib.tpu.kernel_costs import (
     describe_case,
     source_lines,
 )
+from minilib.tpu.loop_paths import PATH_RULES
 
 # `add_arguments` and `run` are `python -m minilib compile`'s command line, not the library's.
 __all__ = [

@@ -21,16 +21,8 @@ import re
 import sys
 from pathlib import Path
 
-from minilib.tpu.dump_reader import (
-    COMMENT,
-    DMA_START,
-    MATMUL,
-    SOURCE_LOC,
-    kv_block_loop,
-    libtpu_version,
-    parse_bundles,
-    short_path,
-)
+from minilib.tpu.bundles import COMMENT, DMA_START, MATMUL, kv_block_loop, parse_bundles
+from minilib.tpu.dump_reader import SOURCE_LOC, libtpu_version, short_path
 
 __all__ = ["RECORDED", "kv_loop_listing", "pick_listing_lines", "recorded_listing"]
 
@@ -56,7 +48,7 @@ def pick_listing_lines(bundles_text: str) -> list[str]:
     listing's order. Each shows one op (the one it was picked for), its source location cut
     to `file:line`, and how many other ops the bundle issues with it.
 
-    >>> from minilib.tpu.dump_reader import EXAMPLE_BUNDLES
+    >>> from minilib.tpu.bundles import EXAMPLE_BUNDLES
     >>> print("\\n".join(pick_listing_lines(EXAMPLE_BUNDLES)))
     0x1 LB: > { %v2 = vld [vmem:[#allocation2]]  ;; 1 more op }    <- the KV-block loop starts
     0x1 LB: > { %5 = dma.hbm_to_vmem [thread:$0]  %s1  ;; 1 more op }    <- DMA start
@@ -65,7 +57,7 @@ def pick_listing_lines(bundles_text: str) -> list[str]:
     bundles = parse_bundles(bundles_text)
     loop = kv_block_loop(bundles)
     if loop is None:
-        raise ValueError("no KV-block loop in this listing (see dump_reader.COUNTING_RULE).")
+        raise ValueError("no KV-block loop in this listing (see bundles.COUNTING_RULE).")
     body = bundles[loop[0] : loop[1]]
     lines = [_line(body[0], 0, "the KV-block loop starts")]
     for what, pattern in PICKED:
