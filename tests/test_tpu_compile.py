@@ -199,7 +199,6 @@ def test_attention_sinks_add_nothing_to_the_kv_block_loops(chip):
     assert_compiled(without)
     cells = compare_kernels(chip, queries_per_block=(8,), attention_sink=True)
     ours = {cell.config: cell for cell in cells if cell.kernel == "ours"}
-    assert all("with attention sinks" in cell.note for cell in ours.values()), ours
     assert all(cell.missing for cell in cells if cell.kernel != "ours"), cells
     for config, decode in (("8 q per block", False), ("decode", True)):
         want = kernel_for(without, decode=decode).bundles_per_kv_block

@@ -41,7 +41,6 @@ __all__ = [
     "ModelConfig",
     "attention_inputs",
     "attention_output_and_mlp",
-    "check_attention_sinks",
     "check_max_new_tokens",
     "check_request",
     "dense_attention",
@@ -121,6 +120,52 @@ embed_dim=64, mlp_dim=128, rope_theta=10000.0, dtype='float32', attention_sinks=
     def sm_scale(self) -> float:
         """The attention scale, 1 / sqrt(head_dim)."""
         return 1.0 / float(np.sqrt(self.head_dim))
+
+    def attention_args(self, layer: dict) -> dict:
+        """The keywords of a layer's attention call: sm_scale, and the layer's attention_sink
+        if the model has sinks (`attention_sinks`).
+
+        >>> TINY_CONFIG.attention_args(init_params(TINY_CONFIG)["layers"][0])
+        {'sm_scale': 0.35355339059327373}
+        """
+        sinks = {"attention_sink": layer["attention_sink"]} if self.attention_sinks else {}
+        return {"sm_scale": self.sm_scale} | sinks
+
+    def check_attention_sinks(self, params: dict) -> dict:
+        """`params`, once checked: raise `EngineError` unless every layer has an
+        "attention_sink" that the attention functions take (`check_attention_sink`:
+        f32[num_q_heads], finite) when `attention_sinks`, and none otherwise. Checked before
+        anything runs, so that a bad sink stops nothing half way: no step taken, no page
+        handed out.
+
+        >>> config = dataclasses.replace(TINY_CONFIG, attention_sinks=True)
+        >>> params = init_params(config)
+        >>> params["layers"][0]["attention_sink"] = jnp.array([0.0, jnp.nan])
+        >>> config.check_attention_sinks(params)
+        Traceback (most recent call last):
+        ...
+        minilib.errors.EngineError: layer 0: attention_sink[1]=nan must be finite.
+        Hint: ...
+        """
+        for i, layer in enumerate(params["layers"]):
+            if "attention_sink" in layer and not self.attention_sinks:
+                raise EngineError(
+                    f"layer {i} has an attention_sink, but config.attention_sinks is False.",
+                    "build the config with attention_sinks=True, or drop the sinks from the "
+                    "params: init_params(config) gives the params of a config.",
+                )
+            if self.attention_sinks and "attention_sink" not in layer:
+                raise EngineError(
+                    f"layer {i} has no attention_sink, but config.attention_sinks is True.",
+                    "give every layer its sinks, f32[num_q_heads]: init_params(config) does.",
+                )
+            if not self.attention_sinks:
+                continue
+            try:
+                check_attention_sink(layer["attention_sink"], self.num_q_heads)
+            except RPAInputError as err:
+                raise EngineError(f"layer {i}: {err.message}", err.hint) from None
+        return params
 
 
 # The smallest model the examples run: one layer, two q heads sharing one KV head, head_dim 8.
@@ -395,7 +440,7 @@ def dense_generate_with_margins(
     """
     max_tokens, sampling = resolve_sampling_params(max_new_tokens, sampling_params, config)
     check_request(prompt, max_tokens, config)
-    check_attention_sinks(params, config)
+    config.check_attention_sinks(params)
     prompt = [int(t) for t in prompt]
     if max_tokens == 0:
         return [], []
@@ -482,43 +527,6 @@ def resolve_sampling_params(
             f"ask for the k most likely tokens with k <= {config.vocab_size}, such as 5.",
         )
     return sampling_params.max_tokens, sampling_params
-
-
-def check_attention_sinks(params: dict, config: ModelConfig) -> None:
-    """Raise `EngineError` unless every layer of `params` has an "attention_sink" that the
-    attention functions take (`check_attention_sink`: f32[num_q_heads], finite) when
-    `config.attention_sinks`, and none otherwise. Checked before anything runs, so that a bad
-    sink stops nothing half way: no step taken, no page handed out.
-
-    >>> config = ModelConfig(vocab_size=64, num_layers=1, num_q_heads=2, num_kv_heads=1,
-    ...                      head_dim=8, attention_sinks=True)
-    >>> params = init_params(config)
-    >>> check_attention_sinks(params, config)
-    >>> params["layers"][0]["attention_sink"] = jnp.array([0.0, jnp.nan])
-    >>> check_attention_sinks(params, config)
-    Traceback (most recent call last):
-    ...
-    minilib.errors.EngineError: layer 0: attention_sink[1]=nan must be finite.
-    Hint: ...
-    """
-    for i, layer in enumerate(params["layers"]):
-        if not config.attention_sinks:
-            if "attention_sink" in layer:
-                raise EngineError(
-                    f"layer {i} has an attention_sink, but config.attention_sinks is False.",
-                    "build the config with attention_sinks=True, or drop the sinks from the "
-                    "params: init_params(config) gives the params of a config.",
-                )
-            continue
-        if "attention_sink" not in layer:
-            raise EngineError(
-                f"layer {i} has no attention_sink, but config.attention_sinks is True.",
-                "give every layer its sinks, f32[num_q_heads]: init_params(config) does.",
-            )
-        try:
-            check_attention_sink(layer["attention_sink"], config.num_q_heads)
-        except RPAInputError as err:
-            raise EngineError(f"layer {i}: {err.message}", err.hint) from None
 
 
 def check_max_new_tokens(max_new_tokens) -> None:

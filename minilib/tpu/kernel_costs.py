@@ -32,10 +32,6 @@ per block cells read its mixed copy, the decode cell its decode copy (`cell_of`)
 counted by the rule; its spills are the whole kernel's. JAX's kernel does not compile at
 head_dim 64 (an assertion: its rows of softmax statistics are 128 lanes wide).
 
-With `--sinks` (`attention_sink=True`), ours is compiled with attention sinks (an
-f32[num_q_heads] argument, `rpa_with_sink`); JAX's kernel and v3's head_dim-128 kernel have
-none, so their cells are left out.
-
 What we claim from these figures, the figures recorded for where nothing compiles, and the
 command line are in `minilib.tpu.comparison`.
 """
@@ -51,6 +47,7 @@ import jax.numpy as jnp
 from minilib.tpu.chips import FACTS
 from minilib.tpu.compile import CompileReport, compile_for_tpu, kib
 from minilib.tpu.dump_reader import COUNTING_RULE, KernelStats
+from minilib.tpu.sinks import compile_with_sinks
 
 __all__ = [
     "Cell",
@@ -64,7 +61,6 @@ __all__ = [
     "kv_bytes_per_block",
     "rpa_function",
     "rpa_specs",
-    "rpa_with_sink",
     "side_by_side",
 ]
 
@@ -133,31 +129,8 @@ def rpa_function(which: str):
     raise ValueError(f"{which=} must be 'ours' or 'jax'.")
 
 
-def rpa_with_sink(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, attention_sink,
-                  **options):  # fmt: skip
-    """minilib's kernel, compiled, with its attention sinks (f32[num_q_heads]) an argument of
-    the compiled program, as in a model, not a constant folded into it.
-
-    >>> import jax.numpy as jnp
-    >>> from minilib.batch import make_batch
-    >>> from minilib.kernel import ragged_paged_attention
-    >>> b = make_batch([(2, 5)])
-    >>> out = rpa_with_sink(*b.args(), jnp.zeros(4, jnp.float32), interpret=True)
-    >>> out.shape
-    (2, 4, 64)
-    """
-    from minilib.kernel import ragged_paged_attention
-
-    options.setdefault("interpret", False)
-    return ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                  attention_sink=attention_sink, **options)  # fmt: skip
-
-
-def compile_rpa(
-    which: str, specs, *, chip: str = "v5e", attention_sink: bool = False, **options
-) -> CompileReport:
-    """Compile one RPA kernel (`ours` or `jax`) for `chip`; options as for the kernel; ours
-    with attention sinks if `attention_sink` (`rpa_with_sink`).
+def compile_rpa(which: str, specs, *, chip: str = "v5e", **options) -> CompileReport:
+    """Compile one RPA kernel (`ours` or `jax`) for `chip`; options as for the kernel.
 
     Needs libtpu (not a TPU): the example compiles only where libtpu is installed.
 
@@ -171,11 +144,6 @@ def compile_rpa(
     True
     """
     options.setdefault("sm_scale", specs[0].shape[-1] ** -0.5)
-    if attention_sink:
-        if which != "ours":
-            raise ValueError(f"{which=}: only ours takes attention sinks.")
-        sink = jax.ShapeDtypeStruct((specs[0].shape[1],), jnp.float32)  # [num_q_heads]
-        return compile_for_tpu(functools.partial(rpa_with_sink, **options), *specs, sink, chip=chip)
     return compile_for_tpu(functools.partial(rpa_function(which), **options), *specs, chip=chip)
 
 
@@ -287,8 +255,8 @@ def compare_kernels(
     """Compile v3, JAX's kernel and ours for `chip` on `case`, once per q block size, and
     return one `Cell` per kernel and config: `f"{n} q per block"` for each n, then "decode",
     read from the program of the smallest q block (a kernel without a decode kernel serves
-    decode sequences with that one; its cell's note says so). With `attention_sink`, ours
-    only, with sinks: the other two have none.
+    decode sequences with that one; its cell's note says so). `attention_sink`: ours alone,
+    with sinks (`minilib.tpu.sinks`).
 
     Six compiles with the defaults (seconds each, with libtpu): not run here.
 
@@ -303,17 +271,17 @@ def compare_kernels(
     programs: dict[tuple[str, int], CompileReport | str] = {}
     for queries in queries_per_block:
         blocks = dict(num_kv_pages_per_block=num_kv_pages_per_block, num_queries_per_block=queries)
-        if attention_sink:
+        if attention_sink:  # the other two have no sinks
             programs["v3", queries] = programs["JAX", queries] = "left out: no attention sinks"
-        else:
-            try:
-                programs["v3", queries] = compile_v3(chip, case=case, kv_dtype=kv_dtype,
-                                                     hd64=hd64, **blocks, **options)  # fmt: skip
-            except V3Unavailable as err:
-                programs["v3", queries] = f"not available: {err}"
-            programs["JAX", queries] = compile_rpa("jax", specs, chip=chip, **blocks, **options)
-        programs["ours", queries] = compile_rpa("ours", specs, chip=chip, **blocks, **options,
-                                                attention_sink=attention_sink)  # fmt: skip
+            programs["ours", queries] = compile_with_sinks(specs, chip=chip, **blocks, **options)
+            continue
+        try:
+            programs["v3", queries] = compile_v3(chip, case=case, kv_dtype=kv_dtype, hd64=hd64,
+                                                 **blocks, **options)  # fmt: skip
+        except V3Unavailable as err:
+            programs["v3", queries] = f"not available: {err}"
+        programs["JAX", queries] = compile_rpa("jax", specs, chip=chip, **blocks, **options)
+        programs["ours", queries] = compile_rpa("ours", specs, chip=chip, **blocks, **options)
     cells = []
     for queries in queries_per_block:
         for kernel in KERNELS:
@@ -323,9 +291,6 @@ def compare_kernels(
         cells.append(cell_of(programs[kernel, smallest], kernel, chip, "decode", smallest))
     if fallback:
         cells = [with_note(c, fallback) if c.kernel == "v3" and c.stats else c for c in cells]
-    if attention_sink:
-        sinks = "with attention sinks, f32[num_q_heads]"
-        cells = [with_note(c, sinks) if c.kernel == "ours" and c.stats else c for c in cells]
     return cells
 
 
