@@ -11,7 +11,7 @@ live or not. This version does what the TPU kernel does, in jnp that runs anywhe
         k, v  = gather_kv_block(...)                only these pages, via the page table
         s     = block_scores(...)                   q . k * sm_scale, soft cap, masks
         state = online_softmax_update(state, s, v)  rescale the old sums, add the new block
-      out[rows] = state.acc / state.l
+      out[rows] = state.acc / state.l               (+ exp(sink - m) in l, with a sink)
 
 Three ideas make it fast and small:
 
@@ -117,6 +117,7 @@ def ragged_paged_attention_blockwise(
     num_kv_pages_per_block: int | None = None,
     num_queries_per_block: int | None = None,
     validate: bool = True,
+    attention_sink: jax.Array | None = None,  # f32[num_q_heads]
 ) -> jax.Array:  # [max_num_batched_tokens, num_q_heads, head_dim]
     """Ragged paged attention, one q block and one KV block at a time, with online softmax.
 
@@ -128,6 +129,9 @@ def ragged_paged_attention_blockwise(
 
     An fp8 `kv_pages` without `k_scale` and `v_scale` is taken as scale 1, with no error or
     warning (as in JAX's kernel): pass the scales the cache was quantized with.
+    `attention_sink` (f32[num_q_heads], or None): one more softmax logit per q head, with no
+    value, as in `ref_ragged_paged_attention`; it joins the denominator once, at the end
+    (`finish_online_softmax`), so the loop over KV blocks does not change.
 
     Compiled once per shape and options; new lengths reuse the compile, and `num_seqs` may be
     a traced value. Called eagerly, it first checks the values of the inputs
@@ -152,7 +156,7 @@ def ragged_paged_attention_blockwise(
         num_queries_per_block=num_queries_per_block,
     )
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    validate_inputs(*args, options, validate=validate)
+    validate_inputs(*args, options, validate=validate, attention_sink=attention_sink)
     max_num_batched_tokens = q.shape[0]
     pages_per_seq = page_indices.shape[1]
     # The default block sizes. A q block is a window of q's rows, so it can't be longer than q.
@@ -165,13 +169,14 @@ def ragged_paged_attention_blockwise(
         num_kv_pages_per_block=num_kv_pages,
         num_queries_per_block=min(num_queries, max_num_batched_tokens),
     )
-    return _rpa_blockwise(*args, options)
+    return _rpa_blockwise(*args, options, attention_sink)
 
 
 @functools.partial(jax.jit, static_argnames="options")
 def _rpa_blockwise(
-    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: AttentionOptions
-):
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: AttentionOptions,
+    attention_sink=None,
+):  # fmt: skip
     """The outer loop, over the live sequences; each writes its own q rows of `out`.
 
     The loop bound num_seqs[0] is a traced value, so this is a `while` loop in the compiled
@@ -194,8 +199,9 @@ def _rpa_blockwise(
 
         def in_blocks_of(rows):
             return lambda out: attend_sequence(
-                out, *seq_args, num_queries_per_block=rows, options=options
-            )
+                out, *seq_args, num_queries_per_block=rows, options=options,
+                attention_sink=attention_sink,
+            )  # fmt: skip
 
         if short_block == num_queries_per_block:
             return in_blocks_of(num_queries_per_block)(out)
@@ -246,6 +252,7 @@ def attend_sequence(
     *,
     num_queries_per_block: int,
     options: AttentionOptions,
+    attention_sink: jax.Array | None = None,  # f32[num_q_heads]
 ) -> jax.Array:  # out, with this sequence's rows written
     """Cut one sequence's q rows into blocks of num_queries_per_block rows; attend each.
 
@@ -269,6 +276,7 @@ def attend_sequence(
         return attend_q_block(
             out, q, kv_pages, pages, kv_len, q_end, block_start,
             num_queries_per_block=num_queries_per_block, options=options,
+            attention_sink=attention_sink,
         )  # fmt: skip
 
     return jax.lax.fori_loop(0, num_q_blocks, one_q_block, out)
@@ -285,6 +293,7 @@ def attend_q_block(
     *,
     num_queries_per_block: int,  # this block's size (short sequences take short blocks)
     options: AttentionOptions,  # with its num_kv_pages_per_block filled in
+    attention_sink: jax.Array | None = None,  # f32[num_q_heads]
 ) -> jax.Array:  # out, with this block's live rows written
     """Attend one q block over the KV blocks it can see, then write its live rows to `out`.
 
@@ -338,7 +347,13 @@ def attend_q_block(
 
     state = init_online_softmax(q_folded)
     state = jax.lax.fori_loop(first_block, end_block, one_kv_block, state)
-    block_out = unfold_rows_into_heads(finish_online_softmax(state), num_queries_per_block)
+    sink = None
+    if attention_sink is not None:  # each folded row's sink: row q * group + g, head h * group + g
+        sink = fold_heads_into_rows(
+            jnp.broadcast_to(attention_sink[None, :, None], (num_queries_per_block, q.shape[1], 1)),
+            num_kv_heads,
+        )[..., 0]  # [num_kv_heads, rows]
+    block_out = unfold_rows_into_heads(finish_online_softmax(state, sink), num_queries_per_block)
 
     # Write only the live rows; the others belong to another block or sequence.
     old = jax.lax.dynamic_slice_in_dim(out, rows[0], num_queries_per_block)
@@ -520,8 +535,14 @@ def online_softmax_update(
 
 def finish_online_softmax(
     state: OnlineSoftmax,
+    sink: jax.Array | None = None,  # f32[num_kv_heads, rows]: each row's attention sink
 ) -> jax.Array:  # f32[num_kv_heads, rows, head_dim]
     """After the last KV block, acc / l is softmax(scores) @ v.
+
+    With an attention sink, the sink joins the denominator here, once: acc / (l +
+    exp(sink - m)). m is the max of the scores alone, so the sink's term is scaled like the
+    others: the same as starting the softmax from the sink, and nothing added to the loop over
+    KV blocks. (A sink far above m gives exp = inf, and the output its limit, 0.)
 
     A row that saw no key at all (l = 0, acc = 0) gives 0, not 0 / 0 = NaN. Valid inputs
     never have one (every q row sees itself); unchecked garbage under jit may. Only l = 0 is
@@ -533,5 +554,6 @@ def finish_online_softmax(
     >>> finish_online_softmax(state).tolist()   # 6 / 2; 0 for no key; NaN stays NaN
     [[[3.0], [0.0], [nan]]]
     """
-    l = state.l[..., None]  # noqa: E741
+    l = state.l if sink is None else state.l + jnp.exp(sink - state.m)  # noqa: E741
+    l = l[..., None]  # noqa: E741
     return state.acc / jnp.where(l == 0.0, 1.0, l)

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from minilib.blockwise import clamp_lengths
 from minilib.masking import apply_mask_value, is_masked, q_position
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
-from minilib.reference import apply_soft_cap, dequantize
+from minilib.reference import apply_soft_cap, dequantize, softmax_with_sink
 from minilib.validation import validate_inputs
 from minilib.vectorized import gather_all_kv
 
@@ -127,6 +127,7 @@ def ragged_paged_attention_pallas_basic(
     num_queries_per_block: int = DEFAULT_NUM_QUERIES_PER_BLOCK,
     interpret=True,
     validate: bool = True,
+    attention_sink: jax.Array | None = None,  # f32[num_q_heads]
 ) -> jax.Array:  # [max_num_batched_tokens, num_q_heads, head_dim]
     """Ragged paged attention as a first Pallas kernel, over K/V gathered by jnp.
 
@@ -139,6 +140,8 @@ def ragged_paged_attention_pallas_basic(
 
     An fp8 `kv_pages` without `k_scale` and `v_scale` is taken as scale 1, with no error or
     warning (as in JAX's kernel): pass the scales the cache was quantized with.
+    `attention_sink` (f32[num_q_heads], or None): one more softmax logit per q head, with no
+    value, as in `ref_ragged_paged_attention`; each program gets its KV head's group of sinks.
 
     It runs in interpret mode only: Mosaic, the TPU compiler, rejects it by design. Its
     BlockSpecs cut one KV head and `group` q heads out of the head axis, so the last two
@@ -163,14 +166,15 @@ def ragged_paged_attention_pallas_basic(
         num_queries_per_block=num_queries_per_block,
     )
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    validate_inputs(*args, options, validate=validate)
-    return _rpa_pallas_basic(*args, options, interpret=interpret)
+    validate_inputs(*args, options, validate=validate, attention_sink=attention_sink)
+    return _rpa_pallas_basic(*args, options, attention_sink, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("options", "interpret"))
 def _rpa_pallas_basic(
-    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: AttentionOptions, *, interpret
-):
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: AttentionOptions,
+    attention_sink=None, *, interpret,
+):  # fmt: skip
     """jnp rearranges the batch into dense blocks, the kernel attends, jnp packs the rows back."""
     max_num_seqs, pages_per_seq = page_indices.shape
     # Unchecked values (under jit) are clamped into the ranges the shapes allow ...
@@ -204,6 +208,7 @@ def _rpa_pallas_basic(
         mask_value=options.mask_value,
         num_queries_per_block=num_queries_per_block,
         interpret=interpret,
+        attention_sink=attention_sink,
     )
     return pack_rows(out_seq, q_starts, q_lens, q.shape[0])
 
@@ -263,6 +268,7 @@ def attention_pallas_call(
     *,
     num_queries_per_block: int,
     interpret,
+    attention_sink: jax.Array | None = None,  # f32[num_q_heads]
     **attention_options,
 ) -> jax.Array:  # [max_num_seqs, max_q_len, num_q_heads, head_dim]
     """The grid and the BlockSpecs: which block of each array program (s, i, h) sees.
@@ -270,7 +276,8 @@ def attention_pallas_call(
     Program (s, i, h) attends the rows [i*Q, (i+1)*Q) of sequence s, for the `group` q heads
     that share KV head h, over all of sequence s's keys of KV head h. `pl.squeezed` drops an
     axis of size 1 from the block, so the kernel sees q as [Q, group, head_dim] and K as
-    [max_kv_len, head_dim].
+    [max_kv_len, head_dim]. With an `attention_sink`, program (s, i, h) also sees the group
+    of sinks of KV head h, [1, group] (a block as wide as the array, which Mosaic allows).
 
     >>> q_seq = jnp.ones((2, 8, 4, 16))                      # 2 sequences, 4 q heads
     >>> k = v = jnp.ones((2, 32, 2, 16))                     # 2 KV heads: groups of 2
@@ -293,15 +300,26 @@ def attention_pallas_call(
         (pl.squeezed, max_kv_len, pl.squeezed, head_dim), lambda s, i, h: (s, 0, h, 0)
     )
     len_spec = pl.BlockSpec((1,), lambda s, i, h: (s,))  # this sequence's length, [1]
+    in_specs = [q_spec, kv_spec, kv_spec, len_spec, len_spec]
+    inputs = [q_seq, k, v, q_lens, kv_lens]
     kernel = functools.partial(attention_kernel, **attention_options)
+    if attention_sink is None:  # no sink input: the kernel gets sink_ref=None
+        kernel = functools.partial(_without_sink, kernel)
+    else:  # [num_kv_heads, group]: program (s, i, h) sees row h, its q heads' sinks
+        in_specs.append(pl.BlockSpec((1, group), lambda s, i, h: (h, 0)))
+        inputs.append(attention_sink.reshape(num_kv_heads, group))
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(q_seq.shape, q_seq.dtype),
         grid=(max_num_seqs, max_q_len // rows, num_kv_heads),
-        in_specs=[q_spec, kv_spec, kv_spec, len_spec, len_spec],
+        in_specs=in_specs,
         out_specs=q_spec,
         interpret=interpret,
-    )(q_seq, k, v, q_lens, kv_lens)
+    )(*inputs)
+
+
+def _without_sink(kernel, q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, o_ref):
+    kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, None, o_ref)
 
 
 def attention_kernel(
@@ -310,6 +328,7 @@ def attention_kernel(
     v_ref,  # [max_kv_len, head_dim], zero past kv_len
     q_len_ref,  # i32[1]
     kv_len_ref,  # i32[1]
+    sink_ref,  # f32[1, group]: the group's attention sinks; None without them
     o_ref,  # [num_queries_per_block, group, head_dim]
     *,
     sm_scale: float,
@@ -345,6 +364,8 @@ def attention_kernel(
         k_pos = jnp.arange(k.shape[0])[None, :]
         masked = is_masked(q_pos, k_pos, sliding_window)
         scores = apply_mask_value(scores, masked, mask_value, past_kv_len=k_pos >= kv_len)
-        probs = jax.nn.softmax(scores, axis=-1)
+        # The sink of folded row r is that of q head r % group.
+        sink = None if sink_ref is None else jnp.tile(sink_ref[...], (rows, 1)).reshape(-1, 1)
+        probs = softmax_with_sink(scores, sink)
         out = jnp.dot(probs, v)  # [rows * group, head_dim]
         o_ref[...] = out.reshape(rows, group, head_dim).astype(o_ref.dtype)

@@ -8,7 +8,8 @@ This is the course's baseline. Each step is one idea, named after it:
   4. share each KV head with its group of q heads   (GQA / MQA)
   5. scores = q . k * sm_scale, soft-capped          (`sm_scale`, `soft_cap`)
   6. causal mask, offset by kv_len - q_len           (`sliding_window`)
-  7. softmax, then the weighted sum of values
+  7. softmax, then the weighted sum of values; with an attention sink (`attention_sink`),
+     one more logit per q head joins the softmax and carries no value (`softmax_with_sink`)
 
 The Python loop over sequences makes it slow to compile (one trace per mix of lengths), which
 is why the later versions exist.
@@ -27,7 +28,13 @@ from minilib.masking import apply_mask_value, causal_mask
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.validation import validate_inputs
 
-__all__ = ["apply_soft_cap", "attend", "dequantize", "ref_ragged_paged_attention"]
+__all__ = [
+    "apply_soft_cap",
+    "attend",
+    "dequantize",
+    "ref_ragged_paged_attention",
+    "softmax_with_sink",
+]
 
 
 def ref_ragged_paged_attention(
@@ -45,6 +52,7 @@ def ref_ragged_paged_attention(
     k_scale: float | None = None,
     v_scale: float | None = None,
     validate: bool = True,
+    attention_sink: jax.Array | None = None,  # f32[num_q_heads]
 ) -> jax.Array:  # [max_num_batched_tokens, num_q_heads, head_dim]
     """Ragged paged attention, one sequence at a time. Same signature as JAX's reference.
 
@@ -56,6 +64,11 @@ def ref_ragged_paged_attention(
     an fp8 cache is taken as scale 1, with no error or warning: the stored values are read as
     they are (JAX's reference and kernel apply no scale either, and every attention function
     of minilib does the same), and a cache quantized as x / scale gives wrong outputs, silently.
+
+    `attention_sink` (f32[num_q_heads], default None: no sink) is a learned logit per q head
+    that joins every softmax denominator and carries no value (gpt-oss; the name and shape
+    of vLLM's head_dim-64 kernel): out = sum_j exp(s_j - m) v_j / (exp(sink - m) +
+    sum_j exp(s_j - m)), m the max of the scores and the sink. JAX's kernels have no sink.
 
     The inputs are checked first with `validate_inputs`: all of `dynamic_validate_inputs`
     (their values too) on concrete arrays; `validate=False` skips the value checks. This
@@ -75,8 +88,9 @@ def ref_ragged_paged_attention(
         v_scale=v_scale,
     )
     validate_inputs(
-        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options, validate=validate
-    )
+        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options, validate=validate,
+        attention_sink=attention_sink,
+    )  # fmt: skip
     # The lengths steer a Python loop, so read their values once, on the host.
     kv_lens, page_indices, cu_q_lens = (np.asarray(a) for a in (kv_lens, page_indices, cu_q_lens))
     outputs = []
@@ -97,6 +111,7 @@ def ref_ragged_paged_attention(
                 sliding_window=options.sliding_window,
                 soft_cap=options.soft_cap,
                 mask_value=options.mask_value,
+                attention_sink=attention_sink,
             )
         )
     # The padding rows past the last sequence are zeros.
@@ -144,6 +159,7 @@ def attend(
     sliding_window: int | None,
     soft_cap: float | None,
     mask_value: float,
+    attention_sink: jax.Array | None = None,  # f32[num_q_heads]
 ) -> jax.Array:  # [q_len, num_q_heads, head_dim]
     """Causal attention of one sequence's new q rows over all its keys.
 
@@ -169,5 +185,25 @@ def attend(
     scores = apply_soft_cap(scores * sm_scale, soft_cap)
     # 6. Mask: mask_value is added to the hidden scores (JAX's rule), 7. softmax, weighted sum.
     scores = apply_mask_value(scores, causal_mask(q_len, kv_len, sliding_window), mask_value)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    sink = None if attention_sink is None else attention_sink[:, None, None]  # [heads, 1, 1]
+    probs = softmax_with_sink(scores, sink).astype(v.dtype)
     return jnp.einsum("hqk,khd->qhd", probs, v).astype(q.dtype)
+
+
+def softmax_with_sink(
+    scores: jax.Array,  # f32[..., keys]
+    sink: jax.Array | None,  # f32, broadcastable to scores[..., :1]: each row's sink logit
+) -> jax.Array:  # f32[..., keys]
+    """softmax over the keys, with the sink as one more logit that has no value: the sink
+    joins the softmax as an extra column, which is then dropped, so a row's weights sum to
+    less than 1. Plain `jax.nn.softmax` when `sink` is None.
+
+    Two equal scores and a sink equal to them: each key weighs a third.
+
+    >>> softmax_with_sink(jnp.zeros((1, 2)), jnp.zeros((1, 1))).tolist()
+    [[0.3333333432674408, 0.3333333432674408]]
+    """
+    if sink is None:
+        return jax.nn.softmax(scores, axis=-1)
+    sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1)).astype(scores.dtype)
+    return jax.nn.softmax(jnp.concatenate([sink, scores], axis=-1), axis=-1)[..., 1:]

@@ -14,6 +14,10 @@ meets with a bare `assert`; these get a message of our own. All of them raise `R
 Only the live sequences, the first `num_seqs`, are checked: the padding slots past them may
 hold anything.
 
+The optional `attention_sink` (f32[num_q_heads], one learned logit per q head, as in gpt-oss
+and vLLM's head_dim-64 kernel) is an array, not an option: `check_attention_sink` checks its
+shape and dtype always, and that it is finite when its values are there (not under jit).
+
 Every attention function in minilib starts with `validate_inputs`: the dynamic checks when it
 is called eagerly on concrete arrays, only the static ones under `jax.jit` (validate outside
 jit, as JAX does), and `validate=False` to skip the value checks. It passes its options as one
@@ -32,6 +36,7 @@ from minilib.kv_cache import cdiv
 from minilib.options import AttentionOptions, attention_options
 
 __all__ = [
+    "check_attention_sink",
     "check_dtypes",
     "dynamic_validate_inputs",
     "static_validate_inputs",
@@ -84,6 +89,7 @@ def validate_inputs(
     options: AttentionOptions | None = None,
     *,
     validate: bool = True,
+    attention_sink=None,  # f32[num_q_heads] or None
     **option_values,
 ) -> None:
     """What every attention function runs first: all the checks the inputs allow.
@@ -92,7 +98,9 @@ def validate_inputs(
     values of kv_lens, page_indices, cu_q_lens and num_seqs. Under `jax.jit` those are
     tracers with no values yet, so only `static_validate_inputs` can run; validate outside
     jit, as JAX does. `validate=False` skips the value checks even on concrete arrays (for
-    benchmarks and serving loops that validated the batch once already).
+    benchmarks and serving loops that validated the batch once already). An `attention_sink`
+    is checked by `check_attention_sink`, its values too unless they are traced or `validate`
+    is False.
 
     >>> import jax, jax.numpy as jnp
     >>> from minilib.batch import make_batch
@@ -111,6 +119,57 @@ def validate_inputs(
         dynamic_validate_inputs(*arrays, options)
     else:
         static_validate_inputs(*arrays, options)
+    if attention_sink is not None:
+        check_attention_sink(attention_sink, q.shape[1], values=validate)
+
+
+def check_attention_sink(
+    attention_sink,  # f32[num_q_heads]
+    num_q_heads: int,
+    *,
+    values: bool = True,
+) -> None:
+    """Raise unless `attention_sink` is a float32 array of shape [num_q_heads] (JAX's kernels
+    take no sink; vLLM's head_dim-64 kernel takes this shape and dtype) and, when `values` is
+    True and its values are concrete, finite.
+
+    A sink is one learned logit per q head that joins every softmax denominator and carries
+    no value: a NaN would make every output of its head NaN, and +inf every output 0.
+
+    >>> import jax.numpy as jnp
+    >>> check_attention_sink(jnp.zeros(4, jnp.float32), 4)
+    >>> check_attention_sink(jnp.zeros(4), 8)
+    Traceback (most recent call last):
+    ...
+    minilib.errors.RPAInputError: attention_sink.shape=(4,) must be (num_q_heads,) = (8,).
+    Hint: ...
+    """
+    shape, dtype = getattr(attention_sink, "shape", None), getattr(attention_sink, "dtype", None)
+    fix = (
+        "attention_sink holds one logit per q head, in float32: build it with "
+        "jnp.asarray(sinks, jnp.float32), shape [num_q_heads] (q.shape[1]); or pass None for "
+        "no sink."
+    )
+    if shape is None or dtype is None:
+        raise RPAInputError(
+            f"attention_sink must be an array, got {type(attention_sink).__name__}.", fix
+        )
+    if tuple(shape) != (num_q_heads,):
+        raise RPAInputError(
+            f"attention_sink.shape={tuple(shape)} must be (num_q_heads,) = ({num_q_heads},).", fix
+        )
+    if np.dtype(dtype) != np.float32:
+        raise RPAInputError(f"attention_sink.dtype={np.dtype(dtype)} must be float32.", fix)
+    if not values or isinstance(attention_sink, jax.core.Tracer):
+        return
+    bad = ~np.isfinite(np.asarray(attention_sink))
+    if bad.any():
+        h = int(np.argmax(bad))
+        raise RPAInputError(
+            f"attention_sink[{h}]={float(np.asarray(attention_sink)[h])} must be finite.",
+            "a NaN sink makes every output of its head NaN, an infinite one every output 0 "
+            "or NaN. A very negative finite sink (such as -1e30) is the same as no sink.",
+        )
 
 
 def static_validate_inputs(

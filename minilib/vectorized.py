@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from minilib.kv_cache import cdiv
 from minilib.masking import apply_mask_value, is_masked, q_position
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
-from minilib.reference import apply_soft_cap, dequantize
+from minilib.reference import apply_soft_cap, dequantize, softmax_with_sink
 from minilib.validation import validate_inputs
 
 __all__ = ["TILE", "attend_tile", "gather_all_kv", "q_tiles", "ragged_paged_attention_jnp"]
@@ -54,12 +54,15 @@ def ragged_paged_attention_jnp(
     k_scale: float | None = None,
     v_scale: float | None = None,
     validate: bool = True,
+    attention_sink: jax.Array | None = None,  # f32[num_q_heads]
 ) -> jax.Array:  # [max_num_batched_tokens, num_q_heads, head_dim]
     """Vectorized ragged paged attention: compiled once per array shape.
 
     Same signature and result as `ref_ragged_paged_attention`; padding rows come out zero.
     An fp8 `kv_pages` without `k_scale` and `v_scale` is taken as scale 1, with no error or
     warning (as in JAX's kernel): pass the scales the cache was quantized with.
+    `attention_sink` (f32[num_q_heads], or None): one more softmax logit per q head, with no
+    value, as in `ref_ragged_paged_attention`.
 
     Called eagerly, it first checks the values of the inputs (`dynamic_validate_inputs`);
     `validate=False` skips that. Under `jax.jit` the values do not exist yet and only the
@@ -79,12 +82,15 @@ def ragged_paged_attention_jnp(
         v_scale=v_scale,
     )
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    validate_inputs(*args, options, validate=validate)
-    return _rpa_jnp(*args, options)
+    validate_inputs(*args, options, validate=validate, attention_sink=attention_sink)
+    return _rpa_jnp(*args, options, attention_sink)
 
 
 @functools.partial(jax.jit, static_argnames="options")
-def _rpa_jnp(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: AttentionOptions):
+def _rpa_jnp(
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: AttentionOptions,
+    attention_sink=None,
+):  # fmt: skip
     max_num_batched_tokens = q.shape[0]
     max_num_seqs = page_indices.shape[0]
     # Padding sequence slots may hold garbage: give them no q rows and no keys.
@@ -113,6 +119,7 @@ def _rpa_jnp(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: A
                 sliding_window=options.sliding_window,
                 soft_cap=options.soft_cap,
                 mask_value=options.mask_value,
+                attention_sink=attention_sink,
             ),
             lambda: jnp.zeros((TILE, *q.shape[1:]), jnp.float32),  # ... costs nothing
         )
@@ -201,6 +208,7 @@ def attend_tile(
     sliding_window: int | None,
     soft_cap: float | None,
     mask_value: float,
+    attention_sink: jax.Array | None = None,  # f32[num_q_heads]
 ) -> jax.Array:  # [TILE, num_q_heads, head_dim], float32
     """Masked attention of a tile of q rows over one sequence's (padded) K and V.
 
@@ -228,6 +236,7 @@ def attend_tile(
     k_pos = jnp.arange(max_kv_len)[None, :]
     masked = is_masked(q_pos[:, None], k_pos, sliding_window)
     scores = apply_mask_value(scores, masked, mask_value, past_kv_len=k_pos >= kv_len)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    sink = None if attention_sink is None else attention_sink.reshape(num_kv_heads, group, 1, 1)
+    probs = softmax_with_sink(scores, sink).astype(v.dtype)
     out = jnp.einsum("kgql,lkd->qkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(tile, num_q_heads, head_dim)

@@ -7,7 +7,8 @@ its attention and KV cache sharded over meshes of 1, 2 and 4 devices (the interp
 and the reference on 4), for every attention implementation, next to the unsharded engine
 and the dense model; a model with 2 KV heads on 4 devices (KV heads replicated); a serving
 run on 4 devices with prefix caching, sampling, preemption and an abort, the pool's
-accounting checked after every step; and bad meshes.
+accounting checked after every step; a model with attention sinks on 4 devices; and bad
+meshes.
 Prints one JSON line with what it saw; the test judges it.
 """
 
@@ -77,6 +78,21 @@ def replicated_run() -> dict:
         "replicas": eng.kv_head_replicas,
         "shard_shapes": [list(s.data.shape) for s in eng.kv_pages[0].addressable_shards],
         "pages_free": eng.scheduler.allocator.num_free == SIZES["num_pages"],
+    }
+
+
+def sinks_run() -> dict:
+    """A model with attention sinks on 4 devices: each device gets its q heads' sinks."""
+    config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=8, num_kv_heads=4, head_dim=32,
+                         attention_sinks=True)  # fmt: skip
+    params = init_params(config, seed=1)
+    prompts = PROMPTS[:3]
+    dense = [dense_generate(params, config, p, 5) for p in prompts]
+    eng = Engine(params, config, attention=ATTENTION["jnp"], mesh=mesh_of(4), **SIZES)
+    return {
+        "tokens": eng.generate(prompts, 5),
+        "dense": dense,
+        "dense_without_sinks": [dense_generate(PARAMS, CONFIG, p, 5) for p in prompts],
     }
 
 
@@ -176,6 +192,7 @@ def main() -> None:
                 "errors": errors,
                 "replicated": replicated_run(),
                 "serving": serving_run(),
+                "sinks": sinks_run(),
             }
         )
     )

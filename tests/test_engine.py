@@ -180,6 +180,74 @@ def test_a_wrong_attention_is_caught(dense_tokens):
     assert engine(forgets_the_cache).generate(PROMPTS, MAX_NEW) != dense_tokens
 
 
+# --- attention sinks -------------------------------------------------------------------------
+
+SINK_CONFIG = dataclasses.replace(CONFIG, attention_sinks=True)
+SINK_PARAMS = init_params(SINK_CONFIG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def dense_sink_tokens():
+    return [dense_generate(SINK_PARAMS, SINK_CONFIG, p, MAX_NEW) for p in PROMPTS]
+
+
+def test_sinks_are_the_only_new_weights_and_change_the_tokens(dense_tokens, dense_sink_tokens):
+    """With sinks, every other weight is the same: the tokens differ because of the sinks."""
+    for with_sinks, without in zip(SINK_PARAMS["layers"], PARAMS["layers"], strict=True):
+        assert set(with_sinks) - set(without) == {"attention_sink"}
+        assert all(np.array_equal(with_sinks[k], without[k]) for k in without)
+        assert with_sinks["attention_sink"].shape == (CONFIG.num_q_heads,)
+    assert dense_sink_tokens != dense_tokens
+
+
+@pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
+def test_attention_sinks_match_dense(name, dense_sink_tokens):
+    eng = engine(IMPLEMENTATIONS[name], params=SINK_PARAMS, config=SINK_CONFIG, num_pages=10)
+    assert eng.generate(PROMPTS, MAX_NEW) == dense_sink_tokens  # chunked, preempted too
+    assert sum(s.num_preempted for s in eng.stats) > 0
+    assert_all_pages_free(eng)
+
+
+def test_attention_sinks_in_the_pallas_kernel_match_dense(dense_sink_tokens):
+    eng = engine(
+        minilib.ragged_paged_attention, params=SINK_PARAMS, config=SINK_CONFIG, num_pages=6,
+        max_num_batched_tokens=8, max_num_seqs=2,
+    )  # fmt: skip
+    picked = [0, 2]
+    want = [dense_sink_tokens[i][:3] for i in picked]
+    assert eng.generate([PROMPTS[i] for i in picked], 3) == want
+    assert_all_pages_free(eng)
+
+
+def bad_sink_params(layer: int, sink) -> dict:
+    layers = [dict(x) for x in SINK_PARAMS["layers"]]
+    if sink is None:
+        del layers[layer]["attention_sink"]
+    else:
+        layers[layer]["attention_sink"] = sink
+    return SINK_PARAMS | {"layers": layers}
+
+
+@pytest.mark.parametrize(
+    "params, config, words",
+    [
+        (bad_sink_params(1, jnp.zeros(4).at[2].set(jnp.nan)), SINK_CONFIG,
+         r"layer 1: attention_sink\[2\]=nan must be finite"),
+        (bad_sink_params(0, jnp.zeros(3)), SINK_CONFIG,
+         r"layer 0: attention_sink.shape=\(3,\) must be \(num_q_heads,\) = \(4,\)"),
+        (bad_sink_params(0, jnp.zeros(4, jnp.bfloat16)), SINK_CONFIG,
+         "layer 0: attention_sink.dtype=bfloat16 must be float32"),
+        (bad_sink_params(1, None), SINK_CONFIG, "layer 1 has no attention_sink"),
+        (SINK_PARAMS, CONFIG, "layer 0 has an attention_sink, but config.attention_sinks is False"),
+    ],
+)  # fmt: skip
+def test_bad_sinks_are_refused_before_anything_runs(params, config, words):
+    with pytest.raises(EngineError, match=words):
+        engine(params=params, config=config)
+    with pytest.raises(EngineError, match=words):
+        dense_generate(params, config, PROMPTS[0], MAX_NEW)
+
+
 # --- the streaming API and the per-step statistics -------------------------------------------
 
 
@@ -932,6 +1000,11 @@ def test_more_devices_than_kv_heads_replicate_them(sharded):
     assert run["replicas"] == 2
     # each of the 4 devices holds K and V of one KV head: a copy of one of the 2
     assert run["shard_shapes"] == [[16, 4, 2, 32]] * 4
+
+
+def test_sharded_attention_sinks_match_dense(sharded):
+    run = sharded["sinks"]
+    assert run["tokens"] == run["dense"] != run["dense_without_sinks"], run
 
 
 def test_sharded_serving_with_prefix_caching_sampling_and_abort(sharded):

@@ -66,7 +66,7 @@ LAYERS = [
     #    the packages' front doors.
     ("explore.head_grouping", "explore.page_table", "explore.ragged_batch",
      "explore.kernel_schedule", "explore.playground", "perf.bench", "tpu.kernel_costs",
-     "tpu.comparison", "tpu.block_times", "tpu.at_defaults", "tpu.listing",
+     "tpu.comparison", "tpu.block_times", "tpu.at_defaults", "tpu.listing", "tpu.sinks",
      "doctor", "__main__", "engine", "engine.*", "exercises", "exercises.*", "explore", "tpu",
      "perf", ""),
 ]  # fmt: skip

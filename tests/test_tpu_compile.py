@@ -16,6 +16,7 @@ The matrix (one compile each, 1 to 4 s):
   defaults only, to keep the run short.
 * `pallas_basics`: `add_vectors` compiles on every chip; the first attention kernel cannot
   compile by design (its BlockSpecs are not tile-aligned), and says so.
+* our kernel with attention sinks on v5e, v6e and TPU7x: its KV-block loops as without.
 * the harness itself can fail: a bad kernel, and a block too large for VMEM.
 * the counting rule on a real listing: a small kernel whose KV-block loop holds a loop over
   compute chunks, where the deepest loop with a matmul is one chunk.
@@ -199,6 +200,27 @@ def test_fp8_kv_costs_no_more_than_bf16_kv(chip):
             bundles[name, decode] = kernel_for(report, decode=decode).bundles_per_kv_block
     for decode in (False, True):
         assert bundles["fp8", decode] <= bundles["bf16", decode], bundles
+
+
+@pytest.mark.parametrize("chip", COMPARISON_CHIPS)
+def test_attention_sinks_add_nothing_to_the_kv_block_loops(chip):
+    """Sinks join the denominator once per output row (`OnlineSoftmax.sink_term`), outside
+    the KV-block loops: with them (`python -m minilib compile --sinks`, its cells), both
+    kernels' loops, mixed and decode, take as many bundles as without, on the comparison
+    workload."""
+    from minilib.__main__ import build_parser
+
+    require_chip(chip)
+    assert build_parser().parse_args(["compile", "--sinks"]).attention_sink
+    blocks = dict(num_kv_pages_per_block=8, num_queries_per_block=8)
+    without = compile_rpa("ours", rpa_specs(**COMPARISON_CASE), chip=chip, **blocks)
+    assert_compiled(without)
+    cells = compare_kernels(chip, queries_per_block=(8,), attention_sink=True)
+    ours = {cell.config: cell for cell in cells if cell.kernel == "ours"}
+    assert all(cell.missing for cell in cells if cell.kernel != "ours"), cells
+    for config, decode in (("8 q per block", False), ("decode", True)):
+        want = kernel_for(without, decode=decode).bundles_per_kv_block
+        assert ours[config].bundles_per_kv_block == want, (config, ours[config], want)
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])

@@ -283,7 +283,7 @@ class Engine:
                 f"Engine: seed={seed!r} must be a non-negative int.",
                 "it seeds the generator that gives seedless requests their seeds.",
             )
-        self.params, self.config, self.mesh = params, config, mesh
+        self.params, self.config, self.mesh = config.check_attention_sinks(params), config, mesh
         self.page_size, self.num_pages = page_size, num_pages
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.attention = attention if mesh is None else shard_attention(attention, mesh, config)
@@ -526,7 +526,7 @@ class Engine:
         for i, layer in enumerate(self.params["layers"]):
             q, k, v = attention_inputs(layer, self.config, x, batch.positions)
             kv_pages[i] = write_tokens(kv_pages[i], batch.page_ids, batch.slot_ids, k, v)
-            attn = self.attention(q, kv_pages[i], *metadata, sm_scale=self.config.sm_scale)
+            attn = self.attention(q, kv_pages[i], *metadata, **self.config.attention_args(layer))
             x = attention_output_and_mlp(layer, x, attn)
         tokens, rows = next_tokens(self.params, x, batch.sample_rows, *self._draws(plan))
         self.kv_pages = kv_pages  # only now: a step that raised leaves the cache as it was

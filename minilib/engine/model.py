@@ -29,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from minilib.engine.sampling import SamplingParams, banned_tokens, request_key, sample_tokens
-from minilib.errors import EngineError
+from minilib.errors import EngineError, RPAInputError
 from minilib.heads import check_head_counts
 from minilib.kv_cache import bucket_size
+from minilib.validation import check_attention_sink
 
 DTYPES = ("float32", "bfloat16")
 __all__ = [
@@ -62,11 +63,13 @@ class ModelConfig:
     """The shape of the toy transformer. Frozen and hashable: jit takes it as a static arg.
 
     `num_q_heads` query heads share `num_kv_heads` key/value heads (GQA; MHA and MQA are the
-    two ends). `dtype` is the weights', activations' and KV cache's dtype.
+    two ends). `dtype` is the weights', activations' and KV cache's dtype. `attention_sinks`:
+    each layer has a learned sink logit per q head (gpt-oss), `layer["attention_sink"]`,
+    f32[num_q_heads], which joins every softmax denominator and carries no value.
 
     >>> ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32)
     ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32, \
-embed_dim=64, mlp_dim=128, rope_theta=10000.0, dtype='float32')
+embed_dim=64, mlp_dim=128, rope_theta=10000.0, dtype='float32', attention_sinks=False)
     """
 
     vocab_size: int
@@ -78,6 +81,7 @@ embed_dim=64, mlp_dim=128, rope_theta=10000.0, dtype='float32')
     mlp_dim: int = 128
     rope_theta: float = 10000.0
     dtype: str = "float32"
+    attention_sinks: bool = False
 
     def __post_init__(self):
         for name in (
@@ -106,11 +110,62 @@ embed_dim=64, mlp_dim=128, rope_theta=10000.0, dtype='float32')
                 f"ModelConfig: dtype={self.dtype!r} is not one of {DTYPES}.",
                 "give the dtype by name, 'float32' or 'bfloat16'.",
             )
+        if not isinstance(self.attention_sinks, bool | np.bool_):
+            raise EngineError(
+                f"ModelConfig: attention_sinks={self.attention_sinks!r} must be True or False.",
+                "pass attention_sinks=True for a sink logit per q head in every layer.",
+            )
 
     @property
     def sm_scale(self) -> float:
         """The attention scale, 1 / sqrt(head_dim)."""
         return 1.0 / float(np.sqrt(self.head_dim))
+
+    def attention_args(self, layer: dict) -> dict:
+        """The keywords of a layer's attention call: sm_scale, and the layer's attention_sink
+        if the model has sinks (`attention_sinks`).
+
+        >>> TINY_CONFIG.attention_args(init_params(TINY_CONFIG)["layers"][0])
+        {'sm_scale': 0.35355339059327373}
+        """
+        sinks = {"attention_sink": layer["attention_sink"]} if self.attention_sinks else {}
+        return {"sm_scale": self.sm_scale} | sinks
+
+    def check_attention_sinks(self, params: dict) -> dict:
+        """`params`, once checked: raise `EngineError` unless every layer has an
+        "attention_sink" that the attention functions take (`check_attention_sink`:
+        f32[num_q_heads], finite) when `attention_sinks`, and none otherwise. Checked before
+        anything runs, so that a bad sink stops nothing half way: no step taken, no page
+        handed out.
+
+        >>> config = dataclasses.replace(TINY_CONFIG, attention_sinks=True)
+        >>> params = init_params(config)
+        >>> params["layers"][0]["attention_sink"] = jnp.array([0.0, jnp.nan])
+        >>> config.check_attention_sinks(params)
+        Traceback (most recent call last):
+        ...
+        minilib.errors.EngineError: layer 0: attention_sink[1]=nan must be finite.
+        Hint: ...
+        """
+        for i, layer in enumerate(params["layers"]):
+            if "attention_sink" in layer and not self.attention_sinks:
+                raise EngineError(
+                    f"layer {i} has an attention_sink, but config.attention_sinks is False.",
+                    "build the config with attention_sinks=True, or drop the sinks from the "
+                    "params: init_params(config) gives the params of a config.",
+                )
+            if self.attention_sinks and "attention_sink" not in layer:
+                raise EngineError(
+                    f"layer {i} has no attention_sink, but config.attention_sinks is True.",
+                    "give every layer its sinks, f32[num_q_heads]: init_params(config) does.",
+                )
+            if not self.attention_sinks:
+                continue
+            try:
+                check_attention_sink(layer["attention_sink"], self.num_q_heads)
+            except RPAInputError as err:
+                raise EngineError(f"layer {i}: {err.message}", err.hint) from None
+        return params
 
 
 # The smallest model the examples run: one layer, two q heads sharing one KV head, head_dim 8.
@@ -124,6 +179,11 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict:
     unit size. The unembedding is scaled up (logits of standard deviation about 4): the top two
     logits are then rarely close, so a last-bit difference in attention does not flip a greedy
     token, and exactness tests compare tokens, not rounding.
+
+    With `config.attention_sinks`, each layer also has "attention_sink", f32[num_q_heads]
+    (float32 whatever `config.dtype`, as the attention functions take it), normal with
+    standard deviation 2: large enough to change the tokens. They are drawn from a key of their
+    own, so the other weights are those of the same config without sinks.
 
     >>> config = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
     ...                      head_dim=32)
@@ -161,7 +221,12 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict:
         "final_norm": jnp.ones(d),
         "unembed": normal((d, config.vocab_size), d, scale=4.0),  # [embed_dim, vocab_size]
     }
-    return jax.tree.map(lambda x: x.astype(config.dtype), params)
+    params = jax.tree.map(lambda x: x.astype(config.dtype), params)
+    if config.attention_sinks:
+        sink_keys = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(seed), 1), len(layers))
+        for layer, key in zip(params["layers"], sink_keys, strict=True):
+            layer["attention_sink"] = 2.0 * jax.random.normal(key, (nq,), jnp.float32)
+    return params
 
 
 # --- the shared steps of a layer -------------------------------------------------------------
@@ -274,8 +339,10 @@ def dense_attention(
     v: jax.Array,  # [max_len, num_kv_heads, head_dim]
     positions: jax.Array,  # i32[n]
     sm_scale: float,
+    attention_sink: jax.Array | None = None,  # f32[num_q_heads]
 ) -> jax.Array:  # [n, num_q_heads, head_dim]
-    """Causal attention over a contiguous cache: row at position p sees keys 0..p.
+    """Causal attention over a contiguous cache: row at position p sees keys 0..p. With an
+    `attention_sink`, each q head's sink is one more logit in its softmax, with no value.
 
     >>> q, k = jnp.ones((2, 2, 4)), jnp.ones((3, 1, 4))   # equal scores: a plain average
     >>> v = jnp.arange(12.0).reshape(3, 1, 4)
@@ -287,8 +354,12 @@ def dense_attention(
     scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * sm_scale
     future = jnp.arange(k.shape[0])[None, :] > positions[:, None]  # [n, max_len]
     scores = jnp.where(future, -jnp.inf, scores)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("hqk,khd->qhd", probs, v)
+    if attention_sink is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:  # the sink as a first column of scores, dropped after the softmax
+        sinks = jnp.broadcast_to(attention_sink[:, None, None], (*scores.shape[:2], 1))
+        probs = jax.nn.softmax(jnp.concatenate([sinks, scores], axis=-1), axis=-1)[..., 1:]
+    return jnp.einsum("hqk,khd->qhd", probs.astype(v.dtype), v)
 
 
 @functools.partial(jax.jit, static_argnames="config")
@@ -314,7 +385,8 @@ def dense_forward(params, config: ModelConfig, tokens, start, k_cache, v_cache):
         q, k, v = attention_inputs(layer, config, x, positions)
         k_cache = k_cache.at[i].set(jax.lax.dynamic_update_slice(k_cache[i], k, (start, 0, 0)))
         v_cache = v_cache.at[i].set(jax.lax.dynamic_update_slice(v_cache[i], v, (start, 0, 0)))
-        attn = dense_attention(q, k_cache[i], v_cache[i], positions, config.sm_scale)
+        sink = layer.get("attention_sink")  # None unless config.attention_sinks
+        attn = dense_attention(q, k_cache[i], v_cache[i], positions, config.sm_scale, sink)
         x = attention_output_and_mlp(layer, x, attn)
     return final_logits(params, x), k_cache, v_cache
 
@@ -368,6 +440,7 @@ def dense_generate_with_margins(
     """
     max_tokens, sampling = resolve_sampling_params(max_new_tokens, sampling_params, config)
     check_request(prompt, max_tokens, config)
+    config.check_attention_sinks(params)
     prompt = [int(t) for t in prompt]
     if max_tokens == 0:
         return [], []

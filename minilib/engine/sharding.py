@@ -58,6 +58,7 @@ AXIS = "kv_heads"
 Q_SPEC = PartitionSpec(None, AXIS, None)  # q and the output: q heads split
 KV_SPEC = PartitionSpec(None, None, AXIS, None)  # kv_pages: combined K/V heads split
 SAME = PartitionSpec()  # the index arrays: a full copy on every device
+SINK_SPEC = PartitionSpec(AXIS)  # attention_sink [num_q_heads]: split as q's heads are
 KV_HEAD_AXIS_1 = PartitionSpec(None, AXIS, None)  # wq, wk, wv [embed_dim, heads, head_dim]
 
 # Errors that mean "this implementation reads the lengths on the host" (both references loop
@@ -192,9 +193,11 @@ def shard_attention(attention, mesh: Mesh, config: ModelConfig):
     """`attention`, run on every device of `mesh` over that device's heads.
 
     The result has `attention`'s signature. Jittable implementations are traced once per
-    set of options (the index arrays are arguments). The references read the lengths on the
-    host; for them the index arrays are baked in as constants, which runs the sharded call
-    op by op, and compiles anew each step: right, but slow.
+    set of options (the index arrays are arguments). An `attention_sink` (f32[num_q_heads])
+    is an array, not an option: it is split over the devices as q's heads are. The
+    references read the lengths on the host; for them the index arrays are baked in as
+    constants, which runs the sharded call op by op, and compiles anew each step: right, but
+    slow.
 
     >>> import jax.numpy as jnp
     >>> def scale_q(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale):
@@ -214,27 +217,37 @@ def shard_attention(attention, mesh: Mesh, config: ModelConfig):
     host_lengths = False
 
     def local_heads(options):
-        def attend(q, kv_pages, *metadata):  # q [T, num_q_heads / D, head_dim]
-            return attention(q, kv_pages, *metadata, **options)
+        def attend(q, kv_pages, *metadata, sink=()):  # q [T, num_q_heads / D, head_dim]
+            sinks = {"attention_sink": sink[0]} if sink else {}
+            return attention(q, kv_pages, *metadata, **options, **sinks)
 
         return attend
 
     def sharded(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
         nonlocal host_lengths
         metadata = (kv_lens, page_indices, cu_q_lens, num_seqs)
+        sink = options.pop("attention_sink", None)
+        sink = () if sink is None else (sink,)
+        sink_specs = (SINK_SPEC,) * len(sink)
         if not host_lengths:
-            key = tuple(sorted(options.items()))
+            key = (tuple(sorted(options.items())), len(sink))
             if key not in compiled:
-                specs = (Q_SPEC, KV_SPEC, SAME, SAME, SAME, SAME)
-                compiled[key] = jax.jit(_shard_map(local_heads(options), mesh, specs, Q_SPEC))
+                attend = local_heads(options)
+                specs = (Q_SPEC, KV_SPEC, SAME, SAME, SAME, SAME, *sink_specs)
+                compiled[key] = jax.jit(_shard_map(
+                    lambda q, kv, *m: attend(q, kv, *m[:4], sink=m[4:]), mesh, specs, Q_SPEC
+                ))  # fmt: skip
             try:
-                return compiled[key](q, kv_pages, *metadata)
+                return compiled[key](q, kv_pages, *metadata, *sink)
             except _NEEDS_HOST_VALUES:
                 host_lengths = True
         host = [np.asarray(a) for a in metadata]
         attend = local_heads(options)
-        run = _shard_map(lambda q, kv: attend(q, kv, *host), mesh, (Q_SPEC, KV_SPEC), Q_SPEC)
-        return run(q, kv_pages)
+        run = _shard_map(
+            lambda q, kv, *s: attend(q, kv, *host, sink=s), mesh, (Q_SPEC, KV_SPEC, *sink_specs),
+            Q_SPEC,
+        )  # fmt: skip
+        return run(q, kv_pages, *sink)
 
     return sharded
 

@@ -58,6 +58,7 @@ def ragged_paged_attention(
     vmem_limit_bytes: int | None = None,
     interpret=None,
     validate: bool = True,
+    attention_sink: jax.Array | None = None,  # f32[num_q_heads]
 ) -> jax.Array:  # [max_num_batched_tokens, num_q_heads, head_dim]
     """Ragged paged attention on a TPU, or on CPU in Pallas' TPU interpret mode.
 
@@ -69,6 +70,11 @@ def ragged_paged_attention(
     `num_kv_pages_per_block` and `num_queries_per_block` default to `default_block_sizes`.
     An fp8 `kv_pages` without `k_scale` and `v_scale` is taken as scale 1, with no error or
     warning (as in JAX's kernel): pass the scales the cache was quantized with.
+    `attention_sink` (f32[num_q_heads], or None, the default): one more softmax logit per q
+    head, with no value, as in `ref_ragged_paged_attention` (JAX's kernel has none; vLLM's
+    head_dim-64 kernel takes the same argument). It goes to both kernels as a small VMEM
+    input and joins the denominator once per output row (`softmax.OnlineSoftmax.sink_term`);
+    without it the kernels are compiled exactly as before.
 
     Called eagerly, it first checks the values of the inputs (`dynamic_validate_inputs`);
     `validate=False` skips that. Under `jax.jit` only the static checks can run: validate the
@@ -91,11 +97,12 @@ def ragged_paged_attention(
         vmem_limit_bytes=vmem_limit_bytes,
     )
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    validate_inputs(*args, options, validate=validate)
+    validate_inputs(*args, options, validate=validate, attention_sink=attention_sink)
     config = kernel_config(q, kv_pages, page_indices, options)
     out, _ = _rpa_jit(
-        *args, config=config, interpret=resolve_interpret(interpret), trace_capacity=0
-    )
+        *args, attention_sink, config=config, interpret=resolve_interpret(interpret),
+        trace_capacity=0,
+    )  # fmt: skip
     return out
 
 
@@ -179,30 +186,36 @@ def kernel_config(
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "trace_capacity"))
 def _rpa_jit(
-    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, config, interpret, trace_capacity
-):
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, attention_sink=None, *, config,
+    interpret, trace_capacity,
+):  # fmt: skip
     """The two kernels on one batch: the decode kernel on its one-token sequences (gathered
     into a batch of their own), the mixed kernel on the others; the decode rows scattered
     into the mixed kernel's output. Returns (out, None), or with `trace_capacity > 0`
     (out, (decode trace, mixed trace)).
 
     The batch tables are clamped here, once (`clamp_tables`): under `jit` nothing has
-    validated them, and the kernels read them as they are."""
+    validated them, and the kernels read them as they are.
+
+    `attention_sink` (f32[num_q_heads] or None) goes to both kernels lane-replicated,
+    [num_kv_heads, group, LANES] (`sink_input`)."""
     tables = clamp_tables(
         kv_lens, page_indices, cu_q_lens, num_seqs, config, total_num_pages=kv_pages.shape[0]
     )
     mixed_config, decode_config = split_configs(config)
     decode = decode_batch(*tables, config)
     q_decode = jnp.take(q, decode.rows, axis=0, mode="clip")  # [max_num_seqs, heads, hd]
+    sink = () if attention_sink is None else (sink_input(attention_sink, config),)
     decode_call = rpa_pallas_call(
         q_decode, kv_pages, config=decode_config, interpret=interpret,
-        trace_capacity=trace_capacity,
+        trace_capacity=trace_capacity, attention_sink=bool(sink),
     )  # fmt: skip
-    decode_outs = decode_call(*decode.tables(), q_decode, kv_pages)
+    decode_outs = decode_call(*decode.tables(), q_decode, kv_pages, *sink)
     mixed_call = rpa_pallas_call(
-        q, kv_pages, config=mixed_config, interpret=interpret, trace_capacity=trace_capacity
-    )
-    mixed_outs = mixed_call(*tables, q, kv_pages)
+        q, kv_pages, config=mixed_config, interpret=interpret, trace_capacity=trace_capacity,
+        attention_sink=bool(sink),
+    )  # fmt: skip
+    mixed_outs = mixed_call(*tables, q, kv_pages, *sink)
     # Rows of decode slots that hold no sequence point past the output: dropped.
     out = mixed_outs[0].at[decode.rows].set(decode_outs[0], mode="drop")
     return out, (decode_outs[1], mixed_outs[1]) if trace_capacity else None
@@ -216,9 +229,17 @@ def rpa_pallas_call(
     interpret=False,
     trace_capacity: int = 0,
     copier_class: type[KVBlockCopier] | None = None,
+    attention_sink: bool = False,
 ):
     """Build the `pallas_call`. Called with (kv_lens, page_indices, cu_q_lens, num_seqs, q,
-    kv_pages); returns (out,) or, with `trace_capacity > 0`, (out, trace).
+    kv_pages), and the sinks of `sink_input` after them if `attention_sink`; returns (out,)
+    or, with `trace_capacity > 0`, (out, trace).
+
+    The sinks are a VMEM input, in blocks of the heads block's KV heads, [kvh_per_blk, group,
+    LANES], which Pallas copies in once per heads block (the block index changes only with
+    it). Why VMEM, not SMEM: they are used as vectors, a lane-replicated column beside l and
+    m; from SMEM each q head's sink would be a scalar to broadcast and select into its rows.
+    Without sinks there is no such input, and the kernel body gets `sink_ref=None`.
 
     The tables must be those of a valid batch, or clamped by `table.clamp_tables` (as the
     jitted wrapper of `ragged_paged_attention` does): the kernel reads them as they are.
@@ -252,6 +273,9 @@ def rpa_pallas_call(
         pl.BlockSpec(q_block, q_index_map),
         pl.BlockSpec(memory_space=pl.ANY),  # kv_pages stay in HBM; the kernel copies pages
     ]
+    if attention_sink:
+        sink_block = (c.num_kv_heads_per_block, c.num_q_heads_per_kv_head, LANES)
+        in_specs.append(pl.BlockSpec(sink_block, lambda heads_blk, *_: (heads_blk, 0, 0)))
     out_specs = [pl.BlockSpec(q_block, q_index_map)]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if trace_capacity:
@@ -278,6 +302,8 @@ def rpa_pallas_call(
         kernel = functools.partial(
             rpa_kernel, config=c, copier_class=copier_class, walker_class=walker_class
         )
+    if not attention_sink:
+        kernel = functools.partial(_without_sink, kernel)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -297,3 +323,24 @@ def rpa_pallas_call(
         interpret=interpret,
         name=KERNEL_NAMES["decode" if c.decode else "mixed"],
     )
+
+
+def sink_input(
+    attention_sink: jax.Array,  # f32[num_q_heads]
+    config: KernelConfig,
+) -> jax.Array:  # f32[num_kv_heads, group, LANES]
+    """The kernels' sink input: the sinks of each KV head's group of q heads, each repeated
+    across the 128 lanes, as the kernel holds m and l.
+
+    >>> sink_input(jnp.arange(4.0), kernel_config(jnp.zeros((1, 4, 128)),
+    ...     jnp.zeros((1, 16, 4, 128)), jnp.zeros((1, 1), jnp.int32)))[:, :, 0].tolist()
+    [[0.0, 1.0], [2.0, 3.0]]
+    """
+    group = config.num_q_heads_per_kv_head
+    sinks = attention_sink.astype(jnp.float32).reshape(-1, group, 1)
+    return jnp.broadcast_to(sinks, (*sinks.shape[:2], LANES))
+
+
+def _without_sink(kernel, *refs, **keywords):
+    """The kernel body without a sink input: its `sink_ref`, after the six inputs, is None."""
+    return kernel(*refs[:6], None, *refs[6:], **keywords)

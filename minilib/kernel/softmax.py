@@ -4,6 +4,10 @@
 and folds one KV block at a time into them, in two halves (`scores_and_stats`, then
 `accumulate`) so that several KV heads can be in flight (`heads_in_flight`). `score_mask` says
 which scores a KV block hides (causal, sliding window, past kv_len) and which rows it may change.
+
+Attention sinks (`attention_sink`: a learned logit per q head that joins every softmax
+denominator and carries no value) join once, when the output is written (`normalized`): the
+loop over KV blocks is the same with and without them.
 """
 
 from __future__ import annotations
@@ -94,12 +98,15 @@ class OnlineSoftmax:
     value must sit to meet 128 columns of s or acc, so they are never broadcast across lanes.
     """
 
-    def __init__(self, m_ref, l_ref, acc_ref, config: KernelConfig, dtype):
+    def __init__(self, m_ref, l_ref, acc_ref, config: KernelConfig, dtype, sink_ref=None):
         self.m_ref = m_ref  # f32[num_kv_heads_per_block, rows_per_kv_head, LANES]
         self.l_ref = l_ref  # f32[num_kv_heads_per_block, rows_per_kv_head, LANES]
         self.acc_ref = acc_ref  # f32[num_kv_heads_per_block, rows_per_kv_head, head_dim]
         self.config = config
         self.dtype = dtype  # the compute dtype, q's: p is rounded to it for P·V
+        # f32[num_kv_heads_per_block, num_q_heads_per_kv_head, LANES], VMEM: each q head's
+        # attention sink, lane-replicated; None without sinks.
+        self.sink_ref = sink_ref
 
     def init(self):
         self.m_ref[...] = jnp.full(self.m_ref.shape, -jnp.inf, jnp.float32)
@@ -153,10 +160,33 @@ class OnlineSoftmax:
         """out = acc / l for one KV head's group of q heads, in the columns `lanes` of head_dim
         (all of them by default), times v_scale when there is one (V's dequantization, moved
         from every value of V to the output: `fp8`). Rows that no sequence owns have l = 0 and
-        acc = 0, and come out as zeros."""
+        acc = 0, and come out as zeros.
+
+        With attention sinks, l gains exp(sink - m) here (`sink_term`)."""
         total = self.l_ref[kv_head][:, :1]  # [rows, 1]
+        if self.sink_ref is not None:
+            total = total + self.sink_term(kv_head)
         out = self.acc_ref[kv_head, :, lanes] / jnp.where(total == 0.0, 1.0, total)
         return out if self.config.v_scale is None else out * self.config.v_scale
+
+    def sink_term(self, kv_head: int):  # -> f32[rows_per_kv_head, 1]
+        """exp(sink - m): the attention sink's share of the denominator, in the scale of l.
+
+        Why at the end, not at the start (m = sink, l = 1, as vLLM's head_dim-64 kernel
+        does): the result is the same, since m only scales the numerator and the denominator
+        alike, but here the KV-block loop, its first iteration included, stays exactly as
+        without sinks, and the cost is one exp per row per output, not per KV block.
+        A sink far above m gives exp = inf and the output its limit, 0; a row that saw no
+        key (m = -inf, acc = 0) gives 0 / inf = 0, as without sinks.
+
+        Row r * group + g of the folded rows is q head g of the group: the group's sinks,
+        [group, LANES], repeated once per q row (once in the decode kernel).
+        """
+        c = self.config
+        sinks = self.sink_ref[kv_head]  # [group, LANES]
+        q_rows = c.rows_per_kv_head // c.num_q_heads_per_kv_head
+        rows = jnp.concatenate([sinks] * q_rows, axis=0) if q_rows > 1 else sinks
+        return jnp.exp(rows[:, :1] - self.m_ref[kv_head][:, :1])
 
     def write_output(self, o_ref):
         """The q block's output, unfolded back to [q rows, q heads, head_dim], one KV head and

@@ -15,8 +15,9 @@ from minilib.kernel_trace import TRACE_COMPUTE, TRACE_START, TRACE_WAIT, Trace
 
 __all__: list[str] = []  # used by `call.rpa_pallas_call`: see `with_trace`
 
-# The refs before the outputs: four scalar-prefetch tables, q and kv_pages (`walk.rpa_kernel`).
-NUM_INPUTS = 6
+# The refs before the outputs: four scalar-prefetch tables, q, kv_pages and the attention
+# sinks' (None without sinks: `call.rpa_pallas_call`) (`walk.rpa_kernel`).
+NUM_INPUTS = 7
 
 
 def with_trace(kernel, capacity: int, *, copier_class, walker_class):

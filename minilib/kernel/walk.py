@@ -46,6 +46,7 @@ def rpa_kernel(
     # Inputs:
     q_ref,  # [num_queries_per_block, num_q_heads_per_block, head_dim], VMEM
     kv_pages_hbm_ref,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim], HBM
+    sink_ref,  # f32[num_kv_heads_per_block, group, LANES], VMEM; None without attention sinks
     # Output:
     o_ref,  # [num_queries_per_block, num_q_heads_per_block, head_dim], VMEM
     # Scratch:
@@ -65,7 +66,7 @@ def rpa_kernel(
     decode kernel, `decode.DecodeWalker`: one block of one-token sequences, a row each)."""
     batch = SeqTable(kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref, config)
     dma = copier_class(kv_pages_hbm_ref, kv_bufs, sems, batch)
-    softmax = OnlineSoftmax(m_ref, l_ref, acc_ref, config, dtype=q_fold_ref.dtype)
+    softmax = OnlineSoftmax(m_ref, l_ref, acc_ref, config, q_fold_ref.dtype, sink_ref)
     step = (pl.program_id(0), pl.program_id(1))  # (heads_blk, q_blk)
 
     @pl.when((step[0] == 0) & (step[1] == 0))

@@ -285,6 +285,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, (type_, default) in OPTION_FLAGS.items():
         parser.add_argument(_flag(name), type=type_, default=default)
     parser.add_argument(
+        "--sinks", "--attention-sink", dest="attention_sink", action="store_true",
+        help="compile ours with attention sinks, f32[num_q_heads] (JAX's and v3 have none)",
+    )  # fmt: skip
+    parser.add_argument(
         "--source-lines", action="store_true",
         help="also list, per kernel, the source lines that fill its KV-block loop",
     )  # fmt: skip
@@ -380,6 +384,7 @@ def run(args) -> int:
             num_kv_pages_per_block=args.num_kv_pages_per_block,
             queries_per_block=tuple(args.num_queries_per_block),
             kv_dtype=DTYPES[args.kv_dtype] if args.kv_dtype else None,
+            attention_sink=args.attention_sink,
             **options,
         )
     table = comparison_table(

@@ -48,6 +48,7 @@ from minilib.tpu.bundles import COUNTING_RULE
 from minilib.tpu.compile import CompileReport, compile_for_tpu, kib
 from minilib.tpu.dump_reader import KernelStats
 from minilib.tpu.loop_paths import PATH_RULES
+from minilib.tpu.sinks import compile_with_sinks
 
 __all__ = [
     "COUNTS",
@@ -264,12 +265,14 @@ def compare_kernels(
     num_kv_pages_per_block: int = COMPARISON_KV_PAGES_PER_BLOCK,
     queries_per_block: tuple[int, ...] = COMPARISON_QUERIES_PER_BLOCK,
     kv_dtype=None,
+    attention_sink: bool = False,
     **options,
 ) -> list[Cell]:
     """Compile v3, JAX's kernel and ours for `chip` on `case`, once per q block size, and
     return one `Cell` per kernel and config: `f"{n} q per block"` for each n, then "decode",
     read from the program of the smallest q block (a kernel without a decode kernel serves
-    decode sequences with that one; its cell's note says so).
+    decode sequences with that one; its cell's note says so). `attention_sink`: ours alone,
+    with sinks (`minilib.tpu.sinks`).
 
     Six compiles with the defaults (seconds each, with libtpu): not run here.
 
@@ -284,6 +287,10 @@ def compare_kernels(
     programs: dict[tuple[str, int], CompileReport | str] = {}
     for queries in queries_per_block:
         blocks = dict(num_kv_pages_per_block=num_kv_pages_per_block, num_queries_per_block=queries)
+        if attention_sink:  # the other two have no sinks
+            programs["v3", queries] = programs["JAX", queries] = "left out: no attention sinks"
+            programs["ours", queries] = compile_with_sinks(specs, chip=chip, **blocks, **options)
+            continue
         try:
             programs["v3", queries] = compile_v3(chip, case=case, kv_dtype=kv_dtype, hd64=hd64,
                                                  **blocks, **options)  # fmt: skip
