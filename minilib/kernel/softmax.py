@@ -74,6 +74,8 @@ def widen(x, width: int):  # x: [rows, LANES], every lane the same -> [rows, wid
     """
     if width % LANES == 0:
         return jnp.concatenate([x] * (width // LANES), axis=1) if width > LANES else x
+    if width < LANES:  # fewer lanes: the first `width` of them (head_dim 64)
+        return x[:, :width]
     return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
 
 
