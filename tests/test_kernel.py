@@ -175,6 +175,10 @@ STRIDED_CASES = {
         dict(num_kv_heads=4, dtype=jnp.float32, head_dim=64),
         dict(sliding_window=9),
     ),
+    "fp8 e4m3fn KV with scales, 8 KV heads, head_dim 64": (
+        dict(num_kv_heads=8, dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn, head_dim=64),
+        dict(k_scale=0.25, v_scale=0.5),
+    ),
     # fp8: four values to a word, two KV heads each (`kernel.fp8`). The kernel applies the
     # scales to the scores and the output, the reference to K and V, rounded to bf16: exact
     # for powers of two (e4m3fn here), not for e5m2's. (A v_scale below 1 keeps the outputs
@@ -243,17 +247,19 @@ def test_padded_slot_matches_jax_reference(name):
             for name in (
                 "bfloat16, head_dim 64 (rows of 64 lanes)",
                 "float32, 4 KV heads, head_dim 64, sliding window",
+                "fp8 e4m3fn KV with scales, 8 KV heads, head_dim 64",
             )
             for padded in (False, True)
         ],
         "bfloat16, head_dim 64 (rows of 64 lanes)-plain slot",
         "bfloat16, head_dim 64 (rows of 64 lanes)-padded slot",
+        "fp8 e4m3fn KV with scales, 8 KV heads, head_dim 64-plain slot",
     ),
 )
 def test_narrow_rows_match_jax_reference(name, padded):
     """head_dim 64 on the strided load, in rows of 64 lanes (`narrow_rows`), from a plain slot
-    and from a padded one (bf16 only: an f32 slot is never padded), in both kernels, run by
-    plain `interpret=True`."""
+    and from a padded one (bf16 only: an f32 or fp8 slot is never padded), in both kernels, run
+    by plain `interpret=True`."""
     batch, options, config = strided_case(name)
     config = dataclasses.replace(config, padded_slot=padded)
     assert reads_narrow_rows(config) and can_load_kv_strided(config, interpret=True)

@@ -7,10 +7,9 @@ skipped, saying so.
 The matrix (one compile each, 1 to 4 s):
 
 * our kernel on v5e, v6e and TPU7x: MHA, GQA and MQA in bf16; GQA in f32; fp8 KV with and
-  without scales; a sliding window with a soft cap; head_dim 256; head_dim 64 in bf16 and f32.
-  On v4 and v5p, one case per way of loading K and V (GQA bf16, fp8 KV, head_dim 256, head_dim
-  64). All with the default block sizes,
-  which are per chip (`minilib.block_sizes`).
+  without scales; a sliding window with a soft cap; head_dim 256; head_dim 64 in bf16, f32 and
+  fp8 KV. On v4 and v5p, one case per way of loading K and V (GQA bf16, fp8 KV, head_dim 256,
+  head_dim 64). All with the default block sizes, which are per chip (`minilib.block_sizes`).
 * our kernel on v5e and v6e (the chips of Colab's TPU runtimes) with every block size the
   notebooks use: 08's (2 pages, 8 q rows, page_size 8), 09's schedule comparison and 09's VMEM
   table. `bench` uses the default block sizes, compiled above. The other chips get the
@@ -110,6 +109,10 @@ MATRIX = {
     # head_dim 64: the strided load in rows of 64 lanes, from a padded slot (`narrow_rows`)
     "gqa-hd64": (dict(num_q_heads=32, num_kv_heads=8, head_dim=64), {}),
     "gqa-f32-hd64": (dict(num_q_heads=32, num_kv_heads=8, head_dim=64, dtype=jnp.float32), {}),
+    "gqa-fp8kv-hd64": (
+        dict(num_q_heads=32, num_kv_heads=8, head_dim=64, kv_dtype=jnp.float8_e4m3fn),
+        dict(k_scale=0.5, v_scale=0.25),
+    ),
 }
 
 # name -> (spec options, num_kv_pages_per_block, num_queries_per_block), from the notebooks.

@@ -21,8 +21,13 @@ block / decode):
 * and the padded slot on v5e and v6e too: v5e 1263 / 656 / 495, v6e 1191 / 783 / 620.
 vLLM's RPA v3, its own kernel for head_dim 64 (`minilib.tpu.v3.rpa_v3_hd64`): v5e 1353 / 958 /
 641, v6e 1592 / 1008 / 797, TPU7x 1584 / 988 / 745.
-On which chips: all (v5e, v6e, TPU7x measured), for an f32 or bf16 cache at head_dim 64
-(`reads_narrow_rows`). An fp8 cache at head_dim 64 keeps the plain load.
+An fp8 cache (four values to a word, `fp8`) is read in rows of 64 lanes the same way (never
+padded: `padded_slot`); with k_scale = v_scale = 0.5, 32 q / 8 q / decode, the plain load then
+this: v5e 4563 / 3552 / 4227 -> 1376 / 664 / 516, v6e 4044 / 3231 / 2562 -> 1195 / 751 / 602,
+TPU7x 2732 / 2023 / 1699 -> 1171 / 739 / 596 (v3's head_dim-64 kernel: v5e 1370 / 834 / 627,
+v6e 1235 / 954 / 721, TPU7x 1172 / 881 / 643).
+On which chips: all (v5e, v6e, TPU7x measured; v4 and v5p issue fewer bundles too, bf16 and
+fp8), at head_dim 64 (`reads_narrow_rows`).
 Not in TPU interpret mode, which cannot view a ref as another shape or dtype.
 """
 
@@ -50,13 +55,13 @@ def slot_levers(head_dim: int, chip: str | None) -> dict[str, bool]:
 
 def strided_rows_fit(config: KernelConfig) -> bool:
     """Whether a slot's rows suit Mosaic's strided load: whole blocks of 128 lanes (`lane_blocks`)
-    or, with `KernelConfig.narrow_rows`, one row of 64 lanes for an f32 or bf16 cache."""
+    or, with `KernelConfig.narrow_rows`, one row of 64 lanes at head_dim 64."""
     if config.head_dim % LANES == 0:
         return True
     return reads_narrow_rows(config)
 
 
 def reads_narrow_rows(config: KernelConfig) -> bool:
-    """Whether the config asks for rows of 64 lanes and its cache suits them: head_dim 64, f32
-    or bf16 (an fp8 cache's words are read in rows of 128 lanes: `fp8`)."""
-    return config.narrow_rows and config.head_dim == NARROW_HEAD_DIM and config.kv_itemsize > 1
+    """Whether the config asks for rows of 64 lanes and its head_dim is 64 (a cache of any
+    dtype: f32 and bf16 through `strided`, fp8 through `fp8`)."""
+    return config.narrow_rows and config.head_dim == NARROW_HEAD_DIM
