@@ -13,7 +13,8 @@ Which path of the kernel each test covers:
 - The compiled path reads each KV head with one strided load through a flat 32-bit view of
   the slot (`load_kv_head_strided`). Plain `interpret=True` can run that (it can view refs, but
   does not simulate DMA timing): `test_strided_kv_loads_match_jax_reference`, and with TPU7x's
-  padded slot, `test_padded_slot_matches_jax_reference`.
+  padded slot, `test_padded_slot_matches_jax_reference`; at head_dim 64, in rows of 64 lanes,
+  `test_narrow_rows_match_jax_reference`.
 - `ragged_paged_attention` runs two kernels: the decode kernel on the one-token sequences, the
   mixed kernel on the others. Every parity test above runs both; the decode tests below also
   give the decode kernel several grid steps and watch every copy (`watch_kernel`).
@@ -59,6 +60,7 @@ from minilib.kernel import (
     rpa_pallas_call,
     split_configs,
 )
+from minilib.kernel.narrow_rows import reads_narrow_rows
 from minilib.kernel.padded_slot import pads_slot
 from minilib.ladder.interpret import detecting_races, strict_interpret_params
 from minilib.ladder.watch import watch_kernel
@@ -164,6 +166,19 @@ STRIDED_CASES = {
         dict(num_kv_heads=8, dtype=jnp.bfloat16, head_dim=256),
         {},
     ),
+    # head_dim 64: rows of 64 lanes (`kernel.narrow_rows`), a padded slot by default there
+    "bfloat16, head_dim 64 (rows of 64 lanes)": (
+        dict(num_kv_heads=8, dtype=jnp.bfloat16, head_dim=64),
+        {},
+    ),
+    "float32, 4 KV heads, head_dim 64, sliding window": (
+        dict(num_kv_heads=4, dtype=jnp.float32, head_dim=64),
+        dict(sliding_window=9),
+    ),
+    "fp8 e4m3fn KV with scales, 8 KV heads, head_dim 64": (
+        dict(num_kv_heads=8, dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn, head_dim=64),
+        dict(k_scale=0.25, v_scale=0.5),
+    ),
     # fp8: four values to a word, two KV heads each (`kernel.fp8`). The kernel applies the
     # scales to the scores and the output, the reference to K and V, rounded to bf16: exact
     # for powers of two (e4m3fn here), not for e5m2's. (A v_scale below 1 keeps the outputs
@@ -220,6 +235,35 @@ def test_padded_slot_matches_jax_reference(name):
     batch, options, config = strided_case(name)
     config = dataclasses.replace(config, padded_slot=True)
     assert pads_slot(config, strided=can_load_kv_strided(config, interpret=True))
+    out, _ = _rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
+    assert_output_matches_jax(out, batch, **options)
+
+
+@pytest.mark.parametrize(
+    "name, padded",
+    one_case_per_path(
+        [
+            pytest.param(name, padded, id=f"{name}-{'padded' if padded else 'plain'} slot")
+            for name in (
+                "bfloat16, head_dim 64 (rows of 64 lanes)",
+                "float32, 4 KV heads, head_dim 64, sliding window",
+                "fp8 e4m3fn KV with scales, 8 KV heads, head_dim 64",
+            )
+            for padded in (False, True)
+        ],
+        "bfloat16, head_dim 64 (rows of 64 lanes)-plain slot",
+        "bfloat16, head_dim 64 (rows of 64 lanes)-padded slot",
+        "fp8 e4m3fn KV with scales, 8 KV heads, head_dim 64-plain slot",
+    ),
+)
+def test_narrow_rows_match_jax_reference(name, padded):
+    """head_dim 64 on the strided load, in rows of 64 lanes (`narrow_rows`), from a plain slot
+    and from a padded one (bf16 only: an f32 or fp8 slot is never padded), in both kernels, run
+    by plain `interpret=True`."""
+    batch, options, config = strided_case(name)
+    config = dataclasses.replace(config, padded_slot=padded)
+    assert reads_narrow_rows(config) and can_load_kv_strided(config, interpret=True)
+    assert pads_slot(config, strided=True) == (padded and config.kv_itemsize == 2)
     out, _ = _rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 

@@ -49,6 +49,7 @@ Then the speed levers, each saying what it saves (bundles per KV block) and on w
     padded_slot      TPU7x: a bf16 slot with a spare row of words per token, whole loads
     fp8              an fp8 cache four values to a word, its scales on the scores and output
     lane_blocks      head_dim in blocks of 128 lanes, so head_dim 256 is read strided too
+    narrow_rows      head_dim 64 read strided in rows of 64 lanes, from a padded slot
     heads_in_flight  the KV heads software-pipelined on the MXU (heads_in_flight, reload_v)
 
 And the trace, a wrapper the kernel body never mentions:

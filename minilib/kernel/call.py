@@ -27,7 +27,8 @@ from minilib.kernel.config import KERNEL_NAMES, LANES, KernelConfig
 from minilib.kernel.copier import KVBlockCopier
 from minilib.kernel.decode import DecodeWalker, decode_batch, split_configs
 from minilib.kernel.heads_in_flight import with_head_pipeline
-from minilib.kernel.padded_slot import PADDED_SLOT_CHIPS, slots_scratch
+from minilib.kernel.narrow_rows import slot_levers
+from minilib.kernel.padded_slot import slots_scratch
 from minilib.kernel.strided import can_load_kv_strided
 from minilib.kernel.table import clamp_tables
 from minilib.kernel.tracing import with_trace
@@ -179,7 +180,7 @@ def kernel_config(
         q_itemsize=q.dtype.itemsize,
         kv_itemsize=kv_pages.dtype.itemsize,
         decode_seqs_per_block=default_decode_seqs_per_block(max_num_seqs, bytes_per_q_row),
-        padded_slot=current_chip() in PADDED_SLOT_CHIPS,
+        **slot_levers(head_dim, current_chip()),  # padded_slot, narrow_rows
     )
     return with_head_pipeline(config)
 

@@ -66,8 +66,12 @@ class KernelConfig(AttentionOptions):
     heads_in_flight: int = 1
     reload_v: bool = False
     # A bf16 slot held as words with a spare row per token (the lever of `padded_slot`), set
-    # by `kernel_config` on the chips of `padded_slot.PADDED_SLOT_CHIPS`.
+    # by `kernel_config` on the chips of `padded_slot.PADDED_SLOT_CHIPS` (and at head_dim 64:
+    # `narrow_rows.slot_levers`).
     padded_slot: bool = False
+    # head_dim 64 read by the strided load in rows of 64 lanes (the lever of `narrow_rows`),
+    # set by `kernel_config` at head_dim 64 (with the padded slot, on every chip).
+    narrow_rows: bool = False
 
     @property
     def score_scale(self) -> float:

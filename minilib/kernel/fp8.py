@@ -45,10 +45,11 @@ V is zeroed past kv_len on the 32-bit words, before the unpacking (`zero_words_p
 one select per word, and no fp8 value is ever written (a cast to fp8 is slow too).
 
 On which chips: every chip Mosaic compiles for (v5e, v6e, TPU7x measured; on v4, whose Mosaic
-takes no fp8 matmul operand, K and V are cast before the matmuls, `for_the_mxu`), where the strided
-load applies (`strided.can_load_kv_strided`): head_dim a multiple of 128 and an even number of
-KV heads per heads block. Elsewhere, and in TPU interpret mode (which cannot view a ref as
-another shape or dtype), the plain load runs, with the scales in the same places.
+takes no fp8 matmul operand, K and V are cast before the matmuls, `for_the_mxu`), where the
+strided load applies (`strided.can_load_kv_strided`): head_dim a multiple of 128 (or 64, in
+rows of 64 lanes: `narrow_rows`) and an even number of KV heads per heads block. Elsewhere, and
+in TPU interpret mode (which cannot view a ref as another shape or dtype), the plain load runs,
+with the scales in the same places.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from minilib.block_sizes import current_chip
-from minilib.kernel.config import LANES, KernelConfig
+from minilib.kernel.config import KernelConfig
 from minilib.tpu.chips import FACTS
 
 __all__: list[str] = []  # the kernel body's own: see `load_kv_head_fp8`
@@ -68,24 +69,25 @@ KV_HEADS_PER_WORD = 2
 
 
 def load_kv_head_fp8(
-    kv_lanes,  # [num_kv_pages_per_block, page_size, 2*kvh_per_blk, 128], fp8: one lane block
+    kv_lanes,  # [num_kv_pages_per_block, page_size, 2*kvh_per_blk, width], fp8: one lane block
     kv_head: int,
     kv_blk,
     kv_len,
     config: KernelConfig,
-):  # -> k, v: [kv_tokens_per_block, 128], fp8 as stored; V zeroed past kv_len
+):  # -> k, v: [kv_tokens_per_block, width], fp8 as stored; V zeroed past kv_len
     """K and V of one KV head from an fp8 lane block, with one strided load of 32-bit words:
-    row `token * kvh/2 + kv_head // 2` of the block seen as [tokens * kvh / 2, 128] words.
+    row `token * kvh/2 + kv_head // 2` of the block seen as [tokens * kvh / 2, width] words
+    (width 128, or 64: `narrow_rows`).
 
     K needs no cleaning (the score mask replaces its scores past kv_len); V is read from the
     words zeroed past kv_len. (Where V is loaded again for its P·V, `reload_v`, this call's V
     is never used, and its select is dropped by the compiler.)"""
     c = config
     tokens = c.kv_tokens_per_block
-    flat = kv_lanes.reshape(tokens * 2 * c.num_kv_heads_per_block, LANES)
-    words = flat.bitcast(jnp.uint32)  # [tokens * kvh / 2, 128]
+    flat = kv_lanes.reshape(tokens * 2 * c.num_kv_heads_per_block, kv_lanes.shape[-1])
+    words = flat.bitcast(jnp.uint32)  # [tokens * kvh / 2, width]
     stride = c.num_kv_heads_per_block // KV_HEADS_PER_WORD
-    word = words[pl.ds(kv_head // KV_HEADS_PER_WORD, tokens, stride=stride), :]  # [tokens, 128]
+    word = words[pl.ds(kv_head // KV_HEADS_PER_WORD, tokens, stride=stride), :]  # [tokens, width]
     k_shift = 16 * (kv_head % KV_HEADS_PER_WORD)  # K's lowest bit in the word; V's is 8 above
     k = byte_as_fp8(word, k_shift, kv_lanes.dtype)
     v = byte_as_fp8(zero_words_past_kv_len(word, kv_blk, kv_len, c), k_shift + 8, kv_lanes.dtype)

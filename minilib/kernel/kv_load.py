@@ -2,7 +2,8 @@
 
 The plain load indexes the slot and reshapes the value: it runs everywhere, TPU interpret mode
 included. Where refs can be viewed (the chip), `strided` reads each KV head with one strided
-load instead; a head_dim of several 128-lane blocks is read one block at a time (`lane_blocks`).
+load instead; a head_dim of several 128-lane blocks is read one block at a time (`lane_blocks`),
+head_dim 64 in rows of 64 lanes (`narrow_rows`).
 V is zeroed past kv_len (`zero_tokens_past_kv_len`). An fp8 cache is read four values to a
 word where refs can be viewed (`fp8`); fp8 values are never scaled here: k_scale and v_scale
 are applied to the scores and the output (`fp8` says why).

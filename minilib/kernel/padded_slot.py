@@ -18,14 +18,15 @@ KV block; 32 q per block / 8 q per block / decode; v5e and v6e with the padded s
 Spills fall too (KiB: v5e 896 / 136 / 316 -> 636 / 88 / 0, v6e 916 / 192 / 260 -> 904 / 120 / 0,
 TPU7x 900 / 192 / 256 -> 964 / 124 / 0: up at TPU7x 32 q). The cost: 1/8 more VMEM for the two
 slots (the spare rows).
-On which chips: TPU7x (`PADDED_SLOT_CHIPS`), for a bf16 cache on the strided load
-(`pads_slot`). v5e and v6e issue fewer bundles with it too (above), but keep the plain slot:
-there the spare rows cost VMEM that v5e lacks (64 pages per KV block, notebook 09's largest
-block, no longer fit its 16 MiB of scoped VMEM), and an fp8 cache would no longer issue fewer
-bundles than a bf16 one (`fp8`; on v5e at 8 q per block / decode, fp8 659 / 523 against
-640 / 482 for a padded bf16 slot). An f32 cache (a row per
-combined head) and an fp8 one (four values to a word, `fp8`: kvh / 2 rows of words per token,
-four apart, eight banks already) keep the plain slot everywhere.
+On which chips: TPU7x (`PADDED_SLOT_CHIPS`), and every chip at head_dim 64 (`narrow_rows`,
+where the spare rows cost less VMEM than a plain slot at head_dim 128), for a bf16 cache on the
+strided load (`pads_slot`). v5e and v6e issue fewer bundles with it too (above), but keep the
+plain slot at other head sizes: there the spare rows cost VMEM that v5e lacks (64 pages per KV
+block, notebook 09's largest block, no longer fit its 16 MiB of scoped VMEM), and an fp8 cache
+would no longer issue fewer bundles than a bf16 one (`fp8`; on v5e at 8 q per block / decode,
+fp8 659 / 523 against 640 / 482 for a padded bf16 slot). An f32 cache (a row per combined head)
+and an fp8 one (four values to a word, `fp8`: kvh / 2 rows of words per token, four apart,
+eight banks already) keep the plain slot everywhere.
 
 How the slot is held. The spare row must cost one row, not a whole (8, 128) tile: a TPU tiles
 the last two axes of a VMEM array, so the slot is [..., page_size, kvh + 1, 1, width] words,

@@ -73,12 +73,12 @@ def q_row(shape, q_blk, config: KernelConfig):
 def widen(x, width: int):  # x: [rows, LANES], every lane the same -> [rows, width]
     """A lane-replicated column, as wide as `width` columns.
 
-    A multiple of 128 columns is copies of the same vector registers (free); anything else
-    takes one lane and broadcasts it (a cross-lane permute on the chip).
+    A multiple of 128 columns is copies of its vector registers, fewer its first lanes (free);
+    anything else takes one lane and broadcasts it (a cross-lane permute on the chip).
     """
     if width % LANES == 0:
         return jnp.concatenate([x] * (width // LANES), axis=1) if width > LANES else x
-    return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
+    return x[:, :width] if width < LANES else jnp.broadcast_to(x[:, :1], (x.shape[0], width))
 
 
 def keep_other_rows(in_seq, new, old):  # in_seq: bool[rows, LANES]; new, old: [rows, width]
