@@ -230,8 +230,8 @@ def test_strided_kv_loads_match_jax_reference(name):
     ],
 )
 def test_padded_slot_matches_jax_reference(name):
-    """The padded slot of TPU7x (`padded_slot`: a bf16 slot as words, a spare row per token),
-    forced here (a CPU is no TPU7x), in both kernels, run by plain `interpret=True`."""
+    """The padded slot of v6e and TPU7x (`padded_slot`: a bf16 slot as words, a spare row per
+    token), forced here (a CPU is neither), in both kernels, run by plain `interpret=True`."""
     batch, options, config = strided_case(name)
     config = dataclasses.replace(config, padded_slot=True)
     assert pads_slot(config, strided=can_load_kv_strided(config, interpret=True))

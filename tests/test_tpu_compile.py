@@ -192,25 +192,34 @@ def test_kernel_compiles(case, chip):
 
 
 @pytest.mark.parametrize("chip", COMPARISON_CHIPS)
-def test_fp8_kv_costs_no_more_than_bf16_kv(chip):
+def test_fp8_kv_costs_no_more_than_v3s_fp8_kv(chip):
     """An fp8 cache (with scales) is read four values to a word and goes to the MXU as fp8
     (`minilib.kernel.fp8`): its KV-block loops, mixed (8 q per block) and decode, take no more
-    bundles than a bf16 cache's, on the comparison workload. (Through the plain load they took
-    4.5 to 14 times as many.)"""
+    bundles than v3's on the same fp8 cache and workload, on the listing, the longest path and
+    the interior path (through the plain load ours took 4.5 to 14 times v3's). fp8 is not held
+    to our bf16 figure: a padded bf16 slot (`padded_slot`, v6e and TPU7x) may issue a few
+    bundles fewer than an fp8 cache, whose rows are four words apart and need no spare row."""
+    from minilib.tpu.kernel_costs import cell_of, compile_v3
+    from minilib.tpu.v3 import V3Unavailable
+
     require_chip(chip)
+    fp8 = dict(kv_dtype=jnp.float8_e4m3fn)
     blocks = dict(num_kv_pages_per_block=8, num_queries_per_block=8)
-    bundles = {}
-    for name, kv_dtype, scales in [
-        ("bf16", jnp.bfloat16, {}),
-        ("fp8", jnp.float8_e4m3fn, dict(k_scale=0.5, v_scale=0.5)),
-    ]:
-        specs = rpa_specs(**COMPARISON_CASE, kv_dtype=kv_dtype)
-        report = compile_rpa("ours", specs, chip=chip, **blocks, **scales)
+    scales = dict(k_scale=0.5, v_scale=0.5)
+    try:
+        v3 = compile_v3(chip, **fp8, **blocks, **scales)
+    except V3Unavailable as err:
+        pytest.skip(str(err))
+    ours = compile_rpa("ours", rpa_specs(**COMPARISON_CASE, **fp8), chip=chip, **blocks, **scales)
+    for report in (v3, ours):
         assert_compiled(report)
-        for decode in (False, True):
-            bundles[name, decode] = kernel_for(report, decode=decode).bundles_per_kv_block
-    for decode in (False, True):
-        assert bundles["fp8", decode] <= bundles["bf16", decode], bundles
+    for config, decode_queries in (("8 q per block", None), ("decode", 8)):
+        cells = {name: cell_of(report, name, chip, config, decode_queries)
+                 for name, report in (("v3", v3), ("ours", ours))}  # fmt: skip
+        for count, label in COUNTS.items():
+            mine, theirs = (getattr(cells[name], count) for name in ("ours", "v3"))
+            assert mine is not None and theirs is not None, cells
+            assert mine <= theirs, f"{chip}, {config}, fp8, {label}: ours {mine} > v3's {theirs}"
 
 
 @pytest.mark.parametrize("chip", COMPARISON_CHIPS)

@@ -11,22 +11,23 @@ load is whole (`ss:$9 sm:$0xff`), as in vLLM's RPA v3, whose KV buffer has the s
 Loading is then cheap enough that V is loaded again for its P·V at decode too
 (`block_sizes.default_head_pipeline`, `padded`). Bundles per KV block, static estimates
 (`python -m minilib compile`, libtpu 0.0.50.1, 32 q / 8 KV heads, head_dim 128, 128 tokens per
-KV block; 32 q per block / 8 q per block / decode; v5e and v6e with the padded slot forced):
+KV block; 32 q per block / 8 q per block / decode; v5e with the padded slot forced):
 * v5e   1348 / 735 / 549 -> 1249 / 640 / 482
 * v6e   1329 / 846 / 676 -> 1176 / 745 / 606
 * TPU7x 1360 / 884 / 703 -> 1213 / 793 / 618 (vLLM's RPA v3: 1440 / 856 / 704)
 Spills fall too (KiB: v5e 896 / 136 / 316 -> 636 / 88 / 0, v6e 916 / 192 / 260 -> 904 / 120 / 0,
 TPU7x 900 / 192 / 256 -> 964 / 124 / 0: up at TPU7x 32 q). The cost: 1/8 more VMEM for the two
 slots (the spare rows).
-On which chips: TPU7x (`PADDED_SLOT_CHIPS`), and every chip at head_dim 64 (`narrow_rows`,
-where the spare rows cost less VMEM than a plain slot at head_dim 128), for a bf16 cache on the
-strided load (`pads_slot`). v5e and v6e issue fewer bundles with it too (above), but keep the
-plain slot at other head sizes: there the spare rows cost VMEM that v5e lacks (64 pages per KV
-block, notebook 09's largest block, no longer fit its 16 MiB of scoped VMEM), and an fp8 cache
-would no longer issue fewer bundles than a bf16 one (`fp8`; on v5e at 8 q per block / decode,
-fp8 659 / 523 against 640 / 482 for a padded bf16 slot). An f32 cache (a row per combined head)
-and an fp8 one (four values to a word, `fp8`: kvh / 2 rows of words per token, four apart,
-eight banks already) keep the plain slot everywhere.
+On which chips: v6e and TPU7x (`PADDED_SLOT_CHIPS`), and every chip at head_dim 64
+(`narrow_rows`, where the spare rows cost less VMEM than a plain slot at head_dim 128), for a
+bf16 cache on the strided load (`pads_slot`). v5e issues fewer bundles with it too (above), but
+keeps the plain slot at other head sizes: there the spare rows cost VMEM that v5e lacks (64
+pages per KV block, notebook 09's largest block, no longer fit its 16 MiB of scoped VMEM). On
+v6e, whose interior path at decode was 9 bundles above v3's (676 to 667, `loop_paths`), the
+padded slot takes it to 606. An f32 cache (a row per combined head) and an fp8 one (four
+values to a word, `fp8`: kvh / 2 rows of words per token, four apart, eight banks already)
+keep the plain slot everywhere; a padded bf16 slot may then issue a few bundles fewer than an
+fp8 cache (v6e 8 q per block: 745 to 750), and both fewer than v3's.
 
 How the slot is held. The spare row must cost one row, not a whole (8, 128) tile: a TPU tiles
 the last two axes of a VMEM array, so the slot is [..., page_size, kvh + 1, 1, width] words,
@@ -44,7 +45,7 @@ from minilib.kernel.config import KernelConfig
 
 __all__: list[str] = []  # the kernel body's own: see `pads_slot`
 
-PADDED_SLOT_CHIPS = ("tpu7x",)  # where `kernel_config` sets `KernelConfig.padded_slot`
+PADDED_SLOT_CHIPS = ("v6e", "tpu7x")  # where `kernel_config` sets `KernelConfig.padded_slot`
 
 
 def pads_slot(config: KernelConfig, strided: bool | None = None) -> bool:
