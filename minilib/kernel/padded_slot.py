@@ -19,11 +19,13 @@ Spills fall too (KiB: v5e 896 / 136 / 316 -> 636 / 88 / 0, v6e 916 / 192 / 260 -
 TPU7x 900 / 192 / 256 -> 964 / 124 / 0: up at TPU7x 32 q). The cost: 1/8 more VMEM for the two
 slots (the spare rows).
 On which chips: TPU7x (`PADDED_SLOT_CHIPS`), for a bf16 cache on the strided load
-(`pads_slot`). v5e and v6e issue fewer bundles with it too (above), but keep the plain slot:
+(`pads_slot`); the decode kernel on every chip (`decode.split_configs`: its loop is mostly
+loads, v5e 549 -> 482 bundles at 128 KV tokens per block, 2504 -> 1455 at 512). The mixed
+kernel on v5e and v6e issues fewer bundles with it too (above), but keeps the plain slot:
 there the spare rows cost VMEM that v5e lacks (64 pages per KV block, notebook 09's largest
 block, no longer fit its 16 MiB of scoped VMEM), and an fp8 cache would no longer issue fewer
-bundles than a bf16 one (`fp8`; on v5e at 8 q per block / decode, fp8 659 / 523 against
-640 / 482 for a padded bf16 slot). An f32 cache (a row per
+bundles than a bf16 one (`fp8`; on v5e at 8 q per block, fp8 659 against 640 for a padded
+bf16 slot; at decode, where the padding won more, fp8 523 against 482). An f32 cache (a row per
 combined head) and an fp8 one (four values to a word, `fp8`: kvh / 2 rows of words per token,
 four apart, eight banks already) keep the plain slot everywhere.
 
