@@ -13,7 +13,8 @@ Which path of the kernel each test covers:
 - The compiled path reads each KV head with one strided load through a flat 32-bit view of
   the slot (`load_kv_head_strided`). Plain `interpret=True` can run that (it can view refs, but
   does not simulate DMA timing): `test_strided_kv_loads_match_jax_reference`, and with TPU7x's
-  padded slot, `test_padded_slot_matches_jax_reference`; at head_dim 64, in rows of 64 lanes,
+  padded slot, `test_padded_slot_matches_jax_reference` (the decode kernel's on every chip:
+  `test_the_decode_kernel_pads_its_slot_on_every_chip`); at head_dim 64, in rows of 64 lanes,
   `test_narrow_rows_match_jax_reference`.
 - `ragged_paged_attention` runs two kernels: the decode kernel on the one-token sequences, the
   mixed kernel on the others. Every parity test above runs both; the decode tests below also
@@ -414,6 +415,25 @@ def test_decode_kernel_in_several_grid_steps(name):
         out = jax.block_until_ready(out)
     assert not watch.raced and watch.never_waited() == [] and watch.deadlock is None
     assert "emaphore" not in watch.output, watch.output
+    assert_output_matches_jax(out, batch, **options)
+
+
+def test_the_decode_kernel_pads_its_slot_on_every_chip():
+    """The decode kernel holds a bf16 slot padded (`padded_slot`) wherever K and V come from
+    the strided load, also where the mixed kernel's slot is plain (`split_configs`: its loop
+    is mostly loads), and matches JAX's reference so: both kernels on DECODE_SEQS, the decode
+    kernel in several grid steps, run by plain `interpret=True` (which runs the strided load)."""
+    batch = make_batch(DECODE_SEQS, num_q_heads=16, num_kv_heads=8, head_dim=128,
+                       dtype=jnp.bfloat16, page_size=8, max_num_batched_tokens=24,
+                       max_num_seqs=10)  # fmt: skip
+    options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8)
+    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
+    # A chip whose mixed kernel keeps the plain slot (v5e, v6e; a CPU).
+    config = dataclasses.replace(config, decode_seqs_per_block=2, padded_slot=False)
+    mixed, decode = split_configs(config)
+    strided = can_load_kv_strided(decode, interpret=True)
+    assert strided and not pads_slot(mixed, strided) and pads_slot(decode, strided)
+    out, _ = _rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 
 

@@ -46,7 +46,7 @@ Then the decode kernel, a variation on that path:
 Then the speed levers, each saying what it saves (bundles per KV block) and on which chips:
 
     strided          each KV head read with one strided load, K and V from 32-bit words
-    padded_slot      v6e, TPU7x: a bf16 slot with a spare row of words per token, whole loads
+    padded_slot      v6e, TPU7x, decode everywhere: a bf16 slot with a spare row per token
     fp8              an fp8 cache four values to a word, its scales on the scores and output
     lane_blocks      head_dim in blocks of 128 lanes, so head_dim 256 is read strided too
     narrow_rows      head_dim 64 read strided in rows of 64 lanes, from a padded slot

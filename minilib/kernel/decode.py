@@ -43,6 +43,15 @@ def split_configs(config: KernelConfig) -> tuple[KernelConfig, KernelConfig]:
     holds `decode_seqs_per_block` sequences, walked one after another in one grid
     step, so the fixed cost of a grid step is shared by several of them.
 
+    Its KV slot is padded on every chip (`padded_slot`), not only where the mixed kernel's is:
+    with 4 q rows per KV head, the decode loop is mostly the strided loads of K and V, and
+    on the plain slot each of them splits in two half loads and an OR. Bundles per KV block,
+    static estimates (`python -m minilib compile`, 32 q / 8 KV heads, head_dim 128, bf16; 128
+    / 512 KV tokens per block, 512 being v5e's and v6e's default decode block): v5e 549 /
+    2504 -> 482 / 1455, v6e 676 / 2700 -> 606 / 1611 (TPU7x pads already). Its slots stay
+    small (one heads block, 1/8 more), so the VMEM that keeps the mixed kernel's slot plain
+    on v5e and v6e is not short here.
+
     >>> from minilib.batch import make_batch
     >>> from minilib.kernel import kernel_config
     >>> batch = make_batch([(3, 3), (1, 9)], max_num_seqs=4)
@@ -50,12 +59,15 @@ def split_configs(config: KernelConfig) -> tuple[KernelConfig, KernelConfig]:
     >>> mixed, decode = split_configs(config)
     >>> mixed.leaves_decode, decode.decode, decode.num_queries_per_block, decode.rows_per_kv_head
     (True, True, 4, 2)
+    >>> mixed.padded_slot, decode.padded_slot   # a CPU: the mixed kernel's slot is plain
+    (False, True)
     """
     decode = dataclasses.replace(
         config,
         decode=True,
         num_queries_per_block=config.decode_seqs_per_block,
         max_num_batched_tokens=config.max_num_seqs,  # the decode batch: one row per sequence
+        padded_slot=True,  # on every chip (see above)
     )
     return dataclasses.replace(config, leaves_decode=True), with_head_pipeline(decode)
 

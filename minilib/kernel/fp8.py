@@ -13,7 +13,8 @@ cache and k_scale = v_scale = 0.5; 8 q per block, then decode):
 In steps, on v5e: the strided load of words alone, values still cast and scaled one by one
 and V zeroed in float32, 1642 / 1534; the scales moved off the values and V zeroed on the
 words, 1042 / 872 (v6e 1046 / 935, TPU7x 837 / 701); K and V given to the MXU as fp8, the
-figures above. An fp8 cache now costs fewer bundles than a bf16 one (v5e 738 / 547).
+figures above. An fp8 cache now costs fewer bundles than a bf16 one (v5e 738 / 547), except
+at decode on v5e, since the decode kernel's bf16 slot is padded (`padded_slot`): 523 to 482.
 
 How K and V are read. In fp8 (float8_e4m3fn, float8_e5m2) four combined heads of a token
 share each 32-bit word of a slot: K(2j), V(2j), K(2j+1), V(2j+1), from the low byte up (a TPU

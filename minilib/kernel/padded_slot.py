@@ -18,16 +18,18 @@ KV block; 32 q per block / 8 q per block / decode; v5e with the padded slot forc
 Spills fall too (KiB: v5e 896 / 136 / 316 -> 636 / 88 / 0, v6e 916 / 192 / 260 -> 904 / 120 / 0,
 TPU7x 900 / 192 / 256 -> 964 / 124 / 0: up at TPU7x 32 q). The cost: 1/8 more VMEM for the two
 slots (the spare rows).
-On which chips: v6e and TPU7x (`PADDED_SLOT_CHIPS`), and every chip at head_dim 64
-(`narrow_rows`, where the spare rows cost less VMEM than a plain slot at head_dim 128), for a
-bf16 cache on the strided load (`pads_slot`). v5e issues fewer bundles with it too (above), but
-keeps the plain slot at other head sizes: there the spare rows cost VMEM that v5e lacks (64
-pages per KV block, notebook 09's largest block, no longer fit its 16 MiB of scoped VMEM). On
-v6e, whose interior path at decode was 9 bundles above v3's (676 to 667, `loop_paths`), the
-padded slot takes it to 606. An f32 cache (a row per combined head) and an fp8 one (four
-values to a word, `fp8`: kvh / 2 rows of words per token, four apart, eight banks already)
-keep the plain slot everywhere; a padded bf16 slot may then issue a few bundles fewer than an
-fp8 cache (v6e 8 q per block: 745 to 750), and both fewer than v3's.
+On which chips: v6e and TPU7x (`PADDED_SLOT_CHIPS`), every chip at head_dim 64 (`narrow_rows`,
+where the spare rows cost less VMEM than a plain slot at head_dim 128), and the decode kernel
+on every chip (`decode.split_configs`: its loop is mostly loads, v5e 549 -> 482 bundles at 128
+KV tokens per block, 2504 -> 1455 at 512), for a bf16 cache on the strided load (`pads_slot`).
+v5e's mixed kernel issues fewer bundles with it too (above), but keeps the plain slot at other
+head sizes: there the spare rows cost VMEM that v5e lacks (64 pages per KV block, notebook 09's
+largest block, no longer fit its 16 MiB of scoped VMEM). On v6e, whose interior path at decode
+was 9 bundles above v3's (676 to 667, `loop_paths`), the padded slot takes it to 606. An f32
+cache (a row per combined head) and an fp8 one (four values to a word, `fp8`: kvh / 2 rows of
+words per token, four apart, eight banks already) keep the plain slot everywhere; a padded bf16
+slot may then issue a few bundles fewer than an fp8 cache (v6e 8 q per block: 745 to 750; v5e
+decode: 482 to 523), and both fewer than v3's.
 
 How the slot is held. The spare row must cost one row, not a whole (8, 128) tile: a TPU tiles
 the last two axes of a VMEM array, so the slot is [..., page_size, kvh + 1, 1, width] words,
