@@ -58,6 +58,7 @@ from minilib.tpu.compile import (
     chip_unknown_here,
     chips_here,
     compile_for_tpu,
+    dump_folder,
     libtpu_version,
     tpu_compile_available,
 )
@@ -230,8 +231,10 @@ def test_fp8_kv_costs_no_more_than_v3s_fp8_kv(chip):
 def test_attention_sinks_add_nothing_to_the_kv_block_loops(chip):
     """Sinks join the denominator once per output row (`OnlineSoftmax.sink_term`), outside
     the KV-block loops: with them (`python -m minilib compile --sinks`, its cells), both
-    kernels' loops, mixed and decode, take as many bundles as without, on the comparison
-    workload."""
+    kernels' loops, mixed and decode, issue the same vector, MXU, memory and DMA ops as
+    without, on the comparison workload, and as many bundles but for a scalar op of the
+    loop's bookkeeping that the scheduler may place differently (decode, libtpu 0.0.50.1:
+    v5e 481 to 482, v6e 607 to 606)."""
     from minilib.__main__ import build_parser
 
     require_chip(chip)
@@ -243,8 +246,12 @@ def test_attention_sinks_add_nothing_to_the_kv_block_loops(chip):
     ours = {cell.config: cell for cell in cells if cell.kernel == "ours"}
     assert all(cell.missing for cell in cells if cell.kernel != "ours"), cells
     for config, decode in (("8 q per block", False), ("decode", True)):
-        want = kernel_for(without, decode=decode).bundles_per_kv_block
-        assert ours[config].bundles_per_kv_block == want, (config, ours[config], want)
+        before, after = kernel_for(without, decode=decode), ours[config].stats
+        kinds_before, kinds_after = dict(before.loop_op_kinds), dict(after.loop_op_kinds)
+        scalar = abs(kinds_after.pop("scalar", 0) - kinds_before.pop("scalar", 0))
+        assert kinds_after == kinds_before, (config, kinds_before, kinds_after)
+        moved = abs(after.bundles_per_kv_block - before.bundles_per_kv_block)
+        assert moved <= scalar, (config, before.bundles_per_kv_block, after.bundles_per_kv_block)
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
@@ -440,6 +447,10 @@ def comparison(chip):
         LISTINGS.append((stats, bundles_text))
         return stats, notes
 
+    folder = dump_folder()
+    if folder is not None:  # a program compiled before (by another test) writes no new listing
+        folder.reports.clear()
+        jax.clear_caches()
     dump_reader.kernel_stats = keep_listing
     try:
         return {(cell.config, cell.kernel): cell for cell in compare_kernels(chip)}
