@@ -215,6 +215,11 @@ def kernel_for(report: CompileReport, *, decode: bool) -> KernelStats | None:
     return max(kernels, key=lambda kernel: kernel.total_bundles, default=None)
 
 
+def stats_figure(name: str) -> property:
+    """A `Cell` property: the figure `name` of the cell's `KernelStats`, or None."""
+    return property(lambda cell: None if cell.stats is None else getattr(cell.stats, name))
+
+
 @dataclasses.dataclass(frozen=True)
 class Cell:
     """One kernel's compiled figures for one chip and config, or why there are none.
@@ -232,21 +237,11 @@ class Cell:
     missing: str = ""  # why `stats` is None: "not available: ...", "did not compile: ..."
     note: str = ""  # which kernel serves decode, when it has no decode kernel
 
-    @property
-    def bundles_per_kv_block(self) -> int | None:
-        return None if self.stats is None else self.stats.bundles_per_kv_block
-
-    @property
-    def longest_path(self) -> int | None:
-        return None if self.stats is None else self.stats.longest_path
-
-    @property
-    def interior_path(self) -> int | None:
-        return None if self.stats is None else self.stats.interior_path
-
-    @property
-    def spill_bytes(self) -> int | None:
-        return None if self.stats is None else self.stats.spill_bytes
+    # The figures of `stats`, None when there are none.
+    bundles_per_kv_block = stats_figure("bundles_per_kv_block")
+    longest_path = stats_figure("longest_path")
+    interior_path = stats_figure("interior_path")
+    spill_bytes = stats_figure("spill_bytes")
 
 
 # The three counts of a KV block, each a `Cell` property: the listing's length of the loop
