@@ -54,12 +54,12 @@ def split_configs(config: KernelConfig) -> tuple[KernelConfig, KernelConfig]:
 
     >>> from minilib.batch import make_batch
     >>> from minilib.kernel import kernel_config
-    >>> batch = make_batch([(3, 3), (1, 9)], max_num_seqs=4)
+    >>> batch = make_batch([(3, 3), (1, 9)], max_num_seqs=4, head_dim=128)
     >>> config = kernel_config(batch.q, batch.kv_pages, batch.page_indices)
     >>> mixed, decode = split_configs(config)
     >>> mixed.leaves_decode, decode.decode, decode.num_queries_per_block, decode.rows_per_kv_head
     (True, True, 4, 2)
-    >>> mixed.padded_slot, decode.padded_slot   # a CPU: the mixed kernel's slot is plain
+    >>> mixed.padded_slot, decode.padded_slot   # head_dim 128 on a CPU: the mixed slot is plain
     (False, True)
     """
     decode = dataclasses.replace(

@@ -27,14 +27,15 @@ this: v5e 4563 / 3552 / 4227 -> 1376 / 664 / 516, v6e 4044 / 3231 / 2562 -> 1195
 TPU7x 2732 / 2023 / 1699 -> 1171 / 739 / 596 (v3's head_dim-64 kernel: v5e 1370 / 834 / 627,
 v6e 1235 / 954 / 721, TPU7x 1172 / 881 / 643).
 On which chips: all (v5e, v6e, TPU7x measured; v4 and v5p issue fewer bundles too, bf16 and
-fp8), at head_dim 64 (`reads_narrow_rows`).
+fp8), at head_dim 64, where the libtpu compiles it (`reads_narrow_rows`).
 Not in TPU interpret mode, which cannot view a ref as another shape or dtype.
 """
 
 from __future__ import annotations
 
 from minilib.kernel.config import LANES, KernelConfig
-from minilib.kernel.padded_slot import PADDED_SLOT_CHIPS
+from minilib.kernel.padded_slot import PADDED_SLOT_CHIPS, libtpu_pads
+from minilib.tpu.mosaic_version import installed_libtpu
 
 __all__: list[str] = []  # the kernel body's own: see `reads_narrow_rows`
 
@@ -63,5 +64,9 @@ def strided_rows_fit(config: KernelConfig) -> bool:
 
 def reads_narrow_rows(config: KernelConfig) -> bool:
     """Whether the config asks for rows of 64 lanes and its head_dim is 64 (a cache of any
-    dtype: f32 and bf16 through `strided`, fp8 through `fp8`)."""
-    return config.narrow_rows and config.head_dim == NARROW_HEAD_DIM
+    dtype: f32 and bf16 through `strided`, fp8 through `fp8`), and the installed libtpu
+    compiles them: the libtpus too old for the padded slot (`padded_slot.libtpu_pads`: 0.0.21.1,
+    Colab's, and 0.0.23) refuse a strided load of 64-lane rows too ("The last dim size is not
+    128 in original base memref"), and there head_dim 64 takes the plain load."""
+    asked = config.narrow_rows and config.head_dim == NARROW_HEAD_DIM
+    return asked and libtpu_pads(installed_libtpu())

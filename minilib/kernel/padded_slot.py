@@ -44,18 +44,40 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from minilib.kernel.config import KernelConfig
+from minilib.tpu.mosaic_version import installed_libtpu
 
 __all__: list[str] = []  # the kernel body's own: see `pads_slot`
 
 PADDED_SLOT_CHIPS = ("v6e", "tpu7x")  # where `kernel_config` sets `KernelConfig.padded_slot`
 
 
+# The oldest libtpu checked to compile a page's DMA into the padded slot. Older ones refuse it
+# ("Mosaic failed to compile TPU kernel: Failed to update target tile strides"): 0.0.21.1,
+# Colab's with jax 0.7.2, and 0.0.23, jax 0.7.2's own; 0.0.42.1 and 0.0.50.1 compile it.
+# (The same ones refuse `narrow_rows`' strided load of 64-lane rows.)
+OLDEST_LIBTPU_PADDING = (0, 0, 42)
+
+
+def libtpu_pads(libtpu_version: str | None) -> bool:
+    """Whether a kernel may pad its slot with this libtpu installed (None: none installed, as
+    on a CPU, or loaded from elsewhere, as the libtpu of a TPU VM may be).
+
+    >>> libtpu_pads("0.0.21.1"), libtpu_pads("0.0.23"), libtpu_pads("0.0.42.1"), libtpu_pads(None)
+    (False, False, True, True)
+    """
+    if libtpu_version is None:
+        return True
+    numbers = tuple(int(part) for part in libtpu_version.split(".")[:3] if part.isdigit())
+    return numbers >= OLDEST_LIBTPU_PADDING
+
+
 def pads_slot(config: KernelConfig, strided: bool | None = None) -> bool:
     """Whether a KV slot is held as rows of words with a spare row per token: where the config
     asks for it, for a bf16 cache read by the strided load (`strided`: whether it is; default
-    `config.strided_kv_loads`)."""
+    `config.strided_kv_loads`), and the installed libtpu compiles it (`libtpu_pads`)."""
     strided = config.strided_kv_loads if strided is None else strided
-    return config.padded_slot and strided and config.kv_itemsize == 2
+    asked = config.padded_slot and strided and config.kv_itemsize == 2
+    return asked and libtpu_pads(installed_libtpu())
 
 
 def slots_scratch(config: KernelConfig, kv_dtype):
