@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 
 from minilib.kernel.config import KernelConfig
 from minilib.kernel.heads_in_flight import with_head_pipeline
+from minilib.kernel.padded_slot import padding_compiles
 from minilib.kernel.softmax import OnlineSoftmax, ScoreMask, SeqSpan
 from minilib.kernel.walk import QBlockWalker
 from minilib.masking import is_masked, mask_value_vanishes
@@ -67,7 +68,7 @@ def split_configs(config: KernelConfig) -> tuple[KernelConfig, KernelConfig]:
         decode=True,
         num_queries_per_block=config.decode_seqs_per_block,
         max_num_batched_tokens=config.max_num_seqs,  # the decode batch: one row per sequence
-        padded_slot=True,  # on every chip (see above)
+        padded_slot=padding_compiles(),  # on every chip (see above), with a libtpu that can
     )
     return dataclasses.replace(config, leaves_decode=True), with_head_pipeline(decode)
 

@@ -34,8 +34,7 @@ Not in TPU interpret mode, which cannot view a ref as another shape or dtype.
 from __future__ import annotations
 
 from minilib.kernel.config import LANES, KernelConfig
-from minilib.kernel.padded_slot import PADDED_SLOT_CHIPS, libtpu_pads
-from minilib.tpu.mosaic_version import installed_libtpu
+from minilib.kernel.padded_slot import PADDED_SLOT_CHIPS, padding_compiles
 
 __all__: list[str] = []  # the kernel body's own: see `reads_narrow_rows`
 
@@ -45,13 +44,18 @@ NARROW_HEAD_DIM = 64  # the one head_dim under 128 lanes the strided load was me
 def slot_levers(head_dim: int, chip: str | None) -> dict[str, bool]:
     """The lever flags of `KernelConfig` that `kernel_config` sets from head_dim and the chip:
     `narrow_rows` at head_dim 64, and `padded_slot` on the chips of `PADDED_SLOT_CHIPS`, or on
-    every chip at head_dim 64.
+    every chip at head_dim 64; neither where the installed libtpu is too old for them
+    (`padded_slot.padding_compiles`: 0.0.21.1, Colab's, and 0.0.23 refuse the padded slot and
+    a strided load of 64-lane rows alike, "The last dim size is not 128 in original base
+    memref"; there head_dim 64 takes the plain load).
 
-    >>> slot_levers(64, "v5e"), slot_levers(128, "v5e")["padded_slot"]
+    >>> slot_levers(64, "v5e"), slot_levers(128, "v5e")["padded_slot"]  # no libtpu, or new
     ({'narrow_rows': True, 'padded_slot': True}, False)
     """
     narrow = head_dim == NARROW_HEAD_DIM
-    return {"narrow_rows": narrow, "padded_slot": narrow or chip in PADDED_SLOT_CHIPS}
+    compiles = padding_compiles()
+    return {"narrow_rows": narrow and compiles,
+            "padded_slot": (narrow or chip in PADDED_SLOT_CHIPS) and compiles}  # fmt: skip
 
 
 def strided_rows_fit(config: KernelConfig) -> bool:
@@ -64,9 +68,5 @@ def strided_rows_fit(config: KernelConfig) -> bool:
 
 def reads_narrow_rows(config: KernelConfig) -> bool:
     """Whether the config asks for rows of 64 lanes and its head_dim is 64 (a cache of any
-    dtype: f32 and bf16 through `strided`, fp8 through `fp8`), and the installed libtpu
-    compiles them: the libtpus too old for the padded slot (`padded_slot.libtpu_pads`: 0.0.21.1,
-    Colab's, and 0.0.23) refuse a strided load of 64-lane rows too ("The last dim size is not
-    128 in original base memref"), and there head_dim 64 takes the plain load."""
-    asked = config.narrow_rows and config.head_dim == NARROW_HEAD_DIM
-    return asked and libtpu_pads(installed_libtpu())
+    dtype: f32 and bf16 through `strided`, fp8 through `fp8`)."""
+    return config.narrow_rows and config.head_dim == NARROW_HEAD_DIM

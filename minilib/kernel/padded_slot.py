@@ -71,13 +71,18 @@ def libtpu_pads(libtpu_version: str | None) -> bool:
     return numbers >= OLDEST_LIBTPU_PADDING
 
 
+def padding_compiles() -> bool:
+    """Whether the installed libtpu compiles the padded slot (`libtpu_pads`): `kernel_config`
+    and the decode kernel's config ask for it only then."""
+    return libtpu_pads(installed_libtpu())
+
+
 def pads_slot(config: KernelConfig, strided: bool | None = None) -> bool:
     """Whether a KV slot is held as rows of words with a spare row per token: where the config
     asks for it, for a bf16 cache read by the strided load (`strided`: whether it is; default
-    `config.strided_kv_loads`), and the installed libtpu compiles it (`libtpu_pads`)."""
+    `config.strided_kv_loads`)."""
     strided = config.strided_kv_loads if strided is None else strided
-    asked = config.padded_slot and strided and config.kv_itemsize == 2
-    return asked and libtpu_pads(installed_libtpu())
+    return config.padded_slot and strided and config.kv_itemsize == 2
 
 
 def slots_scratch(config: KernelConfig, kv_dtype):
