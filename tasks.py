@@ -282,9 +282,12 @@ def run_cpu_suites(args: list[str], phases: Phases, python: Path, oldest: Path,
         pytest(oldest, *WORKERS, "-m", "not slow and not browser and not matrix",
                "-p", "no:cacheprovider", fast_cpu_compiles=True,
                notebooks_as_on_tpu=True)  # fmt: skip
-    for env in (python, oldest):
-        with phases(f"{env.parent.parent.name}: the browser test"):
-            browser_test(env, book=env == python)
+    # The two browser tests side by side: each mostly waits for its Jupyter server and browser.
+    with phases(".venv and .venv-oldest: the browser tests, side by side"):
+        with ThreadPoolExecutor() as pool:
+            tests = [pool.submit(browser_test, env, book=env == python) for env in (python, oldest)]
+            for done in tests:
+                done.result()
 
 
 def run_tpu_compiles(phases: Phases, tpu: Path, tpu_oldest: Path, tpu_jax: Path) -> None:
@@ -326,7 +329,8 @@ def browser_test(python: Path, book: bool = True) -> None:
         return
     # -s: print the versions tried, each Run All's time and how fast the explorers reacted.
     skip_book = [] if book else ["--ignore", "tests/browser/test_book_in_browser.py"]
-    pytest(python, "-m", "browser", "tests/browser", "-p", "no:cacheprovider", "-s", *skip_book)
+    pytest(python, "-m", "browser", "tests/browser", "-p", "no:cacheprovider", "-s", *skip_book,
+           in_one_piece=True)  # fmt: skip
 
 
 def build_book(python: Path, book_python: Path) -> None:

@@ -224,11 +224,14 @@ def test_strided_kv_loads_match_jax_reference(name):
 
 @pytest.mark.parametrize(
     "name",
-    [
+    one_case_per_path(
+        [
+            "bfloat16, 8 KV heads",
+            "bfloat16, two heads blocks",
+            "bfloat16, head_dim 256 (a strided load per lane block)",
+        ],
         "bfloat16, 8 KV heads",
-        "bfloat16, two heads blocks",
-        "bfloat16, head_dim 256 (a strided load per lane block)",
-    ],
+    ),
 )
 def test_padded_slot_matches_jax_reference(name):
     """The padded slot of v6e and TPU7x (`padded_slot`: a bf16 slot as words, a spare row per
@@ -254,7 +257,6 @@ def test_padded_slot_matches_jax_reference(name):
         ],
         "bfloat16, head_dim 64 (rows of 64 lanes)-plain slot",
         "bfloat16, head_dim 64 (rows of 64 lanes)-padded slot",
-        "fp8 e4m3fn KV with scales, 8 KV heads, head_dim 64-plain slot",
     ),
 )
 def test_narrow_rows_match_jax_reference(name, padded):

@@ -254,8 +254,15 @@ def test_attention_sinks_add_nothing_to_the_kv_block_loops(chip):
         assert moved <= scalar, (config, before.bundles_per_kv_block, after.bundles_per_kv_block)
 
 
-@pytest.mark.parametrize("chip", ["v5e", "v6e"])
-@pytest.mark.parametrize("case", NOTEBOOK_BLOCKS)
+# Notebook 08's batch on both of Colab's chips; notebook 09's blocks on v5e, the chip it
+# compiles for.
+NOTEBOOK_BLOCK_CASES = [
+    (case, chip) for case in NOTEBOOK_BLOCKS for chip in ("v5e", "v6e")
+    if chip == "v5e" or not case.startswith("nb09")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "chip"), NOTEBOOK_BLOCK_CASES)
 def test_kernel_compiles_with_notebook_block_sizes(case, chip):
     spec_options, pages, queries = NOTEBOOK_BLOCKS[case]
     specs = rpa_specs(**spec_options)
@@ -685,7 +692,7 @@ def test_static_targets_judge_every_claim_from_real_compiles():
     from minilib.tpu.comparison import static_targets
 
     chips = [chip for chip in COMPARISON_CHIPS if chip in chips_here()]
-    results = static_targets(chips)
+    results = static_targets(chips, compare=lambda chip: list(comparison(chip).values()))
     judged = [(name, passed, detail) for name, passed, detail in results if passed is not None]
     claims = [figure for key in CLAIMS if key[0] in chips for _, figure in CLAIMS[key]]
     counts_per_claim = {claimed_as(f): 0 for f in (*COUNTS, "spill_bytes")}

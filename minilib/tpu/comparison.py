@@ -192,12 +192,15 @@ def claimed_as(figure: str) -> str:
     return "bundles_per_kv_block" if figure in COUNTS else figure
 
 
-def static_targets(chips=COMPARISON_CHIPS) -> list[tuple[str, bool | None, str]]:
+def static_targets(
+    chips=COMPARISON_CHIPS, compare=compare_kernels
+) -> list[tuple[str, bool | None, str]]:
     """[(target, passed, detail)]: each claim of `CLAIMS` judged (True or False), a claim on
     bundles per KV block on each of its three counts (`claimed_as`), and ours against v3 and
     JAX's in bundles per KV block where nothing is claimed, reported (None). Static estimates
     from the compiled programs, not timings. Without libtpu, or for a chip this libtpu does
-    not know, an entry with passed None says why.
+    not know, an entry with passed None says why. `compare(chip)` gives a chip's cells:
+    `compare_kernels`, unless the caller has compiled them already.
 
     With libtpu it compiles six kernels per chip, so the example is not run:
 
@@ -218,7 +221,7 @@ def static_targets(chips=COMPARISON_CHIPS) -> list[tuple[str, bool | None, str]]
             results.append((f"static: ours against JAX's and v3 ({chip})", None,
                             f"not measured: {chip_unknown_here(chip)}"))  # fmt: skip
             continue
-        cells = {(c.config, c.kernel): c for c in compare_kernels(chip)}
+        cells = {(c.config, c.kernel): c for c in compare(chip)}
         for config in dict.fromkeys(config for config, _ in cells):
             claimed = CLAIMS.get((chip, config), ())
             for other in ("JAX", "v3"):
