@@ -7,8 +7,7 @@ with one, the other fills with the next KV block (double buffering, `walk`).
 
 from __future__ import annotations
 
-import functools
-
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -42,28 +41,28 @@ class KVBlockCopier:
         return self.kv_bufs.at[slot]
 
     def start(self, work: Work, slot):
-        self._for_each_page(work, slot, lambda copy: copy.start())
-
-    def wait(self, work: Work, slot):
-        self._for_each_page(work, slot, lambda copy: copy.wait())
-
-    def _for_each_page(self, work: Work, slot, action):
-        """Page i of the block goes to kv_bufs[slot, :, i]; only the pages the sequence has.
-
-        Pages past the end of the sequence are not copied at all: their part of the buffer
-        keeps stale data, which the compute zeroes. `wait` must see the same pages as `start`,
-        so both come through here.
-        """
-        num_pages = work.num_pages
+        """Start the copies of the block's pages, every page of the block: one past the end of
+        the sequence is a copy of its last page (the compute masks those tokens), so that every
+        block copies the same bytes and one wait takes them all back. The cost: at most one
+        block's worth of extra copying per sequence, in its last block."""
+        last = jnp.maximum(work.num_pages - 1, 0)
         for i in range(self.config.num_kv_pages_per_block):
             page_pos = work.kv_blk * self.config.num_kv_pages_per_block + i
-            pl.when(page_pos < num_pages)(
-                functools.partial(self._copy_page, work, slot, i, page_pos, action)
-            )
+            self._start_page(work, slot, i, jnp.minimum(page_pos, last))
 
-    def _copy_page(self, work: Work, slot, i: int, page_pos, action):
-        """Copy (or wait for) one page: this heads block's K/V heads of every token in it, one
-        copy per lane block."""
+    def wait(self, work: Work, slot):
+        """Wait for every copy of the block at once. A DMA semaphore counts bytes, and a wait
+        takes back as many as its copy moves: one wait the size of everything copied into the
+        slot (the whole slot; padded, all but the spare rows) stands for all the copies."""
+        del work  # every block copies the same bytes
+        copied = self.buffer(slot)
+        if pads_slot(self.config):
+            copied = copied.at[:, :, :, : self.config.num_kv_heads_per_block, 0]
+        pltpu.make_async_copy(copied, copied, self.sems.at[slot]).wait()
+
+    def _start_page(self, work: Work, slot, i: int, page_pos):
+        """Start the copy of one page into page i of the slot: this heads block's K/V heads of
+        every token in it, one copy per lane block."""
         c = self.config
         kv_heads = c.num_kv_heads_per_block
         combined_heads = pl.ds(work.heads_blk * 2 * kv_heads, 2 * kv_heads)
@@ -77,4 +76,4 @@ class KVBlockCopier:
             target = self.buffer(slot).at[f, i]  # [page_size, 2*num_kv_heads_per_block, width]
             if pads_slot(c):  # the same bytes, as words, a spare row per token (`padded_slot`)
                 source, target = as_words(source, target, c)
-            action(pltpu.make_async_copy(source, target, self.sems.at[slot]))
+            pltpu.make_async_copy(source, target, self.sems.at[slot]).start()
