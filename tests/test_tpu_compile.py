@@ -232,9 +232,10 @@ def test_attention_sinks_add_nothing_to_the_kv_block_loops(chip):
     """Sinks join the denominator once per output row (`OnlineSoftmax.sink_term`), outside
     the KV-block loops: with them (`python -m minilib compile --sinks`, its cells), both
     kernels' loops, mixed and decode, issue the same vector, MXU, memory and DMA ops as
-    without, on the comparison workload, and as many bundles but for a scalar op of the
-    loop's bookkeeping that the scheduler may place differently (decode, libtpu 0.0.50.1:
-    v5e 481 to 482, v6e 607 to 606)."""
+    without, on the comparison workload, and as many bundles but for the scheduler's placing:
+    a scalar op of the loop's bookkeeping more or less, and one bundle more or less with the
+    very same ops (libtpu 0.0.50.1: decode v5e 481 to 482, v6e 607 to 606; TPU7x 8 q 770 to
+    771)."""
     from minilib.__main__ import build_parser
 
     require_chip(chip)
@@ -251,7 +252,8 @@ def test_attention_sinks_add_nothing_to_the_kv_block_loops(chip):
         scalar = abs(kinds_after.pop("scalar", 0) - kinds_before.pop("scalar", 0))
         assert kinds_after == kinds_before, (config, kinds_before, kinds_after)
         moved = abs(after.bundles_per_kv_block - before.bundles_per_kv_block)
-        assert moved <= scalar, (config, before.bundles_per_kv_block, after.bundles_per_kv_block)
+        counts = (config, before.bundles_per_kv_block, after.bundles_per_kv_block)
+        assert moved <= scalar + 1, counts
 
 
 # Notebook 08's batch on both of Colab's chips; notebook 09's blocks on v5e, the chip it

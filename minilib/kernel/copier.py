@@ -3,6 +3,15 @@
 `kv_pages` stays in HBM (`memory_space=pl.ANY`); the kernel copies the pages a KV block needs
 with `pltpu.make_async_copy`, one DMA semaphore per slot. Two slots: while the kernel computes
 with one, the other fills with the next KV block (double buffering, `walk`).
+
+One copy per page, one wait per block (`KVBlockCopier.wait`). Waiting page by page, each
+behind a branch on whether the sequence has the page, was a serial chain of waits with no
+vector work beside it. One wait saves, in bundles per KV block (static estimates, libtpu
+0.0.50.1, `python -m minilib compile`; 32 q / 8 q / decode): v5e 1348 / 735 / 482 -> 1325 /
+707 / 444, v6e 1176 / 745 / 606 -> 1157 / 729 / 587, TPU7x 1213 / 793 / 618 -> 1191 / 770 /
+598. It saves most where blocks are long: at each kernel's own block sizes (`compile
+--defaults`), per 128 KV tokens at decode, v5e 363.8 -> 327.5, v6e 402.8 -> 359.2, TPU7x
+473.0 -> 421.5 (vLLM's RPA v3: 385.0, 357.8, 354.5).
 """
 
 from __future__ import annotations
