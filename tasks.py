@@ -69,6 +69,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 # uv, pinned, in a venv of its own: the one tool installed with pip.
 UV_VENV, UV_VERSION = ROOT / ".venv-uv", "0.13.9"
+# The venvs' bytecode, written by the first process that imports a module and read by every
+# later one. uv installs no .pyc (pip does), and where PYTHONDONTWRITEBYTECODE is set, as on
+# CI's machine, each of a run's hundred-odd Python processes (pytest workers, notebook
+# kernels, the tests' own subprocesses) compiled jax and the rest from source again: 3-6 s
+# each (`import jax, minilib, ipykernel`: 6.0 s, then 2.4 s from here). A folder of its own,
+# so the checkout gets no __pycache__.
+BYTECODE = ROOT / ".venv-bytecode"
 NEWEST = (ROOT / ".venv", ROOT / "constraints" / "newest.txt")
 # The newest stack's Python, for .venv and .venv-tpu: jax 0.12 needs 3.12 or newer, whatever
 # Python runs tasks.py.
@@ -383,6 +390,8 @@ def jupyter_config_path() -> list[str]:
 
 
 def main() -> None:
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    os.environ["PYTHONPYCACHEPREFIX"] = str(BYTECODE)  # for every command run from here
     commands = {"test": test, "test-colab-2026.07": test_colab_2026_07, "course": course,
                 "book": book}  # fmt: skip
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
