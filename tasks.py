@@ -31,11 +31,11 @@ pinned by a file of constraints/ (README: "Supported stacks"):
   * .venv-tpu-jax-0.7.2  jax 0.7.2 with the libtpu its `jax[tpu]` pins (tpu-jax-0.7.2.txt):
                   a few of those compiles (JAX_0_7_2_TPU_TESTS);
 then the course's book (`book`, below) from the notebooks .venv executed, and the browser
-test in .venv and .venv-oldest, beside .venv-oldest's tests (tests/browser: the explorers in JupyterLab, or the classic
-notebook for ipywidgets 7, in headless Chromium; in .venv, the book too), which needs
-Debian's `chromium` and is skipped, loudly, without it. The three TPU venvs' compiles run
-beside the CPU venvs' tests (one process, one core), each phase's output printed when it
-ends. At the end it prints a table of each phase's minutes, passed or not.
+test in .venv and .venv-oldest, beside .venv-oldest's tests (tests/browser: the explorers
+in JupyterLab, or the classic notebook for ipywidgets 7, in headless Chromium; in .venv, the
+book too), which needs Debian's `chromium` and is skipped, loudly, without it. The three
+TPU venvs' compiles run beside the CPU venvs' tests (one process, one core), each phase's
+output printed when it ends. At the end it prints a table of each phase's minutes, passed or not.
 
     python3 tasks.py test-colab-2026.07   # the fast tests on Colab's past runtime 2026.07
 
