@@ -163,16 +163,16 @@ def assert_compiled(report):
     assert report.total_bundles and report.total_bundles > 0, f"no bundles read: {report}"
 
 
-# The whole matrix on the chips of Colab's runtimes (v5e, v6e) and the newest (TPU7x); on v4
-# and v5p, whose own choices are their default block sizes (the same in every case), one case
-# per way of loading K and V: strided bf16, fp8 four to a word, 128-lane blocks (hd 256), rows
-# of 64 lanes (hd 64).
+# The whole matrix on the chips of Colab's runtimes (v5e, v6e); on the others (v4, v5p and
+# TPU7x), one case per way of loading K and V: strided bf16, fp8 four to a word, 128-lane
+# blocks (hd 256), rows of 64 lanes (hd 64). TPU7x's headline configs, bf16 and fp8, are
+# compiled again by the comparison tests below, against v3.
 OTHER_CHIPS_CASES = ("gqa-bf16", "gqa-fp8kv", "gqa-hd256", "gqa-hd64")
 KERNEL_CASES = [
     (case, chip)
     for case in MATRIX
     for chip in CHIPS
-    if chip in ("v5e", "v6e", "tpu7x") or case in OTHER_CHIPS_CASES
+    if chip in ("v5e", "v6e") or case in OTHER_CHIPS_CASES
 ]
 
 
