@@ -31,7 +31,7 @@ pinned by a file of constraints/ (README: "Supported stacks"):
   * .venv-tpu-jax-0.7.2  jax 0.7.2 with the libtpu its `jax[tpu]` pins (tpu-jax-0.7.2.txt):
                   a few of those compiles (JAX_0_7_2_TPU_TESTS);
 then the course's book (`book`, below) from the notebooks .venv executed, and the browser
-test in .venv and .venv-oldest, beside .venv-oldest's tests (tests/browser: the explorers
+test in .venv and .venv-oldest, side by side (tests/browser: the explorers
 in JupyterLab, or the classic notebook for ipywidgets 7, in headless Chromium; in .venv, the
 book too), which needs Debian's `chromium` and is skipped, loudly, without it. The three
 TPU venvs' compiles run beside the CPU venvs' tests (one process, one core), each phase's
@@ -285,24 +285,13 @@ def run_cpu_suites(args: list[str], phases: Phases, python: Path, oldest: Path,
         pytest(python, *WORKERS, *args, fast_cpu_compiles=True)
     with phases(".venv-book: the book, from the executed notebooks"):
         build_book(python, book)
-    # The two browser tests beside .venv-oldest's tests, and beside each other: each mostly
-    # waits for its Jupyter server, its kernel and the browser (4.3 min one after the other, 3.4
-    # side by side after the tests; their own limits are minutes, not seconds).
-    with ThreadPoolExecutor() as pool:
-        browsers = pool.submit(browser_tests, phases, python, oldest)
-        try:
-            with phases(".venv-oldest: the tests (one case per matrix path) and the notebooks "
-                        "as on a TPU"):  # fmt: skip
-                pytest(oldest, *WORKERS, "-m", "not slow and not browser and not matrix",
-                       "-p", "no:cacheprovider", fast_cpu_compiles=True,
-                       notebooks_as_on_tpu=True)  # fmt: skip
-        finally:
-            wait([browsers])
-    browsers.result()
-
-
-def browser_tests(phases: Phases, python: Path, oldest: Path) -> None:
-    with phases("beside it, .venv and .venv-oldest: the browser tests, side by side"):
+    with phases(".venv-oldest: the tests (one case per matrix path) and the notebooks as on a TPU"):
+        pytest(oldest, *WORKERS, "-m", "not slow and not browser and not matrix",
+               "-p", "no:cacheprovider", fast_cpu_compiles=True,
+               notebooks_as_on_tpu=True)  # fmt: skip
+    # The two browser tests side by side: each mostly waits for its Jupyter server and browser.
+    # (Beside .venv-oldest's tests as well, notebook 08's took 123 s, over its 120 s limit.)
+    with phases(".venv and .venv-oldest: the browser tests, side by side"):
         with ThreadPoolExecutor() as pool:
             tests = [pool.submit(browser_test, env, book=env == python) for env in (python, oldest)]
             for done in tests:
