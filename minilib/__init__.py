@@ -41,7 +41,7 @@ from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.pallas_basics import add_vectors, ragged_paged_attention_pallas_basic
 from minilib.reference import ref_ragged_paged_attention
 from minilib.schedule import Schedule, plan_schedule, record_schedule
-from minilib.tpu import mosaic_version, numerics
+from minilib.tpu import literal_keys, mosaic_version, numerics
 from minilib.validation import (
     dynamic_validate_inputs,
     static_validate_inputs,
@@ -49,6 +49,9 @@ from minilib.validation import (
 )
 from minilib.vectorized import ragged_paged_attention_jnp
 
+# On jax 0.7, whose lowering compares each scalar constant of a program with every one before
+# it, key them by value, as jax does arrays (minilib.tpu.literal_keys: a kernel in 4 s, not 15).
+literal_keys.apply()
 # On a jax and libtpu pair where jax writes kernels at a Mosaic IR version libtpu cannot read
 # (Colab's TPU runtime: jax 0.7.2 with libtpu 0.0.21.1), lower them at the version it reads.
 # Nothing changes elsewhere. Importing any minilib module runs this (minilib.tpu.mosaic_version).

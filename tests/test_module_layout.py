@@ -46,6 +46,7 @@ LAYERS = [
     #    figures' style and the explorers' words, which know nothing of attention).
     ("errors", "masking", "kernel_trace", "tpu.chips", "tpu.bundles", "tpu.loop_paths",
      "tpu.dump_reader", "tpu.memory", "tpu.compile", "tpu.mosaic_version", "tpu.numerics",
+     "tpu.literal_keys",
      "tpu.v3", "perf.roofline",
      "exercises.checking", "exercises.comparisons",
      "ladder.interpret", "explore.style", "explore.text"),
