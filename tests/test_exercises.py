@@ -794,6 +794,8 @@ def test_endless_loop_is_stopped_in_time(checker, module, name, wrong, monkeypat
     monkeypatch.setattr(checking, "TIME_LIMIT_SECONDS", 1.0)
     monkeypatch.setattr(checking, "SLOWER_THAN_REFERENCE", 2)
     monkeypatch.setattr(kernel_run, "KERNEL_TIMEOUT_SECONDS", 1.0)  # the kernel checkers'
+    # A kernel checker gives a stopped run time to wind down: no kernel runs here to do so.
+    monkeypatch.setattr(checking, "STOP_GRACE_SECONDS", 0.2)
 
     def endless(*args, **kwargs):
         while True:
