@@ -75,7 +75,9 @@ No masked loads or stores: a `jnp.where` on values keeps the rows that must not 
 Nothing in the batch description is trusted: under `jit` it cannot be validated, so the jitted
 wrapper clamps the tables once before the kernels (`table.clamp_tables`): sequences to
 max_num_seqs, kv_lens to pages_per_seq pages, page numbers to the pages there are. A garbage
-batch gives garbage, but no hang and no copy from outside `kv_pages`.
+batch gives garbage, but no hang and no copy from outside `kv_pages`. That is also why the
+page copies can go without the compiler's bounds checks, a chain of scalar compares per copy
+(`call.rpa_pallas_call` says what that saves), as v3's do.
 
 What is checked without a TPU: parity in TPU interpret mode (DMAs, semaphores and races
 simulated) and, for the strided loads, in plain interpret mode; and Mosaic's own compiler, in

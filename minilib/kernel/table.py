@@ -7,7 +7,8 @@ while this one is computed (`Work`).
 
 The tables are clamped once, before the kernel (`clamp_tables`, in the jitted wrapper), so that
 a garbage batch under `jit` neither hangs a loop nor sends a copy outside `kv_pages`: inside
-the kernel the values are read as they are.
+the kernel the values are read as they are, and the page copies are not bounds-checked
+(`call.rpa_pallas_call`).
 """
 
 from __future__ import annotations

@@ -49,8 +49,9 @@ __all__ = [
 # every other comparison is reported, not judged. Claim a cell only where the compiled
 # figures hold it, with libtpu 0.0.50.1 (the recorded ones) as with 0.0.42.1 before it.
 # Against v3, ours claims fewer bundles per KV block in every cell; on TPU7x (32 q, 8 q, decode)
-# 1191, 770, 598 to 1440, 856, 704 (with 0.0.42.1, before one wait per KV block: 1221, 800, 619 to
-# 1399, 849, 698). Before the padded slot (`minilib.kernel.padded_slot`) v3 issued fewer at 8 q on
+# 1069, 649, 474 to 1440, 856, 704 (before the page copies went without bounds checks, as v3's
+# do: 1191, 770, 598; with 0.0.42.1, before one wait per KV block: 1221, 800, 619 to 1399, 849,
+# 698). Before the padded slot (`minilib.kernel.padded_slot`) v3 issued fewer at 8 q on
 # TPU7x (856 to 884) and about as many at decode (704 to 703). v3 spills less at 32 q (except on
 # v6e). Along the paths (libtpu 0.0.50.1), ours and JAX's count as many bundles as their listings;
 # v3's interior path skips its KV-cache update, 48 (TPU7x) or 58 (v5e, v6e) bundles: on v6e at
