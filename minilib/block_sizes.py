@@ -64,15 +64,19 @@ DECODE_Q_BLOCK_BYTES = 256 * 1024
 # head_dim 128, bf16, page_size 16, kv_len 1024): on all four chips the model ranks 32 pages
 # (512 tokens) first, then 16, 8 and 4, because a KV block's fixed cost is large against its
 # per-token cost. Both KV buffers at 32 such pages take 4 MiB; the compiled kernel then needs
-# about 10 MiB of VMEM, within v5e's 16 MiB default limit. `tests/test_tpu_compile.py`
-# re-checks the ranking and the headroom against the current kernel. A chip without an entry
-# (TPU7x: no published clock, so the model cannot rank its blocks) gets the chip-independent
-# defaults.
+# about 10 MiB of VMEM, within v5e's 16 MiB default limit. TPU7x has no published clock, so
+# the model cannot turn its bundles into seconds; but a block's copy time is the same per KV
+# token at any block size, and kv_len 1024 is whole blocks of each, so whatever the clock the
+# model ranks first the block that issues the fewest bundles per KV token: 32 pages there too
+# (libtpu 0.0.50.1, 32 q rows, per 128 KV tokens: 8 pages 1069, 16 pages 773.5, 32 pages
+# 692.75; 9.5 MiB of VMEM). `tests/test_tpu_compile.py` re-checks the ranking and the headroom
+# against the current kernel. A chip without an entry gets the chip-independent defaults.
 CHIP_DEFAULTS: dict[str, tuple[int, int, int, int]] = {
     "v4": (512, 32, 32, 4 * 1024 * 1024),
     "v5e": (512, 32, 32, 4 * 1024 * 1024),
     "v5p": (512, 32, 32, 4 * 1024 * 1024),
     "v6e": (512, 32, 32, 8 * 1024 * 1024),
+    "tpu7x": (512, 32, 32, 8 * 1024 * 1024),
 }
 
 
@@ -141,8 +145,8 @@ def default_block_sizes(
     head_dim: int = 128,
     chip: str | None = None,
 ) -> tuple[int, int]:  # (num_kv_pages_per_block, num_queries_per_block)
-    """Default block sizes for `chip` ("v4", "v5e", "v5p", "v6e"; None: `current_chip()`,
-    and chip-independent sizes when that is unknown or has no entry of its own, as TPU7x).
+    """Default block sizes for `chip` ("v4", "v5e", "v5p", "v6e", "tpu7x"; None:
+    `current_chip()`, and chip-independent sizes when that is unknown).
 
     A KV block of the chip's target tokens (at most the chip's most pages, 16 when the chip
     is unknown, and the sequence's pages), halved until both KV buffers fit the VMEM budget;

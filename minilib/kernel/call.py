@@ -328,7 +328,8 @@ def rpa_pallas_call(
             # v5e 1325 / 707 / 444 -> 1266 / 648 / 392, v6e 1157 / 729 / 587 -> 1050 / 619 /
             # 478, TPU7x 1191 / 770 / 598 -> 1069 / 649 / 474. At each kernel's own block sizes
             # (`--defaults`), per 128 KV tokens at decode: v5e 327.5 -> 275.2, v6e 359.2 ->
-            # 269.0, TPU7x 421.5 -> 318.0 (v3: 385.0, 357.8, 354.5).
+            # 269.0, TPU7x 421.5 -> 318.0 in its blocks of 256 tokens then (v3: 385.0, 357.8,
+            # 354.5).
             disable_bounds_checks=True,
         ),
         out_shape=out_shape,
