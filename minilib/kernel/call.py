@@ -323,13 +323,13 @@ def rpa_pallas_call(
             # No bounds check on each copy: Mosaic's is a serial chain of scalar compares and a
             # halt per page copy, with no vector work beside it, and the tables the kernel reads
             # are clamped (`clamp_tables`), so every copy is inside kv_pages already. vLLM's
-            # RPA v3 drops the checks for the same reason. Bundles per KV block (static
-            # estimates, libtpu 0.0.50.1, `python -m minilib compile`; 32 q / 8 q / decode):
-            # v5e 1325 / 707 / 444 -> 1266 / 648 / 392, v6e 1157 / 729 / 587 -> 1050 / 619 /
-            # 478, TPU7x 1191 / 770 / 598 -> 1069 / 649 / 474. At each kernel's own block sizes
-            # (`--defaults`), per 128 KV tokens at decode: v5e 327.5 -> 275.2, v6e 359.2 ->
-            # 269.0, TPU7x 421.5 -> 318.0 in its blocks of 256 tokens then (v3: 385.0, 357.8,
-            # 354.5).
+            # RPA v3 drops the checks too (a copy per page makes them costly). Bundles per KV
+            # block (static estimates, libtpu 0.0.50.1, `python -m minilib compile`; 32 q / 8 q
+            # / decode): v5e 1325 / 707 / 444 -> 1266 / 648 / 392, v6e 1157 / 729 / 587 ->
+            # 1050 / 619 / 478, TPU7x 1191 / 770 / 598 -> 1069 / 649 / 474. At each kernel's
+            # own block sizes (`--defaults`), per 128 KV tokens at decode: v5e 327.5 -> 275.2,
+            # v6e 359.2 -> 269.0, TPU7x 421.5 -> 318.0 in its blocks of 256 tokens then (v3:
+            # 385.0, 357.8, 354.5).
             disable_bounds_checks=True,
         ),
         out_shape=out_shape,

@@ -7,7 +7,7 @@ an f32[num_q_heads] argument of the program, `rpa_with_sink`) in the comparison 
 left out. The sinks join the softmax denominator once per output row
 (`minilib.kernel.softmax.OnlineSoftmax.sink_term`), after the KV-block loops: those issue the
 same vector, MXU, memory and DMA ops with sinks as without, and no more bundles but for the
-scheduler's placing, a bundle or so either way (libtpu 0.0.50.1, page copies with bounds
+scheduler's placing, a few bundles either way (libtpu 0.0.50.1, page copies with bounds
 checks: decode v5e 482 -> 481, v6e 606 -> 607, TPU7x 8 q 770 -> 771; without them, v6e 8 q
 619 -> 616, with the very same ops; `tests/test_tpu_compile.py` checks it on v5e, v6e and
 TPU7x). What they add is outside
