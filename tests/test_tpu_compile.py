@@ -200,9 +200,9 @@ def test_fp8_kv_costs_no_more_than_v3s_fp8_kv(chip):
     the interior path (through the plain load ours took 4.5 to 14 times v3's; TPU7x's decode
     interior path, which leaves out v3's in-kernel update of the KV cache, was 1.02 times v3's
     until the page copies went without bounds checks, as v3's do: 578 -> 431, v3 568). fp8
-    is not held
-    to our bf16 figure: a padded bf16 slot (`padded_slot`: v6e, TPU7x, decode) may issue a few
-    bundles fewer than an fp8 cache, whose rows are four words apart and need no spare row."""
+    is not held to our bf16 figure: a padded bf16 slot (`padded_slot`: v6e, TPU7x, decode) may
+    issue a few bundles fewer than an fp8 cache, whose rows are four words apart and need no
+    spare row."""
     from minilib.tpu.kernel_costs import cell_of, compile_v3
     from minilib.tpu.v3 import V3Unavailable
 
