@@ -345,14 +345,14 @@ def test_default_kv_block_is_the_cost_models_choice(chip):
         assert_compiled(report)
         if per_token:
             modelled[pages] = report.bundles_per_kv_block / (pages * 16)
-            continue
-        modelled[pages] = 1e6 * block_sizes.modelled_seconds(
-            chip,
-            kv_len=1024,
-            kv_tokens_per_block=pages * 16,
-            bundles_per_kv_block=report.bundles_per_kv_block,
-            kv_bytes_per_token=bytes_per_token,
-        )
+        else:
+            modelled[pages] = 1e6 * block_sizes.modelled_seconds(
+                chip,
+                kv_len=1024,
+                kv_tokens_per_block=pages * 16,
+                bundles_per_kv_block=report.bundles_per_kv_block,
+                kv_bytes_per_token=bytes_per_token,
+            )
     default_pages, _ = block_sizes.default_block_sizes(
         page_size=16,
         pages_per_seq=64,
