@@ -802,6 +802,69 @@ def test_a_step_that_can_schedule_nothing_raises_engine_error_and_changes_nothin
     assert eng.output(request_id) == dense_tokens[0]
 
 
+@pytest.mark.parametrize("caching", [False, True], ids=["plain pool", "prefix caching"])
+def test_a_step_whose_model_raises_counts_for_nothing_and_the_next_step_runs_it(
+    dense_tokens, caching
+):
+    """Every step's first try fails in the last layer's attention (after the first layer has
+    written its K/V): the error reaches the caller, the cache, the step count, the stats and
+    the metrics stay as they were, and the books hold. The next step runs the plan that
+    failed: the steps, preemptions among them, are those of a run that never failed, and end
+    with the dense model's tokens."""
+    failing = {"try": True, "calls": 0}
+
+    def attention_that_fails_once_a_step(*args, **kwargs):
+        failing["calls"] += 1
+        if failing["try"] and failing["calls"] == CONFIG.num_layers:
+            raise RuntimeError("the attention failed")
+        return minilib.ragged_paged_attention_jnp(*args, **kwargs)
+
+    eng = engine(attention_that_fails_once_a_step, num_pages=10, enable_prefix_caching=caching)
+    ids = [eng.add_request(p, MAX_NEW) for p in PROMPTS]
+    preempted = 0
+    while eng.has_unfinished:
+        cache, kept = eng.kv_pages, (eng.num_steps, len(eng.stats))
+        metrics = [dataclasses.asdict(r.metrics) for r in eng.requests.values()]
+        outputs = [list(r.output) for r in eng.requests.values()]
+        failing.update({"try": True, "calls": 0})
+        with pytest.raises(RuntimeError, match="the attention failed"):
+            eng.step()
+        assert eng.kv_pages is cache and (eng.num_steps, len(eng.stats)) == kept
+        assert [dataclasses.asdict(r.metrics) for r in eng.requests.values()] == metrics
+        assert [list(r.output) for r in eng.requests.values()] == outputs
+        assert not eng.scheduler.accounting_problems()
+        failing.update({"try": False, "calls": 0})
+        preempted += len(checked_step(eng).preempted)
+    assert preempted > 0, "10 pages are meant to force preemption"
+    assert [eng.output(i) for i in ids] == dense_tokens
+    clean = engine(num_pages=10, enable_prefix_caching=caching)
+    for p in PROMPTS:
+        clean.add_request(p, MAX_NEW)
+    run_checked(clean)
+    steps = [(s.admitted, s.preempted, s.batch, s.num_cached_tokens) for s in eng.stats]
+    assert steps == [(s.admitted, s.preempted, s.batch, s.num_cached_tokens) for s in clean.stats]
+
+
+def test_aborting_a_request_of_a_failed_step_makes_the_next_step_plan_afresh(dense_tokens):
+    def failing(*args, **kwargs):
+        raise RuntimeError("the attention failed")
+
+    eng = engine(num_pages=10)
+    ids = [eng.add_request(p, MAX_NEW) for p in PROMPTS]
+    checked_step(eng)
+    eng.attention = failing
+    with pytest.raises(RuntimeError, match="the attention failed"):
+        eng.step()
+    eng.abort_request(ids[1])  # it ran in the failed step
+    assert not eng.scheduler.accounting_problems()
+    eng.attention = minilib.ragged_paged_attention_jnp
+    stats = checked_step(eng)
+    assert ids[1] not in [request_id for request_id, _, _ in stats.batch]
+    run_checked(eng)
+    assert eng.request_output(ids[1]).finish_reason == "abort"
+    assert [eng.output(i) for i in ids if i != ids[1]] == dense_tokens[:1] + dense_tokens[2:]
+
+
 def test_request_ids_are_never_reused_and_finished_requests_can_be_forgotten(dense_tokens):
     eng = engine()
     a = eng.add_request(PROMPTS[0], MAX_NEW)

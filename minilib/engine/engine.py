@@ -309,6 +309,7 @@ class Engine:
         self.max_stats = max_stats
         self.stats: list[StepStats] = []  # the last max_stats steps' StepStats, oldest first
         self._num_issued = 0  # request ids come from this counter: never reused
+        self._unrun_plan: StepPlan | None = None  # a step's plan whose model raised
         self._seeds = np.random.default_rng(seed)
 
     # --- requests ---------------------------------------------------------------------------
@@ -391,6 +392,8 @@ class Engine:
             return
         self.scheduler.abort(request)
         self._finish(request, "abort")
+        if self._unrun_plan and any(seq.request is request for seq in self._unrun_plan.seqs):
+            self._unrun_plan = None  # its pages are gone: the next step plans afresh
 
     def request_output(self, request_id: int) -> RequestOutput:
         """What `request_id` has produced so far: tokens, finish reason, cached tokens and
@@ -468,9 +471,16 @@ class Engine:
 
         Raises `EngineError`, and changes nothing, when there are requests but none can run:
         nothing runs, and the admission rule refused the first waiting request.
+
+        When the model raises (a learner's attention, say), the error goes to the caller and
+        the step does not count: the KV cache is as it was, no token is recorded, and
+        `num_steps`, `stats` and the requests' metrics do not move. The scheduler has made the
+        plan already (admitted, preempted, taken pages), so the plan is kept, and the next
+        `step()` runs it again instead of planning anew (unless one of its requests was
+        aborted in between).
         """
         step = self.num_steps
-        plan = self.scheduler.schedule()
+        plan = self._unrun_plan or self.scheduler.schedule()
         if not plan.seqs and self.has_unfinished:
             # Nothing running and no admission: schedule() changed nothing.
             raise EngineError(
@@ -485,11 +495,13 @@ class Engine:
                 "requests.",
             )
         started = time.perf_counter()
+        self._unrun_plan = plan  # until the model has run
+        sampled, logprobs = self.run_model(plan) if plan.seqs else ({}, {})
+        self._unrun_plan = None
         for seq in plan.seqs:
             metrics = seq.request.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time, metrics.first_scheduled_step = started, step
-        sampled, logprobs = self.run_model(plan) if plan.seqs else ({}, {})
         finished = self.scheduler.finish_step(plan, sampled)
         for request_id, entry in logprobs.items():
             self.requests[request_id].logprobs.append(entry)

@@ -14,6 +14,8 @@ written it:
   `double_buffer`    rung 4: two slots and two semaphores: copy page i + 1 while computing page i.
   `prefetch`         rung 5: prefetching across grid steps: `next_work`, in Python and in the
                      kernel, the step from these rungs to `minilib.kernel`.
+  `aligned_blocks`   not a rung: notebook 07's first attention kernel (`pallas_basics`) with
+                     whole head blocks, so that Mosaic compiles it; no checker.
   `interpret`        the strict TPU interpret mode the checkers run them in, and the race
                      detector's verdict.
   `watch`            the ledger of a kernel's copies and waits in that mode, with which the
