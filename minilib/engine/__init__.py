@@ -5,7 +5,7 @@ sampling.py      SamplingParams, and seeded sampling that batching cannot change
 scheduler.py     admission, pages, chunked prefill, preemption: who runs in the next step
 prefix_cache.py  BlockPool: reference-counted pages named by chained hashes, an LRU of free ones
 engine.py        Engine: pack one ragged batch, write K/V into pages, attend, sample, free
-outputs.py       RequestOutput and RequestMetrics: tokens, finish reason, latency
+outputs.py       RequestOutput and RequestMetrics: tokens, finish reason, latency; StepStats
 sharding.py      attention, its projections and the KV cache split by KV head (shard_map)
 view.py          EngineView (import it from minilib.engine.view: it needs ipywidgets)
 throughput.py    `python -m minilib bench --engine`: continuous against static batching
@@ -13,9 +13,9 @@ throughput.py    `python -m minilib bench --engine`: continuous against static b
 >>> from minilib.engine import Engine, ModelConfig, SamplingParams, dense_generate, init_params
 """
 
-from minilib.engine.engine import Engine, StepStats
+from minilib.engine.engine import Engine
 from minilib.engine.model import TINY_CONFIG, ModelConfig, dense_generate, init_params
-from minilib.engine.outputs import RequestMetrics, RequestOutput
+from minilib.engine.outputs import RequestMetrics, RequestOutput, StepStats
 from minilib.engine.sampling import SamplingParams
 from minilib.errors import EngineError
 

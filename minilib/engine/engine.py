@@ -42,7 +42,7 @@ from minilib.engine.model import (
     final_logits,
     resolve_sampling_params,
 )
-from minilib.engine.outputs import RequestMetrics, RequestOutput
+from minilib.engine.outputs import RequestMetrics, RequestOutput, StepStats
 from minilib.engine.sampling import (
     SamplingParams,
     banned_tokens,
@@ -62,59 +62,11 @@ from minilib.errors import EngineError
 from minilib.kv_cache import pages_needed, write_tokens
 from minilib.reference import ref_ragged_paged_attention
 
-__all__ = ["MAX_STATS", "Engine", "PackedBatch", "StepStats", "pack_batch"]
+__all__ = ["MAX_STATS", "Engine", "PackedBatch", "pack_batch"]
 
 # How many steps' StepStats an Engine keeps by default. Each holds a tuple of num_pages page
 # owners, so a server that runs for ever must not keep them all.
 MAX_STATS = 1000
-
-
-@dataclasses.dataclass(frozen=True)
-class StepStats:
-    """What one step did, and the state it left.
-
-    `batch` lists the step's sequences in batch order as (request_id, kind, num_tokens),
-    kind 'prefill' or 'decode'. After the step: `page_tables` holds each running request's
-    (request_id, pages), its row of `page_indices`; `page_owners` gives, page by page, the
-    requests holding it: () for a free page, two or more for a page shared through the
-    prefix cache. `cached_pages` are the pages holding a cached full page (in use or free),
-    and `num_cached_tokens` the prompt tokens that this step's admissions found there.
-
-    >>> stats = StepStats(step=3, num_prefill_tokens=5, num_decode_tokens=2, num_pages_used=4,
-    ...                   num_waiting=0, num_running=3, preempted=(), admitted=(2,),
-    ...                   finished=(), batch=((0, "decode", 1), (1, "decode", 1),
-    ...                   (2, "prefill", 5)), page_owners=((0, 2), (1,), (2,), (2,), ()))
-    >>> stats.num_tokens, stats.num_preempted, stats.shared_pages   # page 0: r0 and r2
-    (7, 0, (0,))
-    """
-
-    step: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_pages_used: int
-    num_waiting: int
-    num_running: int
-    preempted: tuple[int, ...]
-    admitted: tuple[int, ...]
-    finished: tuple[int, ...]
-    batch: tuple[tuple[int, str, int], ...]
-    page_owners: tuple[tuple[int, ...], ...]
-    cached_pages: tuple[int, ...] = ()
-    num_cached_tokens: int = 0
-    page_tables: tuple[tuple[int, tuple[int, ...]], ...] = ()
-
-    @property
-    def num_preempted(self) -> int:
-        return len(self.preempted)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
-
-    @property
-    def shared_pages(self) -> tuple[int, ...]:
-        """Pages that two or more requests hold."""
-        return tuple(page for page, owners in enumerate(self.page_owners) if len(owners) > 1)
 
 
 @dataclasses.dataclass(frozen=True)

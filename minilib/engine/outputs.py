@@ -1,4 +1,5 @@
-"""What the engine tells a caller about a request: `RequestOutput` and its `RequestMetrics`.
+"""What the engine tells a caller: about a request, `RequestOutput` and its `RequestMetrics`;
+about a step, `StepStats`.
 
 The names are vLLM's (`vllm.outputs.RequestOutput`, `RequestMetrics`), flattened to one
 sequence per request. Latency, as serving measures it:
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["FINISH_REASONS", "RequestMetrics", "RequestOutput"]
+__all__ = ["FINISH_REASONS", "RequestMetrics", "RequestOutput", "StepStats"]
 
 # Why a request ended: a stop token, max_tokens reached, or abort_request. (vLLM's names.)
 FINISH_REASONS = ("stop", "length", "abort")
@@ -122,3 +123,51 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """What one step did, and the state it left.
+
+    `batch` lists the step's sequences in batch order as (request_id, kind, num_tokens),
+    kind 'prefill' or 'decode'. After the step: `page_tables` holds each running request's
+    (request_id, pages), its row of `page_indices`; `page_owners` gives, page by page, the
+    requests holding it: () for a free page, two or more for a page shared through the
+    prefix cache. `cached_pages` are the pages holding a cached full page (in use or free),
+    and `num_cached_tokens` the prompt tokens that this step's admissions found there.
+
+    >>> stats = StepStats(step=3, num_prefill_tokens=5, num_decode_tokens=2, num_pages_used=4,
+    ...                   num_waiting=0, num_running=3, preempted=(), admitted=(2,),
+    ...                   finished=(), batch=((0, "decode", 1), (1, "decode", 1),
+    ...                   (2, "prefill", 5)), page_owners=((0, 2), (1,), (2,), (2,), ()))
+    >>> stats.num_tokens, stats.num_preempted, stats.shared_pages   # page 0: r0 and r2
+    (7, 0, (0,))
+    """
+
+    step: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_pages_used: int
+    num_waiting: int
+    num_running: int
+    preempted: tuple[int, ...]
+    admitted: tuple[int, ...]
+    finished: tuple[int, ...]
+    batch: tuple[tuple[int, str, int], ...]
+    page_owners: tuple[tuple[int, ...], ...]
+    cached_pages: tuple[int, ...] = ()
+    num_cached_tokens: int = 0
+    page_tables: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    @property
+    def num_preempted(self) -> int:
+        return len(self.preempted)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def shared_pages(self) -> tuple[int, ...]:
+        """Pages that two or more requests hold."""
+        return tuple(page for page, owners in enumerate(self.page_owners) if len(owners) > 1)

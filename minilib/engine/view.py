@@ -36,7 +36,8 @@ import time
 
 import ipywidgets as widgets
 
-from minilib.engine.engine import Engine, StepStats
+from minilib.engine.engine import Engine
+from minilib.engine.outputs import StepStats
 from minilib.explore.style import LIGHT_GREY, color
 
 __all__ = ["EngineView"]
