@@ -1,7 +1,11 @@
-"""The per-test time limit (tests/time_limit.py) fails a test that runs over it, and only
-that one."""
+"""The per-test time limits (tests/time_limit.py): a test that runs over its limit fails, and
+only that one; a test that hangs is stopped, and fails by name."""
 
 from __future__ import annotations
+
+from pathlib import Path
+
+import time_limit
 
 pytest_plugins = ["pytester"]
 
@@ -20,6 +24,10 @@ def test_fast():
 def test_slow_compile():
     time.sleep(0.6)
 
+@pytest.mark.slow
+def test_slow_sweep():
+    time.sleep(0.6)
+
 def test_slow_failure():
     time.sleep(0.6)
     assert False, "its own failure"
@@ -30,7 +38,7 @@ def test_a_test_over_the_limit_fails_with_its_time(pytester, monkeypatch):
     monkeypatch.setenv("MINILIB_TEST_SECONDS_LIMIT", "0.3")
     pytester.makepyfile(SLOW_AND_FAST)
     result = pytester.runpytest("-p", "time_limit", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=2, failed=2)  # test_fast, and test_slow_compile (exempt)
+    result.assert_outcomes(passed=3, failed=2)  # test_fast; test_slow_compile, _sweep (exempt)
     result.stdout.fnmatch_lines(["*test_slow passed but took * s, over the time limit of 0.3 s*"])
     result.stdout.fnmatch_lines(["*its own failure*"])
 
@@ -39,11 +47,54 @@ def test_under_the_limit_nothing_changes(pytester, monkeypatch):
     monkeypatch.setenv("MINILIB_TEST_SECONDS_LIMIT", "30")
     pytester.makepyfile(SLOW_AND_FAST)
     result = pytester.runpytest("-p", "time_limit", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=3, failed=1)
+    result.assert_outcomes(passed=4, failed=1)
 
 
 def test_the_default_limit_is_a_share_of_ci_budget(monkeypatch):
-    import time_limit
-
     monkeypatch.delenv("MINILIB_TEST_SECONDS_LIMIT", raising=False)
     assert time_limit.seconds_limit() == time_limit.CI_BUDGET_SECONDS * time_limit.SHARE == 120
+
+
+HANGS = """
+import threading
+
+def test_before():
+    pass
+
+def test_hangs():
+    threading.Event().wait()  # waits forever, in C, as a kernel stuck in a compiled loop does
+
+def test_after():
+    pass
+"""
+
+
+def test_a_hung_test_is_stopped_and_named(pytester, monkeypatch):
+    """In a plain run, the hung test ends the run: its name is printed, the exit code is not 0."""
+    monkeypatch.setenv("MINILIB_TEST_HANG_SECONDS", "1")
+    monkeypatch.setenv("PYTHONPATH", str(Path(time_limit.__file__).parent))  # the plugin
+    pytester.makepyfile(HANGS)
+    result = pytester.runpytest_subprocess("-p", "time_limit", "-p", "no:cacheprovider", timeout=60)
+    assert result.ret == time_limit.HUNG_EXIT_CODE
+    result.stderr.fnmatch_lines(["*HUNG: test_a_hung_test_is_stopped_and_named.py::test_hangs "
+                                 "was still running after 1 s: stopped*"])  # fmt: skip
+
+
+def test_under_xdist_a_hung_test_fails_by_name_and_the_rest_run(pytester, monkeypatch):
+    """As CI runs the tests (pytest-xdist): the hung test fails by name, the others pass."""
+    monkeypatch.setenv("MINILIB_TEST_HANG_SECONDS", "1")
+    monkeypatch.setenv("PYTHONPATH", str(Path(time_limit.__file__).parent))  # the plugin
+    pytester.makepyfile(HANGS)
+    result = pytester.runpytest_subprocess(
+        "-p", "time_limit", "-p", "no:cacheprovider", "-n", "1", timeout=60
+    )
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*crashed while running*::test_hangs*"])
+
+
+def test_the_hang_limit_is_twice_the_time_limit_but_for_the_exempt(monkeypatch):
+    monkeypatch.delenv("MINILIB_TEST_HANG_SECONDS", raising=False)
+    monkeypatch.setenv("MINILIB_TEST_SECONDS_LIMIT", "50")
+    assert time_limit.hang_seconds(set()) == 100
+    assert time_limit.hang_seconds({"tpu_compile"}) == time_limit.TPU_COMPILE_HANG_SECONDS
+    assert time_limit.hang_seconds({"slow"}) == time_limit.SLOW_HANG_SECONDS

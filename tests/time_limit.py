@@ -1,29 +1,55 @@
-"""A time limit on every test, so that a test that grows is seen at once, not when CI as a
-whole runs over its budget.
+"""Two time limits on every test: one that fails a test that grows, one that stops a test that
+hangs.
 
 CI (`.ci/run`, that is `python3 tasks.py test`) aims at 30 minutes on a 2-core machine; a
 single test may take at most SHARE of that, timed around its body (fixtures apart), on the
 test's own worker while the other core runs other tests. A test over it fails with its time
-and the limit. The notebooks have their own, tighter limit (tests/test_notebooks.py). The
-`tpu_compile` tests are exempt: they share each chip's compiles through a cache, so the first
-test that asks for a chip pays for all of them.
+and the limit, when it ends. The notebooks have their own, tighter limit
+(tests/test_notebooks.py). Two kinds of test are exempt: the `tpu_compile` tests, which share
+each chip's compiles through a cache, so the first test that asks for a chip pays for all of
+them; and the `slow` sweeps, which CI does not run (`pytest -m slow`).
 
-MINILIB_TEST_SECONDS_LIMIT overrides the limit (in seconds), for a slower machine; it is read
-once, when the run starts.
+A test that never ends would never reach that check: CI would stall until its own 90-minute
+limit. So a watchdog thread stops any test, fixtures included, still running HANG_FACTOR times
+its limit after it started (for the exempt tests, 10 minutes for a `tpu_compile` test and 30
+for a `slow` sweep): it prints the test's name and
+every thread's stack, then ends the process (`os._exit`), since a kernel stuck in a compiled
+loop never returns to Python for an exception to reach it. Under pytest-xdist the worker's
+end fails that test by name ("worker 'gw0' crashed while running ...") and a new worker runs
+the rest; in a plain run the run ends there, with a non-zero exit.
+
+MINILIB_TEST_SECONDS_LIMIT overrides the limit (in seconds), for a slower machine, and
+MINILIB_TEST_HANG_SECONDS the hang limit; both are read once, when the run starts.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
+import threading
 
 import pytest
 
 CI_BUDGET_SECONDS = 30 * 60
 SHARE = 1 / 15  # 120 s
+HANG_FACTOR = 2  # a test still running at twice its limit is stopped: 240 s
+TPU_COMPILE_HANG_SECONDS = 10 * 60
+SLOW_HANG_SECONDS = CI_BUDGET_SECONDS
+HUNG_EXIT_CODE = 70
 
 
 def seconds_limit() -> float:
     return float(os.environ.get("MINILIB_TEST_SECONDS_LIMIT", CI_BUDGET_SECONDS * SHARE))
+
+
+def hang_seconds(marks: set[str]) -> float:
+    """How long a test with these marks may run before it is stopped as hung."""
+    if "MINILIB_TEST_HANG_SECONDS" in os.environ:
+        return float(os.environ["MINILIB_TEST_HANG_SECONDS"])
+    if "tpu_compile" in marks:
+        return TPU_COMPILE_HANG_SECONDS
+    return SLOW_HANG_SECONDS if "slow" in marks else HANG_FACTOR * seconds_limit()
 
 
 LIMIT = pytest.StashKey[float]()
@@ -33,18 +59,47 @@ def pytest_configure(config):
     config.stash[LIMIT] = seconds_limit()
 
 
+def exempt_marks(item) -> set[str]:
+    """The marks of `item` that exempt it from the time limit: `tpu_compile`, `slow`."""
+    return {mark for mark in ("tpu_compile", "slow") if item.get_closest_marker(mark)}
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     limit = item.config.stash[LIMIT]
-    # The tpu_compile tests run in venvs of their own, and share compiles through caches: the
-    # first test that asks for a chip's comparison compiles three kernels for it.
-    exempt = item.get_closest_marker("tpu_compile") is not None
-    if call.when == "call" and report.passed and call.duration > limit and not exempt:
+    if call.when == "call" and report.passed and call.duration > limit and not exempt_marks(item):
         report.outcome = "failed"
         report.longrepr = (
             f"{item.nodeid} passed but took {call.duration:.3g} s, over the time limit of "
             f"{limit:.3g} s per test ({SHARE:.0%} of CI's {CI_BUDGET_SECONDS // 60}-minute "
             f"budget, tests/time_limit.py). Make it faster, or mark its larger cases `slow`."
         )
+
+
+def stop_hung_test(config, nodeid: str, seconds: float) -> None:
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:  # to the terminal, not to the captured output that dies with us
+        capture.suspend_global_capture(in_=True)
+    print(
+        f"\n\nHUNG: {nodeid} was still running after {seconds:.3g} s: stopped, and this "
+        f"process with it (tests/time_limit.py). Where each thread was:",
+        file=sys.stderr,
+        flush=True,
+    )
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(HUNG_EXIT_CODE)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    seconds = hang_seconds(exempt_marks(item))
+    watchdog = threading.Timer(seconds, stop_hung_test, args=(item.config, item.nodeid, seconds))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.cancel()
