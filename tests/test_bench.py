@@ -216,7 +216,7 @@ def test_interpreted_rows_are_listed_apart(tiny_rows):
     assert "NOT a speed target" in interpreted_part
 
 
-@pytest.mark.slow
+@pytest.mark.matrix  # once, in .venv: an interpret-mode kernel compiles
 @pytest.mark.skipif(ON_TPU, reason="on a TPU the kernel is compiled, not interpreted")
 def test_interpreted_kernel_runs_apart():
     rows = bench.run_bench([TINY], ["jnp", "kernel"], reps=1, interpret=True, chip=TOY_CHIP,
@@ -245,7 +245,7 @@ def test_memory_sweep_grows_for_gather_all_only(tmp_path):
 # The speed targets (benchmarks/check_targets.py) ---------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.matrix  # once, in .venv: it times every implementation
 def test_check_targets_reports_every_target():
     results = load_check_targets().check_targets(TINY, reps=1, log=quiet)
     # 5 judged here, the blockwise FLOP bound, 2 TPU targets, then the static targets
