@@ -53,7 +53,7 @@ from minilib.tpu.bundles import (
     parse_bundles,
 )
 from minilib.tpu.chips import CHIPS, FACTS
-from minilib.tpu.comparison import CLAIMS, claimed_as, recorded_comparison
+from minilib.tpu.comparison import CLAIMS, cell_record, claimed_as, recorded_comparison
 from minilib.tpu.compile import (
     chip_unknown_here,
     chips_here,
@@ -548,8 +548,9 @@ def test_ours_meets_each_claim(chip, config):
 
 def test_recorded_comparison_is_what_compiles_here():
     """The figures notebook 09 shows where nothing can be compiled
-    (`minilib/tpu/recorded_comparison.json`) are those this stack compiles now: a kernel
-    change that moves them fails here until they are recorded again."""
+    (`minilib/tpu/recorded_comparison.json`) are those this stack compiles now, every field
+    of every cell (bundles, paths, total bundles, VMEM, spills, the loop's ops by kind, the
+    notes): a kernel change that moves one fails here until they are recorded again."""
     cells, record = recorded_comparison()
     here = (jax.__version__, libtpu_version())
     if (record["jax"], record["libtpu"]) != here:
@@ -557,12 +558,13 @@ def test_recorded_comparison_is_what_compiles_here():
     stale = []
     for cell in cells:
         require_chip(cell.chip)
-        fresh = comparison(cell.chip)[cell.config, cell.kernel]
-        figures = [(*(getattr(c, count) for count in COUNTS), c.spill_bytes, c.note)
-                   for c in (cell, fresh)]  # fmt: skip
-        if figures[0] != figures[1]:
-            stale.append(f"{cell.kernel} ({cell.chip}, {cell.config}): recorded {figures[0]}, "
-                         f"compiled {figures[1]}")  # fmt: skip
+        recorded = cell_record(cell)
+        fresh = cell_record(comparison(cell.chip)[cell.config, cell.kernel])
+        moved = {k: (recorded[k], fresh[k]) for k in recorded if recorded[k] != fresh[k]}
+        if moved:
+            stale.append(f"{cell.kernel} ({cell.chip}, {cell.config}): " + ", ".join(
+                f"{field} recorded {was}, compiled {now}" for field, (was, now) in moved.items()
+            ))  # fmt: skip
     assert not stale, "run `python -m minilib compile --record`:\n" + "\n".join(stale)
 
 

@@ -36,6 +36,7 @@ from minilib.tpu.loop_paths import PATH_RULES
 # `add_arguments` and `run` are `python -m minilib compile`'s command line, not the library's.
 __all__ = [
     "CLAIMS",
+    "cell_record",
     "comparison_here_or_recorded",
     "record_comparison",
     "recorded_comparison",
@@ -100,27 +101,36 @@ def record_comparison(path: Path = RECORDED) -> dict:
         "rule": COUNTING_RULE,
         "paths": PATH_RULES,
         "workload": describe_case(COMPARISON_CASE, COMPARISON_KV_PAGES_PER_BLOCK),
-        "cells": [
-            {
-                "chip": cell.chip,
-                "config": cell.config,
-                "kernel": cell.kernel,
-                "name": cell.stats.name if cell.stats else None,
-                "bundles_per_kv_block": cell.bundles_per_kv_block,
-                "longest_path": cell.longest_path,
-                "interior_path": cell.interior_path,
-                "total_bundles": cell.stats.total_bundles if cell.stats else None,
-                "vmem_bytes": cell.stats.vmem_bytes if cell.stats else None,
-                "spill_bytes": cell.spill_bytes,
-                "loop_op_kinds": dict(cell.stats.loop_op_kinds) if cell.stats else {},
-                "note": cell.note,
-                "missing": cell.missing,
-            }
-            for cell in cells
-        ],
+        "cells": [cell_record(cell) for cell in cells],
     }
     path.write_text(json.dumps(record, indent=1) + "\n")
     return record
+
+
+def cell_record(cell: Cell) -> dict:
+    """The figures of one cell of the comparison, as `record_comparison` writes them: every
+    field that notebook 09 and the README show.
+
+    >>> cells, record = recorded_comparison()
+    >>> cell_record(cells[0]) == record["cells"][0]
+    True
+    """
+    stats = cell.stats
+    return {
+        "chip": cell.chip,
+        "config": cell.config,
+        "kernel": cell.kernel,
+        "name": stats.name if stats else None,
+        "bundles_per_kv_block": cell.bundles_per_kv_block,
+        "longest_path": cell.longest_path,
+        "interior_path": cell.interior_path,
+        "total_bundles": stats.total_bundles if stats else None,
+        "vmem_bytes": stats.vmem_bytes if stats else None,
+        "spill_bytes": cell.spill_bytes,
+        "loop_op_kinds": dict(stats.loop_op_kinds) if stats else {},
+        "note": cell.note,
+        "missing": cell.missing,
+    }
 
 
 def recorded_comparison(path: Path = RECORDED) -> tuple[list[Cell], dict]:
