@@ -65,8 +65,11 @@ def test_plan_is_what_the_kernel_records(name):
     assert recorded == plan
 
 
+# Seed 3 in the default run too: a walk that takes a sequence ending where the q block starts
+# for its first (`<` for `<=` in first_seq_in_q_block) never ends on it; the hang limit
+# (tests/time_limit.py) stops it.
 @pytest.mark.parametrize(
-    "seed", [0] + [pytest.param(seed, marks=pytest.mark.slow) for seed in range(1, 6)]
+    "seed", [0, 3] + [pytest.param(seed, marks=pytest.mark.slow) for seed in (1, 2, 4, 5)]
 )
 def test_plan_is_what_the_kernel_records_random(seed):
     rng = np.random.default_rng(seed)
