@@ -37,16 +37,18 @@ COURSE = {
     "kernel", "kernel_trace", "schedule", "block_sizes",  # ch. 08-09
     "ladder", "engine", "exercises",  # the rungs, the capstone, the exercises
 }  # fmt: skip
-# The tools, each package named for its role, and the two entry points.
-TOOLS = {"explore", "tpu", "perf", "doctor", "__main__"}
+# The tools, each package named for its role, the two entry points, and `parity`, the check
+# every notebook's comparison with a reference asserts.
+TOOLS = {"explore", "tpu", "perf", "parity", "doctor", "__main__"}
 
 LAYERS = [
     # 0. Leaves, or nearly: what every layer may read (errors, the mask rule, the TPU chips
     #    and the dump reader, the checkers' report machinery and their comparisons, the
-    #    figures' style and the explorers' words, which know nothing of attention).
+    #    figures' style and the explorers' words, which know nothing of attention, and the
+    #    parity check with its tolerances).
     ("errors", "masking", "kernel_trace", "tpu.chips", "tpu.bundles", "tpu.loop_paths",
      "tpu.dump_reader", "tpu.memory", "tpu.compile", "tpu.mosaic_version", "tpu.numerics",
-     "tpu.literal_keys",
+     "tpu.literal_keys", "parity",
      "tpu.v3", "perf.roofline",
      "exercises.checking", "exercises.comparisons",
      "ladder.interpret", "explore.style", "explore.text"),

@@ -7,12 +7,19 @@ interpreter, so CI's venv is the one tested, whatever kernels the machine has in
 
 A failing cell fails the test with the cell's traceback. Each run's time and its three slowest
 cells are printed at the end of the run (tests/conftest.py), with the sum of the runs.
+
+A cell that compares an answer with a reference (JAX's, minilib's, a float64 one, the dense
+model's tokens) asserts it, mostly with `minilib.parity.parity_error` under
+`parity_tolerance()`, so that a wrong answer fails the run, on the CPU and under a TPU's
+numerics, instead of printing a large error in a notebook that passes
+(`test_every_printed_comparison_is_asserted`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -102,6 +109,31 @@ def test_notebook_shape(path):
     assert "## Summary" in text
     assert 'NotImplementedError("FILL ME IN")' in text
     assert "from minilib.exercises import check_" in text
+
+
+# What a cell prints when it compares an answer with a reference: "max |minilib - JAX| = ...",
+# "max |error|", "max error", "max difference", "engine == dense".
+PRINTED_COMPARISON = re.compile(r"max \||max (abs )?error|max difference|== dense", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_every_printed_comparison_is_asserted(path):
+    """A cell that prints how far an answer is from a reference also asserts it: through
+    `minilib.parity.parity_error` (which raises over the tolerance, or on NaN) or an `assert`.
+    Printed alone, a wrong answer's 6.5e-01 once passed the notebook test."""
+    unasserted = [
+        i
+        for i, cell in enumerate(_cells(path))
+        if cell["cell_type"] == "code"
+        and PRINTED_COMPARISON.search(_source(cell))
+        and "parity_error(" not in _source(cell)
+        and not re.search(r"^\s*assert ", _source(cell), re.MULTILINE)
+    ]
+    assert not unasserted, (
+        f"{path.name}: cells {unasserted} print a comparison with a reference but assert "
+        f"nothing; check it with minilib.parity.parity_error(out, expected, "
+        f"tolerance=parity_tolerance())"
+    )
 
 
 def _first_code_cell(path: Path) -> dict:

@@ -1,0 +1,63 @@
+"""minilib.parity: a right answer passes, a wrong one or NaN raises with both numbers, and the
+tolerance follows where the matmuls run."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from minilib.parity import (
+    BF16_PASS_TOLERANCE,
+    BFLOAT16_TOLERANCE,
+    FLOAT32_TOLERANCE,
+    parity_error,
+    parity_tolerance,
+)
+from minilib.tpu.numerics import emulate_tpu_matmul_precision, one_bf16_pass
+
+
+def test_a_right_answer_passes_and_its_error_is_returned():
+    expected = np.linspace(-2.0, 2.0, 24).reshape(2, 3, 4)  # [tokens, heads, head_dim]
+    got = expected + 3e-6
+    assert parity_error(got, expected, tolerance=1e-4) == pytest.approx(3e-6, rel=1e-2)
+    assert parity_error(expected, expected, tolerance=1e-4) == 0.0
+
+
+def test_a_wrong_answer_raises_naming_both_numbers():
+    expected = np.zeros((3, 2))
+    got = expected.copy()
+    got[1, 0] = 0.65
+    with pytest.raises(AssertionError, match=r"max \|minilib - JAX\| = 6.5e-01 > tolerance 1e-04"):
+        parity_error(got, expected, tolerance=1e-4, what="minilib - JAX")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nan_or_inf_raises_whatever_the_tolerance(bad):
+    got = np.array([1.0, bad])
+    with pytest.raises(AssertionError, match="NaN or inf"):
+        parity_error(got, np.array([1.0, 2.0]), tolerance=np.inf)
+
+
+def test_shapes_must_agree_not_broadcast():
+    """A padded output against JAX's live rows must be sliced, not broadcast."""
+    with pytest.raises(AssertionError, match="shapes differ"):
+        parity_error(np.zeros((8, 4)), np.zeros((3, 4)), tolerance=1e-4)
+    with pytest.raises(AssertionError, match="shapes differ"):
+        parity_error(np.zeros((3, 4)), np.zeros((1, 4)), tolerance=1e-4)
+
+
+def test_bfloat16_arrays_are_compared_in_float64():
+    expected = jnp.asarray([1.0, 3.0], jnp.bfloat16)
+    got = jnp.asarray([1.0, 3.015625], jnp.bfloat16)  # one bfloat16 step above 3
+    assert parity_error(got, expected, tolerance=BFLOAT16_TOLERANCE) == 0.015625
+
+
+def test_the_tolerance_follows_the_matmuls():
+    here = BF16_PASS_TOLERANCE if one_bf16_pass() else FLOAT32_TOLERANCE
+    assert parity_tolerance() == parity_tolerance(jnp.float32) == here
+    with emulate_tpu_matmul_precision():
+        assert parity_tolerance() == BF16_PASS_TOLERANCE
+    assert parity_tolerance(jnp.bfloat16) == BFLOAT16_TOLERANCE
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        parity_tolerance(jnp.float16)
