@@ -546,6 +546,20 @@ def test_ours_meets_each_claim(chip, config):
     assert not missed, "\n".join(missed)
 
 
+@pytest.mark.parametrize("chip", COMPARISON_CHIPS)
+def test_every_kv_block_loop_exponentiates_on_the_eup(chip):
+    """Every kernel's KV-block loop computes the softmax's exp (and JAX's and ours 1/l at the
+    end, outside it): the op classifier must count EUP ops in every loop, and the MXU's only
+    for the matmuls' pushes, matmuls and result pops (an EUP result is popped too)."""
+    require_chip(chip)
+    for (config, kernel), cell in comparison(chip).items():
+        if cell.stats is None:
+            continue
+        kinds = dict(cell.stats.loop_op_kinds)
+        assert kinds.get(dump_reader.EUP, 0) > 0, (kernel, chip, config, kinds)
+        assert kinds["MXU"] > 0, (kernel, chip, config, kinds)
+
+
 def test_recorded_comparison_is_what_compiles_here():
     """The figures notebook 09 shows where nothing can be compiled
     (`minilib/tpu/recorded_comparison.json`) are those this stack compiles now, every field

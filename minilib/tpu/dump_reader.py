@@ -107,8 +107,11 @@ EXAMPLE_ALLOCATIONS = "\n".join([
 ])  # fmt: skip
 # What a bundle's ops do, by mnemonic (the word after "="), for `op_kinds`. Pushing weights
 # into the MXU, streaming rows through it and popping results are all "MXU"; the EUP computes
-# exponentials and reciprocals; everything else starting with "v" is vector ALU work (selects,
-# compares, adds, packs, shifts), and s*/p* ops run on the scalar unit.
+# exponentials (`vexp2`: exp(x) is 2**(x * log2(e))), reciprocals and tanh, and its results
+# are popped from its own queue (`vpop.eup`, where an MXU result is `vpop.f32.mrf.mxu0`);
+# everything else starting with "v" is vector ALU work (selects, compares, adds, packs,
+# shifts), and s*/p* ops run on the scalar unit.
+EUP = "EUP (exp, 1/x)"
 OP_KINDS = {
     "vld": "vector load",
     "vst": "vector store",
@@ -117,12 +120,24 @@ OP_KINDS = {
     "vmatprep": "MXU",
     "vmatmul": "MXU",
     "vpop": "MXU",
-    "vpow2": "EUP (exp, 1/x)",
-    "vrcp": "EUP (exp, 1/x)",
-    "vexp": "EUP (exp, 1/x)",
-    "vtanh": "EUP (exp, 1/x)",
+    "vpop.eup": EUP,
+    "vpow2": EUP,
+    "vexp2": EUP,
+    "vexp": EUP,
+    "vrcp": EUP,
+    "vtanh": EUP,
 }
-MNEMONIC = re.compile(r"=\s*([a-z][a-z0-9_]*)")
+MNEMONIC = re.compile(r"=\s*([a-z][a-z0-9_]*(?:\.eup\b)?)")
+# The EUP's ops as libtpu 0.0.50.1 writes them for v5e, from `jnp.exp(x) + 1 / x + jnp.tanh(x)`
+# in a Pallas kernel: each issued, then its result popped.
+EXAMPLE_EUP_BUNDLES = """\
+   0x6   :  { %64 = vrcp.f32 %v23_v0  ;;  %v24_v1 = vmul.f32 1.442695, %v23_v0 }
+   0x8   :  { %66 = vexp2.f32 %v24_v1 }
+   0x9   :  { %68 = vtanh.f32 %v23_v0 }
+   0xa   :  { %v65_v2 = vpop.eup %64 }
+   0xc   :  { %v67_v10 = vpop.eup %66 }
+   0xd   :  { %v28_v5 = vsub.f32 1.0, %v27_v3  ;;  %v69_v12 = vpop.eup %68 }
+"""
 
 
 def op_kinds(bundles: list[Bundle]) -> collections.Counter:
@@ -131,6 +146,8 @@ def op_kinds(bundles: list[Bundle]) -> collections.Counter:
 
     >>> sorted(op_kinds(parse_bundles(EXAMPLE_BUNDLES)).items())
     [('DMA', 1), ('MXU', 1), ('scalar', 2), ('vector load', 1)]
+    >>> sorted(op_kinds(parse_bundles(EXAMPLE_EUP_BUNDLES)).items())
+    [('EUP (exp, 1/x)', 6), ('vector ALU', 2)]
     """
     kinds: collections.Counter = collections.Counter()
     for bundle in bundles:
