@@ -125,7 +125,7 @@ DYNAMIC = {
         "pages_per_seq=1 must be greater or equal to min_pages_per_seq=3 given max_kv_len=20 "
         "and page_size=8."
     ),
-    "q_len > kv_len": "q_len=3 must be less or equal to kv_len=2 at sequence 2.",
+    "q_len > kv_len": "q_len=5 must be less or equal to kv_len=0 at sequence 0.",
     "a negative kv_len": "kv_lens[1]=-1 must be non-negative.",
     "a page index out of range": (
         "page_indices[1, 0]=9 is outside [0, 9), the pages of kv_pages, for sequence 1 with "
@@ -144,10 +144,12 @@ DYNAMIC = {
     "num_seqs negative": "num_seqs[0]=-1 must be non-negative.",
 }
 VALID = ["correct: a valid mixed batch"]
+# Wrong values that every check lets through: only the answer shows them.
+SILENT = ["a stale kv_len, which no check can catch"]
 
 
 def test_every_mistake_has_its_expected_message():
-    named = [*VALID, *JAX_CHECKS, *STATIC, *OPTIONS, *DYNAMIC]
+    named = [*VALID, *SILENT, *JAX_CHECKS, *STATIC, *OPTIONS, *DYNAMIC]
     assert len(named) == len(set(named)), "each mistake in one group"
     assert set(named) == set(MISTAKES)
 
@@ -184,6 +186,20 @@ def test_dynamic_mistakes_raise_only_in_the_dynamic_check(name):
 def test_valid_entries_pass_both_validators(name):
     assert run_mistake(name, static_validate_inputs) is None
     assert run_mistake(name) is None
+
+
+@pytest.mark.parametrize("name", SILENT)
+def test_silent_mistakes_pass_both_validators_and_change_the_answer(name):
+    # Notebook 05 tells this story: the validators cannot catch it, the answer is wrong.
+    assert run_mistake(name, static_validate_inputs) is None
+    assert run_mistake(name) is None
+    base = base_batch()
+    args, options = MISTAKES[name](base)
+    n = base.num_tokens
+    right = ref_ragged_paged_attention(*base.args())[:n]
+    wrong = ref_ragged_paged_attention(*args, **options)[:n]
+    assert bool(jnp.isfinite(wrong).all())
+    assert float(jnp.abs(wrong - right).max()) > 0.1  # a wrong answer, not rounding
 
 
 def test_heads_message_and_hint():

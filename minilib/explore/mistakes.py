@@ -4,7 +4,9 @@ A mistake is a function: it gets a correct batch `b` (`base_batch()`: the sequen
 `SEQ_LENS`, 4 q heads, 2 KV heads, head_dim 8, page_size 8) and returns the positional
 arguments and the options it breaks them into. `MISTAKES` names them all, in four groups:
 shapes, dtypes and options, which the static checks catch, and values, which only the dynamic
-checks can. `run_mistake` passes a mistake to a validator and returns the error it raised.
+checks can, except one: a stale kv_len that still covers its q rows passes every check, and
+gives a wrong answer. `run_mistake` passes a mistake to a validator and returns the error it
+raised.
 
 This is the one catalogue: the validation playground (`minilib.explore.playground`) shows it,
 notebook 05 runs it through both validators, and the tests check the message of each mistake.
@@ -311,8 +313,17 @@ def wrong_options(reason: str, options: dict) -> Callable:
 
 
 def q_len_greater_than_kv_len(b):
-    """kv_lens taken before this step's 3 new tokens were written to the cache."""
-    kv_lens = b.kv_lens.at[2].set(2)
+    """kv_lens taken before this step's tokens were written to the cache. For sequence 0, a
+    fresh prefill of 5 tokens, that is 0: its 5 q rows have no key at all."""
+    kv_lens = b.kv_lens.at[0].set(0)
+    return (b.q, b.kv_pages, kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs), {}
+
+
+def stale_kv_len(b):
+    """kv_lens taken before this step's tokens were written to the cache. For sequence 2, a
+    prefill chunk of 3 new tokens in 12, that is 9: q_len=3 <= kv_len=9 still holds, so no
+    check fires, and the answer is wrong: the new tokens' keys are not attended."""
+    kv_lens = b.kv_lens.at[2].set(9)
     return (b.q, b.kv_pages, kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs), {}
 
 
@@ -398,6 +409,7 @@ MISTAKES: dict[str, Callable] = {
     **{name: wrong_options(*mistake) for name, mistake in OPTION_MISTAKES.items()},
     # values
     "q_len > kv_len": q_len_greater_than_kv_len,
+    "a stale kv_len, which no check can catch": stale_kv_len,
     "pages_per_seq too small": pages_per_seq_too_small,
     "a negative kv_len": negative_kv_len,
     "a page index out of range": page_index_out_of_range,
