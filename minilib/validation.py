@@ -6,9 +6,10 @@
   `num_seqs`, so it runs on concrete arrays, outside `jit` (for example once per batch in a
   serving loop, or while debugging).
 
-Every check that JAX makes raises with JAX's own text, word for word, so a learner can search
-for it. Then comes a `Hint:` line that says how to fix it. Some mistakes JAX lets through, or
-meets with a bare `assert`; these get a message of our own. All of them raise `RPAInputError`
+Every check that JAX makes raises with JAX's own text, so a learner can search for it (where
+JAX's dynamic checks print a value as `Array(5, dtype=int32)`, ours print `5`). Then comes a
+`Hint:` line that says how to fix it. Some mistakes JAX lets through, or meets with a bare
+`assert`; these get a message of our own. All of them raise `RPAInputError`
 (`minilib.errors`), a `ValueError` that carries the hint as `.hint`.
 
 Only the live sequences, the first `num_seqs`, are checked: the padding slots past them may

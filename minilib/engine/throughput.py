@@ -331,8 +331,8 @@ class ServingBench:
                 row(self.at_once["continuous"]),
                 row(self.at_once["static"]),
                 f"Poisson arrivals at {self.request_rate:.1f} requests/s ({self.load:.0%} of "
-                "continuous batching's capacity above; tok/s follows the arrivals while a "
-                "policy keeps up):",
+                "continuous batching's capacity above; tok/s counts the drain after the last "
+                "arrival too):",
                 head,
                 row(self.arriving["continuous"]),
                 row(self.arriving["static"]),

@@ -49,14 +49,15 @@ class ChipFacts:
     peak_flops_per_s: float  # dense bf16 matmul peak
     generation: int  # 4, 5, 6, 7: what code that branches on the TPU generation asks
     jax_chip_version: str  # its name in JAX's chip table: pltpu.ChipVersion("7x")
+    tensor_cores: int = 1  # per chip: 2 on v4 and v5p (megacore: one device) and on TPU7x
 
 
 FACTS: dict[str, ChipFacts] = {
-    "v4": ChipFacts("TPU v4", "v4:1x1x1", 1.05e9, 1200e9, 275e12, 4, "v4"),
+    "v4": ChipFacts("TPU v4", "v4:1x1x1", 1.05e9, 1200e9, 275e12, 4, "v4", tensor_cores=2),
     "v5e": ChipFacts("TPU v5e", "v5e:1x1", 1.5e9, 819e9, 197e12, 5, "v5e"),
-    "v5p": ChipFacts("TPU v5p", "v5p:1x1x1", 1.75e9, 2765e9, 459e12, 5, "v5p"),
+    "v5p": ChipFacts("TPU v5p", "v5p:1x1x1", 1.75e9, 2765e9, 459e12, 5, "v5p", tensor_cores=2),
     "v6e": ChipFacts("TPU v6e", "v6e:1x1", 1.75e9, 1640e9, 918e12, 6, "v6e"),
-    "tpu7x": ChipFacts("TPU7x", "tpu7x:1x1x1", None, 3690e9, 1153.5e12, 7, "7x"),
+    "tpu7x": ChipFacts("TPU7x", "tpu7x:1x1x1", None, 3690e9, 1153.5e12, 7, "7x", tensor_cores=2),
 }
 CHIPS = tuple(FACTS)
 

@@ -20,9 +20,9 @@ __all__ = ["ChipMemories", "chip_memories", "why_unavailable"]
 
 @dataclasses.dataclass(frozen=True)
 class ChipMemories:
-    """One TensorCore of a chip: memory capacities in bytes, and its compute units. On a
-    megacore chip (two TensorCores behind one device: v4, v5p) JAX's figures, HBM included,
-    are one TensorCore's.
+    """One TensorCore of a chip: memory capacities in bytes, and its compute units. On a chip
+    with two TensorCores JAX's figures, HBM included, are one TensorCore's: on v4 and v5p
+    (megacore: the two behind one device) as on TPU7x (each core a device of its own).
 
     >>> print(ChipMemories("v5e", hbm_bytes=16 << 30, vmem_bytes=128 << 20, smem_bytes=1 << 20,
     ...                    sublanes=8, lanes=128, num_mxus=4, mxu_size=128).row())
@@ -38,7 +38,7 @@ class ChipMemories:
     lanes: int
     num_mxus: int
     mxu_size: int  # the MXU is mxu_size x mxu_size
-    tensor_cores: int = 1  # per chip: 2 on a megacore chip, whose HBM figure is one core's
+    tensor_cores: int = 1  # per chip (`minilib.tpu.chips`): where 2, each figure is one core's
 
     def row(self) -> str:
         gib, mib, kib = 2**30, 2**20, 2**10
@@ -65,12 +65,7 @@ def chip_memories(chips=CHIPS) -> list[ChipMemories] | None:
     rows = []
     for chip in chips:
         version = pltpu.ChipVersion(FACTS[chip].jax_chip_version)
-        info = get_info(version, 1)  # one TensorCore per device
-        try:  # JAX accepts two TensorCores per device only for megacore chips (v4, v5p)
-            get_info(version, 2)
-            tensor_cores = 2
-        except ValueError:
-            tensor_cores = 1
+        info = get_info(version, 1)  # one TensorCore's figures
         rows.append(
             ChipMemories(
                 chip=chip,
@@ -81,7 +76,7 @@ def chip_memories(chips=CHIPS) -> list[ChipMemories] | None:
                 lanes=info.num_lanes,
                 num_mxus=info.num_mxus,
                 mxu_size=info.mxu_column_size,
-                tensor_cores=tensor_cores,
+                tensor_cores=FACTS[chip].tensor_cores,
             )
         )
     return rows
