@@ -103,3 +103,4 @@ def pytest_runtest_protocol(item, nextitem):
         yield
     finally:
         watchdog.cancel()
+        watchdog.join()  # gone before the next test starts: tests count the threads they leave
