@@ -70,6 +70,8 @@ def flash_body(variant: str) -> Callable:
         if variant != "v_not_zeroed":  # masks the scores, but 0 * NaN = NaN in p @ v
             v = jnp.where(k_pos.T < kv_len, v, 0.0)
         s = jnp.dot(q, k.T)
+        if variant == "head_dim_scale":  # 1/sqrt(head_dim), not the sm_scale it is given
+            sm_scale = q.shape[-1] ** -0.5
         if variant != "no_sm_scale":
             s = s * sm_scale
         visible = (k_pos <= q_pos) & (k_pos < kv_len)
@@ -80,7 +82,10 @@ def flash_body(variant: str) -> Callable:
         if variant == "one_future_key":  # one past the diagonal: each row sees the next key too
             visible = (k_pos <= q_pos + 1) & (k_pos < kv_len)
         s_max = s.max(axis=1, keepdims=True)  # before the mask: used by "max_before_mask"
-        s = jnp.where(visible, s, MASK)
+        if variant == "mask_added":  # a bias, as JAX's reference: NaN + mask is still NaN
+            s = s + jnp.where(visible, 0.0, MASK)
+        else:
+            s = jnp.where(visible, s, MASK)
         if variant != "max_before_mask":  # takes the max over the keys past kv_len too
             s_max = s.max(axis=1, keepdims=True)
         m_prev = m_ref[...]
@@ -136,6 +141,10 @@ def flash_call(variant: str) -> Callable:
         if variant == "acc_bf16":  # the running sum in bf16
             acc = pltpu.VMEM((block_q, head_dim), jnp.bfloat16)
         stat = (block_q, head_dim) if variant == "m_l_full_width" else (block_q, 1)
+        if variant == "ignores_kernel":  # the library's body, whatever `kernel` it is given
+            kernel = flash.flash_kernel
+        if variant == "interpret_true":  # interpret mode hard-coded: never compiled for a TPU
+            interpret = True
         return pl.pallas_call(
             functools.partial(kernel, kv_len=kv_len, q_len=q_len, sm_scale=sm_scale),
             out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -168,6 +177,11 @@ def rung2(variant: str) -> Callable:
             return (jnp.minimum(i, num_pages), 0, 0, 0)
         if variant == "kv_len_of_page_axis":  # kv_lens_ref[i]: i is the page, not the sequence
             num_pages = pl.cdiv(kv_lens_ref[i], page_size)
+        if variant == "clamp_to_minus_one":  # kv_len 0: num_pages - 1 = -1, read before the row
+            page = page_indices_ref[seq, jnp.minimum(i, num_pages - 1)]
+            return (jnp.where(num_pages > 0, page, 0), 0, 0, 0)
+        if variant == "clamp_to_minus_one_unguarded":  # kv_len 0 reads page_indices[seq, -1]
+            return (page_indices_ref[seq, jnp.minimum(i, num_pages - 1)], 0, 0, 0)
         page = page_indices_ref[seq, jnp.minimum(i, jnp.maximum(num_pages - 1, 0))]
         if variant == "empty_slot_reads_its_row":  # kv_len 0: its whole row is garbage
             return (page, 0, 0, 0)
@@ -185,6 +199,8 @@ def rung2(variant: str) -> Callable:
             init_online_softmax(m_ref, l_ref, acc_ref)
 
         first_pos = 0 if variant == "positions_from_zero" else i * page_size
+        if variant == "head_dim_scale":  # 1/sqrt(head_dim), not the sm_scale it is given
+            sm_scale = q_ref.shape[-1] ** -0.5
 
         @pl.when(i * page_size < kv_len)
         def _attend():
@@ -461,6 +477,11 @@ WRONG_ANSWERS = [
       lambda: flash_body("one_future_key"), "one key too wide", "`k_pos <= q_pos`"),
     W("1a", "no sm_scale", ex.check_flash_attention, lambda: flash_body("no_sm_scale"),
       "sm_scale"),
+    W("1a", "1/sqrt(head_dim) for sm_scale", ex.check_flash_attention,
+      lambda: flash_body("head_dim_scale"), "1 / sqrt(head_dim), not by the sm_scale"),
+    W("1a", "mask added, not selected", ex.check_flash_attention,
+      lambda: flash_body("mask_added"), "the mask is added to the scores",
+      "NaN + mask_value is still NaN"),
     # rung 1b: the pallas_call
     W("1b", "KV axis parallel", ex.check_flash_pallas_call, lambda: flash_call("all_parallel"),
       'the KV axis is "parallel"', fast=True),
@@ -480,6 +501,10 @@ WRONG_ANSWERS = [
       "acc_ref", "float32"),
     W("1b", "m and l full width", ex.check_flash_pallas_call,
       lambda: flash_call("m_l_full_width"), "m_ref"),
+    W("1b", "interpret=True hard-coded", ex.check_flash_pallas_call,
+      lambda: flash_call("interpret_true"), "ignores the `interpret` argument"),
+    W("1b", "kernel argument ignored", ex.check_flash_pallas_call,
+      lambda: flash_call("ignores_kernel"), "ignores the `kernel` argument"),
     # rung 2
     W("2", "no clamp", ex.check_paged_decode_attention, lambda: rung2("no_clamp"),
       "out-of-bounds", "Clamp", fast=True),
@@ -508,6 +533,14 @@ WRONG_ANSWERS = [
       lambda: rung2("write_on_last_page"), "never written", "kv_len 0"),
     W("2", "q heads grouped by modulo", ex.check_paged_decode_attention,
       lambda: rung2("kv_head_by_modulo"), "h // group"),
+    W("2", "1/sqrt(head_dim) for sm_scale", ex.check_paged_decode_attention,
+      lambda: rung2("head_dim_scale"), "1 / sqrt(head_dim), not by the sm_scale"),
+    W("2", "clamp to -1 on an empty slot, guarded", ex.check_paged_decode_attention,
+      lambda: rung2("clamp_to_minus_one"), "read page_indices[2, -1]", "outside the table",
+      "jnp.maximum(num_pages - 1, 0)"),
+    W("2", "clamp to -1 on an empty slot", ex.check_paged_decode_attention,
+      lambda: rung2("clamp_to_minus_one_unguarded"), "out-of-bounds", "kv_len 0",
+      "jnp.maximum(num_pages - 1, 0)"),
     # rung 3
     W("3", "no wait", ex.check_paged_decode_async_copy, lambda: rung3("no_wait"),
       "never waited for", fast=True),

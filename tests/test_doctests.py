@@ -41,6 +41,7 @@ HEAVY_EXAMPLES = {
     "minilib.exercises.ex04_reference",
     "minilib.exercises.ex06_online_softmax",
     "minilib.exercises.ex07_flash",
+    "minilib.exercises.ex07_flash_call",
     "minilib.exercises.ex07_pallas",
     "minilib.exercises.ex08_ladder",
     "minilib.exercises.ex10_engine",

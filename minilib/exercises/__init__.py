@@ -31,7 +31,8 @@ from minilib.exercises.ex04_reference import check_attend_soft_cap, check_slidin
 from minilib.exercises.ex05_validation import check_validate_page_indices
 from minilib.exercises.ex06_online_softmax import check_online_softmax_update
 from minilib.exercises.ex06_vectorized import check_decode_attention
-from minilib.exercises.ex07_flash import check_flash_attention, check_flash_pallas_call
+from minilib.exercises.ex07_flash import check_flash_attention
+from minilib.exercises.ex07_flash_call import check_flash_pallas_call
 from minilib.exercises.ex07_pallas import check_softmax_kernel
 from minilib.exercises.ex08_kernel import check_kv_blocks_to_visit
 from minilib.exercises.ex08_ladder import (

@@ -48,6 +48,7 @@ from minilib.exercises.comparisons import (
 )
 
 __all__ = [
+    "SM_SCALE_IGNORED",
     "TIME_LIMIT_SECONDS",
     "Case",
     "CheckResult",
@@ -68,6 +69,13 @@ PASSED, FAILED, NOT_ATTEMPTED = "passed", "failed", "not attempted"
 TIME_LIMIT_SECONDS = 30.0
 SLOWER_THAN_REFERENCE = 20
 STOP_GRACE_SECONDS = 5.0  # how long a stopped function may take to wind down
+
+# The likely cause every checker of a function taking sm_scale names; each one's cases use an
+# sm_scale other than head_dim ** -0.5 (the usual choice), so that this mistake shows.
+SM_SCALE_IGNORED = (
+    "the scores are scaled by 1 / sqrt(head_dim), not by the sm_scale argument: use sm_scale "
+    "as given (a model may choose another scale; here it is not head_dim ** -0.5)."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +140,9 @@ def random_attention_case(
     **kwargs,
 ) -> Case:
     """One attention case `(q, k, v), sm_scale=..., **kwargs`, drawn from `rng`: q, k, v in
-    that order, then an sm_scale picked from `sm_scales`. The description ends with every
-    keyword argument.
+    that order, then an sm_scale picked from `sm_scales` (give none equal to
+    head_dim ** -0.5, so that a function ignoring sm_scale shows). The description ends with
+    every keyword argument.
 
       q:   f32[q_len, num_q_heads, head_dim]
       k,v: f32[kv_len, num_kv_heads, head_dim]

@@ -9,7 +9,9 @@ written after the first page. `decode_mistakes()` names each of them in the word
 uses.
 
 A checker of a rung (`minilib.exercises.ex08_ladder`) compares a wrong output with each of
-these; the first that matches is its likely cause.
+these; the first that matches is its likely cause. When none matches, `_locate` says which
+sequences differ, and `_pattern` what the wrong rows say (never written? only some q heads?
+only the sequences of several pages?).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 
+from minilib.exercises.checking import SM_SCALE_IGNORED, Case
 from minilib.kv_cache import pages_needed
 from minilib.ladder.scalar_prefetch import paged_decode_reference
+from minilib.tpu.numerics import BF16_PASS_TOLERANCE, one_bf16_pass
 
 __all__ = ["decode_mistakes", "paged_decode_numpy"]
 
@@ -153,6 +157,9 @@ def decode_mistakes() -> dict[str, Callable]:
     def no_sm_scale(*args, sm_scale):
         return paged_decode_numpy(*args, sm_scale=1.0)
 
+    def head_dim_scale(*args, sm_scale):  # 1/sqrt(head_dim), whatever sm_scale says
+        return paged_decode_numpy(*args, sm_scale=float(args[0].shape[-1]) ** -0.5)
+
     def alpha_upside_down(*args, sm_scale):
         return paged_decode_numpy(*args, sm_scale=sm_scale, alpha_upside_down=True)
 
@@ -177,9 +184,141 @@ def decode_mistakes() -> dict[str, Callable]:
         "only the first page counts: the output was written, or the loop stopped, after page "
         "0; write `acc / l` after the last page.": first_page_only,
         "sm_scale is not applied to the scores.": no_sm_scale,
+        SM_SCALE_IGNORED: head_dim_scale,
         "alpha is upside down: alpha = exp(m_prev - m_next), at most 1. exp(m_next - m_prev) "
         "is inf on the first page, where m_prev = -inf, and inf * 0 = NaN.": alpha_upside_down,
         "the running max was taken before the mask: the scores of the keys past kv_len (NaN "
         "here, garbage on a chip) then set m. Mask first (`jnp.where(k_pos < kv_len, s, "
         "mask_value)`), then take the max.": max_before_mask,
     }
+
+
+# --- naming what went wrong, where no mistake matches ---------------------------------------------
+
+
+def _sequence_kind(seq: int, kv_len: int, page_size: int, pages_per_seq: int, last: bool):
+    pages = pages_needed(kv_len, page_size)
+    if kv_len == 0:
+        return "kv_len=0, an empty slot: no page at all"
+    if kv_len == 1:
+        return "kv_len=1, one token"
+    notes = []
+    if kv_len % page_size == 0:
+        notes.append(f"{pages} whole pages" + ("" if last else ", not the last sequence"))
+    if pages == pages_per_seq:
+        notes.append(f"uses all {pages_per_seq} page slots")
+    return f"kv_len={kv_len}" + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _describe_sequences(case: Case) -> list[str]:
+    _, kv_pages, kv_lens, page_indices = case.args
+    page_size, pages_per_seq = kv_pages.shape[1], page_indices.shape[1]
+    lens = [int(n) for n in np.asarray(kv_lens)]
+    return [
+        _sequence_kind(s, n, page_size, pages_per_seq, s == len(lens) - 1)
+        for s, n in enumerate(lens)
+    ]
+
+
+def _locate(expected, got, case: Case) -> str:
+    """Which sequences differ, each with what is special about it."""
+    want = np.asarray(expected, np.float64)
+    try:
+        have = np.asarray(got, np.float64).reshape(want.shape)
+    except Exception:
+        return ""
+    tol = BF16_PASS_TOLERANCE if one_bf16_pass() else 1e-3  # a TPU's matmuls: one bf16 pass
+    bad = ~np.isclose(have, want, atol=tol, rtol=tol, equal_nan=True)
+    wrong = [s for s in range(want.shape[0]) if bad[s].any()]
+    if not wrong:
+        return ""
+    kinds = _describe_sequences(case)
+    listed = "; ".join(f"{s} ({kinds[s]})" for s in wrong)
+    right = len(kinds) - len(wrong)
+    return f"sequences that differ: {listed}. The other {right} are right."
+
+
+def _pattern(expected, got, case: Case) -> str | None:
+    """What the wrong rows of the output say, when no usual mistake matches: which sequences
+    (never written? only those with several pages? only those ending in a partial page?)
+    and which q heads are wrong."""
+    want = np.asarray(expected, np.float64)
+    try:
+        have = np.asarray(got, np.float64).reshape(want.shape)
+    except Exception:
+        return None
+    _, kv_pages, kv_lens, _ = case.args
+    page_size, num_kv_heads = kv_pages.shape[1], kv_pages.shape[2] // 2
+    lens = [int(n) for n in np.asarray(kv_lens)]
+    tol = BF16_PASS_TOLERANCE if one_bf16_pass() else 1e-3
+    bad = ~np.isclose(have, want, atol=tol, rtol=tol, equal_nan=True)  # [seq, head, dim]
+    wrong = [s for s in range(len(lens)) if bad[s].any()]
+    if not wrong:
+        return None
+    listed = ", ".join(str(s) for s in wrong)
+
+    def copied(s):  # the output of another sequence: what the buffer held before
+        return any(np.allclose(have[s], x[t], atol=tol) for x in (have, want)
+                   for t in range(len(lens)) if t != s)  # fmt: skip
+
+    # Never written: each wrong row holds another sequence's output, or NaN (the buffer's
+    # first contents), and at least one holds another's (NaN alone has other causes).
+    never = [copied(s) or np.isnan(have[s]).all() for s in wrong]
+    if all(never) and any(copied(s) for s in wrong):
+        empty = all(lens[s] == 0 for s in wrong)
+        return (
+            f"the output of sequence{'s' * (len(wrong) > 1)} {listed} was never written: it "
+            "holds NaN or another sequence's output, what its buffer held before. Write the "
+            "output of every sequence, on its last grid step (`i == pl.num_programs(1) - 1`, "
+            "not the sequence's last page), "
+            + ("an empty slot's too: kv_len 0 has no page, l = 0 and acc = 0, and its output "
+               "is 0." if empty else "kv_len 0 included (its output is 0).")
+        )  # fmt: skip
+    heads = sorted({int(h) for h in np.argwhere(bad[wrong].any(axis=-1))[:, 1]})
+    if len(heads) < want.shape[1]:
+        group = want.shape[1] // num_kv_heads
+        return (
+            f"only q heads {', '.join(map(str, heads))} of {want.shape[1]} differ: how q heads "
+            f"share the {num_kv_heads} KV heads. q head h reads KV head h // group (group = "
+            f"{group}), whose K is the combined slot 2 * (h // group) and V the slot after it."
+        )
+    pages = [pages_needed(n, page_size) for n in lens]
+    if all(pages[s] > 1 for s in wrong):
+        return (
+            f"only sequences with more than one page differ ({listed}): what carries from one "
+            "page to the next. m, l and acc are initialised on page 0 only, alpha = "
+            "exp(m_prev - m_next) rescales l and acc, and page i holds the keys at positions "
+            "i * page_size and on."
+        )
+    if all(lens[s] % page_size for s in wrong):
+        return (
+            f"only sequences whose last page is partial differ ({listed}): the keys past "
+            "kv_len. Mask the scores at positions >= kv_len, and zero those rows of V."
+        )
+    return None
+
+
+def _page_namer(case: Case) -> Callable[[int], str]:
+    _, kv_pages, kv_lens, page_indices = case.args
+    page_size, total = kv_pages.shape[1], kv_pages.shape[0]
+    table, lens = np.asarray(page_indices), [int(n) for n in np.asarray(kv_lens)]
+
+    def name(page: int) -> str:
+        for seq, n in enumerate(lens):
+            used = pages_needed(n, page_size)
+            for i, p in enumerate(table[seq].tolist()):
+                if p == page and i < used:
+                    return f"page {i} of sequence {seq} (kv_pages[{page}])"
+        for seq, n in enumerate(lens):
+            for i, p in enumerate(table[seq].tolist()):
+                if p == page:
+                    return (
+                        f"kv_pages[{page}], through page_indices[{seq}, {i}], which is past "
+                        f"sequence {seq}'s pages ({_sequence_kind(seq, n, page_size, 0, False)}) "
+                        "and holds garbage"
+                    )
+        if not 0 <= page < total:
+            return f"kv_pages[{page}], which does not exist ({total} pages)"
+        return f"kv_pages[{page}], a page no sequence owns"
+
+    return name

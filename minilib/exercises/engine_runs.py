@@ -51,6 +51,8 @@ def run_engine(rule=can_admit, preempt_fn=preempt, *, seed: int = 0) -> dict:
     (5, [5, 5, 5, 5, 5])
     >>> any(result["preempted per step"])  # 7 pages are too few for all five at once
     True
+    >>> result["each request's num_preemptions"]  # one of them twice
+    [0, 0, 2, 0, 1]
     """
     from minilib.engine import Engine
     from minilib.vectorized import ragged_paged_attention_jnp
@@ -68,7 +70,9 @@ def run_engine(rule=can_admit, preempt_fn=preempt, *, seed: int = 0) -> dict:
     engine.scheduler.admission_rule = rule
     engine.scheduler.preempt_request = preempt_fn
     rng = np.random.default_rng(1000 + seed)
-    prompts = [rng.integers(0, 32, n).tolist() for n in (6, 13, 3, 9, 2)]
+    # With 7 pages, request 2 (13 tokens) is preempted twice and request 4 once: a function
+    # that works the first time only (that forgets what an earlier preemption left) shows.
+    prompts = [rng.integers(0, 32, n).tolist() for n in (3, 9, 13, 5, 2)]
     ids = [engine.add_request(p, 5) for p in prompts]
     for _ in range(200):  # a rule that admits nobody would loop forever
         if not engine.has_unfinished:
@@ -92,7 +96,8 @@ def caching_scenario(name: str, seed: int = 0) -> tuple[list[tuple[int, list[int
     pool's size in pages. Two scenarios:
 
     "shared system prompt": one request, then five more after its first step, four of them
-      sharing its 10-token system prompt; 10 pages, too few for all (preemption).
+      sharing its 10-token system prompt; 10 pages, too few for all (preemption: request 3
+      twice, finding the system prompt's page in the cache each time it comes back).
     "same prefix in one step": two requests whose first page is the same 4 tokens, both
       computing it in step 0; after step 1, two requests whose prompts begin with the
       second one's *next* 4 tokens, at position 0. 16 pages, enough for all.
@@ -106,7 +111,8 @@ def caching_scenario(name: str, seed: int = 0) -> tuple[list[tuple[int, list[int
     """
     if name == "shared system prompt":
         rng = np.random.default_rng(2000 + seed)
-        prompts = [SYSTEM_PROMPT + rng.integers(0, 32, n).tolist() for n in (3, 6, 1, 4, 2)]
+        # request 3 (17 tokens) is preempted twice: it comes back to the cache each time
+        prompts = [SYSTEM_PROMPT + rng.integers(0, 32, n).tolist() for n in (5, 7, 1, 7, 2)]
         prompts.append(rng.integers(0, 32, 5).tolist())
         return [(0, prompts[0])] + [(1, p) for p in prompts[1:]], 10
     if name == "same prefix in one step":

@@ -8,7 +8,14 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from minilib.exercises.checking import Case, CheckResult, diagnose, random_attention_case, run_check
+from minilib.exercises.checking import (
+    SM_SCALE_IGNORED,
+    Case,
+    CheckResult,
+    diagnose,
+    random_attention_case,
+    run_check,
+)
 from minilib.exercises.comparisons import Mismatch, compare_arrays, expected_vs_got
 from minilib.heads import attention_kind, merge_kv_pages, repeat_kv, split_kv_pages
 from minilib.options import DEFAULT_MASK_VALUE
@@ -85,6 +92,9 @@ def check_grouped_query_attention(
         "no causal mask: token i may see only keys 0..i. Set the scores of keys j > i to a "
         "very negative value before the softmax.": not_causal,
         "the scores are not multiplied by sm_scale.": not_scaled,
+        SM_SCALE_IGNORED: lambda q, k, v, *, sm_scale: _gqa_attention(
+            q, k, v, sm_scale=q.shape[-1] ** -0.5
+        ),
     }
     # Where float32 matmuls run as one bfloat16 pass (a TPU), a right answer that rounds other
     # intermediates (say, normalises after P·V) is off the reference by about 0.005.

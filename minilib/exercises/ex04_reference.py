@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minilib.exercises.checking import Case, CheckResult, diagnose, random_attention_case, run_check
+from minilib.exercises.checking import (
+    SM_SCALE_IGNORED,
+    Case,
+    CheckResult,
+    diagnose,
+    random_attention_case,
+    run_check,
+)
 from minilib.exercises.comparisons import compare_arrays, compare_masks
 from minilib.exercises.ex03_ragged import describe_seq
 from minilib.masking import causal_mask
@@ -26,14 +34,30 @@ def _attend_soft_cap(q, k, v, *, sm_scale, soft_cap):
     )  # fmt: skip
 
 
-def _cap_after_mask(q, k, v, *, sm_scale, soft_cap):
-    """The classic mistake: the mask value goes through tanh too, and becomes -soft_cap."""
+def _attend_by_hand(
+    q, k, v, *, sm_scale, soft_cap, mistake: str | None = None
+):  # -> [q_len, num_q_heads, head_dim]
+    """Soft-capped causal attention, written out; `mistake` makes one of the classic ones:
+
+    "cap after mask"    the mask value goes through tanh too, and becomes -soft_cap
+    "cap before scale"  soft_cap * tanh(q·k / soft_cap), then * sm_scale
+    "q from position 0" q row i at position i, not kv_len - q_len + i (the causal offset)
+    """
     q_len, num_q_heads, _ = q.shape
     group = num_q_heads // k.shape[1]
     k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
-    scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * sm_scale
-    scores = jnp.where(causal_mask(q_len, k.shape[0]), DEFAULT_MASK_VALUE, scores)
-    if soft_cap is not None:
+    scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32)
+    capped = soft_cap is not None
+    if capped and mistake == "cap before scale":
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = scores * sm_scale
+    if capped and mistake not in ("cap before scale", "cap after mask"):
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    kv_len = k.shape[0]
+    mask = causal_mask(q_len, kv_len if mistake != "q from position 0" else q_len)
+    mask = jnp.pad(mask, ((0, 0), (0, kv_len - mask.shape[1])), constant_values=True)
+    scores = jnp.where(mask, DEFAULT_MASK_VALUE, scores)
+    if capped and mistake == "cap after mask":
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v)
 
@@ -69,8 +93,23 @@ def check_attend_soft_cap(fn: Callable, *, seed: int = 0, verbose: bool = True) 
                                            num_q_heads=nq, num_kv_heads=nkv, head_dim=8,
                                            sm_scales=[0.5, 1.0, 2.0], soft_cap=cap))  # fmt: skip
     mistakes = {
+        SM_SCALE_IGNORED: lambda q, k, v, *, sm_scale, soft_cap: _attend_soft_cap(
+            q, k, v, sm_scale=q.shape[-1] ** -0.5, soft_cap=soft_cap
+        ),
+        "the q rows are not the *last* q_len positions (the causal offset): q row i sits at "
+        "position kv_len - q_len + i, after the cached keys, and sees keys 0..kv_len - q_len + "
+        "i; yours puts it at position i.": functools.partial(
+            _attend_by_hand, mistake="q from position 0"
+        ),
+        "the soft cap is applied before sm_scale: scale first, then cap, soft_cap * "
+        "tanh(q·k * sm_scale / soft_cap); capping q·k and then scaling bounds the scores by "
+        "soft_cap * sm_scale, not soft_cap.": functools.partial(
+            _attend_by_hand, mistake="cap before scale"
+        ),
         "soft capping after masking turns the mask value into -soft_cap, so masked keys get "
-        "some weight. Cap the scores first, then mask (as JAX's reference does).": _cap_after_mask,
+        "some weight. Cap the scores first, then mask (as JAX's reference does).": (
+            functools.partial(_attend_by_hand, mistake="cap after mask")
+        ),
         "the scores are not capped at all: apply soft_cap * tanh(scores / soft_cap) after "
         "scaling by sm_scale, when soft_cap is not None.": (
             lambda q, k, v, *, sm_scale, soft_cap: _attend_soft_cap(

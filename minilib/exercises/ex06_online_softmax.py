@@ -16,6 +16,8 @@ from minilib.tpu.numerics import BF16_PASS_TOLERANCE, one_bf16_pass
 
 __all__ = ["check_online_softmax_update"]
 
+VISIBLE_ABOVE = DEFAULT_MASK_VALUE / 2  # a score above this is a visible key's
+
 
 def _update(m, l, acc, scores, v):
     """minilib's update, for one KV head and one q head: [rows] state, [rows, block] scores."""
@@ -97,7 +99,13 @@ def check_online_softmax_update(
       v:      [kv_tokens_per_block, head_dim]
 
     The state starts at m = -inf, l = 0, acc = 0; the blocks are fed one by one, and the state
-    after each is compared with minilib's `online_softmax_update`.
+    after each is compared with minilib's `online_softmax_update`, on the rows that have seen
+    a visible key so far. On a row that has seen only masked keys the state is not unique,
+    and any is accepted: minilib's leaves m = the mask value, l = the number of masked keys
+    and acc = the sum of their v (each weighs exp(mask - mask) = 1, until the first visible
+    key's alpha = exp(mask - m) = 0 wipes them out); an update that zeroes masked keys
+    (`jnp.where(scores > -1e30, jnp.exp(...), 0)`) leaves l = 0 and acc = 0, and is right too.
+    The blocks after it show whether that state led to the right one.
 
     >>> check_online_softmax_update(_update)
     Passed: online_softmax_update matches the reference on all 6 cases.
@@ -111,9 +119,15 @@ def check_online_softmax_update(
     def compare(want, got, case):
         if got and isinstance(got[0][0], str) and got[0][0] == "not a triple":
             raise Mismatch(f"expected a tuple (m, l, acc), got {got[0][1]}")
+        blocks_of_scores, _ = case.args
+        seen = np.zeros(np.shape(blocks_of_scores[0])[0], bool)  # a visible key so far
         for b, (w, g) in enumerate(zip(want, got, strict=True)):
+            seen |= (np.asarray(blocks_of_scores[b]) > VISIBLE_ABOVE).any(axis=-1)
+            rows = np.flatnonzero(seen)
             for name, w_x, g_x in zip(("m", "l", "acc"), w, g, strict=True):
                 try:
+                    if np.shape(g_x)[:1] == np.shape(w_x)[:1] and len(rows) < len(seen):
+                        w_x, g_x = np.asarray(w_x)[rows], np.asarray(g_x)[rows]
                     compare_arrays(w_x, g_x, name, atol=tolerance, rtol=tolerance)
                 except Mismatch as diff:
                     raise Mismatch(f"after block {b + 1} of {len(want)}:\n{diff}") from None

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minilib.batch import make_batch
-from minilib.exercises.checking import Case, CheckResult, diagnose, run_check
+from minilib.exercises.checking import SM_SCALE_IGNORED, Case, CheckResult, diagnose, run_check
 from minilib.exercises.comparisons import Mismatch, compare_arrays
 from minilib.kv_cache import pages_needed
 from minilib.options import DEFAULT_MASK_VALUE
@@ -232,6 +232,9 @@ def check_decode_attention(fn: Callable, *, seed: int = 0, verbose: bool = True)
         "through.": making("off_by_one"),
         "q head h reads KV head h // group: view q as [num_seqs, num_kv_heads, group, "
         "head_dim], KV head first.": making("tiled"),
+        SM_SCALE_IGNORED: lambda q, *args, sm_scale: _decode_attention(
+            q, *args, sm_scale=q.shape[-1] ** -0.5
+        ),
         "K and V are interleaved on the combined axis: K of KV head h in slot 2*h, V in "
         "2*h + 1 ([:, :, 0::2] and [:, :, 1::2]), not two halves.": making("halves"),
     }

@@ -16,7 +16,7 @@ the end of `kv_pages`, so a copy or an index map that reads through one is an ou
 read; in the others they point at unused pages full of NaN (JAX's test convention), so
 computing with one shows. A wrong output is placed (which sequences differ) and matched
 against the usual mistakes (`minilib.exercises.decode_mistakes`), else read for what its wrong
-rows say (`_pattern`: never written? only some q heads? only the sequences of several pages?).
+rows say (never written? only some q heads? only the sequences of several pages?).
 An out-of-bounds block is matched against the index maps' usual mistakes (`_block_cause`).
 Whatever the output, each copy must read a page its sequence has, and in rung 5 the first
 page of a sequence must be started by the grid step before its own.
@@ -35,12 +35,11 @@ import numpy as np
 
 from minilib.batch import make_batch
 from minilib.exercises.checking import Case, CheckResult
-from minilib.exercises.decode_mistakes import decode_mistakes
-from minilib.exercises.kernel_checking import check_kernel
+from minilib.exercises.decode_mistakes import _locate, _page_namer, _pattern, decode_mistakes
+from minilib.exercises.kernel_checking import TableRead, check_kernel, index_map_read_outside
 from minilib.exercises.kernel_failures import Names, copies_never_overlap, first_page_not_prefetched
 from minilib.kv_cache import pages_needed
 from minilib.ladder.scalar_prefetch import paged_decode_reference
-from minilib.tpu.numerics import BF16_PASS_TOLERANCE, one_bf16_pass
 
 __all__ = [
     "check_double_buffered_decode",
@@ -50,6 +49,9 @@ __all__ = [
 ]
 
 GARBAGE_PAGE = 1000  # past-the-end garbage: total_num_pages + GARBAGE_PAGE + column
+# sm_scale by head_dim: never head_dim ** -0.5 (0.088 for 128, 0.125 for 64), so a kernel that
+# scales by 1/sqrt(head_dim) instead of its sm_scale shows; one per shape, one compile each.
+SM_SCALES = {128: 0.05, 64: 0.2}
 
 
 # page_size, pages_per_seq, num_q_heads, num_kv_heads, head_dim, num_seqs: two shapes per
@@ -124,7 +126,8 @@ def _decode_case(shape: tuple, kv_lens: list[int], garbage: str, seed: int) -> C
         f"the page-table entries past each sequence's pages hold garbage ({held})"
     )
     args = (q, batch.kv_pages, batch.kv_lens, jnp.asarray(page_indices))
-    return Case(what, args, dict(sm_scale=float(head_dim) ** -0.5))
+    return Case(what + f"; sm_scale={SM_SCALES[head_dim]}", args,
+                dict(sm_scale=SM_SCALES[head_dim]))  # fmt: skip
 
 
 def _one_row_per_slot(batch, kv_lens) -> jax.Array:
@@ -159,142 +162,59 @@ def _compile_case() -> Case:
     )
 
 
-# --- naming what went wrong --------------------------------------------------------------------
-
-
-def _sequence_kind(seq: int, kv_len: int, page_size: int, pages_per_seq: int, last: bool):
-    pages = pages_needed(kv_len, page_size)
-    if kv_len == 0:
-        return "kv_len=0, an empty slot: no page at all"
-    if kv_len == 1:
-        return "kv_len=1, one token"
-    notes = []
-    if kv_len % page_size == 0:
-        notes.append(f"{pages} whole pages" + ("" if last else ", not the last sequence"))
-    if pages == pages_per_seq:
-        notes.append(f"uses all {pages_per_seq} page slots")
-    return f"kv_len={kv_len}" + (f" ({'; '.join(notes)})" if notes else "")
-
-
-def _describe_sequences(case: Case) -> list[str]:
-    _, kv_pages, kv_lens, page_indices = case.args
-    page_size, pages_per_seq = kv_pages.shape[1], page_indices.shape[1]
-    lens = [int(n) for n in np.asarray(kv_lens)]
-    return [
-        _sequence_kind(s, n, page_size, pages_per_seq, s == len(lens) - 1)
-        for s, n in enumerate(lens)
-    ]
-
-
-def _locate(expected, got, case: Case) -> str:
-    """Which sequences differ, each with what is special about it."""
-    want = np.asarray(expected, np.float64)
-    try:
-        have = np.asarray(got, np.float64).reshape(want.shape)
-    except Exception:
-        return ""
-    tol = BF16_PASS_TOLERANCE if one_bf16_pass() else 1e-3  # a TPU's matmuls: one bf16 pass
-    bad = ~np.isclose(have, want, atol=tol, rtol=tol, equal_nan=True)
-    wrong = [s for s in range(want.shape[0]) if bad[s].any()]
-    if not wrong:
-        return ""
-    kinds = _describe_sequences(case)
-    listed = "; ".join(f"{s} ({kinds[s]})" for s in wrong)
-    right = len(kinds) - len(wrong)
-    return f"sequences that differ: {listed}. The other {right} are right."
-
-
-def _pattern(expected, got, case: Case) -> str | None:
-    """What the wrong rows of the output say, when no usual mistake matches: which sequences
-    (never written? only those with several pages? only those ending in a partial page?)
-    and which q heads are wrong."""
-    want = np.asarray(expected, np.float64)
-    try:
-        have = np.asarray(got, np.float64).reshape(want.shape)
-    except Exception:
-        return None
-    _, kv_pages, kv_lens, _ = case.args
-    page_size, num_kv_heads = kv_pages.shape[1], kv_pages.shape[2] // 2
-    lens = [int(n) for n in np.asarray(kv_lens)]
-    tol = BF16_PASS_TOLERANCE if one_bf16_pass() else 1e-3
-    bad = ~np.isclose(have, want, atol=tol, rtol=tol, equal_nan=True)  # [seq, head, dim]
-    wrong = [s for s in range(len(lens)) if bad[s].any()]
-    if not wrong:
-        return None
-    listed = ", ".join(str(s) for s in wrong)
-
-    def copied(s):  # the output of another sequence: what the buffer held before
-        return any(np.allclose(have[s], x[t], atol=tol) for x in (have, want)
-                   for t in range(len(lens)) if t != s)  # fmt: skip
-
-    # Never written: each wrong row holds another sequence's output, or NaN (the buffer's
-    # first contents), and at least one holds another's (NaN alone has other causes).
-    never = [copied(s) or np.isnan(have[s]).all() for s in wrong]
-    if all(never) and any(copied(s) for s in wrong):
-        empty = all(lens[s] == 0 for s in wrong)
-        return (
-            f"the output of sequence{'s' * (len(wrong) > 1)} {listed} was never written: it "
-            "holds NaN or another sequence's output, what its buffer held before. Write the "
-            "output of every sequence, on its last grid step (`i == pl.num_programs(1) - 1`, "
-            "not the sequence's last page), "
-            + ("an empty slot's too: kv_len 0 has no page, l = 0 and acc = 0, and its output "
-               "is 0." if empty else "kv_len 0 included (its output is 0).")
-        )  # fmt: skip
-    heads = sorted({int(h) for h in np.argwhere(bad[wrong].any(axis=-1))[:, 1]})
-    if len(heads) < want.shape[1]:
-        group = want.shape[1] // num_kv_heads
-        return (
-            f"only q heads {', '.join(map(str, heads))} of {want.shape[1]} differ: how q heads "
-            f"share the {num_kv_heads} KV heads. q head h reads KV head h // group (group = "
-            f"{group}), whose K is the combined slot 2 * (h // group) and V the slot after it."
-        )
-    pages = [pages_needed(n, page_size) for n in lens]
-    if all(pages[s] > 1 for s in wrong):
-        return (
-            f"only sequences with more than one page differ ({listed}): what carries from one "
-            "page to the next. m, l and acc are initialised on page 0 only, alpha = "
-            "exp(m_prev - m_next) rescales l and acc, and page i holds the keys at positions "
-            "i * page_size and on."
-        )
-    if all(lens[s] % page_size for s in wrong):
-        return (
-            f"only sequences whose last page is partial differ ({listed}): the keys past "
-            "kv_len. Mask the scores at positions >= kv_len, and zero those rows of V."
-        )
-    return None
-
-
-def _page_namer(case: Case) -> Callable[[int], str]:
-    _, kv_pages, kv_lens, page_indices = case.args
-    page_size, total = kv_pages.shape[1], kv_pages.shape[0]
-    table, lens = np.asarray(page_indices), [int(n) for n in np.asarray(kv_lens)]
-
-    def name(page: int) -> str:
-        for seq, n in enumerate(lens):
-            used = pages_needed(n, page_size)
-            for i, p in enumerate(table[seq].tolist()):
-                if p == page and i < used:
-                    return f"page {i} of sequence {seq} (kv_pages[{page}])"
-        for seq, n in enumerate(lens):
-            for i, p in enumerate(table[seq].tolist()):
-                if p == page:
-                    return (
-                        f"kv_pages[{page}], through page_indices[{seq}, {i}], which is past "
-                        f"sequence {seq}'s pages ({_sequence_kind(seq, n, page_size, 0, False)}) "
-                        "and holds garbage"
-                    )
-        if not 0 <= page < total:
-            return f"kv_pages[{page}], which does not exist ({total} pages)"
-        return f"kv_pages[{page}], a page no sequence owns"
-
-    return name
-
-
 def _names(buffer: str, semaphores: tuple[str, ...]) -> Callable[[Case], Names]:
     def names(case: Case) -> Names:
         return Names(buffer=buffer, semaphores=semaphores, page=_page_namer(case))
 
     return names
+
+
+def _table_read_problem(read: TableRead, case: Case) -> str:
+    """An index map's read outside kv_lens or page_indices, with its likely cause."""
+    _, _, kv_lens, _ = case.args
+    lens = [int(n) for n in np.asarray(kv_lens)]
+    name = ("kv_lens", "page_indices")[read.table] if read.table < 2 else "a table"
+    step = ", ".join(map(str, read.step))
+    what = (
+        f"an index map read {name}[{', '.join(map(str, read.index))}] at grid step ({step}), "
+        f"outside the table (shape {read.shape}). Interpret mode does not bounds-check an "
+        "index map's reads (it clamps or wraps them, and the run goes on); a TPU reads SMEM "
+        "unchecked: another sequence's entry, or whatever lies next to the table."
+    )
+    seq, *rest = read.index
+    if read.table == 1 and rest and rest[0] < 0 and 0 <= seq < len(lens) and lens[seq] == 0:
+        cause = (
+            f"sequence {seq} has kv_len 0, no page at all: num_pages - 1 is -1, and "
+            "`jnp.minimum(i, num_pages - 1)` reads column -1, before its row. Clamp to 0 as "
+            "well, `jnp.minimum(i, jnp.maximum(num_pages - 1, 0))`, and give a sequence with "
+            "no page page 0 of the pool (`jnp.where(num_pages > 0, page, 0)`)."
+        )
+    elif read.table == 1 and rest and rest[0] >= read.shape[1]:
+        cause = (
+            "a page index past pages_per_seq: clamp i to the sequence's last page, "
+            "num_pages - 1 (not num_pages)."
+        )
+    elif not 0 <= seq < read.shape[0]:
+        cause = (
+            "a sequence index past the last sequence: the sequence is `pl.program_id(0)` "
+            "(`seq`); i = pl.program_id(1) is the page."
+        )
+    else:
+        cause = "an index into kv_lens or page_indices that is not clamped to the table."
+    return f"{what} Likely cause: {cause}"
+
+
+def _block_cause_of(fn: Callable) -> Callable:
+    """`_block_cause`, after the index maps' reads of the tables: an out-of-bounds block that
+    comes from a read outside page_indices is named for that read."""
+
+    def block_cause(step: tuple, index: tuple, case: Case) -> str | None:
+        read = index_map_read_outside(fn, case)
+        if read is not None:
+            return _table_read_problem(read, case).split("Likely cause: ", 1)[1]
+        return _block_cause(step, index, case)
+
+    return block_cause
 
 
 def _block_cause(step: tuple, index: tuple, case: Case) -> str | None:
@@ -379,8 +299,9 @@ def _advice(rung: int) -> Callable[[str], str | None]:
         if kind == "block":
             return (
                 f"the index map read through an entry it must not: {PAST_THE_LAST_PAGE}. Clamp "
-                "i to the sequence's last page, `jnp.minimum(i, cdiv(kv_len, page_size) - 1)`, "
-                "and give a sequence with no page at all page 0 (`jnp.where`)."
+                "i to the sequence's last page, `jnp.minimum(i, jnp.maximum(num_pages - 1, 0))` "
+                "with num_pages = cdiv(kv_len, page_size) (the `maximum`: num_pages - 1 is -1 "
+                "for kv_len 0), and give a sequence with no page at all page 0 (`jnp.where`)."
             )
         if kind == "copy":
             start = {
@@ -391,6 +312,13 @@ def _advice(rung: int) -> Callable[[str], str | None]:
                 "`<=`), and its next sequence must have pages (skip kv_len 0)",
             }.get(rung, "copy only the pages a sequence has")
             return f"a copy of a page the sequence does not have: {PAST_THE_LAST_PAGE}. {start}."
+        if kind == "smem" and rung < 5:
+            return (
+                "kv_lens or page_indices read outside it: a sequence index past the last "
+                "sequence (the sequence is `pl.program_id(0)`), or a page index past "
+                "pages_per_seq or below 0 (`num_pages - 1` is -1 for kv_len 0). Clamp every "
+                "index into them, as the index map does."
+            )
         if kind == "smem":
             return (
                 "kv_lens or page_indices read past its end: a sequence index past the last "
@@ -433,11 +361,14 @@ def _advice(rung: int) -> Callable[[str], str | None]:
 # --- the rung's own checks of its copies -------------------------------------------------------
 
 
-def _ledger_check(rung: int) -> Callable:
-    """The rung's own checks of its copies, which hold whatever the output."""
+def _ledger_check(rung: int, fn: Callable) -> Callable:
+    """The rung's own checks of its index maps and copies, which hold whatever the output."""
 
     def check(run, case: Case) -> str | None:
-        problem = _copy_through_garbage(run, case, rung)
+        read = index_map_read_outside(fn, case)
+        problem = _table_read_problem(read, case) if read is not None else None
+        if problem is None:
+            problem = _copy_through_garbage(run, case, rung)
         if problem is None and rung >= 4:
             problem = copies_never_overlap(run, case)
         if problem is None and rung == 5:
@@ -494,8 +425,8 @@ def _check_decode_kernel(
         locate=_locate,
         advice=_advice(rung),
         record_grid=prefetching,
-        ledger_check=_ledger_check(rung),
-        block_cause=_block_cause,
+        ledger_check=_ledger_check(rung, fn),
+        block_cause=_block_cause_of(fn),
         pattern=_pattern,
     )
 

@@ -61,13 +61,15 @@ def check_can_admit(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Che
     with it.
 
     >>> check_can_admit(can_admit)
-    Passed: can_admit matches the reference on all 97 cases.
+    Passed: can_admit matches the reference on all 121 cases.
     CheckResult('can_admit', status='passed')
     """
     cases = []
-    # Prompts of 8 tokens fill whole pages; most free pages come first, so that a rule asking
-    # for too much fails first where the pages would have been enough for the whole prompt.
-    situations = itertools.product((1, 7, 8, 20), (0, 3, 8), (5, 2, 1, 0), (2, 3))
+    # Prompts of 4 and 8 tokens fill whole pages, and 4 fits in a budget of 8 with room to
+    # spare (a rule that gives the token sampled after the prompt a page too asks for one
+    # more); most free pages come first, so that a rule asking for too much fails first where
+    # the pages would have been enough for the whole prompt.
+    situations = itertools.product((1, 4, 7, 8, 20), (0, 3, 8), (5, 2, 1, 0), (2, 3))
     for prompt, budget, free, running in situations:
         kwargs = dict(
             token_budget_left=budget,
@@ -78,7 +80,12 @@ def check_can_admit(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Che
         )
         text = ", ".join(f"{k}={v}" for k, v in kwargs.items())
         cases.append(Case(f"num_prompt_tokens={prompt}, {text}", ("rule", prompt), kwargs))
-    cases.append(Case("a small engine serving 5 requests with your rule", ("engine", seed)))
+    cases.append(
+        Case(
+            "a small engine serving 5 requests with your rule (one is preempted twice)",
+            ("engine", seed),
+        )
+    )
 
     def call(rule):
         def run(kind, value, **kwargs):
@@ -146,6 +153,7 @@ def _situation(rng, num_pages: int):
     prompt = rng.integers(0, 32, int(rng.integers(2, 12))).tolist()
     output = rng.integers(0, 32, int(rng.integers(0, 4))).tolist()
     request = Request(3, prompt, max_new_tokens=8, output=output)
+    request.num_preemptions = int(rng.integers(0, 3))  # preempted before, maybe
     request.num_computed = len(prompt) + len(output) - 1 if output else len(prompt)
     request.pages = allocator.allocate(pages_needed(request.num_computed, 4), owner=3)
     allocator.allocate(int(rng.integers(0, 2)), owner="other")
@@ -181,12 +189,16 @@ def check_preempt(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Check
         cases.append(
             Case(
                 f"request with pages={request.pages}, num_computed={request.num_computed}, "
-                f"{len(request.output)} tokens generated; free pages {list(allocator.free_pages)}",
+                f"{len(request.output)} tokens generated, num_preemptions="
+                f"{request.num_preemptions}; free pages {list(allocator.free_pages)}",
                 ("state", (request, allocator)),
             )
         )
     cases.append(
-        Case("a small engine whose pool is too small for all 5 requests", ("engine", seed))
+        Case(
+            "a small engine whose pool is too small for all 5 requests (one is preempted twice)",
+            ("engine", seed),
+        )
     )
 
     def call(f):
@@ -216,6 +228,10 @@ def check_preempt(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Check
         preempt(request, allocator)
         request.num_preemptions += 1
 
+    def resets_the_count(request, allocator):
+        preempt(request, allocator)
+        request.num_preemptions = 0
+
     mistakes = {
         "num_computed must go back to 0: the K/V of those tokens is gone with the pages, so "
         "the request must recompute them all.": call(keeps_num_computed),
@@ -227,6 +243,11 @@ def check_preempt(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Check
         "leave request.num_preemptions alone: the scheduler counts each preemption itself, "
         "after calling your function, so counting it here counts it twice.": (
             call(counts_the_preemption)
+        ),
+        "leave request.num_preemptions alone: it counts every preemption of the request, the "
+        "earlier ones too (the scheduler adds this one after your function); setting it to 0 "
+        "forgets them, which shows once a request is preempted a second time.": (
+            call(resets_the_count)
         ),
     }
     return run_check(

@@ -27,10 +27,13 @@ The learner's function has the kernels' signature: `fn(*arrays, **options, inter
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 from collections.abc import Callable
 
 import jax
+import numpy as np
 
 from minilib.exercises.checking import FAILED, PASSED, Case, CheckResult, run_check
 from minilib.exercises.comparisons import Mismatch, compare_arrays, indent
@@ -52,7 +55,7 @@ from minilib.tpu.numerics import BF16_PASS_TOLERANCE, one_bf16_pass
 # `check_kernel` is what the checkers of notebooks 07 and 08 call, and `compare_kernel_output`
 # its comparison. `compile_on_tpu` and the two functions after it, its last step, are left out:
 # what they do depends on whether libtpu is installed, and check_kernel's example runs them.
-__all__ = ["check_kernel", "compare_kernel_output"]
+__all__ = ["TableRead", "check_kernel", "compare_kernel_output", "index_map_read_outside"]
 
 COMPILE_CHIP = "v5e"
 MOSAIC_MESSAGE_LINES = 25
@@ -293,3 +296,127 @@ def compile_in_this_process(fn: Callable, args: tuple, chip: str) -> tuple[bool,
     except Exception as err:  # Mosaic's (or XLA's) refusal is the result
         return False, f"{type(err).__name__}: {err}"
     return True, None
+
+
+# --- what an index map reads from the scalar-prefetch tables ------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TableRead:
+    """An index map's read outside a scalar-prefetch table: at grid step `step`, the index map
+    of block mapping `mapping` read `table` (its position among the scalar-prefetch operands)
+    at `index`, outside its `shape`.
+
+    >>> read = TableRead(step=(2, 0), mapping=1, table=1, index=(2, -1), shape=(8, 4))
+    >>> read.index[1] < 0   # column -1 of page_indices: before row 2
+    True
+    """
+
+    step: tuple[int, ...]
+    mapping: int
+    table: int
+    index: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+class _CannotCheck(Exception):
+    """An index map this evaluator does not follow (a slice, a ref passed on): not checked."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Table:
+    position: int
+    values: np.ndarray
+
+
+def index_map_read_outside(fn: Callable, case: Case) -> TableRead | None:
+    """The first read of an index map outside a scalar-prefetch table (`kv_lens`,
+    `page_indices`), over every grid step of `fn`'s pallas_call on `case`; None if there is
+    none, or if it cannot be checked.
+
+    TPU interpret mode evaluates an index map on the tables as arrays: a read past an end is
+    clamped (or, at a negative index, wraps), and nothing fails. On a chip an index map reads
+    SMEM unchecked: another row, another array, or whatever lies beyond. So the index maps are
+    evaluated here, step by step, with every read of a table checked against its shape.
+
+    >>> from minilib.ladder.scalar_prefetch import paged_decode_attention
+    >>> from minilib.batch import make_batch
+    >>> b = make_batch([(1, 5), (1, 12)], num_q_heads=2, num_kv_heads=1, head_dim=128,
+    ...                page_size=8)
+    >>> case = Case("", (b.q, b.kv_pages, b.kv_lens, b.page_indices), {"sm_scale": 0.1})
+    >>> print(index_map_read_outside(paged_decode_attention, case))
+    None
+    """
+    try:
+        jaxpr = jax.make_jaxpr(functools.partial(fn, interpret=False, **case.kwargs))(*case.args)
+    except Exception:
+        return None
+    call = next((e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"), None)
+    if call is None:
+        return None
+    grid_mapping = call.params["grid_mapping"]
+    num_tables = grid_mapping.num_index_operands
+    given = dict(zip(jaxpr.jaxpr.invars, case.args, strict=True))
+    if num_tables == 0 or any(v not in given for v in call.invars[:num_tables]):
+        return None  # no tables, or tables computed inside fn: not followed
+    tables = [_Table(k, np.asarray(given[v])) for k, v in enumerate(call.invars[:num_tables])]
+    try:
+        grid = tuple(int(n) for n in grid_mapping.grid)
+    except TypeError:  # a dynamic grid
+        return None
+    found: list[TableRead] = []
+    try:
+        for step in itertools.product(*(range(n) for n in grid)):
+            for m, mapping in enumerate(grid_mapping.block_mappings):
+                closed = mapping.index_map_jaxpr
+
+                def check(table: _Table, index: tuple[int, ...], step=step, m=m) -> None:
+                    shape = table.values.shape
+                    if any(not 0 <= i < n for i, n in zip(index, shape, strict=True)):
+                        found.append(TableRead(step, m, table.position, index, shape))
+                        raise _CannotCheck  # the first is enough
+
+                indices = [np.int32(i) for i in step]
+                _evaluate(closed.jaxpr, closed.consts, [*indices, *tables], check)
+    except _CannotCheck:
+        pass
+    except Exception:  # an index map this evaluator cannot run: not checked
+        return None
+    return found[0] if found else None
+
+
+def _evaluate(jaxpr, consts, args, check) -> list:
+    """Evaluate `jaxpr`, each read of a `_Table` (a `get`) checked by `check(table, index)`."""
+    from jax import tree_util
+    from jax._src import core
+
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, core.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        values = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name == "get" and isinstance(values[0], _Table):
+            table, *flat = values
+            (indexer,) = tree_util.tree_unflatten(eqn.params["tree"], flat)
+            index = tuple(int(np.asarray(i)) if np.ndim(i) == 0 else None
+                          for i in indexer.indices)  # fmt: skip
+            if None in index or len(index) != table.values.ndim:
+                raise _CannotCheck
+            check(table, index)
+            out = [table.values[index]]
+        elif name in ("pjit", "jit", "closed_call", "core_call"):
+            inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+            inner_consts = getattr(inner, "consts", ())
+            out = _evaluate(getattr(inner, "jaxpr", inner), inner_consts, values, check)
+        elif any(isinstance(x, _Table) for x in values):
+            raise _CannotCheck
+        else:
+            out = eqn.primitive.bind(*values, **eqn.params)
+            out = out if eqn.primitive.multiple_results else [out]
+        env.update(zip(eqn.outvars, out, strict=True))
+    return [read(v) for v in jaxpr.outvars]
