@@ -109,6 +109,7 @@ TPU_COMPILE_TESTS = (
     "tests/test_tpu_compile.py",
     "tests/test_ladder.py",
     "tests/test_tpu_listing.py",
+    "tests/test_tpu_recorded.py",
 )
 # With jax 0.7.2, one kernel configuration per chip, the comparison with JAX's kernel and
 # the harness's own failure tests: the whole matrix runs once, on the newest stack.

@@ -136,6 +136,52 @@ def test_every_printed_comparison_is_asserted(path):
     )
 
 
+# What a cell prints where this stack cannot compute its result (no libtpu, or a jax without
+# its table of TPU chips), and the marker of the recorded result it must then show beside it
+# (`minilib.tpu.recorded`, `minilib.tpu.memory`, `minilib.tpu.comparison`, `minilib.tpu.listing`).
+NOT_HERE = re.compile(r"Not computed|has no table|not installed", re.IGNORECASE)
+RECORDED_MARKER = re.compile(r"Recorded on \d{4}-\d{2}-\d{2} with jax \d")
+# Cells that report what is installed, and claim no result: the doctor's report.
+REPORTS_WHAT_IS_INSTALLED = re.compile(r"^doctor_ok = doctor\(\)", re.MULTILINE)
+
+
+def _output_text(cell: dict) -> str:
+    texts = []
+    for output in cell.get("outputs", []):
+        text = output.get("text") or output.get("data", {}).get("text/plain", "")
+        texts.append("".join(text) if isinstance(text, list) else text)
+    return "".join(texts)
+
+
+def unrecorded_fallbacks(cells: list[dict]) -> list[str]:
+    """The code cells of an executed notebook that print that their result could not be
+    computed here ("Not computed", "has no table", "not installed") without showing the
+    recorded result beside it ("Recorded on <date> with jax X"): "cell i: its first line"."""
+    found = []
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] != "code" or REPORTS_WHAT_IS_INSTALLED.search(_source(cell)):
+            continue
+        text = _output_text(cell)
+        if NOT_HERE.search(text) and not RECORDED_MARKER.search(text):
+            found.append(f"cell {i}: {text.strip().splitlines()[0][:160]}")
+    return found
+
+
+def test_unrecorded_fallbacks_are_found():
+    def cell(source, text):
+        return {"cell_type": "code", "source": source, "outputs": [{"text": text}]}
+
+    label = "Recorded on 2026-12-05 with jax 0.12.0.1, libtpu 0.0.50.1 by `...`"
+    cells = [
+        cell("print(why)", "Not computed: libtpu is not installed (jax 0.12.0.1)."),
+        cell("print(label, verdict)", f"{label}, not computed here: libtpu is not installed."),
+        cell("print(rows)", "jax 0.7.2 has no table of TPU chips"),
+        cell("doctor_ok = doctor()", "libtpu:       not installed"),
+        cell("print(out)", "max |pallas - reference| = 3.6e-07"),
+    ]
+    assert [line.split(":")[0] for line in unrecorded_fallbacks(cells)] == ["cell 0", "cell 2"]
+
+
 def _first_code_cell(path: Path) -> dict:
     return next(c for c in _cells(path) if c["cell_type"] == "code")
 
@@ -238,6 +284,12 @@ def test_notebook_runs(path, kernel_manager_factory, record_property):
     record_property("seconds", round(seconds, 1))
     record_property("notebook_time", (path.name, round(seconds, 1), slowest))
     print(f"{path.name}: {seconds:.1f} s (slowest: {slowest})")
+    unrecorded = unrecorded_fallbacks(nb.cells)
+    assert not unrecorded, (
+        f"{path.name}: a cell says its result is not computed here without showing the "
+        "recorded one beside it (labelled 'Recorded on <date> with jax X', e.g. by "
+        "minilib.tpu.recorded.recorded_result):\n" + "\n".join(unrecorded)
+    )
     assert seconds < SECONDS_LIMIT, (
         f"{path.name} took {seconds:.0f} s; the budget is {SECONDS_LIMIT} s"
     )

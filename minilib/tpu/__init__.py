@@ -13,6 +13,7 @@ too: `mosaic_version`, which minilib applies when it is imported.
   kernel_costs.py  ours against JAX's and v3, compiled, per chip and config
   block_times.py   a KV block's bundles and bytes as time, per chip (static)
   comparison.py    what we claim from it, its recorded figures, `python -m minilib compile`
+  recorded.py      the notebooks' compile results, recorded for where nothing compiles
   sinks.py         ours with attention sinks, compiled (`python -m minilib compile --sinks`)
   mosaic_version.py  kernels lowered at the Mosaic IR version the installed libtpu reads
   numerics.py      a TPU's float32 matmuls (one bfloat16 pass) emulated on the CPU

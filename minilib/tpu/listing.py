@@ -8,6 +8,7 @@ see what a bundle, a DMA start, a semaphore wait and a matmul look like.
     pick_listing_lines(bundles_text)   those lines, from a dump's text (needs no libtpu)
     kv_loop_listing(chip)              our kernel compiled for `chip` (needs libtpu), picked
     recorded_listing()                 the lines recorded for v5e, for where nothing compiles
+    recorded_listing_label()           when, with what and how they were recorded
 
 `python -m minilib.tpu.listing > minilib/tpu/recorded_listing_v5e.txt` records them again
 (with libtpu: `.venv-tpu`).
@@ -24,7 +25,13 @@ from pathlib import Path
 from minilib.tpu.bundles import COMMENT, DMA_START, MATMUL, kv_block_loop, parse_bundles
 from minilib.tpu.dump_reader import SOURCE_LOC, libtpu_version, short_path
 
-__all__ = ["RECORDED", "kv_loop_listing", "pick_listing_lines", "recorded_listing"]
+__all__ = [
+    "RECORDED",
+    "kv_loop_listing",
+    "pick_listing_lines",
+    "recorded_listing",
+    "recorded_listing_label",
+]
 
 RECORDED = Path(__file__).with_name("recorded_listing_v5e.txt")
 COMMAND = "python -m minilib.tpu.listing > minilib/tpu/recorded_listing_v5e.txt"
@@ -162,13 +169,26 @@ def recorded_listing() -> list[str]:
     return [line for line in text.splitlines() if line and not line.startswith("#")]
 
 
+def recorded_listing_label() -> str:
+    """The label of the recorded lines, from `RECORDED`'s header: "Recorded on <date> with
+    jax X, libtpu Y by `COMMAND`".
+
+    >>> print(recorded_listing_label())
+    Recorded on ... with jax ..., libtpu ... by `python -m minilib.tpu.listing > ...`
+    """
+    first = RECORDED.read_text().splitlines()[0]
+    return first.removeprefix("# ").split(":", 1)[0] + f" by `{COMMAND}`"
+
+
 def _record() -> str:
     """The text of `RECORDED`: a header saying how it was made, then the lines."""
+    import datetime
+
     import jax
 
     header = [
-        f"# Our kernel's KV-block loop compiled for v5e (jax {jax.__version__}, libtpu "
-        f"{libtpu_version()}): the lines of",
+        f"# Recorded on {datetime.date.today().isoformat()} with jax {jax.__version__}, libtpu "
+        f"{libtpu_version()}: our kernel's KV-block loop compiled for v5e, the lines of",
         "# minilib.tpu.listing.pick_listing_lines, on notebook 09's comparison case, 32 q rows"
         " per block.",
         f"# Made by: {COMMAND}",

@@ -3,19 +3,38 @@
 Newer JAX versions (0.10.2 does; 0.7.2 does not) carry a description of each TPU generation
 (`pltpu.get_tpu_info_for_chip`, the figures Pallas itself plans with): HBM, VMEM and SMEM
 capacity, the vector register shape (sublanes x lanes), and the MXU. `chip_memories` reads it
-for the chips this course compiles for. Without that table (jax 0.7.2) then it returns None, and
-`why_unavailable()` says so: the course never types these numbers in by hand.
+for the chips this course compiles for. Without that table (jax 0.7.2) it returns None, and
+`why_unavailable()` says so. `chip_memories_here_or_recorded` then gives the figures of JAX's
+table recorded with a newer jax (`RECORDED`, written by `record_chip_table`, which
+`python -m minilib.tpu.recorded --chips` runs; `tests/test_tpu_memory.py` holds it equal to
+the live table), labelled so: the course never types these numbers in by hand.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import json
+from pathlib import Path
 
+import jax
 from jax.experimental.pallas import tpu as pltpu
 
 from minilib.tpu.chips import CHIPS, FACTS
 
-__all__ = ["ChipMemories", "chip_memories", "why_unavailable"]
+__all__ = [
+    "RECORDED",
+    "ChipMemories",
+    "chip_memories",
+    "chip_memories_here_or_recorded",
+    "record_chip_table",
+    "recorded_chip_memories",
+    "why_unavailable",
+]
+
+# JAX's table, as a newer jax reads it, for a jax without one (0.7.2, Colab's).
+RECORDED = Path(__file__).with_name("recorded_chip_table.json")
+RECORD_COMMAND = "python -m minilib.tpu.recorded --chips"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +107,62 @@ def why_unavailable() -> str:
     >>> print(why_unavailable())
     jax ... has no table of TPU chips (pltpu.get_tpu_info_for_chip; jax 0.10.2 has it): ...
     """
-    import jax
-
     return (
         f"jax {jax.__version__} has no table of TPU chips (pltpu.get_tpu_info_for_chip; jax "
         "0.10.2 has it): with a newer jax this prints HBM, VMEM and SMEM per chip."
+    )
+
+
+def record_chip_table(path: Path = RECORDED) -> dict:
+    """Write JAX's table (`chip_memories()`: every field of every chip), with the date and
+    jax's version, to `path`. Raises RuntimeError where this jax has no table (0.7.2).
+
+    It rewrites a file of the package, so the example is not run:
+
+    >>> record_chip_table()["jax"]  # doctest: +SKIP
+    '0.12.0.1'
+    """
+    rows = chip_memories()
+    if rows is None:
+        raise RuntimeError(why_unavailable())
+    record = {
+        "what": "one TensorCore's figures per chip, from JAX's own table "
+        f"(pltpu.get_tpu_info_for_chip); written by `{RECORD_COMMAND}`",
+        "date": datetime.date.today().isoformat(),
+        "jax": jax.__version__,
+        "chips": [dataclasses.asdict(row) for row in rows],
+    }
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def recorded_chip_memories(path: Path = RECORDED) -> tuple[list[ChipMemories], dict]:
+    """The rows of JAX's table as recorded by `record_chip_table`, and the record (date, jax).
+
+    >>> rows, record = recorded_chip_memories()
+    >>> rows[1].chip, rows[1].lanes, record["jax"]
+    ('v5e', 128, '0.12.0.1')
+    """
+    record = json.loads(path.read_text())
+    return [ChipMemories(**row) for row in record["chips"]], record
+
+
+def chip_memories_here_or_recorded(chips=CHIPS) -> tuple[list[ChipMemories], str]:
+    """(rows, where they come from): this jax's table when it has one, else the table
+    recorded from a newer jax's (`recorded_chip_memories`), saying when, with which jax, and
+    why not read here.
+
+    >>> rows, source = chip_memories_here_or_recorded(("v5e", "v6e"))
+    >>> [r.chip for r in rows], source.startswith(("From JAX's", "Recorded on"))
+    (['v5e', 'v6e'], True)
+    """
+    rows = chip_memories(chips)
+    if rows is not None:
+        return rows, f"From JAX's own table (jax {jax.__version__}, pltpu.get_tpu_info_for_chip)."
+    recorded, record = recorded_chip_memories()
+    by_chip = {row.chip: row for row in recorded}
+    return [by_chip[chip] for chip in chips], (
+        f"Recorded on {record['date']} with jax {record['jax']} from its table of TPU chips "
+        f"(pltpu.get_tpu_info_for_chip) by `{RECORD_COMMAND}`, not read here: jax "
+        f"{jax.__version__} has no such table (jax 0.10.2 and newer read it live)."
     )
