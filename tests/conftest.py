@@ -26,7 +26,8 @@ from minilib import (
 )
 from minilib.batch import RaggedBatch, make_batch
 
-pytest_plugins = ["time_limit"]  # a time limit on every test: tests/time_limit.py
+# Time limits on every test (tests/time_limit.py); what runs only under `slow` (tests/markers.py).
+pytest_plugins = ["time_limit", "markers"]
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
@@ -154,17 +155,50 @@ def case_batch(name: str) -> tuple[RaggedBatch, dict]:
     return batch, dict(options)
 
 
+# The options that random_batches draws.
+# sm_scale stays below 1 (the default): a mix-up of sm_scale and soft_cap (the cap applied
+# before the scale, or no scale at all) changes the answer only when sm_scale is not 1.
+SM_SCALES = st.floats(0.05, 0.8)
+SOFT_CAPS = st.floats(0.5, 30.0)
+SLIDING_WINDOWS = st.integers(1, 12)  # 1: each row sees its own key only
+# A mask value that leaves masked keys a weight (JAX adds it to their scores), or one so low
+# that they weigh nothing (at or below masking.NEGLIGIBLE_MASK_VALUE, -1e30, the blocked
+# versions skip KV blocks whose keys are all masked).
+MASK_VALUES = st.one_of(st.floats(-20.0, -0.5), st.sampled_from([-1e4, -1e30]))
+# The scales of an fp8 cache: powers of two, which the kernel applies to the scores and the
+# output exactly as the references apply them to K and V (rounded to q's dtype); v_scale
+# below 1 keeps bf16 outputs below 4, where one bf16 rounding step is within TOLERANCE.
+K_SCALES = st.sampled_from([0.5, 0.25, 1.0, 2.0])
+V_SCALES = st.sampled_from([0.5, 0.25])
+
+
 @st.composite
-def random_batches(draw, *, fixed_shapes: bool = False, dtypes=((jnp.float32, None),)):
+def random_batches(
+    draw,
+    *,
+    fixed_shapes: bool = False,
+    dtypes=((jnp.float32, None),),
+    one_of_everything: bool = False,
+    block_sizes=(),
+):
     """(batch, options): a random ragged batch (random lengths, idle sequences included, NaN
-    padding) and random attention options (sliding window, soft cap; the scales of an fp8
-    cache), the one random-batch builder of the tests.
+    padding) and random attention options (sm_scale; maybe a sliding window, a soft cap, a
+    mask value; the scales of an fp8 cache), the one random-batch builder of the tests.
 
     dtypes: the (q dtype, KV dtype) pairs to draw from (KV dtype None: q's).
 
+    block_sizes: the names of BLOCK_SIZES to draw too, for the blocked implementations: KV
+    blocks of 1 to pages_per_seq pages, q blocks of 1, 3, 8 or 16 rows.
+
     fixed_shapes: the same array shapes every time (5 sequence slots of 6 pages of 4 tokens,
-    40 q rows, 4 q heads on 2 KV heads) and two option sets, so that a jitted implementation
-    compiles twice in all; else head counts, page size and padding vary too.
+    40 q rows, 4 q heads on 2 KV heads) and two option sets (no sm_scale: the caller's), so
+    that a jitted implementation compiles twice in all; else head counts, page size and
+    padding vary too.
+
+    one_of_everything: every example holds a prefill, a decode, a chunk and an idle sequence
+    (random lengths, random order), padding rows and a padding slot, and sets every option.
+    For the fast suite's few examples: hypothesis' first example is its simplest (each draw
+    at its lower bound), which otherwise is an empty batch with no options.
     """
     if fixed_shapes:
         num_kv_heads, group, page_size, pages_per_seq = 2, 2, 4, 6
@@ -174,18 +208,21 @@ def random_batches(draw, *, fixed_shapes: bool = False, dtypes=((jnp.float32, No
         group = draw(st.sampled_from([1, 2, 4]))
         page_size = draw(st.sampled_from([1, 3, 8, 16]))
         max_seqs, max_kv_len, max_q_len = 5, 40, 40
-    n = draw(st.integers(0, max_seqs))
-    seq_lens = []
-    for _ in range(n):
-        kv_len = draw(st.integers(0, max_kv_len))
-        seq_lens.append((draw(st.integers(0, min(kv_len, max_q_len))), kv_len))
+    if one_of_everything:
+        seq_lens = draw(one_of_each_kind(max_kv_len))
+    else:
+        seq_lens = []
+        for _ in range(draw(st.integers(0, max_seqs))):
+            kv_len = draw(st.integers(0, max_kv_len))
+            seq_lens.append((draw(st.integers(0, min(kv_len, max_q_len))), kv_len))
     if fixed_shapes:
         shapes = dict(max_num_batched_tokens=40, max_num_seqs=max_seqs, pages_per_seq=pages_per_seq,
                       total_num_pages=max_seqs * pages_per_seq + 3)  # fmt: skip
     else:
-        padding_rows, padding_slots = draw(st.integers(1, 8)), draw(st.integers(0, 2))
+        padding_rows = draw(st.integers(1, 8))
+        padding_slots = draw(st.integers(1 if one_of_everything else 0, 2))
         shapes = dict(max_num_batched_tokens=padding_rows + sum(q for q, _ in seq_lens),
-                      max_num_seqs=max(n + padding_slots, 1))  # fmt: skip
+                      max_num_seqs=max(len(seq_lens) + padding_slots, 1))  # fmt: skip
     dtype, kv_dtype = draw(st.sampled_from(dtypes))
     batch = make_batch(
         seq_lens,
@@ -198,14 +235,41 @@ def random_batches(draw, *, fixed_shapes: bool = False, dtypes=((jnp.float32, No
         seed=draw(st.integers(0, 2**16)),
         **shapes,
     )
-    options = {} if kv_dtype is None else {"k_scale": 0.5, "v_scale": 2.0}
     if fixed_shapes:
+        options = {} if kv_dtype is None else {"k_scale": 0.5, "v_scale": 2.0}
         return batch, {**options, "sliding_window": draw(st.sampled_from([None, 5]))}
-    if draw(st.booleans()):
-        options["sliding_window"] = draw(st.integers(1, 12))
-    if draw(st.booleans()):
-        options["soft_cap"] = draw(st.floats(0.5, 30.0))
+    sizes = {
+        "num_kv_pages_per_block": st.integers(1, batch.page_indices.shape[1]),
+        "num_queries_per_block": st.sampled_from([1, 3, 8, 16]),
+    }
+    options = {name: draw(sizes[name]) for name in block_sizes}
+    options["sm_scale"] = draw(SM_SCALES)
+    if kv_dtype is not None:
+        options.update(k_scale=draw(K_SCALES), v_scale=draw(V_SCALES))
+    if one_of_everything:
+        # A window of at least 2 keys: a window of 1 leaves each row its own key only, and
+        # no score would matter in the simplest example.
+        options.update(sliding_window=draw(st.integers(2, 12)), soft_cap=draw(SOFT_CAPS),
+                       mask_value=draw(MASK_VALUES))  # fmt: skip
+        return batch, options
+    for name, values in [("sliding_window", SLIDING_WINDOWS), ("soft_cap", SOFT_CAPS),
+                         ("mask_value", MASK_VALUES)]:  # fmt: skip
+        if draw(st.booleans()):
+            options[name] = draw(values)
     return batch, options
+
+
+@st.composite
+def one_of_each_kind(draw, max_kv_len: int) -> list[tuple[int, int]]:
+    """(q_len, kv_len) of a prefill, a decode, a chunk (some tokens cached, several new) and an
+    idle sequence, with random lengths, in a random order; at their simplest, the shortest
+    lengths that still make each kind."""
+    prefill = draw(st.integers(2, max_kv_len))
+    decode = draw(st.integers(2, max_kv_len))
+    chunk = draw(st.integers(3, max_kv_len))
+    kinds = [(prefill, prefill), (1, decode), (draw(st.integers(2, chunk - 1)), chunk),
+             (0, draw(st.integers(0, max_kv_len)))]  # fmt: skip
+    return draw(st.permutations(kinds))
 
 
 def assert_close(got, want, dtype) -> float:

@@ -69,7 +69,7 @@ def test_causal_offset_matters():
 
 def check_jnp_matches_jax_reference(batch_and_options):
     batch, options = batch_and_options
-    assert_matches_jax(ragged_paged_attention_jnp, batch, sm_scale=0.2, **options)
+    assert_matches_jax(ragged_paged_attention_jnp, batch, **options)
 
 
 def check_reference_matches_jnp(batch_and_options):

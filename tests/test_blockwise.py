@@ -36,7 +36,7 @@ from minilib.vectorized import ragged_paged_attention_jnp
 
 # Each case costs a compile of JAX's reference and of ours, so the fast cases share one batch
 # shape (MIXED, GQA 4, head_dim 64) where they can and vary the options; the slow suite adds
-# more head configs and a sweep.
+# more head configs and the rest of a sweep.
 # (id, case name in conftest.CASES, block sizes, marks). Block sizes that do not divide
 # pages_per_seq (8 here), and small q blocks.
 BLOCKED_CASES = [
@@ -167,12 +167,36 @@ test_property_matches_jax_reference, test_property_matches_jax_reference_sweep =
 )
 
 
-# The slow sweep: every GQA ratio and head_dim, against JAX's reference, with block sizes.
-@pytest.mark.slow
-@pytest.mark.parametrize("num_q_heads, num_kv_heads", HEAD_CONFIGS)
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("blocks", [(1, 1), (3, 5), (None, None)])
-@pytest.mark.parametrize("dtype", DTYPES)
+# The sweep: every GQA ratio and head_dim in both dtypes, with blocks of one page and one q row,
+# uneven blocks (3 pages, 5 rows) and the default ones. Two cases run in the fast suite: GQA 4
+# at head_dim 128 in bfloat16 with uneven blocks, and MQA at head_dim 64 in float32 with
+# blocks of one; the rest are slow.
+SWEEP_BLOCKS = {"blocks of 1": (1, 1), "uneven blocks": (3, 5), "default blocks": (None, None)}
+FAST_SWEEP_CASES = {
+    "bfloat16-uneven blocks-hd128-8q2kv",
+    "float32-blocks of 1-hd64-8q1kv",
+}
+
+
+def sweep_case(dtype, blocks: str, head_dim: int, num_q_heads: int, num_kv_heads: int):
+    """One case of the sweep as a pytest param, marked slow unless in FAST_SWEEP_CASES."""
+    case_id = f"{jnp.dtype(dtype).name}-{blocks}-hd{head_dim}-{num_q_heads}q{num_kv_heads}kv"
+    marks = () if case_id in FAST_SWEEP_CASES else pytest.mark.slow
+    args = (num_q_heads, num_kv_heads, head_dim, SWEEP_BLOCKS[blocks], dtype)
+    return pytest.param(*args, id=case_id, marks=marks)
+
+
+SWEEP_CASES = [
+    sweep_case(dtype, blocks, head_dim, num_q_heads, num_kv_heads)
+    for dtype in DTYPES
+    for blocks in SWEEP_BLOCKS
+    for head_dim in (64, 128)
+    for num_q_heads, num_kv_heads in HEAD_CONFIGS
+]
+assert FAST_SWEEP_CASES <= {case.id for case in SWEEP_CASES}
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, blocks, dtype", SWEEP_CASES)
 def test_sweep_matches_jax_reference(num_q_heads, num_kv_heads, head_dim, blocks, dtype):
     batch = padded_batch(
         MIXED,

@@ -2,7 +2,8 @@
 
 Every batch comes from `make_batch`, so unused page slots, unused pages and padding q rows are
 NaN and padding sequence slots hold garbage: a kernel that reads them fails here.
-The fast suite runs a dozen small cases; `pytest -m slow` adds a random sweep.
+The fast suite runs a dozen small cases and four random batches (`test_random_batches`);
+`pytest -m slow` runs a random sweep.
 
 Which path of the kernel each test covers:
 - TPU interpret mode (`pltpu.InterpretParams`: HBM, VMEM, DMAs and semaphores simulated) runs
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    BLOCK_SIZES,
     INTERPRET,
     ONE_OF_EACH,
     TOLERANCE,
@@ -41,10 +43,9 @@ from conftest import (
     jax_reference_jitted,
     one_case_per_path,
     one_of_each_batch,
+    property_test,
     random_batches,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -519,22 +520,33 @@ def test_other_interpret_values_are_a_clear_error(interpret):
 
 
 # ---------------------------------------------------------------------------------------------
-# The slow sweep: random batches, random block sizes.
+# Random batches, random options, random block sizes: a few in the fast suite, a sweep in the
+# slow one.
 # ---------------------------------------------------------------------------------------------
 
 
 KERNEL_DTYPES = ((jnp.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, jnp.float8_e4m3fn))
 
 
-@pytest.mark.slow
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(random_batches(dtypes=KERNEL_DTYPES), st.data())
-def test_random_batches(batch_and_options, data):
+def check_random_batch(batch_and_options):
+    """The kernel in TPU interpret mode on a random batch, with random options (a random
+    sm_scale always) and random block sizes: q blocks of 1 or 3 rows too, and pages of 1 or 3
+    tokens, so that a KV block spans many pages and q blocks cut sequences anywhere."""
     batch, options = batch_and_options
-    pages_per_seq = batch.page_indices.shape[1]
-    blocks = dict(
-        num_kv_pages_per_block=data.draw(st.integers(1, pages_per_seq)),
-        num_queries_per_block=data.draw(st.sampled_from([1, 3, 8, 16])),
+    assert_matches_jax(run_kernel(), batch, **options)
+
+
+# Fast: hypothesis' simplest example (a prefill, a decode, a chunk and an idle sequence, each
+# as short as it can be, pages of 1 token, blocks of 1) and three random ones, every option set.
+test_random_batches = property_test(
+    check_random_batch,
+    random_batches(dtypes=KERNEL_DTYPES, block_sizes=BLOCK_SIZES, one_of_everything=True),
+    max_examples=4,
+)
+test_random_batches_sweep = pytest.mark.slow(
+    property_test(
+        check_random_batch,
+        random_batches(dtypes=KERNEL_DTYPES, block_sizes=BLOCK_SIZES),
+        max_examples=12,
     )
-    sm_scale = data.draw(st.floats(0.05, 0.3))
-    assert_matches_jax(run_kernel(), batch, sm_scale=sm_scale, **blocks, **options)
+)
