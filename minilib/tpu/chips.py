@@ -7,9 +7,12 @@ figures, HBM bandwidth and dense bf16 peak, per device.
 
 Where the figures come from:
 
-* v4, v5e, v5p, v6e: Google Cloud's TPU system architecture pages. v6e's 1.75 GHz clock is an
-  assumption; the other clocks follow from each chip's published peak (peak bf16 FLOP/s =
-  2 * MXUs * MXU size^2 * clock).
+* v4, v5e, v5p, v6e: Google Cloud's TPU system architecture pages. The clocks follow from
+  each chip's published peak (peak bf16 FLOP/s = 2 * MXUs * MXU size^2 * clock), except v6e's
+  1.75 GHz, an assumption, and one that JAX's own table (`pltpu.get_tpu_info_for_chip`) does
+  not support: by that formula 918 TFLOP/s at 1.75 GHz takes 4 MXUs of 256 x 256, and JAX's
+  table gives v6e 2, which would take 3.5 GHz. So v6e's static issue times (bundles / clock)
+  rest on an assumed clock; its bundle counts do not depend on it.
 * TPU7x (Ironwood): https://docs.cloud.google.com/tpu/docs/tpu7x gives, per chip, 2307 TFLOP/s
   of dense bf16, 7380 GB/s of HBM bandwidth and two TensorCores. Each TensorCore is a device
   of its own (`tpu7x:1x1x1` has two devices, one core each), so a device gets half of each:
