@@ -36,6 +36,7 @@ __all__ = [
     "package_version",
     "parity_passes",
     "parity_smoke_check",
+    "precision_line",
     "self_check_batches",
     "tpu_compile_check",
     "tpu_self_check",
@@ -43,7 +44,7 @@ __all__ = [
     "warm_ms",
 ]
 
-# The parity tolerance where float32 matmuls are exact: float32 rounding.
+# The parity tolerance where float32 matmuls run in float32 (a CPU): float32 rounding.
 FLOAT32_TOLERANCE = 1e-4
 
 
@@ -73,8 +74,26 @@ def kernel_mode(backend: str | None = None) -> str:
     return f"interpreted (TPU interpret mode on {backend}: right answers, not TPU speed)"
 
 
+def precision_line() -> str:
+    """What a float32 matmul at JAX's default precision is here, and so the parity tolerance:
+    float32 on a CPU; one bfloat16 pass on a TPU, or under this course's emulation of one
+    (`minilib.tpu.numerics`, which the course's test run switches on for Colab's stack).
+
+    >>> print(precision_line())  # doctest: +SKIP
+    float32 matmuls run in float32 here (cpu): parity tolerance 1e-04
+    """
+    if jax.default_backend() == "tpu":
+        where = "as one bfloat16 pass here (a TPU)"
+    elif one_bf16_pass():
+        where = "as one bfloat16 pass here (minilib.tpu.numerics emulates a TPU's on the CPU)"
+    else:
+        where = f"in float32 here ({jax.default_backend()})"
+    tolerance = BF16_PASS_TOLERANCE if one_bf16_pass() else FLOAT32_TOLERANCE
+    return f"float32 matmuls run {where}: parity tolerance {tolerance:.0e}"
+
+
 def expected_output(batch: RaggedBatch, sm_scale: float) -> np.ndarray:
-    """JAX's own reference on `batch`, its live rows, with exact float32 matmuls.
+    """JAX's own reference on `batch`, its live rows, with float32-accurate matmuls.
 
     >>> batch = make_batch([(2, 2), (1, 5)], max_num_batched_tokens=8)
     >>> expected_output(batch, sm_scale=0.125).shape   # 3 live rows of [8, 4, 64]
@@ -88,7 +107,7 @@ def expected_output(batch: RaggedBatch, sm_scale: float) -> np.ndarray:
     # compiles that loop once instead of op by op.
     lengths = [np.asarray(a) for a in batch.args()[2:]]
     reference = jax.jit(lambda q, kv: jax_reference(q, kv, *lengths, sm_scale=sm_scale))
-    # The reference's matmuls exact (HIGHEST), even where a float32 matmul at the default
+    # The reference's matmuls float32-accurate (HIGHEST), even where a float32 matmul at the default
     # precision is one bfloat16 pass (a TPU; minilib.tpu.numerics): the float32 answer.
     with jax.default_matmul_precision("highest"):
         return np.asarray(reference(batch.q, batch.kv_pages))[: batch.num_tokens]
@@ -149,9 +168,9 @@ def parity_smoke_check() -> tuple[dict[str, float], float]:
 
 def parity_passes(errors: dict[str, float]) -> bool:
     """Are `parity_smoke_check`'s errors small enough? Float32 rounding (1e-4) where float32
-    matmuls are exact; where they are one bfloat16 pass (a TPU, or its emulation on the CPU),
-    what that pass costs (`minilib.tpu.numerics.BF16_PASS_TOLERANCE`; the kernel measured
-    0.0064 under the emulation).
+    matmuls run in float32 (a CPU); where they are one bfloat16 pass (a TPU, or its emulation
+    on the CPU), what that pass costs (`minilib.tpu.numerics.BF16_PASS_TOLERANCE`; the kernel
+    measured 0.0064 under the emulation).
 
     >>> parity_passes({"jnp": 1e-6, "kernel": float("nan")})
     False
@@ -168,12 +187,13 @@ def doctor() -> bool:
 
     >>> doctor()  # doctest: +SKIP
     backend:      cpu (cpu)
-    jax:          0.10.2
-    jaxlib:       0.10.2
+    jax:          0.12.0.1
+    jaxlib:       0.12.0.1
     libtpu:       not installed
     Pallas kernel: interpreted (TPU interpret mode on cpu: right answers, not TPU speed)
-    parity check: PASS: max |minilib - jax reference|: jnp 1.2e-06, kernel 4.8e-07 (6.5 s)
-    TPU compile:  not available: libtpu is not installed (jax 0.10.2). Install it with: ...
+    precision:    float32 matmuls run in float32 here (cpu): parity tolerance 1e-04
+    parity check: PASS: max |minilib - jax reference|: jnp 8.3e-07, kernel 1.3e-06 (6.2 s)
+    TPU compile:  not available: libtpu is not installed (jax 0.12.0.1). Install it with: ...
     True
     """
     backend = jax.default_backend()
@@ -182,6 +202,7 @@ def doctor() -> bool:
     print(f"jaxlib:       {package_version('jaxlib')}")
     print(f"libtpu:       {package_version('libtpu')}")
     print(f"Pallas kernel: {kernel_mode(backend)}")
+    print(f"precision:    {precision_line()}")
     errors, seconds = parity_smoke_check()
     ok = parity_passes(errors)
     details = ", ".join(f"{name} {err:.1e}" for name, err in errors.items())
@@ -206,7 +227,7 @@ def tpu_compile_check() -> bool:
     from minilib.tpu.compile import tpu_compile_available
 
     ok, reason = tpu_compile_available()
-    if not ok:
+    if not ok:  # the reason ends with how to install libtpu, for this jax
         print(f"TPU compile:  not available: {reason}")
         return True
     from minilib.tpu.kernel_costs import compile_rpa, rpa_specs
@@ -306,11 +327,7 @@ def print_versions() -> None:
     print(f"v3:        {v3_available()[1]}")
     print(f"chip:      {device.device_kind} ({device.platform}), {jax.device_count()} device(s)")
     print(f"kernels:   {kernel_mode(device.platform)}")
-    if one_bf16_pass():
-        precision = f"one bfloat16 pass: parity tolerance {BF16_PASS_TOLERANCE}"
-    else:
-        precision = f"exact float32: parity tolerance {FLOAT32_TOLERANCE}"
-    print(f"precision: float32 matmuls at the default precision are {precision}")
+    print(f"precision: {precision_line()}")
 
 
 def implementation_checks() -> list[tuple[str, bool]]:

@@ -29,8 +29,8 @@ def check_can_allocate(n, num_free: int, total_num_pages: int, fix: str | None =
     ...
     minilib.errors.KVCacheError: Out of pages: allocate(n=3) needs 3 free pages, but only \
 num_free=2 of total_num_pages=8 are free.
-    Hint: free finished sequences first (PagedKVCache.free(seq_id)), or build the cache with \
-more pages (total_num_pages >= 9).
+    Hint: free the pages of finished sequences first (free(pages)), or build the allocator with \
+more pages (PageAllocator(total_num_pages=9) or more).
     """
     if not _is_int(n) or n < 0:
         raise KVCacheError(
@@ -40,8 +40,8 @@ more pages (total_num_pages >= 9).
     if n > num_free:
         num_used = total_num_pages - num_free
         fix = fix or (
-            "free finished sequences first (PagedKVCache.free(seq_id)), or build the cache "
-            f"with more pages (total_num_pages >= {num_used + n})."
+            "free the pages of finished sequences first (free(pages)), or build the allocator "
+            f"with more pages (PageAllocator(total_num_pages={num_used + n}) or more)."
         )
         raise KVCacheError(
             f"Out of pages: allocate(n={n}) needs {n} free pages, but only "

@@ -16,6 +16,8 @@ from minilib.doctor import (
     max_abs_error,
     parity_passes,
 )
+from minilib.parity import parity_tolerance
+from minilib.tpu.compile import LIBTPU_FOR_JAX, install_hint
 from minilib.vectorized import ragged_paged_attention_jnp
 
 
@@ -28,9 +30,26 @@ def test_doctor_command_reports_and_passes():
     result = run_minilib("doctor")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    expected = ("backend:", "jax:", "jaxlib:", "libtpu:", "Pallas kernel:", "parity check: PASS")
+    expected = ("backend:", "jax:", "jaxlib:", "libtpu:", "Pallas kernel:", "precision:",
+                "parity check: PASS")  # fmt: skip
     for line in (*expected, "TPU compile:"):
         assert line in out
+    # The precision line says which tolerance applies here, as notebooks 00 and 04 say.
+    assert f"parity tolerance {parity_tolerance():.0e}" in out
+    if "libtpu:       not installed" in out:
+        assert install_hint() in out
+
+
+def test_install_hint_names_the_pair_of_each_tpu_environment():
+    """doctor's advice for Colab's jax 0.7.2 is Colab's libtpu and .venv-tpu-oldest, for the
+    newest jax its jax[tpu] and .venv-tpu: the pins of constraints/, as in the README's table."""
+    constraints = pathlib.Path(__file__).parent.parent / "constraints"
+    for jax_version, (_, libtpu, _, venv) in LIBTPU_FOR_JAX.items():
+        pins = (constraints / f"{venv.removeprefix('.venv-')}.txt").read_text().splitlines()
+        assert f"jax=={jax_version}" in pins and f"libtpu=={libtpu}" in pins, venv
+        advice = install_hint(jax_version)
+        assert f"libtpu {libtpu}" in advice and f"makes {venv} with that pair" in advice
+    assert "0.0.23" in install_hint("0.7.2") and ".venv-tpu " not in install_hint("0.7.2")
 
 
 def test_kernel_mode():

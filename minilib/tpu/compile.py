@@ -130,13 +130,46 @@ class TPUCompileUnavailable(RuntimeError):
     """
 
 
-def install_hint() -> str:
-    """How to get libtpu: for this jax when the reader was checked with its libtpu."""
-    version = jax.__version__ if jax.__version__ in CHECKED_LIBTPU else NEWEST_CHECKED_JAX
+# libtpu for the jax of each TPU environment of `tasks.py test` (tests/test_doctor.py checks
+# them against constraints/): {jax: (what to pip install, its libtpu, its size, the venv)}.
+# For Colab's jax 0.7.2 it is Colab's own libtpu, 0.0.21.1, not the 0.0.23 of `jax[tpu]==0.7.2`.
+LIBTPU_FOR_JAX = {
+    "0.12.0.1": ('"jax[tpu]==0.12.0.1"', "0.0.50.1", "640 MB", ".venv-tpu"),
+    "0.7.2": ('"libtpu==0.0.21.1"', "0.0.21.1", "360 MB", ".venv-tpu-oldest"),
+}
+
+
+def install_hint(jax_version: str | None = None) -> str:
+    """How to install libtpu, for a TPU compile on any Linux host, with `jax_version` (by
+    default the jax installed): the pair of its TPU environment where `tasks.py test` makes
+    one, else the newest jax the reader was checked with.
+
+    >>> print(install_hint("0.7.2"))
+    Install it with: pip install "libtpu==0.0.21.1" (libtpu 0.0.21.1, the one Colab's TPU \
+runtime pairs with jax 0.7.2, not the 0.0.23 of jax[tpu]==0.7.2; about 360 MB installed; it \
+runs on any Linux host without a TPU), or in a checkout run `python3 tasks.py test`, which \
+makes .venv-tpu-oldest with that pair.
+    """
+    version = jax.__version__ if jax_version is None else jax_version
+    if version in LIBTPU_FOR_JAX:
+        install, libtpu, size, venv = LIBTPU_FOR_JAX[version]
+        if install.startswith('"jax[tpu]'):
+            what = f"it brings libtpu {libtpu}"
+        else:
+            what = (
+                f"libtpu {libtpu}, the one Colab's TPU runtime pairs with jax {version}, not "
+                f"the {CHECKED_LIBTPU[version]} of jax[tpu]=={version}"
+            )
+        return (
+            f"Install it with: pip install {install} ({what}; about {size} installed; it runs "
+            f"on any Linux host without a TPU), or in a checkout run `python3 tasks.py test`, "
+            f"which makes {venv} with that pair."
+        )
+    target = version if version in CHECKED_LIBTPU else NEWEST_CHECKED_JAX
+    change = "" if target == version else f", and replaces jax {version} with {target}"
     return (
-        f'Install it with: pip install "jax[tpu]=={version}" (it brings libtpu '
-        f"{CHECKED_LIBTPU[version]}, about 700 MB; it runs on any Linux host without a TPU), "
-        "or in a checkout run `python3 tasks.py test`, which makes the .venv-tpu environment."
+        f'Install it with: pip install "jax[tpu]=={target}" (it brings libtpu '
+        f"{CHECKED_LIBTPU[target]}{change}; it runs on any Linux host without a TPU)."
     )
 
 
