@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from minilib.batch import RaggedBatch, make_batch, random_seq_lens
+from minilib.parity import parity_tolerance
 from minilib.perf.workloads import TARGET_CASE, BenchCase, case_batch, fit_token_budget
-from minilib.tpu.numerics import BF16_PASS_TOLERANCE, one_bf16_pass
+from minilib.tpu.numerics import one_bf16_pass
 
 __all__ = [
     "batch_label",
@@ -43,9 +44,6 @@ __all__ = [
     "v3_run",
     "warm_ms",
 ]
-
-# The parity tolerance where float32 matmuls run in float32 (a CPU): float32 rounding.
-FLOAT32_TOLERANCE = 1e-4
 
 
 def package_version(name: str) -> str:
@@ -88,8 +86,7 @@ def precision_line() -> str:
         where = "as one bfloat16 pass here (minilib.tpu.numerics emulates a TPU's on the CPU)"
     else:
         where = f"in float32 here ({jax.default_backend()})"
-    tolerance = BF16_PASS_TOLERANCE if one_bf16_pass() else FLOAT32_TOLERANCE
-    return f"float32 matmuls run {where}: parity tolerance {tolerance:.0e}"
+    return f"float32 matmuls run {where}: parity tolerance {parity_tolerance():.0e}"
 
 
 def expected_output(batch: RaggedBatch, sm_scale: float) -> np.ndarray:
@@ -175,7 +172,7 @@ def parity_passes(errors: dict[str, float]) -> bool:
     >>> parity_passes({"jnp": 1e-6, "kernel": float("nan")})
     False
     """
-    tolerance = BF16_PASS_TOLERANCE if one_bf16_pass() else FLOAT32_TOLERANCE
+    tolerance = parity_tolerance()
     return all(np.isfinite(err) and err < tolerance for err in errors.values())
 
 

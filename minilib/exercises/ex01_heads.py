@@ -19,8 +19,8 @@ from minilib.exercises.checking import (
 from minilib.exercises.comparisons import Mismatch, compare_arrays, expected_vs_got
 from minilib.heads import attention_kind, merge_kv_pages, repeat_kv, split_kv_pages
 from minilib.options import DEFAULT_MASK_VALUE
+from minilib.parity import parity_tolerance
 from minilib.reference import attend
-from minilib.tpu.numerics import BF16_PASS_TOLERANCE, one_bf16_pass
 
 __all__ = ["check_grouped_query_attention", "check_repeat_kv_pages"]
 
@@ -98,7 +98,7 @@ def check_grouped_query_attention(
     }
     # Where float32 matmuls run as one bfloat16 pass (a TPU), a right answer that rounds other
     # intermediates (say, normalises after P·V) is off the reference by about 0.005.
-    tol = BF16_PASS_TOLERANCE if one_bf16_pass() else 1e-4
+    tol = parity_tolerance()
     compare = diagnose(
         lambda want, got, case: compare_arrays(want, got, "out", atol=tol, rtol=tol), mistakes
     )

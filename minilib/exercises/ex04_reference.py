@@ -21,8 +21,8 @@ from minilib.exercises.comparisons import compare_arrays, compare_masks
 from minilib.exercises.ex03_ragged import describe_seq
 from minilib.masking import causal_mask
 from minilib.options import DEFAULT_MASK_VALUE
+from minilib.parity import parity_tolerance
 from minilib.reference import attend
-from minilib.tpu.numerics import BF16_PASS_TOLERANCE, one_bf16_pass
 
 __all__ = ["check_attend_soft_cap", "check_sliding_window_mask"]
 
@@ -119,7 +119,7 @@ def check_attend_soft_cap(fn: Callable, *, seed: int = 0, verbose: bool = True) 
     }
     # Where float32 matmuls run as one bfloat16 pass (a TPU), a right answer that rounds other
     # intermediates (say, normalises after P·V) is off the reference by about 0.005.
-    tol = BF16_PASS_TOLERANCE if one_bf16_pass() else 1e-4
+    tol = parity_tolerance()
     compare = diagnose(
         lambda want, got, case: compare_arrays(want, got, "out", atol=tol, rtol=tol), mistakes
     )

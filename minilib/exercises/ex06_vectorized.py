@@ -15,7 +15,7 @@ from minilib.exercises.checking import SM_SCALE_IGNORED, Case, CheckResult, diag
 from minilib.exercises.comparisons import Mismatch, compare_arrays
 from minilib.kv_cache import pages_needed
 from minilib.options import DEFAULT_MASK_VALUE
-from minilib.tpu.numerics import BF16_PASS_TOLERANCE, one_bf16_pass
+from minilib.parity import parity_tolerance
 
 __all__ = ["NotVectorizedError", "check_decode_attention"]
 
@@ -240,7 +240,7 @@ def check_decode_attention(fn: Callable, *, seed: int = 0, verbose: bool = True)
     }
     # The reference is float64; where float32 matmuls run as one bfloat16 pass (a TPU), the
     # solution is off it by up to 0.0082 here (measured under minilib.tpu.numerics' emulation).
-    tol = BF16_PASS_TOLERANCE if one_bf16_pass() else 1e-4
+    tol = parity_tolerance()
     compare_values = diagnose(
         lambda want, got, case: compare_arrays(want, got, "out", atol=tol, rtol=tol), mistakes
     )
