@@ -24,10 +24,10 @@ def preempt(request, allocator):
 def cache_full_pages(request, pool, page_size):
     from minilib.engine.prefix_cache import hash_block_tokens
 
-    # Pages before len(request.block_hashes) are named already. A page is full when all its
+    # Pages before len(request.cached_hashes) are named already. A page is full when all its
     # tokens' K/V is computed: num_computed, not len(request.tokens).
-    for i in range(len(request.block_hashes), request.num_computed // page_size):
-        parent = request.block_hashes[-1] if request.block_hashes else None  # chained
+    for i in range(len(request.cached_hashes), request.num_computed // page_size):
+        parent = request.cached_hashes[-1] if request.cached_hashes else None  # chained
         block_hash = hash_block_tokens(parent, request.tokens[i * page_size : (i + 1) * page_size])
         pool.cache_page(request.pages[i], block_hash)  # no reference taken: counted once
-        request.block_hashes.append(block_hash)
+        request.cached_hashes.append(block_hash)

@@ -204,7 +204,7 @@ def rung2(variant: str) -> Callable:
 
         @pl.when(i * page_size < kv_len)
         def _attend():
-            if variant in ("alpha_sign", "max_before_mask", "kv_head_by_modulo"):
+            if variant in ("alpha_sign", "max_before_mask", "mask_added", "kv_head_by_modulo"):
                 attend_page_by_hand(page_ref, q_ref, m_ref, l_ref, acc_ref, first_pos, kv_len,
                                     sm_scale, variant)  # fmt: skip
             else:
@@ -242,6 +242,9 @@ def attend_page_by_hand(page_ref, q_ref, m_ref, l_ref, acc_ref, first_pos, kv_le
         if variant == "max_before_mask":  # the max of scores the mask then hides
             m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
             s = jnp.where(k_pos < kv_len, s, MASK)
+        elif variant == "mask_added":  # a bias, as JAX's reference: NaN + MASK is still NaN
+            s = s + jnp.where(k_pos < kv_len, 0.0, MASK)
+            m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
         else:
             s = jnp.where(k_pos < kv_len, s, MASK)
             m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
@@ -529,6 +532,8 @@ WRONG_ANSWERS = [
       "alpha = exp(m_prev - m_next)"),
     W("2", "max before the mask", ex.check_paged_decode_attention,
       lambda: rung2("max_before_mask"), "max was taken before the mask"),
+    W("2", "mask added, not selected", ex.check_paged_decode_attention,
+      lambda: rung2("mask_added"), "the mask is added to the scores"),
     W("2", "output written on the sequence's last page", ex.check_paged_decode_attention,
       lambda: rung2("write_on_last_page"), "never written", "kv_len 0"),
     W("2", "q heads grouped by modulo", ex.check_paged_decode_attention,

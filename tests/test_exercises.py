@@ -121,12 +121,12 @@ def cache_full_pages_taking_a_reference(request, pool, page_size):
     # Counts the cache as a holder: the count never drops to 0 when the request lets go.
     from minilib.engine.prefix_cache import hash_block_tokens
 
-    for i in range(len(request.block_hashes), request.num_computed // page_size):
-        parent = request.block_hashes[-1] if request.block_hashes else None
+    for i in range(len(request.cached_hashes), request.num_computed // page_size):
+        parent = request.cached_hashes[-1] if request.cached_hashes else None
         block_hash = hash_block_tokens(parent, request.tokens[i * page_size : (i + 1) * page_size])
         pool.cache_page(request.pages[i], block_hash)
         pool.touch([request.pages[i]])
-        request.block_hashes.append(block_hash)
+        request.cached_hashes.append(block_hash)
 
 
 def flash_attention_without_init():
@@ -688,11 +688,11 @@ def preempt_counting_in_a_string(request, allocator):
 def cache_full_pages_with_text_hashes(request, pool, page_size):
     from minilib.engine.prefix_cache import hash_block_tokens
 
-    for i in range(len(request.block_hashes), request.num_computed // page_size):
-        parent = bytes.fromhex(request.block_hashes[-1]) if request.block_hashes else None
+    for i in range(len(request.cached_hashes), request.num_computed // page_size):
+        parent = bytes.fromhex(request.cached_hashes[-1]) if request.cached_hashes else None
         block_hash = hash_block_tokens(parent, request.tokens[i * page_size : (i + 1) * page_size])
         pool.cache_page(request.pages[i], block_hash.hex())  # a str where the hash belongs
-        request.block_hashes.append(block_hash.hex())
+        request.cached_hashes.append(block_hash.hex())
 
 
 WRONG_TYPE = {
@@ -1000,13 +1000,13 @@ def cache_full_pages_skipping_cached_hashes(request, pool, page_size):
     # restarts at the next page.
     from minilib.engine.prefix_cache import hash_block_tokens
 
-    for i in range(len(request.block_hashes), request.num_computed // page_size):
-        parent = request.block_hashes[-1] if request.block_hashes else None
+    for i in range(len(request.cached_hashes), request.num_computed // page_size):
+        parent = request.cached_hashes[-1] if request.cached_hashes else None
         block_hash = hash_block_tokens(parent, request.tokens[i * page_size : (i + 1) * page_size])
         if pool.get_cached_page(block_hash) is not None:
             continue
         pool.cache_page(request.pages[i], block_hash)
-        request.block_hashes.append(block_hash)
+        request.cached_hashes.append(block_hash)
 
 
 def mask_as_floats(q_len, kv_len):

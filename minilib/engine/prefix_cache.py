@@ -119,7 +119,7 @@ class BlockPool:
         self.total_num_pages = total_num_pages
         self._ref_cnt = [0] * total_num_pages
         # Free pages, least recently used first: allocate() takes from the front, free()
-        # puts a cached page at the back (kept longest) and an uncached one at the front.
+        # puts pages at the back.
         self.free_block_queue: collections.OrderedDict[int, None] = collections.OrderedDict(
             (page, None) for page in range(total_num_pages)
         )
@@ -200,10 +200,10 @@ class BlockPool:
             self._ref_cnt[page] += 1
 
     def free(self, pages: Iterable[int]) -> None:
-        """Drop one reference on each of `pages`. A page whose count reaches 0 is free: a
-        cached page goes to the back of the queue (evicted last), an uncached one to the front
-        (it holds nothing worth keeping). A request's pages are freed last page first, so that
-        the start of a prefix, which more requests share, stays longest.
+        """Drop one reference on each of `pages`. A page whose count reaches 0 is free, at the
+        back of the queue (reused last). A request's pages are freed last page first, so that
+        the start of a prefix, which more requests share, stays longest. vLLM: `free_blocks`,
+        given a request's blocks in reverse.
 
         Every page must be in use, and listed once.
         """
@@ -220,8 +220,6 @@ class BlockPool:
             self._ref_cnt[page] -= 1
             if self._ref_cnt[page] == 0:
                 self.free_block_queue[page] = None  # at the back
-                if page not in self._block_hash:
-                    self.free_block_queue.move_to_end(page, last=False)
 
     def cache_page(self, page: int, block_hash: bytes) -> None:
         """Record that `page`, in use and now full, holds the K/V named `block_hash`.

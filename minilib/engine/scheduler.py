@@ -68,7 +68,9 @@ class Request:
 
     `sampling_params` None means greedy, `max_new_tokens` tokens, no stop tokens.
     `finish_reason` is None while it runs, then "stop", "length" or "abort".
-    `block_hashes` are the hashes of its first pages, which are in the prefix cache.
+    `cached_hashes` are the hashes of its first pages, which are in the prefix cache. (vLLM's
+    request keeps `block_hashes`, the hashes of every full page of its tokens, computed or not,
+    and its cache manager counts how many of them are cached.)
 
     >>> r = Request(0, prompt=[5, 6, 7], max_new_tokens=2, output=[9], num_computed=3)
     >>> r.tokens, r.num_uncomputed, r.finished   # 9 was sampled, not yet in the cache
@@ -85,7 +87,7 @@ class Request:
     sampling_params: SamplingParams | None = None
     finish_reason: str | None = None
     num_cached_tokens: int | None = None  # prompt tokens hit in the prefix cache, on admission
-    block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    cached_hashes: list[bytes] = dataclasses.field(default_factory=list)
     metrics: object = None  # the engine's RequestMetrics
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)  # one per token
 
@@ -259,7 +261,7 @@ def get_computed_pages(token_ids: list[int], pool: BlockPool, page_size: int) ->
 
 def cache_full_pages(request: Request, pool: BlockPool, page_size: int) -> None:
     """Name every page of `request` that is now full of computed K/V, so that later requests
-    can share it: its hash chains from the page before, and `request.block_hashes` grows.
+    can share it: its hash chains from the page before, and `request.cached_hashes` grows.
 
     A page counts as full only when all its tokens' K/V are in it (`num_computed`), not when
     the request merely *has* its tokens: a prompt chunk or a sampled token may still be on
@@ -269,14 +271,14 @@ def cache_full_pages(request: Request, pool: BlockPool, page_size: int) -> None:
     >>> r = Request(0, prompt=list(range(10)), max_new_tokens=2, num_computed=6)
     >>> r.pages = pool.allocate(2)            # 6 tokens computed: page 0 full, page 1 not
     >>> cache_full_pages(r, pool, page_size=4)
-    >>> pool.cached_pages, len(r.block_hashes), pool.ref_cnt(0)
+    >>> pool.cached_pages, len(r.cached_hashes), pool.ref_cnt(0)
     ((0,), 1, 1)
     """
-    for i in range(len(request.block_hashes), request.num_computed // page_size):
-        parent = request.block_hashes[-1] if request.block_hashes else None
+    for i in range(len(request.cached_hashes), request.num_computed // page_size):
+        parent = request.cached_hashes[-1] if request.cached_hashes else None
         block_hash = hash_block_tokens(parent, request.tokens[i * page_size : (i + 1) * page_size])
         pool.cache_page(request.pages[i], block_hash)
-        request.block_hashes.append(block_hash)
+        request.cached_hashes.append(block_hash)
 
 
 class Scheduler:
@@ -355,7 +357,7 @@ class Scheduler:
                 request.pages = list(hit)
                 request.num_computed = num_hit_tokens
             if self.enable_prefix_caching:  # the pages it starts from are named already
-                request.block_hashes = [self.allocator.block_hash(page) for page in hit]
+                request.cached_hashes = [self.allocator.block_hash(page) for page in hit]
             if request.num_cached_tokens is None:  # as vLLM: what the first admission found
                 request.num_cached_tokens = num_hit_tokens
             num_cached_tokens += num_hit_tokens

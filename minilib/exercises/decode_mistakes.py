@@ -44,6 +44,7 @@ def paged_decode_numpy(
     stop_after_first=False,
     alpha_upside_down=False,
     max_before_mask=False,
+    mask_added=False,
 ):  # -> f64[num_seqs, num_q_heads, head_dim]; 0 for a sequence with no key
     """Decode attention page by page, as the kernels do it, in NumPy: the online softmax over
     the pages of each sequence. The keywords make the kernels' usual mistakes:
@@ -56,6 +57,7 @@ def paged_decode_numpy(
       stop_after_first       the output written after the first page
       alpha_upside_down      alpha = exp(m_next - m_prev), not exp(m_prev - m_next)
       max_before_mask        the running max taken over the scores before the mask
+      mask_added             the mask added to the scores (a bias), not selected
 
     >>> from minilib.batch import make_batch
     >>> b = make_batch([(1, 5), (1, 12)], num_q_heads=2, num_kv_heads=1, head_dim=8,
@@ -93,7 +95,10 @@ def paged_decode_numpy(
             vals = np.where((pos < kv_len)[:, None, None], page[:, 1::2][:, heads], 0)
             s = np.einsum("hd,thd->ht", q[seq], keys) * sm_scale
             s_max = s.max(axis=1)  # before the mask: the keys past kv_len too
-            s = np.where(pos[None, :] < kv_len, s, -np.inf)
+            if mask_added:  # NaN + -inf is NaN: a NaN key past kv_len stays NaN
+                s = s + np.where(pos[None, :] < kv_len, 0, -np.inf)
+            else:
+                s = np.where(pos[None, :] < kv_len, s, -np.inf)
             m_next = np.maximum(m, s_max if max_before_mask else s.max(axis=1))
             p = np.exp(s - m_next[:, None])
             alpha = np.exp(m_next - m) if alpha_upside_down else np.exp(m - m_next)
@@ -166,6 +171,9 @@ def decode_mistakes() -> dict[str, Callable]:
     def max_before_mask(*args, sm_scale):
         return paged_decode_numpy(*args, sm_scale=sm_scale, max_before_mask=True)
 
+    def mask_added(*args, sm_scale):
+        return paged_decode_numpy(*args, sm_scale=sm_scale, mask_added=True)
+
     return {
         "K and V are interleaved on the combined head axis: K of KV head h is slot 2h, V is "
         "slot 2h + 1 (not the first and second halves).": k_v_halves,
@@ -190,6 +198,11 @@ def decode_mistakes() -> dict[str, Callable]:
         "the running max was taken before the mask: the scores of the keys past kv_len (NaN "
         "here, garbage on a chip) then set m. Mask first (`jnp.where(k_pos < kv_len, s, "
         "mask_value)`), then take the max.": max_before_mask,
+        "the mask is added to the scores (`s + jnp.where(k_pos < kv_len, 0, mask_value)`, a "
+        "bias, as JAX's reference does) rather than selected: the scores of the keys past "
+        "kv_len are NaN here (garbage on a chip), and NaN + mask_value is still NaN. Select "
+        "instead: `jnp.where(k_pos < kv_len, s, mask_value)` drops a masked score whatever it "
+        "holds.": mask_added,
     }
 
 

@@ -267,7 +267,7 @@ def _caching_situation(
     rng, *, num_computed: int, num_generated: int, hit_pages: int, twin_pages: int = 0
 ):
     """A request part way through its tokens, holding its pages in a BlockPool; its first
-    `hit_pages` pages came from the cache (their hashes are in request.block_hashes). One
+    `hit_pages` pages came from the cache (their hashes are in request.cached_hashes). One
     page of someone else is cached too. With `twin_pages`, the request's next pages are cached
     already, as another request's pages: that request computed the same prefix in the same
     step, and was named first."""
@@ -286,7 +286,7 @@ def _caching_situation(
     for page, block_hash in zip(twins, hashes[hit_pages:], strict=True):
         pool.cache_page(page, block_hash)
     request.pages = pages + pool.allocate(-(-request.num_computed // 4) - hit_pages)
-    request.block_hashes = list(hashes[:hit_pages])
+    request.cached_hashes = list(hashes[:hit_pages])
     return request, pool
 
 
@@ -300,8 +300,8 @@ def _after_caching(fn, request, pool):
             _hash_name(pool.block_hash(page), request) for page in request.pages
         ],
         "reference counts of the request's pages": [pool.ref_cnt(p) for p in request.pages],
-        "request.block_hashes, named by tokens": [
-            _hash_name(h, request) for h in request.block_hashes
+        "request.cached_hashes, named by tokens": [
+            _hash_name(h, request) for h in request.cached_hashes
         ],
     }
 
@@ -328,7 +328,7 @@ def _hash_name(block_hash, request) -> str:
 def check_cache_full_pages(fn: Callable, *, seed: int = 0, verbose: bool = True) -> CheckResult:
     """Check `fn(request, pool, page_size) -> None`, which puts every page of `request` that
     is now full of computed K/V into the prefix cache (`pool.cache_page(page, block_hash)`,
-    the hash chained from the page before) and appends its hash to `request.block_hashes`;
+    the hash chained from the page before) and appends its hash to `request.cached_hashes`;
     then run two prefix-caching engines with it, one that preempts and one where two requests
     compute the same prefix in the same step: every request must get `dense_generate`'s tokens.
 
@@ -365,7 +365,7 @@ def check_cache_full_pages(fn: Callable, *, seed: int = 0, verbose: bool = True)
             Case(
                 f"{len(request.tokens)} tokens ({len(request.output)} generated), "
                 f"num_computed={request.num_computed}, pages={request.pages}, "
-                f"{len(request.block_hashes)} of them cached already{twins}, page_size=4",
+                f"{len(request.cached_hashes)} of them cached already{twins}, page_size=4",
                 ("state", (request, pool)),
             )
         )
@@ -394,48 +394,48 @@ def check_cache_full_pages(fn: Callable, *, seed: int = 0, verbose: bool = True)
         return run
 
     def page_holds_tokens(request, pool, page_size):  # full of tokens, not of computed K/V
-        for i in range(len(request.block_hashes), len(request.tokens) // page_size):
-            parent = request.block_hashes[-1] if request.block_hashes else None
+        for i in range(len(request.cached_hashes), len(request.tokens) // page_size):
+            parent = request.cached_hashes[-1] if request.cached_hashes else None
             block_hash = hash_block_tokens(
                 parent, request.tokens[i * page_size : (i + 1) * page_size]
             )
             if i < len(request.pages):
                 pool.cache_page(request.pages[i], block_hash)
-            request.block_hashes.append(block_hash)
+            request.cached_hashes.append(block_hash)
 
     def partial_page_too(request, pool, page_size):  # the page being written, too
-        for i in range(len(request.block_hashes), -(-request.num_computed // page_size)):
-            parent = request.block_hashes[-1] if request.block_hashes else None
+        for i in range(len(request.cached_hashes), -(-request.num_computed // page_size)):
+            parent = request.cached_hashes[-1] if request.cached_hashes else None
             tokens = request.tokens[i * page_size : min((i + 1) * page_size, request.num_computed)]
             pool.cache_page(request.pages[i], hash_block_tokens(parent, tokens))
-            request.block_hashes.append(hash_block_tokens(parent, tokens))
+            request.cached_hashes.append(hash_block_tokens(parent, tokens))
 
     def not_chained(request, pool, page_size):
-        for i in range(len(request.block_hashes), request.num_computed // page_size):
+        for i in range(len(request.cached_hashes), request.num_computed // page_size):
             block_hash = hash_block_tokens(
                 None, request.tokens[i * page_size : (i + 1) * page_size]
             )
             pool.cache_page(request.pages[i], block_hash)
-            request.block_hashes.append(block_hash)
+            request.cached_hashes.append(block_hash)
 
     def takes_a_reference(request, pool, page_size):
-        for i in range(len(request.block_hashes), request.num_computed // page_size):
+        for i in range(len(request.cached_hashes), request.num_computed // page_size):
             _cache_page(request, pool, page_size, i)
             pool.touch([request.pages[i]])
 
     def skips_pages_cached_already(request, pool, page_size):
-        for i in range(len(request.block_hashes), request.num_computed // page_size):
-            parent = request.block_hashes[-1] if request.block_hashes else None
+        for i in range(len(request.cached_hashes), request.num_computed // page_size):
+            parent = request.cached_hashes[-1] if request.cached_hashes else None
             block_hash = hash_block_tokens(
                 parent, request.tokens[i * page_size : (i + 1) * page_size]
             )
             if pool.get_cached_page(block_hash) is not None:
                 continue  # without recording its hash
             pool.cache_page(request.pages[i], block_hash)
-            request.block_hashes.append(block_hash)
+            request.cached_hashes.append(block_hash)
 
-    def forgets_block_hashes(request, pool, page_size):
-        hashes = list(request.block_hashes)
+    def forgets_cached_hashes(request, pool, page_size):
+        hashes = list(request.cached_hashes)
         for i in range(len(hashes), request.num_computed // page_size):
             parent = hashes[-1] if hashes else None
             hashes.append(
@@ -452,17 +452,17 @@ def check_cache_full_pages(fn: Callable, *, seed: int = 0, verbose: bool = True)
         "only full pages are cached: the page that is still being written belongs to this "
         "request alone, and a request that hit it would write its own tokens into a shared "
         "page.": call(partial_page_too),
-        "chain each hash to the page before (hash_block_tokens(request.block_hashes[-1], "
+        "chain each hash to the page before (hash_block_tokens(request.cached_hashes[-1], "
         "tokens)): K/V depends on every earlier token, so the same four tokens after another "
         "prefix hold other K/V.": call(not_chained),
         "the cache takes no reference of its own (no pool.touch): the page is counted once, "
         "for the request holding it, so that the count drops to 0 when the request is "
         "preempted or finishes and the page can be freed or evicted. Here a count was never "
         "dropped, and the page never came back.": call(takes_a_reference),
-        "append each new hash to request.block_hashes: the next page's hash chains from it, "
-        "and the next call starts after the pages already named.": call(forgets_block_hashes),
+        "append each new hash to request.cached_hashes: the next page's hash chains from it, "
+        "and the next call starts after the pages already named.": call(forgets_cached_hashes),
         "a page whose hash is in the cache already (another request computed the same prefix, "
-        "in the same step) still gets its hash appended to request.block_hashes; "
+        "in the same step) still gets its hash appended to request.cached_hashes; "
         "pool.cache_page simply keeps the first copy. Skipped, the next page's hash restarts "
         "the chain, as if the page began the sequence: a later request that begins with those "
         "tokens finds K/V computed after another prefix.": call(skips_pages_cached_already),
@@ -479,7 +479,7 @@ def check_cache_full_pages(fn: Callable, *, seed: int = 0, verbose: bool = True)
 
 def _cache_page(request, pool, page_size: int, i: int) -> None:
     """The reference's step for page `i` alone (for the mistakes above)."""
-    parent = request.block_hashes[-1] if request.block_hashes else None
+    parent = request.cached_hashes[-1] if request.cached_hashes else None
     block_hash = hash_block_tokens(parent, request.tokens[i * page_size : (i + 1) * page_size])
     pool.cache_page(request.pages[i], block_hash)
-    request.block_hashes.append(block_hash)
+    request.cached_hashes.append(block_hash)
