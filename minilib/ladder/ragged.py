@@ -165,7 +165,7 @@ def next_seq_with_rows(seq, row, cu_q_lens_ref, num_seqs):
     the sequences with q_len 0. (cu_q_lens_ref is read at `num_seqs` at most.)"""
 
     def before(s):
-        return (s < num_seqs) & (cu_q_lens_ref[jnp.minimum(s, num_seqs) + 1] <= row)
+        return (s < num_seqs) & (cu_q_lens_ref[jnp.minimum(s, num_seqs - 1) + 1] <= row)
 
     return lax.while_loop(before, lambda s: s + 1, seq)
 
