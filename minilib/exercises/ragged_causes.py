@@ -47,16 +47,18 @@ SPANNING = (
 )
 
 
-def schedule_problem(rung: int) -> Callable:
-    """The rung's ledger check: `check(run, case)` returns a paragraph, or None."""
+def schedule_problem(rung: int, partial: bool = False) -> Callable:
+    """The rung's ledger check: `check(run, case)` returns a paragraph, or None. `partial`:
+    the run stopped with an error, so only a copy that differs from the plan counts (not
+    the copies missing after it stopped)."""
 
     def check(run, case: Case) -> str | None:
         if run.watch is None:
             return None
         copies = [(c.page, c.slot, _place(c, case), c) for c in run.watch.copies]
         if rung == 6:
-            return _prefill_problem(run, copies, case)
-        return _ragged_problem(run, copies, case)
+            return None if partial else _prefill_problem(run, copies, case)
+        return _ragged_problem(run, copies, case, partial)
 
     return check
 
@@ -156,7 +158,7 @@ def _prefill_problem(run, copies, case: Case) -> str | None:
     return _no_overlap(firsts)
 
 
-def _ragged_problem(run, copies, case: Case) -> str | None:
+def _ragged_problem(run, copies, case: Case, partial: bool) -> str | None:
     q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = case.args
     block_q = case.kwargs["num_queries_per_block"]
     per_block = case.kwargs["num_kv_pages_per_block"]
@@ -172,16 +174,20 @@ def _ragged_problem(run, copies, case: Case) -> str | None:
 
     def block_of(k):  # which (seq, KV block) the copies from k on, a block's worth, are
         pages = tuple(x[0] for x in have[k - k % per_block : k - k % per_block + per_block])
-        for s in range(len(lens)):
-            for b in range(pages_needed(lens[s], page_size) or 0):
-                if kv_block_pages(table, s, lens[s], b, per_block, page_size) == pages:
+        for s in range(len(lens)):  # a padding slot's kv_len may be huge: its row bounds it
+            kv_len = min(lens[s], table.shape[1] * page_size)
+            for b in range(pages_needed(kv_len, page_size)):
+                block = kv_block_pages(table, s, kv_len, b, per_block, page_size)
+                if pages and block[: len(pages)] == pages:  # a run may stop mid-block
                     return s, b
         return None
 
     k = next((k for k, (w, h) in enumerate(zip(want, have, strict=False)) if w != h),
              min(len(want), len(have)))  # fmt: skip
-    if k == len(want) == len(have):
+    if k == len(want) == len(have) and not partial:
         return _ragged_timing(run, copies, plan, per_block)
+    if partial and k >= len(have):
+        return None  # the copies agree until the run stopped
     got = block_of(k) if k < len(have) else None
     due = work[k] if k < len(work) else None
     what = (f"copy {k} (of {len(want)} planned) differs: the plan has "
@@ -191,16 +197,27 @@ def _ragged_problem(run, copies, case: Case) -> str | None:
                else f", the kernel copied pages {[x[0] for x in have[k:k + per_block]]}"
                if k < len(have) else ", the kernel copied nothing more")
             + ". Likely cause: ")  # fmt: skip
+    prev = work[k - 1] if k > 0 else None
+    first_of_blk = due is not None and due[0] > 0 and (prev is None or prev[0] < due[0])
+    if first_of_blk and k < len(have) and have[k][0] == want[k][0]:
+        copy = copies[k][3]
+        step = run.grid[copy.step][0][0] if 0 <= copy.step < len(run.grid) else None
+        if step is not None and step >= due[0]:
+            return what + _own_step(due[1], due[0])
+    if got is not None and due is not None and got == (due[1], due[2]):
+        cause = _difference(want[k:], have[k:], case, table, due[1], lens[due[1]], carried=True)
+        return what + (cause or TOO_FEW)
     if got is not None and got[0] < n and cu[got[0] + 1] == cu[got[0]]:
         return what + IDLE
     if got is not None and got[0] >= n:
         return what + (f"sequence slot {got[0]} is past num_seqs ({n}): the walk and next_work "
                        "stop at num_seqs = num_seqs_ref[0], not the tables' length.")  # fmt: skip
-    prev = work[k - 1] if k > 0 else None
-    if due and prev and due[0] > prev[0] and due[1] == prev[1] and got and got[0] != due[1]:
-        return what + SPANNING
+    if got is not None and prev is not None and got == (prev[1], prev[2]):
+        return what + "the same KV block was copied twice in a row: " + IDLE
     if got is not None and prev is not None and got[0] == prev[1] and got[1] > prev[2]:
         return what + DIAGONAL
+    if first_of_blk and prev is not None and due[1] == prev[1] and k < len(have):
+        return what + SPANNING
     if due is None and k < len(have):
         return what + ("the very last work has no next: after the last KV block of the last "
                        "sequence of the last q block, start nothing.")  # fmt: skip
@@ -224,17 +241,20 @@ def _ragged_timing(run, copies, plan, per_block) -> str | None:
         if blk not in seen and blk > 0:
             step = run.grid[copy.step][0][0] if 0 <= copy.step < len(run.grid) else None
             if step is not None and step >= blk:
-                return (
-                    f"KV block 0 of sequence {seq}, the first of q block {blk}, was copied in "
-                    f"its own grid step ({blk}): nothing overlaps that copy. Prefetching across "
-                    "grid steps means the last work of q block "
-                    f"{blk - 1} starts it (next_work's last case: the first sequence of the next "
-                    "q block); only grid step 0 starts a copy of its own."
-                )
+                return _own_step(seq, blk)
         seen.add(blk)
         if k > 0:
             firsts.append((copy, f"KV block {b} of sequence {seq} (q block {blk})"))
     return _no_overlap(firsts)
+
+
+def _own_step(seq: int, blk: int) -> str:
+    return (
+        f"KV block 0 of sequence {seq}, the first of q block {blk}, was copied in its own "
+        f"grid step ({blk}): nothing overlaps that copy. Prefetching across grid steps means "
+        f"the last work of q block {blk - 1} starts it (next_work's last case: the first "
+        "sequence of the next q block); only grid step 0 starts a copy of its own."
+    )
 
 
 def advice(rung: int) -> Callable[[str], str | None]:
@@ -270,8 +290,10 @@ def advice(rung: int) -> Callable[[str], str | None]:
                 "a copy started that no wait takes back, or into the slot still being read: "
                 "the next KV block goes into the other slot (`1 - slot`), only when there is "
                 "one (`b + 1 < num_kv_blocks`, not `<=`)"
-                + ("; only grid step 0 starts a copy of its own; the very last work has no "
-                   "next." if rung == 7 else "; a q block with no live row starts nothing.")
+                + ("; a grid step starts from the slot the step before left in `slot_ref[0]`, "
+                   "not from 0; only grid step 0 starts a copy of its own; the very last work "
+                   "has no next." if rung == 7 else "; a q block with no live row starts "
+                   "nothing.")
             )  # fmt: skip
         return None
 
