@@ -50,7 +50,12 @@ SPANNING = (
 def schedule_problem(rung: int, partial: bool = False) -> Callable:
     """The rung's ledger check: `check(run, case)` returns a paragraph, or None. `partial`:
     the run stopped with an error, so only a copy that differs from the plan counts (not
-    the copies missing after it stopped)."""
+    the copies missing after it stopped).
+
+    >>> from minilib.exercises.kernel_run import KernelRun
+    >>> print(schedule_problem(7)(KernelRun(out=None), Case("", ())))   # no ledger: nothing
+    None
+    """
 
     def check(run, case: Case) -> str | None:
         if run.watch is None:
@@ -258,7 +263,11 @@ def _own_step(seq: int, blk: int) -> str:
 
 
 def advice(rung: int) -> Callable[[str], str | None]:
-    """The likely cause, in rung 6's or 7's terms, of each kind of DMA problem."""
+    """The likely cause, in rung 6's or 7's terms, of each kind of DMA problem.
+
+    >>> "slot_ref[0]" in advice(7)("deadlock"), advice(6)("shared")
+    (True, None)
+    """
 
     def words(kind: str) -> str | None:
         if kind == "copy":

@@ -48,7 +48,15 @@ def _num_kv_blocks(kv_len, q_len, last_row_in_seq, block_kv):
 
 def prefill(variant: str = "right"):
     """Rung 6's walk in numpy, with the mistake `variant` ("right": none, the checker's
-    reference, float64): fn(q, kv_pages, kv_lens, page_indices, q_lens, *, sm_scale, ...)."""
+    reference, float64): fn(q, kv_pages, kv_lens, page_indices, q_lens, *, sm_scale, ...).
+
+    >>> from minilib.batch import make_batch
+    >>> b = make_batch([(2, 9)], page_size=8)
+    >>> q = np.asarray(b.q)[None]   # [1 sequence, 2 rows, heads, head_dim]
+    >>> prefill()(q, b.kv_pages, b.kv_lens, b.page_indices, [2], sm_scale=0.1, block_q=2,
+    ...           num_kv_pages_per_block=1).shape
+    (1, 2, 4, 64)
+    """
 
     def fn(q, kv_pages, kv_lens, page_indices, q_lens, *, sm_scale, block_q,
            num_kv_pages_per_block):  # fmt: skip
@@ -74,7 +82,14 @@ def prefill(variant: str = "right"):
 
 def ragged(variant: str = "right"):
     """Rung 7's walk in numpy, with the mistake `variant` ("right": none, the checker's
-    reference, float64): fn with JAX's signature; the padding rows are 0."""
+    reference, float64): fn with JAX's signature; the padding rows are 0.
+
+    >>> from minilib.batch import make_batch
+    >>> b = make_batch([(3, 3), (1, 9)], page_size=8, max_num_batched_tokens=8)
+    >>> out = ragged()(*b.args(), sm_scale=0.1, num_queries_per_block=4, num_kv_pages_per_block=1)
+    >>> out.shape, float(abs(out[4:]).max())   # rows past the 4 live ones: 0
+    ((8, 4, 64), 0.0)
+    """
 
     def fn(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
            num_queries_per_block, num_kv_pages_per_block):  # fmt: skip
@@ -113,7 +128,11 @@ def ragged(variant: str = "right"):
 
 
 def prefill_mistakes() -> dict:
-    """Rung 6's mistakes: explanation -> fn(q, kv_pages, kv_lens, page_indices, q_lens, ...)."""
+    """Rung 6's mistakes: explanation -> fn(q, kv_pages, kv_lens, page_indices, q_lens, ...).
+
+    >>> any("kv_len - q_len" in why for why in prefill_mistakes())
+    True
+    """
     return {
         NO_KV_OFFSET: prefill("no_kv_offset"),
         "the q block's first row is missing from q_pos: row r of q block i is row "
@@ -123,7 +142,11 @@ def prefill_mistakes() -> dict:
 
 
 def ragged_mistakes() -> dict:
-    """Rung 7's mistakes: explanation -> fn with JAX's signature."""
+    """Rung 7's mistakes: explanation -> fn with JAX's signature.
+
+    >>> len(ragged_mistakes())
+    4
+    """
     return {
         "the rows of other sequences were overwritten: a q block's rows belong to several "
         "sequences, and each sequence writes only its own rows: `write_rows(o_ref, l_ref, "

@@ -219,7 +219,11 @@ class KVBlockCopy:
     """The copies of one KV block into `slot`: page p of `pages` into place p of the slot
     (tokens p * page_size ...). `start()` starts them all; `wait()` waits for all of them
     at once: one wait the size of the whole slot, since a DMA semaphore counts bytes and
-    every block fills every place of its slot."""
+    every block fills every place of its slot.
+
+    >>> [f.name for f in dataclasses.fields(KVBlockCopy)]   # start() and wait() run in a kernel
+    ['kv_pages_hbm_ref', 'bufs', 'sems', 'pages', 'slot']
+    """
 
     kv_pages_hbm_ref: object  # [total_num_pages, page_size, 2*num_kv_heads, head_dim], HBM
     bufs: object  # [2, block_kv, 2*num_kv_heads, head_dim], VMEM
@@ -282,8 +286,10 @@ def prefill_copy_plan(kv_lens, q_lens, page_indices, *, block_q: int, max_q_len:
 
     >>> plan = prefill_copy_plan([20], [12], [[7, 3, 9]], block_q=8, max_q_len=16,
     ...                          num_kv_pages_per_block=2, page_size=8)
-    >>> plan[(0, 0)], plan[(0, 1)]   # rows 8..15 at positions 8..15: one block of 16 tokens
-    ([(0, (7, 3)), (1, (9, 9))], [(0, (7, 3)), (1, (9, 9))])
+    >>> plan[(0, 0)]   # rows 0..7 at positions 8..15: the first KV block of 16 tokens only
+    [(0, (7, 3))]
+    >>> plan[(0, 1)]   # rows 8..11 at 16..19: both blocks, the second's page 9 twice
+    [(0, (7, 3)), (1, (9, 9))]
     """
     plan, block_kv = {}, num_kv_pages_per_block * page_size
     for seq, (kv_len, q_len) in enumerate(zip(kv_lens, q_lens, strict=True)):
