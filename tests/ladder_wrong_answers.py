@@ -21,9 +21,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import minilib.exercises as ex
-from minilib.ladder import async_copy, double_buffer, flash, prefetch, scalar_prefetch
+from minilib.ladder import (
+    async_copy,
+    double_buffer,
+    flash,
+    prefetch,
+    prefill_chunk,
+    ragged,
+    scalar_prefetch,
+)
 from minilib.ladder.flash import init_online_softmax
 from minilib.ladder.prefetch import next_seq_with_pages
+from minilib.ladder.prefill_chunk import KVBlockCopy, attend_rows, write_rows
+from minilib.ladder.ragged import next_seq_with_rows
 from minilib.ladder.scalar_prefetch import attend_kv_block, write_output
 
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -446,6 +456,244 @@ def next_work_variant(variant: str) -> Callable:
     return next_work
 
 
+# --- rungs 6 and 7: KV blocks of several pages, the ragged walk ------------------------------
+
+
+def kv_block(page_indices_ref, kv_hbm_ref, bufs, sems, seq, kv_len, b, slot, variant=""):
+    page_size = kv_hbm_ref.shape[1]
+    per_block, last = bufs.shape[1] // page_size, pl.cdiv(kv_len, page_size) - 1
+    first = b + 0 if variant == "page_b_plus_p" else b * per_block  # b + p: blocks overlap
+    pages = [
+        page_indices_ref[
+            seq,
+            first + p
+            if variant == "pages_unclamped"  # garbage entries
+            else jnp.minimum(first + p, last),
+        ]
+        for p in range(per_block)
+    ]
+    copy = KVBlockCopy(kv_hbm_ref, bufs, sems, pages, slot)
+    if variant == "all_pages_to_place_0":  # every page of a block into the slot's first place
+
+        class FirstPlace(KVBlockCopy):
+            def start(self):
+                for page in self.pages:
+                    place = self.bufs.at[self.slot, pl.ds(0, page_size)]
+                    pltpu.make_async_copy(
+                        self.kv_pages_hbm_ref.at[page], place, self.sems.at[self.slot]
+                    ).start()
+
+        copy = FirstPlace(kv_hbm_ref, bufs, sems, pages, slot)
+    return copy
+
+
+def rung6(variant: str) -> Callable:
+    def kernel(
+        kv_lens_ref,
+        page_indices_ref,
+        q_lens_ref,
+        q_ref,
+        kv_hbm_ref,
+        o_ref,
+        bufs,
+        sems,
+        m_ref,
+        l_ref,
+        acc_ref,
+        *,
+        sm_scale,
+    ):
+        seq, i = pl.program_id(0), pl.program_id(1)
+        kv_len, q_len = kv_lens_ref[seq], q_lens_ref[seq]
+        block_q, block_kv = q_ref.shape[0], bufs.shape[1]
+        first_row = i * block_q
+        row = lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+        q_pos = {
+            "no_kv_offset": first_row + row,  # forgets kv_len - q_len
+            "no_block_offset": kv_len - q_len + row,  # forgets first_row
+        }.get(variant, kv_len - q_len + first_row + row)
+        last_row = jnp.minimum(first_row + block_q, q_len) - 1
+        if variant == "last_row_unclamped":  # the q block's last row, live or not
+            last_row = first_row + block_q - 1
+        if variant == "blocks_from_first_row":  # the first row's diagonal, not the last's
+            last_row = first_row
+        num_kv_blocks = pl.cdiv(kv_len - q_len + last_row + 1, block_kv)
+        if variant == "no_diagonal_skip":  # every KV block up to kv_len
+            num_kv_blocks = pl.cdiv(kv_len, block_kv)
+        if variant != "dead_q_block_not_skipped":  # a q block with no live row: nothing
+            num_kv_blocks = jnp.where(first_row < q_len, num_kv_blocks, 0)
+
+        def copy(b, slot):
+            return kv_block(page_indices_ref, kv_hbm_ref, bufs, sems, seq, kv_len, b, slot, variant)
+
+        def body(b, _):
+            slot = b % 2
+            into = slot if variant == "next_into_same_slot" else 1 - slot
+            if variant == "no_overlap":  # block b started here, after block b - 1's wait
+                copy(b, slot).start()
+            else:
+                pl.when(b + 1 < num_kv_blocks)(lambda: copy(b + 1, into).start())
+            copy(b, slot).wait()
+            attend_rows(
+                bufs.at[slot], q_ref, m_ref, l_ref, acc_ref, b * block_kv, q_pos, kv_len, sm_scale
+            )
+
+        if variant != "no_init":  # scratch starts as NaN
+            init_online_softmax(m_ref, l_ref, acc_ref)
+        if variant == "first_copy_unguarded":  # block 0 even with no KV block to visit
+            copy(0, 0).start()
+        elif variant != "no_overlap":
+            pl.when(num_kv_blocks > 0)(lambda: copy(0, 0).start())
+        lax.fori_loop(0, num_kv_blocks, body, None)
+        write_rows(o_ref, l_ref, acc_ref)
+
+    return functools.partial(prefill_chunk.prefill_chunk_attention, kernel=kernel)
+
+
+def rung7(variant: str) -> Callable:
+    def kernel(
+        kv_lens_ref,
+        page_indices_ref,
+        cu_q_lens_ref,
+        num_seqs_ref,
+        q_ref,
+        kv_hbm_ref,
+        o_ref,
+        bufs,
+        sems,
+        slot_ref,
+        m_ref,
+        l_ref,
+        acc_ref,
+        *,
+        sm_scale,
+        mask_value,
+    ):
+        q_blk, num_q_blks, num_seqs = pl.program_id(0), pl.num_programs(0), num_seqs_ref[0]
+        if variant == "ignores_num_seqs":  # walks the padding slots too
+            num_seqs = kv_lens_ref.shape[0]
+        block_q, block_kv = q_ref.shape[0], bufs.shape[1]
+        first_row, end_row = q_blk * block_q, (q_blk + 1) * block_q
+        cu = cu_q_lens_ref
+
+        def num_kv_blocks(seq):
+            last_row = jnp.minimum(cu[seq + 1], end_row) - 1
+            if variant == "blocks_to_q_end":  # the sequence's last row, in whichever q block
+                last_row = cu[seq + 1] - 1
+            q_len = cu[seq + 1] - cu[seq]
+            return pl.cdiv(kv_lens_ref[seq] - q_len + last_row - cu[seq] + 1, block_kv)
+
+        def copy(seq, b, slot):
+            return kv_block(
+                page_indices_ref, kv_hbm_ref, bufs, sems, seq, kv_lens_ref[seq], b, slot
+            )
+
+        def next_seq(seq):  # the next sequence with rows
+            if variant in ("walk_no_skip_idle", "next_no_skip_idle"):  # q_len 0 too
+                return seq + 1
+            return next_seq_with_rows(seq + 1, cu[seq + 1], cu, num_seqs)
+
+        def next_work(seq, b):
+            more = (
+                (b + 1 <= num_kv_blocks(seq))
+                if variant == "le_for_lt"
+                else (b + 1 < num_kv_blocks(seq))
+            )
+            later = (
+                next_seq(seq)
+                if variant != "walk_no_skip_idle"
+                else next_seq_with_rows(seq + 1, cu[seq + 1], cu, num_seqs)
+            )
+            later_here = (later < num_seqs) & (cu[jnp.minimum(later, num_seqs)] < end_row)
+            start = seq + 1 if variant == "next_block_skips_seq" else seq  # may be seq itself
+            next_blk = next_seq_with_rows(start, end_row, cu, num_seqs)
+            in_next_blk = (q_blk + 1 < num_q_blks) & (next_blk < num_seqs)
+            if variant == "no_prefetch_across_steps":  # each q block starts its own first
+                in_next_blk = jnp.bool_(False)
+            has_next = more | later_here | in_next_blk
+            if variant == "next_past_the_last":
+                has_next = jnp.bool_(True)
+            nxt = jnp.where(more, seq, jnp.where(later_here, later, next_blk))
+            return has_next, jnp.minimum(nxt, kv_lens_ref.shape[0] - 1), jnp.where(more, b + 1, 0)
+
+        def attend_seq(seq, slot):
+            q_start, kv_len = cu[seq], kv_lens_ref[seq]
+            q_len = cu[seq + 1] - q_start
+            row = first_row + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+            rows = (q_start <= row) & (row < q_start + q_len)
+            q_pos = {
+                "no_kv_offset": row - q_start,
+                "global_row": kv_len - q_len + row,
+            }.get(variant, kv_len - q_len + row - q_start)
+
+            def body(b, slot):
+                has_next, nseq, nb = next_work(seq, b)
+                into = slot if variant == "next_into_same_slot" else 1 - slot
+                pl.when(has_next)(lambda: copy(nseq, nb, into).start())
+                copy(seq, b, slot).wait()
+                attend_rows(
+                    bufs.at[slot],
+                    q_ref,
+                    m_ref,
+                    l_ref,
+                    acc_ref,
+                    b * block_kv,
+                    q_pos,
+                    kv_len,
+                    sm_scale,
+                    mask_value,
+                )
+                return 1 - slot
+
+            if variant != "no_reset":
+                init_online_softmax(m_ref, l_ref, acc_ref)
+            slot = lax.fori_loop(0, num_kv_blocks(seq), body, slot)
+            write_rows(o_ref, l_ref, acc_ref, None if variant == "no_row_mask" else rows)
+            return slot
+
+        if variant == "no_reset":  # once per q block only
+            init_online_softmax(m_ref, l_ref, acc_ref)
+        first_step = q_blk >= 0 if variant == "first_copy_every_step" else q_blk == 0
+
+        @pl.when(first_step)
+        def _():
+            slot_ref[0] = 0
+            first = next_seq_with_rows(
+                0,
+                first_row
+                if variant in ("first_copy_every_step", "no_prefetch_across_steps")
+                else 0,
+                cu,
+                num_seqs,
+            )
+            pl.when(first < num_seqs)(lambda: copy(first, 0, 0).start())
+
+        if variant == "no_prefetch_across_steps":  # each grid step starts its own first copy
+
+            @pl.when(q_blk > 0)
+            def _():
+                slot_ref[0] = 0
+                first = next_seq_with_rows(0, first_row, cu, num_seqs)
+                pl.when(first < num_seqs)(lambda: copy(first, 0, 0).start())
+
+        def has_rows_here(carry):
+            seq, _ = carry
+            return (seq < num_seqs) & (cu[jnp.minimum(seq, num_seqs)] < end_row)
+
+        def walk(carry):
+            seq, slot = carry
+            slot = attend_seq(seq, slot)
+            return next_seq(seq), slot
+
+        first = next_seq_with_rows(
+            0, 0 if variant == "walk_from_seq_0" else first_row, cu, num_seqs
+        )
+        start = 0 if variant == "slot_not_carried" else slot_ref[0]
+        _, slot_ref[0] = lax.while_loop(has_rows_here, walk, (first, start))
+
+    return functools.partial(ragged.ragged_paged_attention_ladder, kernel=kernel)
+
+
 def W(rung, name, checker, make, *expect, fast=False):  # noqa: N802  (a table row)
     return WrongAnswer(rung, name, checker, make, expect, fast)
 
@@ -601,4 +849,64 @@ WRONG_ANSWERS = [
       lambda: next_work_variant("no_skip_empty"), "kv_len 0"),
     W("5a", "ignores num_seqs", ex.check_next_work,
       lambda: next_work_variant("ignores_num_seqs"), "num_seqs, not len(kv_lens)"),
+    # rung 6: a prefill chunk
+    W("6", "no causal offset", ex.check_prefill_chunk, lambda: rung6("no_kv_offset"),
+      "kv_len - q_len` is missing", fast=True),
+    W("6", "no q block offset", ex.check_prefill_chunk, lambda: rung6("no_block_offset"),
+      "first row is missing from q_pos"),
+    W("6", "no diagonal skip", ex.check_prefill_chunk, lambda: rung6("no_diagonal_skip"),
+      "past the diagonal"),
+    W("6", "last row not clamped to q_len", ex.check_prefill_chunk,
+      lambda: rung6("last_row_unclamped"), "past the diagonal", "min(first_row + block_q, q_len)"),
+    W("6", "blocks from the first row", ex.check_prefill_chunk,
+      lambda: rung6("blocks_from_first_row"), "never copied", "*last* live row"),
+    W("6", "dead q block not skipped", ex.check_prefill_chunk,
+      lambda: rung6("dead_q_block_not_skipped"), "no live row"),
+    W("6", "pages not clamped", ex.check_prefill_chunk, lambda: rung6("pages_unclamped"),
+      "out-of-bounds", "cdiv(kv_len, page_size) - 1"),
+    W("6", "page b + p", ex.check_prefill_chunk, lambda: rung6("page_b_plus_p"),
+      "b * pages_per_block + p"),
+    W("6", "every page into place 0", ex.check_prefill_chunk,
+      lambda: rung6("all_pages_to_place_0"), "overwrote"),
+    W("6", "next block into the same slot", ex.check_prefill_chunk,
+      lambda: rung6("next_into_same_slot"), "overwrote", "1 - slot"),
+    W("6", "no overlap", ex.check_prefill_chunk, lambda: rung6("no_overlap"),
+      "no copy overlaps a compute", "*before* waiting"),
+    W("6", "first copy unguarded", ex.check_prefill_chunk,
+      lambda: rung6("first_copy_unguarded"), "overwrote", "a q block with no live row starts"),
+    W("6", "no init", ex.check_prefill_chunk, lambda: rung6("no_init"),
+      "m, l or acc not initialised"),
+    # rung 7: the ragged batch
+    W("7", "no row mask on the write", ex.check_ragged_paged_attention,
+      lambda: rung7("no_row_mask"), "each sequence writes only its own rows", fast=True),
+    W("7", "state not reset per sequence", ex.check_ragged_paged_attention,
+      lambda: rung7("no_reset"), "not reset between the sequences"),
+    W("7", "q_pos from the batch's row", ex.check_ragged_paged_attention,
+      lambda: rung7("global_row"), "row - q_start"),
+    W("7", "no causal offset", ex.check_ragged_paged_attention, lambda: rung7("no_kv_offset"),
+      "kv_len - q_len` is missing"),
+    W("7", "walk does not skip q_len 0", ex.check_ragged_paged_attention,
+      lambda: rung7("walk_no_skip_idle"), "q_len 0"),
+    W("7", "next_work does not skip q_len 0", ex.check_ragged_paged_attention,
+      lambda: rung7("next_no_skip_idle"), "q_len 0"),
+    W("7", "next q block from seq + 1", ex.check_ragged_paged_attention,
+      lambda: rung7("next_block_skips_seq"), "ended mid-sequence"),
+    W("7", "no prefetch across grid steps", ex.check_ragged_paged_attention,
+      lambda: rung7("no_prefetch_across_steps"), "in its own grid step"),
+    W("7", "slot not carried", ex.check_ragged_paged_attention,
+      lambda: rung7("slot_not_carried"), "slot_ref[0]"),
+    W("7", "first copy in every step", ex.check_ragged_paged_attention,
+      lambda: rung7("first_copy_every_step"), "only grid step 0"),
+    W("7", "KV blocks to the sequence's end", ex.check_ragged_paged_attention,
+      lambda: rung7("blocks_to_q_end"), "past the diagonal", "*in this q block*"),
+    W("7", "next past the last", ex.check_ragged_paged_attention,
+      lambda: rung7("next_past_the_last"), "the very last work has no next"),
+    W("7", "walk from sequence 0", ex.check_ragged_paged_attention,
+      lambda: rung7("walk_from_seq_0"), "no row in q block"),
+    W("7", "num_seqs ignored", ex.check_ragged_paged_attention,
+      lambda: rung7("ignores_num_seqs"), "num_seqs"),
+    W("7", "next into the same slot", ex.check_ragged_paged_attention,
+      lambda: rung7("next_into_same_slot"), "1 - slot"),
+    W("7", "<= for <", ex.check_ragged_paged_attention, lambda: rung7("le_for_lt"),
+      "not `<=`"),
 ]  # fmt: skip

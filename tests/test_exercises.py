@@ -24,7 +24,7 @@ import pytest
 from conftest import assert_close, one_case_per_path
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from ladder_wrong_answers import flash_call
+from ladder_wrong_answers import flash_call, rung6, rung7
 
 import minilib.exercises as ex
 from minilib.ladder.flash import init_online_softmax
@@ -321,6 +321,8 @@ EXERCISES = [
         "prefetching_decode",
         prefetch_never_flipping_the_slot(),
     ),
+    (ex.check_prefill_chunk, "ex08_ladder", "prefill_chunk_attention", rung6("no_kv_offset")),
+    (ex.check_ragged_paged_attention, "ex08_ladder", "ragged_paged_attention", rung7("no_reset")),
     (
         ex.check_flash_pallas_call,
         "ex07_flash",
@@ -644,6 +646,8 @@ KERNEL_CHECKERS = {
     ex.check_paged_decode_async_copy,
     ex.check_double_buffered_decode,
     ex.check_prefetching_decode,
+    ex.check_prefill_chunk,
+    ex.check_ragged_paged_attention,
 }
 ALL_EXERCISES = EXERCISES + [(checker, *rest) for checker, *rest, _ in MORE_EXERCISES]
 ALL_IDS = [checker.__name__.removeprefix("check_") for checker, *_ in ALL_EXERCISES]

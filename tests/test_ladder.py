@@ -25,6 +25,8 @@ from minilib.ladder import (
     double_buffer,
     flash,
     prefetch,
+    prefill_chunk,
+    ragged,
     scalar_prefetch,
 )
 from minilib.ladder.interpret import races_found, strict_interpret_params
@@ -83,6 +85,54 @@ def test_decode_rungs_match_the_reference_and_leave_no_copy_behind(name, kv_lens
     assert_finite_and_close(out, expected, dtype)
     empty = [s for s, n in enumerate(kv_lens) if n == 0]
     assert (np.asarray(out, np.float32)[empty] == 0).all(), "an empty slot's output is 0"
+
+
+def test_rung_7_matches_jax_reference_leaving_no_copy_behind():
+    """A ragged batch: q_len 0 with keys, a decode, chunks over q blocks, kv_lens of whole
+    pages, NaN in unused pages and q padding; q blocks of 8 rows, KV blocks of 16 tokens."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+        ref_ragged_paged_attention,
+    )
+
+    seqs = [(5, 13), (0, 9), (1, 16), (10, 24), (3, 40)]
+    b = make_batch(seqs, num_q_heads=4, num_kv_heads=2, head_dim=128, page_size=8,
+                   max_num_batched_tokens=24, max_num_seqs=6)  # fmt: skip
+    with watch_kernel() as watch:
+        out = ragged.ragged_paged_attention_ladder(
+            *b.args(), sm_scale=0.1, num_queries_per_block=8, num_kv_pages_per_block=2,
+            interpret=strict_interpret_params(),
+        )  # fmt: skip
+        jax.block_until_ready(out)
+    assert not watch.raced and watch.never_waited() == [] and watch.deadlock is None
+    assert watch.overwrite is None and watch.shared is None
+    blocks = dict(block_q=8, num_q_blocks=3, num_kv_pages_per_block=2, page_size=8)
+    plan = ragged.ragged_copy_plan(b.kv_lens, b.page_indices, b.cu_q_lens, 5, **blocks)
+    assert [c.page for c in watch.copies] == [p for *_, pages in plan for p in pages]
+    expected = ref_ragged_paged_attention(*b.args(), sm_scale=0.1)
+    assert_finite_and_close(out[:19], expected, jnp.float32)
+
+
+def test_rung_6_matches_jax_reference():
+    from minilib.exercises.ex08_ragged import _prefill_cases
+
+    case = _prefill_cases(0)[1]  # NaN pages: a chunk of 16 over 5 pages, an idle slot
+    q_lens = np.asarray(case.args[4])
+    out = prefill_chunk.prefill_chunk_attention(
+        *case.args, **case.kwargs, interpret=strict_interpret_params()
+    )
+    assert not races_found()
+    expected = prefill_chunk.prefill_chunk_reference(*case.args, **case.kwargs)
+    live = (np.arange(out.shape[1])[None, :] < q_lens[:, None])[:, :, None, None]
+    assert_finite_and_close(np.where(live, out, 0), expected, jnp.float32)
+
+
+@pytest.mark.parametrize("option", ["sliding_window", "soft_cap", "k_scale", "v_scale"])
+def test_rung_7_refuses_what_it_does_not_have(option):
+    b = make_batch([(3, 3)], head_dim=128, page_size=8)
+    with pytest.raises(ValueError, match=f"{option}=.*rung 7 has no {option}"):
+        ragged.ragged_paged_attention_ladder(*b.args(), **{option: 4.0}, interpret=True)
+    with pytest.raises(ValueError, match="num_queries_per_block=5 must divide"):
+        ragged.ragged_paged_attention_ladder(*b.args(), num_queries_per_block=5, interpret=True)
 
 
 @pytest.mark.parametrize("kv_len, block_q, block_kv", [(21, 8, 8), (32, 16, 16), (17, 8, 16)])
@@ -144,6 +194,7 @@ def ladder_solutions():
         "async_copy": sol8.paged_decode_async_copy,
         "double_buffer": sol8.double_buffered_decode,
         "prefetch": sol8.prefetching_decode,
+        "ragged": sol8.ragged_paged_attention,
     }
 
 
@@ -163,6 +214,24 @@ def test_every_rung_compiles_for_v5e(source, name, dtype):
         report = compile_for_tpu(fn, *qkv, chip="v5e")
     else:
         report = compile_for_tpu(functools.partial(fn, sm_scale=0.1), *decode_specs(dtype))
+    assert report.compiled, report.error
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.parametrize("source", ["minilib", "solutions"])
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_rung_7_compiles_for_v5e_and_v6e(source, chip):
+    if not AVAILABLE:
+        pytest.skip(f"no TPU compile here: {REASON}")
+    fn = ragged.ragged_paged_attention_ladder
+    if source == "solutions":
+        fn = ladder_solutions()["ragged"]
+    s = jax.ShapeDtypeStruct
+    i32, bf16 = jnp.int32, jnp.bfloat16
+    specs = (s((64, 8, 128), bf16), s((64, 16, 4, 128), bf16), s((8,), i32), s((8, 8), i32),
+             s((9,), i32), s((1,), i32))  # fmt: skip
+    options = dict(sm_scale=0.1, num_queries_per_block=16, num_kv_pages_per_block=2)
+    report = compile_for_tpu(functools.partial(fn, **options), *specs, chip=chip)
     assert report.compiled, report.error
 
 

@@ -42,6 +42,7 @@ from minilib.exercises.ex08_ladder import (
     check_prefetching_decode,
 )
 from minilib.exercises.ex08_next_work import check_next_work
+from minilib.exercises.ex08_ragged import check_prefill_chunk, check_ragged_paged_attention
 from minilib.exercises.ex09_performance import (
     check_arithmetic_intensity,
     check_num_kv_pages_per_block,
@@ -74,6 +75,8 @@ __all__ = [
     "check_paged_decode_attention",
     "check_preempt",
     "check_prefetching_decode",
+    "check_prefill_chunk",
+    "check_ragged_paged_attention",
     "check_repeat_kv_pages",
     "check_seq_for_row",
     "check_sliding_window_mask",

@@ -74,6 +74,7 @@ def compare_kernel_output(
     ledger_check: Callable | None = None,
     block_cause: Callable | None = None,
     pattern: Callable | None = None,
+    error_ledger_check: Callable | None = None,
 ):
     """Compare a KernelRun with the reference; on any problem, say what it means.
 
@@ -84,7 +85,8 @@ def compare_kernel_output(
     of `mistakes` (explanation -> a jnp function making that mistake) that the output matches,
     else `pattern(expected, got, case)` (what the rung reads in which rows, heads or sequences
     are wrong). `block_cause(step, index, case)` names the cause of an out-of-bounds block
-    from the grid step and the block the index map chose.
+    from the grid step and the block the index map chose. `error_ledger_check(run, case)` may
+    name, from the copies made before it, the cause of a run that stopped with an error.
 
     >>> import numpy as np
     >>> compare = compare_kernel_output(mistakes={}, atol=1e-5, rtol=1e-5)
@@ -106,6 +108,11 @@ def compare_kernel_output(
                 f"{got.stopped_after:.0f} s.\nLikely cause: an endless loop (a "
                 "`while_loop` whose condition never turns false?)." + raw
             )
+        if got.error is not None and error_ledger_check is not None and got.watch is not None:
+            early = error_ledger_check(got, case)
+            if early is not None:
+                then = interpreter_error(got, named, advice).split(" Likely cause:")[0]
+                raise Mismatch(f"{early}\n(The kernel then stopped with {then})" + raw)
         if got.error is not None:
             cause = functools.partial(block_cause, case=case) if block_cause else None
             raise Mismatch(interpreter_error(got, named, advice, cause) + raw)

@@ -155,10 +155,11 @@ def online_softmax_update(
     v,  # [tokens, head_dim], zero where not a real key
     masked,  # bool[rows, tokens]: True where a key is hidden from a row
     sm_scale: float,
+    mask_value: float = DEFAULT_MASK_VALUE,
 ):
     """Fold one block of keys into the running softmax (notebook 06's update, on refs)."""
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    s = jnp.where(masked, DEFAULT_MASK_VALUE, s * sm_scale)
+    s = jnp.where(masked, mask_value, s * sm_scale)
     m_prev = m_ref[...]
     m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
     p = jnp.exp(s - m_next)

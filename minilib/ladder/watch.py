@@ -9,7 +9,8 @@ listens to that simulation while a kernel runs, and keeps a ledger:
   deadlock   a `.wait()` on a semaphore whose count is too low while no copy in flight will
              signal it: in interpret mode nothing else runs, so the kernel would hang for ever.
              The wait raises `KernelDeadlock` at once instead (on the chip it would hang);
-  shared     a wait on a semaphore that two copies in flight, into different places, signal:
+  shared     a wait on a semaphore that two copies in flight, into different slots (or
+             buffers), signal (the pages of one block, into one slot, may share one):
              the wait cannot tell which copy landed (the counts still balance at exit, and no
              race shows, so only the ledger sees it);
   overwrite  a copy started into a place that an earlier copy, not yet waited for, is still
@@ -364,7 +365,7 @@ class Watch:
             self._remember_semaphores()
             mine = [c for c in self.copies if c.semaphore == sem.id and c.core == core]
             in_flight = [c for c in mine if c.outstanding > 0]
-            places = {(c.buffer, c.destination) for c in in_flight}
+            places = {(c.buffer, c.destination if c.slot is None else c.slot) for c in in_flight}
             if self.shared is None and len(places) > 1:
                 self.shared = in_flight
                 self.found["shared"] = len(self.copies)

@@ -1,0 +1,309 @@
+"""Rungs 6 and 7: the learner's copies against the planned ones, and the likely causes.
+
+`schedule_problem(rung)` compares the ledger of a run (`minilib.ladder.watch`) with the plan
+(`minilib.ladder.prefill_chunk.prefill_copy_plan`, `minilib.ladder.ragged.ragged_copy_plan`):
+page by page, the page copied, its slot and its place in the slot. The first difference is
+named for what the extra, missing or different copy is: a KV block past the diagonal, the
+block of an idle sequence (q_len 0), of a sequence with no row in the q block, of the next
+sequence where the q block ended mid-sequence, a page not clamped, a slot not carried. Then
+the overlap: each KV block's copy must start before the wait for the block before it, and in
+rung 7 each q block's first KV block in the grid step before. `advice(rung)` words the
+general DMA problems (`minilib.exercises.kernel_failures`) for these rungs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from minilib.exercises.checking import Case
+from minilib.kv_cache import pages_needed
+from minilib.ladder.prefill_chunk import kv_block_pages, prefill_copy_plan
+from minilib.ladder.ragged import ragged_copy_plan
+
+__all__ = ["advice", "schedule_problem"]
+
+DIAGONAL = (
+    "KV blocks past the diagonal were copied: no live row of the q block sees a key past "
+    "its last live row's position. That row is min(first_row + block_q, q_len) - 1 (rung 7: "
+    "min(q_end, end_row) - 1, the sequence's last row *in this q block*), at position "
+    "kv_len - q_len + row, and num_kv_blocks = cdiv(that position + 1, block_kv)."
+)
+TOO_FEW = (
+    "KV blocks that a live row can see were never copied: num_kv_blocks must reach the "
+    "position of the q block's *last* live row, cdiv(kv_len - q_len + last_row + 1, block_kv), "
+    "not its first row's."
+)
+IDLE = (
+    "a sequence with q_len 0 (idle: cu_q_lens[s + 1] == cu_q_lens[s]) has no rows and no "
+    "work: skip it, in the walk and in next_work (`next_seq_with_rows(seq + 1, "
+    "cu_q_lens[seq + 1], ...)` skips it)."
+)
+SPANNING = (
+    "the q block ended mid-sequence: a sequence whose rows run past end_row is also the first "
+    "sequence of the next q block, so its KV block 0 comes next. The next q block's first "
+    "sequence is `next_seq_with_rows(seq, end_row, ...)`, from seq, not seq + 1."
+)
+
+
+def schedule_problem(rung: int, partial: bool = False) -> Callable:
+    """The rung's ledger check: `check(run, case)` returns a paragraph, or None. `partial`:
+    the run stopped with an error, so only a copy that differs from the plan counts (not
+    the copies missing after it stopped).
+
+    >>> from minilib.exercises.kernel_run import KernelRun
+    >>> print(schedule_problem(7)(KernelRun(out=None), Case("", ())))   # no ledger: nothing
+    None
+    """
+
+    def check(run, case: Case) -> str | None:
+        if run.watch is None:
+            return None
+        copies = [(c.page, c.slot, _place(c, case), c) for c in run.watch.copies]
+        if rung == 6:
+            return None if partial else _prefill_problem(run, copies, case)
+        return _ragged_problem(run, copies, case, partial)
+
+    return check
+
+
+def _place(copy, case: Case) -> int | None:
+    page_size = case.args[1].shape[1]
+    where = copy.destination[1] if len(copy.destination) > 1 else None
+    return where[0] // page_size if isinstance(where, tuple) else where
+
+
+def _pages_cause(page, seq: int, case: Case, table, kv_len: int) -> str:
+    page_size = case.args[1].shape[1]
+    owned = [int(p) for p in table[seq, : pages_needed(kv_len, page_size)]]
+    if page not in owned:
+        return (
+            f"a page past sequence {seq}'s last page (page {page}): the page-table entries "
+            "past it are garbage. Clamp the page index to the last page, "
+            "`jnp.minimum(b * pages_per_block + p, cdiv(kv_len, page_size) - 1)`."
+        )
+    return (
+        f"the wrong page of sequence {seq}: place p of KV block b holds page "
+        "`b * pages_per_block + p` of the sequence (clamped to its last page)."
+    )
+
+
+def _difference(want: list, have: list, case: Case, table, seq: int, kv_len: int,
+                carried: bool) -> str | None:  # fmt: skip
+    """The first difference between planned (page, slot, place) and copied, as a cause;
+    `carried`: the slot carries over between grid steps (rung 7)."""
+    for w, h in zip(want, have, strict=False):
+        if w[0] != h[0]:
+            return _pages_cause(h[0], seq, case, table, kv_len)
+        if w[1] != h[1]:
+            return (
+                f"a KV block copied into slot {h[1]}, where slot {w[1]} was due: blocks take "
+                "turns, the next into `1 - slot`"
+                + (", and the slot carries over from one grid step to the next "
+                   "(`slot_ref[0]`), so a grid step starts from it, not from 0." if carried
+                   else ".")
+            )  # fmt: skip
+        if w[2] != h[2]:
+            return (
+                f"page {w[2]} of a KV block copied into place {h[2]} of its slot: page p goes "
+                "to tokens p * page_size ... of the slot, `bufs.at[slot, pl.ds(p * page_size, "
+                "page_size)]`."
+            )
+    return None
+
+
+def _no_overlap(firsts: list) -> str | None:
+    for copy, what in firsts:
+        if copy.in_flight == 0:
+            return (
+                f"{what} was copied only after every earlier copy had been waited for: no copy "
+                "overlaps a compute, so the two slots do not double-buffer. Start KV block "
+                "b + 1's copy into the other slot *before* waiting for block b."
+            )
+    return None
+
+
+def _prefill_problem(run, copies, case: Case) -> str | None:
+    q, kv_pages, kv_lens, page_indices, q_lens = case.args
+    block_q, per_block = case.kwargs["block_q"], case.kwargs["num_kv_pages_per_block"]
+    page_size, table = kv_pages.shape[1], np.asarray(page_indices)
+    lens, qs = [int(n) for n in np.asarray(kv_lens)], [int(n) for n in np.asarray(q_lens)]
+    plan = prefill_copy_plan(lens, qs, table, block_q=block_q, max_q_len=q.shape[1],
+                             num_kv_pages_per_block=per_block, page_size=page_size)  # fmt: skip
+    by_point: dict = {}
+    for page, slot, place, copy in copies:
+        point = run.grid[copy.step][0] if 0 <= copy.step < len(run.grid) else None
+        by_point.setdefault(point, []).append((page, slot, place, copy))
+    firsts = []
+    for (seq, i), blocks in plan.items():
+        want = [(pages[p], slot, p) for slot, pages in blocks for p in range(per_block)]
+        mine = by_point.get((seq, i), [])
+        have = [x[:3] for x in mine]
+        where = (
+            f"grid step ({seq}, {i}) (rows {i * block_q}..{(i + 1) * block_q - 1} of "
+            f"sequence {seq}: q_len {qs[seq]}, kv_len {lens[seq]})"
+        )
+        cause = _difference(want, have, case, table, seq, lens[seq], carried=False)
+        if cause is None and len(have) > len(want):
+            cause = (
+                "a q block with no live row (first_row >= q_len) has no KV block to visit: "
+                "start nothing."
+                if i * block_q >= qs[seq]
+                else DIAGONAL
+            )
+        elif cause is None and len(have) < len(want):
+            cause = TOO_FEW
+        if cause is not None:
+            return (f"{where} copied {len(have) // per_block or len(have)} KV block(s) "
+                    f"(pages {[x[0] for x in have]}); the plan has {len(want) // per_block} "
+                    f"(pages {[x[0] for x in want]}). Likely cause: {cause}")  # fmt: skip
+        firsts += [(mine[b * per_block][3], f"KV block {b} of {where}")
+                   for b in range(1, len(blocks))]  # fmt: skip
+    return _no_overlap(firsts)
+
+
+def _ragged_problem(run, copies, case: Case, partial: bool) -> str | None:
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = case.args
+    block_q = case.kwargs["num_queries_per_block"]
+    per_block = case.kwargs["num_kv_pages_per_block"]
+    page_size, table = kv_pages.shape[1], np.asarray(page_indices)
+    lens, cu = [int(n) for n in np.asarray(kv_lens)], [int(n) for n in np.asarray(cu_q_lens)]
+    n = int(np.asarray(num_seqs)[0])
+    plan = ragged_copy_plan(lens, table, cu, n, block_q=block_q,
+                            num_q_blocks=q.shape[0] // block_q,
+                            num_kv_pages_per_block=per_block, page_size=page_size)  # fmt: skip
+    want = [(pages[p], slot, p) for *_, slot, pages in plan for p in range(per_block)]
+    have = [x[:3] for x in copies]
+    work = [(blk, seq, b) for blk, seq, b, *_ in plan for _ in range(per_block)]
+
+    def block_of(k):  # which (seq, KV block) the copies from k on, a block's worth, are
+        pages = tuple(x[0] for x in have[k - k % per_block : k - k % per_block + per_block])
+        for s in range(len(lens)):  # a padding slot's kv_len may be huge: its row bounds it
+            kv_len = min(lens[s], table.shape[1] * page_size)
+            for b in range(pages_needed(kv_len, page_size)):
+                block = kv_block_pages(table, s, kv_len, b, per_block, page_size)
+                if pages and block[: len(pages)] == pages:  # a run may stop mid-block
+                    return s, b
+        return None
+
+    k = next((k for k, (w, h) in enumerate(zip(want, have, strict=False)) if w != h),
+             min(len(want), len(have)))  # fmt: skip
+    if k == len(want) == len(have) and not partial:
+        return _ragged_timing(run, copies, plan, per_block)
+    if partial and k >= len(have):
+        return None  # the copies agree until the run stopped
+    got = block_of(k) if k < len(have) else None
+    due = work[k] if k < len(work) else None
+    what = (f"copy {k} (of {len(want)} planned) differs: the plan has "
+            + (f"KV block {due[2]} of sequence {due[1]} for q block {due[0]}" if due
+               else "no more copies")
+            + (f", the kernel copied KV block {got[1]} of sequence {got[0]}" if got
+               else f", the kernel copied pages {[x[0] for x in have[k:k + per_block]]}"
+               if k < len(have) else ", the kernel copied nothing more")
+            + ". Likely cause: ")  # fmt: skip
+    prev = work[k - 1] if k > 0 else None
+    first_of_blk = due is not None and due[0] > 0 and (prev is None or prev[0] < due[0])
+    if first_of_blk and k < len(have) and have[k][0] == want[k][0]:
+        copy = copies[k][3]
+        step = run.grid[copy.step][0][0] if 0 <= copy.step < len(run.grid) else None
+        if step is not None and step >= due[0]:
+            return what + _own_step(due[1], due[0])
+    if got is not None and due is not None and got == (due[1], due[2]):
+        cause = _difference(want[k:], have[k:], case, table, due[1], lens[due[1]], carried=True)
+        return what + (cause or TOO_FEW)
+    if got is not None and got[0] < n and cu[got[0] + 1] == cu[got[0]]:
+        return what + IDLE
+    if got is not None and got[0] >= n:
+        return what + (f"sequence slot {got[0]} is past num_seqs ({n}): the walk and next_work "
+                       "stop at num_seqs = num_seqs_ref[0], not the tables' length.")  # fmt: skip
+    if got is not None and prev is not None and got == (prev[1], prev[2]):
+        return what + "the same KV block was copied twice in a row: " + IDLE
+    if got is not None and prev is not None and got[0] == prev[1] and got[1] > prev[2]:
+        return what + DIAGONAL
+    if first_of_blk and prev is not None and due[1] == prev[1] and k < len(have):
+        return what + SPANNING
+    if due is None and k < len(have):
+        return what + ("the very last work has no next: after the last KV block of the last "
+                       "sequence of the last q block, start nothing.")  # fmt: skip
+    if got is not None and due is not None and got[0] != due[1]:
+        return what + (
+            f"sequence {got[0]} has no row in q block {due[0]}: a grid step walks only the "
+            "sequences with rows in its q block, from `next_seq_with_rows(0, first_row, ...)` "
+            "while cu_q_lens[seq] < end_row, and next_work chooses among those."
+        )
+    if k >= len(have):
+        return what + TOO_FEW
+    cause = _difference(want[k:], have[k:], case, table, due[1], lens[due[1]], carried=True)
+    return what + (cause or TOO_FEW)
+
+
+def _ragged_timing(run, copies, plan, per_block) -> str | None:
+    """Each q block's first KV block copied in the grid step before it; copies overlapping."""
+    firsts, seen = [], set()
+    for k, (blk, seq, b, *_) in enumerate(plan):
+        copy = copies[k * per_block][3]
+        if blk not in seen and blk > 0:
+            step = run.grid[copy.step][0][0] if 0 <= copy.step < len(run.grid) else None
+            if step is not None and step >= blk:
+                return _own_step(seq, blk)
+        seen.add(blk)
+        if k > 0:
+            firsts.append((copy, f"KV block {b} of sequence {seq} (q block {blk})"))
+    return _no_overlap(firsts)
+
+
+def _own_step(seq: int, blk: int) -> str:
+    return (
+        f"KV block 0 of sequence {seq}, the first of q block {blk}, was copied in its own "
+        f"grid step ({blk}): nothing overlaps that copy. Prefetching across grid steps means "
+        f"the last work of q block {blk - 1} starts it (next_work's last case: the first "
+        "sequence of the next q block); only grid step 0 starts a copy of its own."
+    )
+
+
+def advice(rung: int) -> Callable[[str], str | None]:
+    """The likely cause, in rung 6's or 7's terms, of each kind of DMA problem.
+
+    >>> "slot_ref[0]" in advice(7)("deadlock"), advice(6)("shared")
+    (True, None)
+    """
+
+    def words(kind: str) -> str | None:
+        if kind == "copy":
+            return (
+                "a copy through a page-table entry past the sequence's last page (garbage): "
+                "clamp place p of block b to the last page, `jnp.minimum(b * pages_per_block "
+                "+ p, cdiv(kv_len, page_size) - 1)`"
+                + (", and never follow next_work past the last work, nor into a sequence slot "
+                   "past num_seqs." if rung == 7 else
+                   "; start nothing for a q block with no live row.")
+            )  # fmt: skip
+        if kind == "smem":
+            return (
+                "kv_lens, page_indices or cu_q_lens read past their end: a sequence index "
+                "past num_seqs. Loops over sequences stop at num_seqs, and clamp the index "
+                "they read (`&` evaluates both sides)."
+            )
+        if kind == "deadlock":
+            return (
+                "a wait for a KV block whose copy was never started, or into the other slot: "
+                + ("the first block, in each grid step, when it has a live row; block b + 1 "
+                   "in iteration b, into `1 - slot`." if rung == 6 else
+                   "grid step 0 starts the very first copy; every later one is started by the "
+                   "work before it (next_work), into `1 - slot`; a grid step starts from the "
+                   "slot that copy went to, `slot_ref[0]`, not from 0.")
+            )  # fmt: skip
+        if kind in ("never_waited", "overwrite"):
+            return (
+                "a copy started that no wait takes back, or into the slot still being read: "
+                "the next KV block goes into the other slot (`1 - slot`), only when there is "
+                "one (`b + 1 < num_kv_blocks`, not `<=`)"
+                + ("; a grid step starts from the slot the step before left in `slot_ref[0]`, "
+                   "not from 0; only grid step 0 starts a copy of its own; the very last work "
+                   "has no next." if rung == 7 else "; a q block with no live row starts "
+                   "nothing.")
+            )  # fmt: skip
+        return None
+
+    return words

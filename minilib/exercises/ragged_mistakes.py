@@ -1,0 +1,161 @@
+"""The usual mistakes of rungs 6 and 7, made on purpose in numpy: a wrong output that matches
+one of them is named for it (`minilib.exercises.kernel_failures.likely_cause`).
+
+Each mistake is the kernel's own walk, row by row, with one thing changed: the position of a
+row (`q_pos`), which rows a sequence writes, whether the softmax state starts again for each
+sequence. The KV blocks visited are the right ones (a wrong count shows in the copies first).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minilib.kv_cache import pages_needed
+
+__all__ = ["prefill", "prefill_mistakes", "ragged", "ragged_mistakes"]
+
+NO_KV_OFFSET = (
+    "the causal offset `kv_len - q_len` is missing from q_pos: the chunk is the *last* q_len "
+    "tokens of the sequence, so its row r sits at position kv_len - q_len + r."
+)
+
+
+def _keys(kv_pages, table, seq: int, kv_len: int):
+    """K and V of a sequence's first kv_len tokens, float64 [kv_len, num_kv_heads, head_dim]."""
+    page_size, combined, head_dim = kv_pages.shape[1:]
+    pages = table[seq, : pages_needed(kv_len, page_size)]
+    kv = np.asarray(kv_pages, np.float64)[pages].reshape(-1, combined, head_dim)[:kv_len]
+    return kv[:, 0::2], kv[:, 1::2]
+
+
+def _attend(q_row, keys: list, sm_scale: float):
+    """One row's attention over the visible keys of `keys` [(k, v, visible)], 0 if none."""
+    num_q_heads = q_row.shape[0]
+    k = np.concatenate([k[vis] for k, _, vis in keys]) if keys else np.zeros((0, 1, 1))
+    if k.shape[0] == 0:
+        return np.zeros_like(q_row)
+    v = np.concatenate([v[vis] for _, v, vis in keys])
+    group = num_q_heads // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    s = np.einsum("hd,nhd->hn", q_row, k) * sm_scale
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    return np.einsum("hn,nhd->hd", p / p.sum(axis=1, keepdims=True), v)
+
+
+def _num_kv_blocks(kv_len, q_len, last_row_in_seq, block_kv):
+    return -(-(kv_len - q_len + last_row_in_seq + 1) // block_kv)
+
+
+def prefill(variant: str = "right"):
+    """Rung 6's walk in numpy, with the mistake `variant` ("right": none, the checker's
+    reference, float64): fn(q, kv_pages, kv_lens, page_indices, q_lens, *, sm_scale, ...).
+
+    >>> from minilib.batch import make_batch
+    >>> b = make_batch([(2, 9)], page_size=8)
+    >>> q = np.asarray(b.q)[None]   # [1 sequence, 2 rows, heads, head_dim]
+    >>> prefill()(q, b.kv_pages, b.kv_lens, b.page_indices, [2], sm_scale=0.1, block_q=2,
+    ...           num_kv_pages_per_block=1).shape
+    (1, 2, 4, 64)
+    """
+
+    def fn(q, kv_pages, kv_lens, page_indices, q_lens, *, sm_scale, block_q,
+           num_kv_pages_per_block):  # fmt: skip
+        qn, table = np.asarray(q, np.float64), np.asarray(page_indices)
+        block_kv = num_kv_pages_per_block * kv_pages.shape[1]
+        out = np.zeros(qn.shape)
+        for s, kv_len in enumerate(int(n) for n in np.asarray(kv_lens)):
+            q_len = int(np.asarray(q_lens)[s])
+            k, v = _keys(kv_pages, table, s, kv_len) if q_len else (None, None)
+            for r in range(q_len):
+                first_row = r - r % block_q
+                last = min(first_row + block_q, q_len) - 1
+                limit = min(kv_len, _num_kv_blocks(kv_len, q_len, last, block_kv) * block_kv)
+                q_pos = {"no_kv_offset": r,
+                         "no_block_offset": kv_len - q_len + r - first_row,
+                         }.get(variant, kv_len - q_len + r)  # fmt: skip
+                visible = (np.arange(kv_len) <= q_pos) & (np.arange(kv_len) < limit)
+                out[s, r] = _attend(qn[s, r], [(k, v, visible)], sm_scale)
+        return out
+
+    return fn
+
+
+def ragged(variant: str = "right"):
+    """Rung 7's walk in numpy, with the mistake `variant` ("right": none, the checker's
+    reference, float64): fn with JAX's signature; the padding rows are 0.
+
+    >>> from minilib.batch import make_batch
+    >>> b = make_batch([(3, 3), (1, 9)], page_size=8, max_num_batched_tokens=8)
+    >>> out = ragged()(*b.args(), sm_scale=0.1, num_queries_per_block=4, num_kv_pages_per_block=1)
+    >>> out.shape, float(abs(out[4:]).max())   # rows past the 4 live ones: 0
+    ((8, 4, 64), 0.0)
+    """
+
+    def fn(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+           num_queries_per_block, num_kv_pages_per_block):  # fmt: skip
+        qn, table, block_q = (
+            np.asarray(q, np.float64),
+            np.asarray(page_indices),
+            num_queries_per_block,
+        )
+        cu, n = [int(x) for x in np.asarray(cu_q_lens)], int(np.asarray(num_seqs)[0])
+        block_kv = num_kv_pages_per_block * kv_pages.shape[1]
+        out = np.zeros(qn.shape)
+        for blk in range(qn.shape[0] // block_q):
+            first_row, end_row = blk * block_q, (blk + 1) * block_q
+            seen = {r: [] for r in range(first_row, end_row)}  # keys each row's state holds
+            for s in range(n):
+                q_start, q_end, kv_len = cu[s], cu[s + 1], int(np.asarray(kv_lens)[s])
+                if q_end <= first_row or q_start >= end_row or q_end == q_start:
+                    continue  # no row of s in this q block
+                q_len = q_end - q_start
+                k, v = _keys(kv_pages, table, s, kv_len)
+                last = min(q_end, end_row) - 1 - q_start
+                limit = min(kv_len, _num_kv_blocks(kv_len, q_len, last, block_kv) * block_kv)
+                for row in range(first_row, end_row):
+                    q_pos = {"no_kv_offset": row - q_start,
+                             "global_row": kv_len - q_len + row,
+                             }.get(variant, kv_len - q_len + row - q_start)  # fmt: skip
+                    visible = (np.arange(kv_len) <= q_pos) & (np.arange(kv_len) < limit)
+                    keys = (seen[row] if variant == "no_reset" else []) + [(k, v, visible)]
+                    seen[row] = keys
+                    if variant == "no_row_mask" or q_start <= row < q_end:
+                        out[row] = _attend(qn[row], keys, sm_scale)
+        out[cu[n] :] = 0  # padding rows: not compared
+        return out
+
+    return fn
+
+
+def prefill_mistakes() -> dict:
+    """Rung 6's mistakes: explanation -> fn(q, kv_pages, kv_lens, page_indices, q_lens, ...).
+
+    >>> any("kv_len - q_len" in why for why in prefill_mistakes())
+    True
+    """
+    return {
+        NO_KV_OFFSET: prefill("no_kv_offset"),
+        "the q block's first row is missing from q_pos: row r of q block i is row "
+        "`first_row + r` of the chunk, first_row = i * block_q, at position kv_len - q_len + "
+        "first_row + r.": prefill("no_block_offset"),
+    }
+
+
+def ragged_mistakes() -> dict:
+    """Rung 7's mistakes: explanation -> fn with JAX's signature.
+
+    >>> len(ragged_mistakes())
+    4
+    """
+    return {
+        "the rows of other sequences were overwritten: a q block's rows belong to several "
+        "sequences, and each sequence writes only its own rows: `write_rows(o_ref, l_ref, "
+        "acc_ref, rows)`, rows = (q_start <= row) & (row < q_start + q_len).":
+            ragged("no_row_mask"),
+        "the softmax state was not reset between the sequences of a q block: m, l and acc "
+        "start again (`init_online_softmax`) for every sequence.": ragged("no_reset"),
+        "q_pos counts the row's place in the whole batch: its place in its sequence is "
+        "row - q_start (row = first_row + r), at position kv_len - q_len + row - q_start.":
+            ragged("global_row"),
+        NO_KV_OFFSET: ragged("no_kv_offset"),
+    }  # fmt: skip
