@@ -13,6 +13,7 @@ ModuleNotFoundError: minilib.tpu_compile moved: compiling is minilib.tpu.compile
 import importlib.abc
 import sys
 
+from minilib import jax_patches
 from minilib.batch import RaggedBatch, make_batch, random_seq_lens, seq_kind
 from minilib.block_sizes import default_block_sizes
 from minilib.blockwise import ragged_paged_attention_blockwise
@@ -41,7 +42,7 @@ from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions
 from minilib.pallas_basics import add_vectors, ragged_paged_attention_pallas_basic
 from minilib.reference import ref_ragged_paged_attention
 from minilib.schedule import Schedule, plan_schedule, record_schedule
-from minilib.tpu import literal_keys, mosaic_version, numerics
+from minilib.tpu import numerics
 from minilib.validation import (
     dynamic_validate_inputs,
     static_validate_inputs,
@@ -49,13 +50,11 @@ from minilib.validation import (
 )
 from minilib.vectorized import ragged_paged_attention_jnp
 
-# On jax 0.7, whose lowering compares each scalar constant of a program with every one before
-# it, key them by value, as jax does arrays (minilib.tpu.literal_keys: a kernel in 4 s, not 15).
-literal_keys.apply()
-# On a jax and libtpu pair where jax writes kernels at a Mosaic IR version libtpu cannot read
-# (Colab's TPU runtime: jax 0.7.2 with libtpu 0.0.21.1), lower them at the version it reads.
-# Nothing changes elsewhere. Importing any minilib module runs this (minilib.tpu.mosaic_version).
-mosaic_version.apply()
+# Where the installed jax and libtpu need it, patch jax (minilib.jax_patches): lower kernels at
+# the Mosaic IR version libtpu reads (Colab's jax 0.7.2 with libtpu 0.0.21.1), and jax 0.7's
+# scalar constants in linear time. Nothing changes elsewhere. Importing any minilib module
+# runs this.
+jax_patches.apply()
 # MINILIB_TPU_NUMERICS=1: float32 matmuls at the default precision run as on a TPU, one
 # bfloat16 pass (minilib.tpu.numerics), for the whole process.
 numerics.apply_from_environment()
@@ -115,6 +114,9 @@ MOVED = {
     "workloads": "it is minilib.perf.workloads",
     "roofline": "it is minilib.perf.roofline",
     "bench": "it is minilib.perf.bench",
+    "tpu.chips": "the chips' facts are minilib.chips",
+    "tpu.mosaic_version": "it is minilib.jax_patches.mosaic_version",
+    "tpu.literal_keys": "it is minilib.jax_patches.literal_keys",
 }
 
 

@@ -10,7 +10,7 @@ visits `ceil(kv_len / kv_tokens_per_block)` KV blocks. Each block costs the larg
   when nothing stalls; the count is read from the compiled program by `minilib.tpu.compile`),
   divided by the chip's clock, and
 * its copy: the KV bytes of the block divided by the chip's HBM bandwidth (from
-  `pltpu.get_tpu_info_for_chip` when this JAX has it, else `minilib.tpu.chips.FACTS`),
+  `pltpu.get_tpu_info_for_chip` when this JAX has it, else `minilib.chips.FACTS`),
 
 because double buffering overlaps the copy of the next block with the compute of this one.
 Bigger blocks amortise the fixed cost of a block (loop control, DMA issue, rescaling the
@@ -30,20 +30,15 @@ from __future__ import annotations
 
 import math
 
-import jax
-import jax.numpy as jnp
-
-from minilib.tpu.chips import DEVICE_KINDS, FACTS
+from minilib.chips import FACTS, current_chip, packing, packing_of_size
 
 __all__ = [
-    "current_chip",
     "default_block_sizes",
     "default_decode_seqs_per_block",
     "default_head_pipeline",
     "hbm_bytes_per_s",
     "modelled_seconds",
     "num_kv_heads_per_block",
-    "packing",
 ]
 
 # Chip-independent defaults: a KV block of about this many tokens keeps the MXU busy, ...
@@ -80,38 +75,6 @@ CHIP_DEFAULTS: dict[str, tuple[int, int, int, int]] = {
 }
 
 
-def current_chip() -> str | None:
-    """The chip being compiled for: the abstract mesh's device kind (as `minilib.tpu.compile`
-    sets it), else the device kind when JAX runs on a TPU, else None. Never `jax.devices()`
-    off a TPU.
-
-    >>> current_chip() is None or current_chip() in FACTS
-    True
-    """
-    get_abstract_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-    mesh = get_abstract_mesh() if get_abstract_mesh else None
-    device = getattr(mesh, "abstract_device", None)
-    if device is not None:
-        return DEVICE_KINDS.get(device.device_kind)
-    if jax.default_backend() == "tpu":
-        return DEVICE_KINDS.get(jax.local_devices()[0].device_kind)
-    return None
-
-
-def packing_of_size(itemsize: int) -> int:
-    """How many values of `itemsize` bytes share one 32-bit word."""
-    return 4 // itemsize
-
-
-def packing(dtype) -> int:
-    """How many values of `dtype` share one 32-bit word.
-
-    >>> packing(jnp.bfloat16), packing(jnp.float32)
-    (2, 1)
-    """
-    return 4 // jnp.dtype(dtype).itemsize
-
-
 def num_kv_heads_per_block(num_q_heads: int, num_kv_heads: int, q_dtype, kv_dtype) -> int:
     """The fewest KV heads per heads block that keep every block tile-aligned; else all of them.
 
@@ -120,6 +83,7 @@ def num_kv_heads_per_block(num_q_heads: int, num_kv_heads: int, q_dtype, kv_dtyp
     `kv_pages` (2 * kv heads on the second-to-last axis) and of `q` (q heads there) must fill
     whole tiles, or be the whole axis.
 
+    >>> import jax.numpy as jnp
     >>> num_kv_heads_per_block(16, 8, jnp.float32, jnp.float32)   # 8 K/V slots, 8 q heads
     4
     >>> num_kv_heads_per_block(4, 2, jnp.float32, jnp.float32)    # too few heads to split

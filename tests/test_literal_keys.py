@@ -1,5 +1,6 @@
-"""minilib.tpu.literal_keys: on jax 0.7, a program's scalar constants are keyed by value when it is
-lowered, so that lowering takes time linear in their number; elsewhere nothing changes.
+"""minilib.jax_patches.literal_keys: on jax 0.7, a program's scalar constants are keyed by value
+when it is lowered, so that lowering takes time linear in their number; elsewhere nothing
+changes.
 
 The tests of the key need a jax whose own key needed the fix (jax 0.7.2: `.venv-oldest`), and
 are skipped elsewhere with the reason. Every parity test of that stack lowers through it.
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minilib.tpu import literal_keys
+from minilib.jax_patches import literal_keys
 
 try:
     from jax._src import core

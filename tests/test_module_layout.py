@@ -7,7 +7,8 @@ Two promises:
   reading order), the rungs, the engine and the exercises they also write. The tools they
   use but never write live in packages named for their role: `explore` (figures, explorers,
   the mistakes catalogue), `tpu` (static TPU analysis) and `perf` (timing, workloads, the
-  roofline, the benchmark).
+  roofline, the benchmark), beside `chips` (the TPU chips' facts, which every layer reads)
+  and `jax_patches` (jax fixed where the installed versions need it).
 * **No module imports a later layer, and there is no cycle.** The layers follow the course:
   errors, the mask rule and the facts every layer may read; heads and options; the paged KV
   cache; batches and validation; the attention implementations; what is built on them
@@ -39,16 +40,16 @@ COURSE = {
 }  # fmt: skip
 # The tools, each package named for its role, the two entry points, and `parity`, the check
 # every notebook's comparison with a reference asserts.
-TOOLS = {"explore", "tpu", "perf", "parity", "doctor", "__main__"}
+TOOLS = {"explore", "tpu", "perf", "parity", "doctor", "__main__", "chips", "jax_patches"}
 
 LAYERS = [
-    # 0. Leaves, or nearly: what every layer may read (errors, the mask rule, the TPU chips
-    #    and the dump reader, the checkers' report machinery and their comparisons, the
-    #    figures' style and the explorers' words, which know nothing of attention, and the
-    #    parity check with its tolerances).
-    ("errors", "masking", "kernel_trace", "tpu.chips", "tpu.bundles", "tpu.loop_paths",
-     "tpu.dump_reader", "tpu.memory", "tpu.compile", "tpu.mosaic_version", "tpu.numerics",
-     "tpu.literal_keys", "parity",
+    # 0. Leaves, or nearly: what every layer may read (errors, the mask rule, the TPU chips'
+    #    facts and the patches to jax, the dump reader, the checkers' report machinery and
+    #    their comparisons, the figures' style and the explorers' words, which know nothing of
+    #    attention, and the parity check with its tolerances).
+    ("errors", "masking", "kernel_trace", "chips", "jax_patches", "jax_patches.*",
+     "tpu.bundles", "tpu.loop_paths", "tpu.dump_reader", "tpu.memory", "tpu.compile",
+     "tpu.numerics", "parity",
      "tpu.v3", "perf.roofline",
      "exercises.checking", "exercises.comparisons",
      "ladder.interpret", "explore.style", "explore.text"),
@@ -115,7 +116,9 @@ def test_the_top_level_is_the_course_and_the_tools_are_in_packages():
         f"missing: {sorted(COURSE | TOOLS - top)}"
     )
     packages = {name for name in top if (PACKAGE / name / "__init__.py").exists()}
-    assert packages == {"kernel", "ladder", "engine", "exercises", "explore", "tpu", "perf"}
+    assert packages == {
+        "kernel", "ladder", "engine", "exercises", "explore", "tpu", "perf", "jax_patches"
+    }  # fmt: skip
 
 
 # A module a learner reads in one sitting (the kernel package's reason for being).
@@ -145,7 +148,11 @@ def test_minilib_readme_names_every_module():
 
 
 def test_a_moved_module_names_its_new_home():
-    for old_import in ("import minilib.viz", "from minilib import tpu_compile"):
+    for old_import in (
+        "import minilib.viz",
+        "from minilib import tpu_compile",
+        "from minilib.tpu import chips",
+    ):
         with pytest.raises(ModuleNotFoundError, match="moved: .* Import from there"):
             exec(old_import, {})
     for name in minilib.MOVED:

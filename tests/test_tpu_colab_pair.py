@@ -5,7 +5,7 @@ the course compiles with the pair, and that each of the two is still there, so s
 1. jax 0.7.2 serializes a kernel at Mosaic IR version 8 for any libtpu built after 2025-08-14,
    as this one is (2025-08-25), and its Mosaic reads up to version 7: "Unsupported version:
    expected <= 7 but got 8". minilib lowers kernels at version 7 with this pair
-   (`minilib.tpu.mosaic_version`), on a real TPU as here.
+   (`minilib.jax_patches.mosaic_version`), on a real TPU as here.
 2. Its compile-only devices crash jax (signal 11) after every compile, when jax asks them for
    an argument's default layout (`pxla.is_default_layout`). The compile is done and dumped by
    then; `minilib.tpu.compile` answers that question itself for this pair
@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from minilib.jax_patches import mosaic_version
 from minilib.ladder import (
     aligned_blocks,
     async_copy,
@@ -38,7 +39,6 @@ from minilib.ladder import (
 )
 from minilib.pallas_basics import add_vectors
 from minilib.tpu import compile as tpu_compile
-from minilib.tpu import mosaic_version
 from minilib.tpu.compile import LAYOUT_QUERY_CRASHES, compile_for_tpu
 from minilib.tpu.kernel_costs import COMPARISON_CASE, compile_rpa, rpa_specs
 
@@ -148,7 +148,7 @@ from minilib.tpu import compile as tpu_compile
 from minilib.tpu.kernel_costs import COMPARISON_CASE, rpa_function, rpa_specs
 from jax._src import tpu_custom_call
 what = sys.argv[1]
-if what == "jax's IR version":  # undo minilib.tpu.mosaic_version; keep the layout fix
+if what == "jax's IR version":  # undo minilib.jax_patches.mosaic_version; keep the layout fix
     tpu_custom_call.get_ir_version = tpu_custom_call.get_ir_version.__wrapped__
     x = jax.ShapeDtypeStruct((4096,), jnp.float32)
     add = functools.partial(add_vectors, block_size=1024, interpret=False)

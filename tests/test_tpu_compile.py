@@ -1,5 +1,5 @@
 """Every Pallas kernel of minilib, compiled by libtpu (XLA's TPU compiler and Mosaic) for the
-TPU chips of `minilib.tpu.chips`, on this machine, without a TPU. Marker `tpu_compile`; runs
+TPU chips of `minilib.chips`, on this machine, without a TPU. Marker `tpu_compile`; runs
 where libtpu is installed (`.venv-tpu` in `python3 tasks.py test`), and is skipped elsewhere
 with the reason. A chip this libtpu does not know (TPU7x with jax 0.7.2's libtpu 0.0.23) is
 skipped, saying so.
@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from minilib import block_sizes
+from minilib.chips import CHIPS, FACTS
 from minilib.pallas_basics import add_vectors, ragged_paged_attention_pallas_basic
 from minilib.tpu import dump_reader
 from minilib.tpu.bundles import (
@@ -52,7 +53,6 @@ from minilib.tpu.bundles import (
     loop_bodies,
     parse_bundles,
 )
-from minilib.tpu.chips import CHIPS, FACTS
 from minilib.tpu.comparison import CLAIMS, cell_record, claimed_as, recorded_comparison
 from minilib.tpu.compile import (
     chip_unknown_here,

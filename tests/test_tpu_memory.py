@@ -6,7 +6,7 @@ import jax
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from minilib.tpu.chips import CHIPS
+from minilib.chips import CHIPS
 from minilib.tpu.memory import (
     chip_memories,
     chip_memories_here_or_recorded,

@@ -17,11 +17,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from minilib.block_sizes import (
-    current_chip,
     default_block_sizes,
     default_decode_seqs_per_block,
     num_kv_heads_per_block,
 )
+from minilib.chips import current_chip
 from minilib.errors import RPAInputError
 from minilib.kernel.config import KERNEL_NAMES, LANES, KernelConfig
 from minilib.kernel.copier import KVBlockCopier

@@ -59,9 +59,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from minilib.block_sizes import current_chip
+from minilib.chips import FACTS, current_chip
 from minilib.kernel.config import KernelConfig
-from minilib.tpu.chips import FACTS
 
 __all__: list[str] = []  # the kernel body's own: see `load_kv_head_fp8`
 

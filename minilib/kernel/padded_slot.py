@@ -43,8 +43,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from minilib.chips import installed_libtpu
 from minilib.kernel.config import KernelConfig
-from minilib.tpu.mosaic_version import installed_libtpu
 
 __all__: list[str] = []  # the kernel body's own: see `pads_slot`
 

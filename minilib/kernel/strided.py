@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from minilib.block_sizes import packing, packing_of_size
+from minilib.chips import packing, packing_of_size
 from minilib.kernel.config import KernelConfig
 from minilib.kernel.fp8 import KV_HEADS_PER_WORD
 from minilib.kernel.narrow_rows import strided_rows_fit

@@ -27,33 +27,27 @@ __all__ = ["paged_decode_attention_async_copy"]
 
 
 def paged_decode_attention_async_copy(
-    q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
-    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
-    kv_lens: jax.Array,  # i32[num_seqs]
-    page_indices: jax.Array,  # i32[num_seqs, pages_per_seq]
-    *,
-    sm_scale: float,
-    interpret=False,
-    kernel=None,
-) -> jax.Array:  # [num_seqs, num_q_heads, head_dim]
+    q, kv_pages, kv_lens, page_indices, *, sm_scale: float, interpret=False, kernel=None
+) -> jax.Array:  # the arrays of rung 2 (`scalar_prefetch.paged_decode_attention`)
     """Paged decode attention; grid step (seq, i) copies page i of seq itself, then attends.
 
     `kernel` (default `async_copy_kernel`) may be replaced by a kernel body with the same arguments.
 
     >>> from minilib.batch import make_batch
+    >>> from minilib.ladder.scalar_prefetch import paged_decode_attention
     >>> b = make_batch([(1, 5), (1, 9)], page_size=8, head_dim=128)
-    >>> paged_decode_attention_async_copy(b.q, b.kv_pages, b.kv_lens, b.page_indices,
-    ...                                   sm_scale=0.1, interpret=pltpu.InterpretParams()).shape
-    (2, 4, 128)
+    >>> args, interpret = (b.q, b.kv_pages, b.kv_lens, b.page_indices), pltpu.InterpretParams()
+    >>> out = paged_decode_attention_async_copy(*args, sm_scale=0.1, interpret=interpret)
+    >>> bool((out == paged_decode_attention(*args, sm_scale=0.1, interpret=interpret)).all())
+    True
     """
-    page_size, num_combined_heads, head_dim = kv_pages.shape[1:]
     return decode_pallas_call(
         functools.partial(kernel or async_copy_kernel, sm_scale=sm_scale),
         q, kv_pages, kv_lens, page_indices,
         grid=(q.shape[0], page_indices.shape[1]),  # (num_seqs, pages_per_seq), as in rung 2
         kv_spec=pl.BlockSpec(memory_space=pl.ANY),  # kv_pages stays in HBM
         scratch_shapes=[
-            pltpu.VMEM((page_size, num_combined_heads, head_dim), kv_pages.dtype),  # buf
+            pltpu.VMEM(kv_pages.shape[1:], kv_pages.dtype),  # buf: one page
             pltpu.SemaphoreType.DMA(()),  # sem: counts the bytes of the copy into buf
         ],
         dimension_semantics=("parallel", "arbitrary"),
@@ -62,20 +56,13 @@ def paged_decode_attention_async_copy(
 
 
 def async_copy_kernel(
-    kv_lens_ref,  # i32[num_seqs], SMEM
-    page_indices_ref,  # i32[num_seqs, pages_per_seq], SMEM
-    q_ref,  # [num_q_heads, head_dim]
-    kv_pages_hbm_ref,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim], HBM
-    o_ref,  # [num_q_heads, head_dim]
-    buf,  # [page_size, 2*num_kv_heads, head_dim], VMEM
-    sem,  # a DMA semaphore
-    m_ref,  # f32[num_kv_heads, group, 1]
-    l_ref,  # f32[num_kv_heads, group, 1]
-    acc_ref,  # f32[num_kv_heads, group, head_dim]
-    *,
-    sm_scale: float,
-):
-    """Grid step (seq, i): copy page i of the sequence into buf, wait, fold it in."""
+    kv_lens_ref, page_indices_ref, q_ref, kv_pages_hbm_ref, o_ref, buf, sem, m_ref, l_ref,
+    acc_ref, *, sm_scale: float
+):  # fmt: skip
+    """Grid step (seq, i): copy page i of the sequence into buf, wait, fold it in.
+
+    The refs of rung 2's kernel, but kv_pages_hbm_ref is all of `kv_pages`, in HBM; buf:
+    [page_size, 2*num_kv_heads, head_dim], VMEM; sem: a DMA semaphore."""
     seq, i = pl.program_id(0), pl.program_id(1)
     kv_len, page_size = kv_lens_ref[seq], buf.shape[0]
 

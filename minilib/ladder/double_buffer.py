@@ -35,34 +35,28 @@ __all__ = ["paged_decode_attention_double_buffered"]
 
 
 def paged_decode_attention_double_buffered(
-    q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
-    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
-    kv_lens: jax.Array,  # i32[num_seqs]
-    page_indices: jax.Array,  # i32[num_seqs, pages_per_seq]
-    *,
-    sm_scale: float,
-    interpret=False,
-    kernel=None,
-) -> jax.Array:  # [num_seqs, num_q_heads, head_dim]
+    q, kv_pages, kv_lens, page_indices, *, sm_scale: float, interpret=False, kernel=None
+) -> jax.Array:  # the arrays of rung 2 (`scalar_prefetch.paged_decode_attention`)
     """Paged decode attention, one grid step per sequence, pages double-buffered.
 
     `kernel` (default `double_buffer_kernel`) may be replaced by a kernel body with the same
     arguments.
 
     >>> from minilib.batch import make_batch
-    >>> b = make_batch([(1, 5), (1, 9)], page_size=8, head_dim=128)
-    >>> paged_decode_attention_double_buffered(b.q, b.kv_pages, b.kv_lens, b.page_indices,
-    ...     sm_scale=0.1, interpret=pltpu.InterpretParams()).shape
-    (2, 4, 128)
+    >>> from minilib.ladder.interpret import races_found, strict_interpret_params
+    >>> b = make_batch([(1, 20)], page_size=8, head_dim=128)  # 3 pages: a copy in flight
+    >>> out = paged_decode_attention_double_buffered(b.q, b.kv_pages, b.kv_lens, b.page_indices,
+    ...     sm_scale=0.1, interpret=strict_interpret_params())
+    >>> out.shape, races_found()
+    ((1, 4, 128), False)
     """
-    page_size, num_combined_heads, head_dim = kv_pages.shape[1:]
     return decode_pallas_call(
         functools.partial(kernel or double_buffer_kernel, sm_scale=sm_scale),
         q, kv_pages, kv_lens, page_indices,
         grid=(q.shape[0],),  # (num_seqs,): the kernel loops over the pages itself
         kv_spec=pl.BlockSpec(memory_space=pl.ANY),
         scratch_shapes=[
-            pltpu.VMEM((2, page_size, num_combined_heads, head_dim), kv_pages.dtype),  # bufs
+            pltpu.VMEM((2, *kv_pages.shape[1:]), kv_pages.dtype),  # bufs: two slots of a page
             pltpu.SemaphoreType.DMA((2,)),  # sems: one per slot
         ],
         dimension_semantics=("parallel",),
@@ -71,20 +65,13 @@ def paged_decode_attention_double_buffered(
 
 
 def double_buffer_kernel(
-    kv_lens_ref,  # i32[num_seqs], SMEM
-    page_indices_ref,  # i32[num_seqs, pages_per_seq], SMEM
-    q_ref,  # [num_q_heads, head_dim]
-    kv_pages_hbm_ref,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim], HBM
-    o_ref,  # [num_q_heads, head_dim]
-    bufs,  # [2, page_size, 2*num_kv_heads, head_dim], VMEM: slots 0 and 1
-    sems,  # DMA semaphores [2]
-    m_ref,  # f32[num_kv_heads, group, 1]
-    l_ref,  # f32[num_kv_heads, group, 1]
-    acc_ref,  # f32[num_kv_heads, group, head_dim]
-    *,
-    sm_scale: float,
-):
-    """Grid step seq: all pages of the sequence, page i + 1 copied while page i computes."""
+    kv_lens_ref, page_indices_ref, q_ref, kv_pages_hbm_ref, o_ref, bufs, sems, m_ref, l_ref,
+    acc_ref, *, sm_scale: float
+):  # fmt: skip
+    """Grid step seq: all pages of the sequence, page i + 1 copied while page i computes.
+
+    The refs of rung 3's kernel, but two slots: bufs: [2, page_size, 2*num_kv_heads,
+    head_dim], VMEM; sems: DMA semaphores [2], one per slot."""
     seq = pl.program_id(0)
     kv_len, page_size = kv_lens_ref[seq], bufs.shape[1]
     num_pages = pl.cdiv(kv_len, page_size)

@@ -153,35 +153,30 @@ def next_work_in_kernel(seq, page, kv_lens_ref, num_seqs, page_size: int):
 
 
 def paged_decode_attention_prefetch(
-    q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
-    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
-    kv_lens: jax.Array,  # i32[num_seqs]
-    page_indices: jax.Array,  # i32[num_seqs, pages_per_seq]
-    *,
-    sm_scale: float,
-    interpret=False,
-    kernel=None,
-) -> jax.Array:  # [num_seqs, num_q_heads, head_dim]
+    q, kv_pages, kv_lens, page_indices, *, sm_scale: float, interpret=False, kernel=None
+) -> jax.Array:  # the arrays of rung 2 (`scalar_prefetch.paged_decode_attention`)
     """Paged decode attention; the copy of each sequence's first page starts in the grid step
     before it.
 
     `kernel` (default `prefetch_kernel`) may be replaced by a kernel body with the same arguments.
 
     >>> from minilib.batch import make_batch
-    >>> b = make_batch([(1, 5), (1, 9)], page_size=8, head_dim=128)
-    >>> paged_decode_attention_prefetch(b.q, b.kv_pages, b.kv_lens, b.page_indices,
-    ...     sm_scale=0.1, interpret=pltpu.InterpretParams()).shape
-    (2, 4, 128)
+    >>> from minilib.ladder.double_buffer import paged_decode_attention_double_buffered
+    >>> b = make_batch([(1, 5), (1, 20), (1, 3)], page_size=8, head_dim=128)
+    >>> args, interpret = (b.q, b.kv_pages, b.kv_lens, b.page_indices), pltpu.InterpretParams()
+    >>> out = paged_decode_attention_prefetch(*args, sm_scale=0.1, interpret=interpret)
+    >>> rung_4 = paged_decode_attention_double_buffered(*args, sm_scale=0.1, interpret=interpret)
+    >>> bool((out == rung_4).all())  # the same pages in the same order: the same answer
+    True
     """
-    page_size, num_combined_heads, head_dim = kv_pages.shape[1:]
     return decode_pallas_call(
         functools.partial(kernel or prefetch_kernel, sm_scale=sm_scale),
         q, kv_pages, kv_lens, page_indices,
         grid=(q.shape[0],),  # (num_seqs,)
         kv_spec=pl.BlockSpec(memory_space=pl.ANY),
         scratch_shapes=[
-            pltpu.VMEM((2, page_size, num_combined_heads, head_dim), kv_pages.dtype),  # bufs
-            pltpu.SemaphoreType.DMA((2,)),  # sems
+            pltpu.VMEM((2, *kv_pages.shape[1:]), kv_pages.dtype),  # bufs: two slots of a page
+            pltpu.SemaphoreType.DMA((2,)),  # sems: one per slot
             pltpu.SMEM((1,), jnp.int32),  # slot_ref: the slot the next work is loading into
         ],
         # "arbitrary": a step waits for the copy the step before it started.
@@ -191,21 +186,13 @@ def paged_decode_attention_prefetch(
 
 
 def prefetch_kernel(
-    kv_lens_ref,  # i32[num_seqs], SMEM
-    page_indices_ref,  # i32[num_seqs, pages_per_seq], SMEM
-    q_ref,  # [num_q_heads, head_dim]
-    kv_pages_hbm_ref,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim], HBM
-    o_ref,  # [num_q_heads, head_dim]
-    bufs,  # [2, page_size, 2*num_kv_heads, head_dim], VMEM
-    sems,  # DMA semaphores [2]
-    slot_ref,  # i32[1], SMEM, kept from one grid step to the next
-    m_ref,  # f32[num_kv_heads, group, 1]
-    l_ref,  # f32[num_kv_heads, group, 1]
-    acc_ref,  # f32[num_kv_heads, group, head_dim]
-    *,
-    sm_scale: float,
-):
-    """Grid step seq: the pages of sequence seq; the last one starts the next sequence's copy."""
+    kv_lens_ref, page_indices_ref, q_ref, kv_pages_hbm_ref, o_ref, bufs, sems, slot_ref, m_ref,
+    l_ref, acc_ref, *, sm_scale: float
+):  # fmt: skip
+    """Grid step seq: the pages of sequence seq; the last one starts the next sequence's copy.
+
+    The refs of rung 4's kernel, and slot_ref: i32[1], SMEM, kept from one grid step to the
+    next."""
     seq, num_seqs = pl.program_id(0), pl.num_programs(0)
     kv_len, page_size = kv_lens_ref[seq], bufs.shape[1]
 

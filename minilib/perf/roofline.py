@@ -41,7 +41,7 @@ import dataclasses
 
 import numpy as np
 
-from minilib.tpu.chips import DEVICE_KINDS, FACTS
+from minilib.chips import DEVICE_KINDS, FACTS
 
 __all__ = [
     "CHIPS",
@@ -77,7 +77,7 @@ class Chip:
         return self.peak_flops_per_s / self.hbm_bytes_per_s
 
 
-# Per chip, the published figures of `minilib.tpu.chips`. (JAX's own table,
+# Per chip, the published figures of `minilib.chips`. (JAX's own table,
 # `pltpu.get_tpu_info()`, rounds a little differently, e.g. v5p 2.46 TB/s; `detect_chip` prefers
 # it on a TPU when JAX has it.)
 CHIPS: dict[str, Chip] = {

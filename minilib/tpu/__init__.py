@@ -1,9 +1,8 @@
 """Static TPU analysis, without a TPU: each chip's memories, a real compile with libtpu, and
 our kernel against JAX's and vLLM's RPA v3, compiled. Everything it reports is a static
-estimate read from the compiled program, never a timing. One module matters on a real TPU
-too: `mosaic_version`, which minilib applies when it is imported.
+estimate read from the compiled program, never a timing. The chips' published figures are
+`minilib.chips`; the patches to jax that minilib applies when imported, `minilib.jax_patches`.
 
-  chips.py         the chips, their clocks and bandwidths, with their sources
   memory.py        HBM, VMEM, SMEM, vector registers and MXUs per chip (no libtpu needed)
   compile.py       compile a kernel for a chip with libtpu; bundles, VMEM, spills
   bundles.py       a compiled kernel's listing: bundles, loops, the counting rule
@@ -15,7 +14,6 @@ too: `mosaic_version`, which minilib applies when it is imported.
   comparison.py    what we claim from it, its recorded figures, `python -m minilib compile`
   recorded.py      the notebooks' compile results, recorded for where nothing compiles
   sinks.py         ours with attention sinks, compiled (`python -m minilib compile --sinks`)
-  mosaic_version.py  kernels lowered at the Mosaic IR version the installed libtpu reads
   numerics.py      a TPU's float32 matmuls (one bfloat16 pass) emulated on the CPU
 """
 

@@ -9,7 +9,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from minilib.tpu.chips import FACTS
+from minilib.chips import FACTS
 from minilib.tpu.kernel_costs import COMPARISON_CASE
 
 __all__ = ["KVBlockTimes", "kv_block_times", "kv_bytes_per_block"]
@@ -52,7 +52,7 @@ class KVBlockTimes:
 
 def kv_block_times(bundles: int, *, chip: str, kv_bytes_per_block: int) -> KVBlockTimes:
     """`KVBlockTimes` of a loop of `bundles` bundles that copies `kv_bytes_per_block` bytes,
-    on `chip` (its clock and HBM bandwidth from `minilib.tpu.chips`).
+    on `chip` (its clock and HBM bandwidth from `minilib.chips`).
 
     >>> kv_block_times(700, chip="tpu7x", kv_bytes_per_block=512 * 1024).bound  # no clock
     'unknown'

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import jax
 
+from minilib.chips import CHIPS
 from minilib.tpu.bundles import COUNTING_RULE
-from minilib.tpu.chips import CHIPS
 from minilib.tpu.compile import chips_here
 from minilib.tpu.dump_reader import KernelStats
 from minilib.tpu.kernel_costs import (

@@ -29,9 +29,9 @@ kernel's final bundles and its memory allocations, and `minilib.tpu.dump_reader`
 bundles per KV block, total bundles, peak VMEM, spills, and the source lines that cost most.
 The dump files are libtpu internals, not an API; with a libtpu the reader was not checked on
 (`CHECKED_LIBTPU`), the report still says whether the kernel compiled, and its notes say when
-the dump was not recognised. Colab's jax 0.7.2 with libtpu 0.0.21.1 compiles too: minilib
-lowers its kernels at the Mosaic IR version that libtpu reads (`minilib.tpu.mosaic_version`),
-and `compile_here` steps around a crash of its compile-only devices (`LAYOUT_QUERY_CRASHES`).
+the dump was not recognised. Colab's jax 0.7.2 with libtpu 0.0.21.1 compiles too: kernels at
+the IR version it reads (`minilib.jax_patches`), and `compile_here` steps around a crash of its
+compile-only devices (`LAYOUT_QUERY_CRASHES`).
 
 When libtpu reads its flags. libtpu reads `LIBTPU_INIT_ARGS` once, when it starts in a
 process, and never again. Two cases:
@@ -76,7 +76,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from minilib.tpu.chips import CHIPS, FACTS
+from minilib.chips import CHIPS, FACTS
 from minilib.tpu.dump_reader import (
     CHECKED_LIBTPU,
     DUMP_FLAGS,
@@ -99,7 +99,7 @@ __all__ = [
 
 # Colab's TPU runtime pairs jax 0.7.2 with libtpu 0.0.21.1 (its runtime 2026.07: 0.0.21). It
 # compiles here thanks to two fixes: kernels lowered at the Mosaic IR version that libtpu reads
-# (`minilib.tpu.mosaic_version`, on a real TPU too) and, on the compile-only devices alone,
+# (`minilib.jax_patches.mosaic_version`, on a real TPU too) and, on the compile-only devices alone,
 # this one; tests/test_tpu_colab_pair.py checks that each is still needed.
 # (jax, libtpu) pairs whose compile-only devices crash the process (a segfault in libtpu) when
 # jax, after every compile, asks them for an argument's default layout

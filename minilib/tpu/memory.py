@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 from jax.experimental.pallas import tpu as pltpu
 
-from minilib.tpu.chips import CHIPS, FACTS
+from minilib.chips import CHIPS, FACTS
 
 __all__ = [
     "RECORDED",
@@ -57,7 +57,7 @@ class ChipMemories:
     lanes: int
     num_mxus: int
     mxu_size: int  # the MXU is mxu_size x mxu_size
-    tensor_cores: int = 1  # per chip (`minilib.tpu.chips`): where 2, each figure is one core's
+    tensor_cores: int = 1  # per chip (`minilib.chips`): where 2, each figure is one core's
 
     def row(self) -> str:
         gib, mib, kib = 2**30, 2**20, 2**10

@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 from jax.experimental import topologies
 
-from minilib.tpu.chips import FACTS
+from minilib.chips import FACTS
 from minilib.tpu.compile import chips_here, compile_for_tpu, dump_here, tpu_compile_available
 from minilib.tpu.kernel_costs import TARGET_CASE, compile_rpa, kernel_for, rpa_specs, side_by_side
 

@@ -61,7 +61,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from minilib.tpu.chips import DEVICE_KINDS, FACTS
+from minilib.chips import DEVICE_KINDS, FACTS
 
 __all__ = [
     "V3Unavailable",
@@ -260,7 +260,7 @@ def tpu_version_of_target(original):
             return original()
         chip = DEVICE_KINDS.get(device.device_kind)
         if chip is None:
-            raise ValueError(f"{device.device_kind=} is not a TPU chip of minilib.tpu.chips.")
+            raise ValueError(f"{device.device_kind=} is not a TPU chip of minilib.chips.")
         return FACTS[chip].generation
 
     return get_tpu_version

@@ -1,6 +1,8 @@
-"""The TPU chips the course compiles for and reasons about, and their published figures.
+"""The TPU chips the course compiles for and reasons about: their published figures, the chip
+being compiled for, and how many values of a dtype share one 32-bit word.
 
-One table, so that every module names a chip the same way and reads the same figures: the
+Facts only, so that every layer may read them, the kernel as much as the analysis tools. One
+table, so that every module names a chip the same way and reads the same figures: the
 compile-only topology `minilib.tpu.compile` asks JAX for, the device kinds JAX reports on a
 real chip, the core clock the static cost model divides bundles by, and the two roofline
 figures, HBM bandwidth and dense bf16 peak, per device.
@@ -20,7 +22,9 @@ Where the figures come from:
   halves them. Google publishes no clock for TPU7x, and no MXU count from which the peak would
   give one: `clock_hz` is None, and what needs it (a static issue time) says it is unknown.
 
-Data only: no code looks a chip up by anything but its key.
+No code looks a chip up by anything but its key; `current_chip()` gives the key of the chip
+being compiled for, without calling `jax.devices()`, so that lowering for a TPU on a TPU-less
+machine works.
 
 >>> CHIPS
 ('v4', 'v5e', 'v5p', 'v6e', 'tpu7x')
@@ -33,8 +37,21 @@ Data only: no code looks a chip up by anything but its key.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 
-__all__ = ["CHIPS", "DEVICE_KINDS", "FACTS", "ChipFacts"]
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "CHIPS",
+    "DEVICE_KINDS",
+    "FACTS",
+    "ChipFacts",
+    "current_chip",
+    "installed_libtpu",
+    "packing",
+    "packing_of_size",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,3 +92,53 @@ DEVICE_KINDS: dict[str, str] = {
     "TPU v6e": "v6e",
     "TPU7x": "tpu7x",
 }
+
+
+def current_chip() -> str | None:
+    """The chip being compiled for: the abstract mesh's device kind (as `minilib.tpu.compile`
+    sets it), else the device kind when JAX runs on a TPU, else None. Never `jax.devices()`
+    off a TPU.
+
+    >>> current_chip() is None or current_chip() in FACTS
+    True
+    """
+    get_abstract_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    mesh = get_abstract_mesh() if get_abstract_mesh else None
+    device = getattr(mesh, "abstract_device", None)
+    if device is not None:
+        return DEVICE_KINDS.get(device.device_kind)
+    if jax.default_backend() == "tpu":
+        return DEVICE_KINDS.get(jax.local_devices()[0].device_kind)
+    return None
+
+
+def installed_libtpu() -> str | None:
+    """The version of libtpu pip installed, or None (none installed, or loaded from elsewhere
+    through TPU_LIBRARY_PATH, as on some TPU VMs).
+
+    >>> version = installed_libtpu()
+    >>> version is None or version.startswith("0.")
+    True
+    """
+    try:
+        return importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def packing_of_size(itemsize: int) -> int:
+    """How many values of `itemsize` bytes share one 32-bit word.
+
+    >>> packing_of_size(1), packing_of_size(4)
+    (4, 1)
+    """
+    return 4 // itemsize
+
+
+def packing(dtype) -> int:
+    """How many values of `dtype` share one 32-bit word: a TPU tile is (8 * packing, 128).
+
+    >>> packing(jnp.bfloat16), packing(jnp.float32)
+    (2, 1)
+    """
+    return packing_of_size(jnp.dtype(dtype).itemsize)

@@ -18,9 +18,9 @@ from elsewhere, through TPU_LIBRARY_PATH, is not seen).
 
 from __future__ import annotations
 
-import importlib.metadata
-
 import jax
+
+from minilib.chips import installed_libtpu
 
 __all__ = ["NEWEST_READ", "NEWEST_WRITTEN", "apply", "ir_version_cap"]
 
@@ -44,13 +44,6 @@ def ir_version_cap(jax_version: str, libtpu_version: str | None) -> int | None:
     written = NEWEST_WRITTEN.get(jax_version)
     read = NEWEST_READ.get(libtpu_version or "")
     return read if written is not None and read is not None and written > read else None
-
-
-def installed_libtpu() -> str | None:
-    try:
-        return importlib.metadata.version("libtpu")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def apply() -> int | None:
