@@ -12,6 +12,7 @@ from minilib.exercises.comparisons import Mismatch, as_int, compare_values
 from minilib.kernel import LANES
 from minilib.kv_cache import pages_needed
 from minilib.perf.roofline import rpa_cost
+from minilib.tpu.memory import DEFAULT_SCOPED_VMEM_BYTES
 
 __all__ = ["check_arithmetic_intensity", "check_num_kv_pages_per_block", "kernel_vmem_bytes"]
 
@@ -238,8 +239,8 @@ def check_num_kv_pages_per_block(
         return kernel_vmem_bytes(n, **{k: v for k, v in shapes.items() if k != "pages_per_seq"})
 
     budgets = [
-        (int(0.9 * 16 * mib), llama, "90% of v5e's default scoped VMEM"),
-        (int(0.9 * 32 * mib), padded, "90% of v6e's default scoped VMEM, v6e's padded slot"),
+        (int(0.9 * DEFAULT_SCOPED_VMEM_BYTES["v5e"]), llama, "90% of v5e's default scoped VMEM"),
+        (int(0.9 * DEFAULT_SCOPED_VMEM_BYTES["v6e"]), padded, "90% of v6e's, its padded slot"),
         (fits(llama, 12), llama, "exactly 12 pages' worth"),
         (fits(llama, 12) - 1, llama, "one byte short of 12 pages"),
         (fits(llama, 5), llama, "exactly 5 pages' worth: 80 tokens, scores of 128 lanes"),
