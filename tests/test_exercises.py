@@ -506,6 +506,22 @@ def num_kv_pages_per_block_one_slot(vmem_budget_bytes, *, page_size, pages_per_s
     return pages
 
 
+def num_kv_pages_per_block_without_spills(vmem_budget_bytes, *, page_size, pages_per_seq,
+                                          num_kv_heads_per_block, group, head_dim, itemsize,
+                                          num_queries_per_block, padded_slot):  # fmt: skip
+    # Adds up the kernel's own buffers and leaves out what Mosaic spills.
+    kvh, rows = num_kv_heads_per_block, num_queries_per_block * group
+
+    def vmem(pages):
+        slot = 2 * pages * page_size * (2 * kvh + 2 * padded_slot) * head_dim * itemsize
+        return slot + 5 * kvh * rows * head_dim * itemsize + kvh * rows * (256 + head_dim) * 4
+
+    pages = 0
+    while pages < pages_per_seq and vmem(pages + 1) <= vmem_budget_bytes:
+        pages += 1
+    return pages
+
+
 # (checker, solutions module, function name, wrong answer, a word of the likely cause)
 MORE_EXERCISES = [
     (ex.check_live_seq_lens, "ex00_tour", "live_seq_lens", live_seq_lens_every_slot, "live"),
@@ -557,6 +573,13 @@ MORE_EXERCISES = [
         "num_kv_pages_per_block",
         num_kv_pages_per_block_one_slot,
         "two slots",
+    ),
+    (
+        ex.check_num_kv_pages_per_block,
+        "ex09_performance",
+        "num_kv_pages_per_block",
+        num_kv_pages_per_block_without_spills,
+        "the spills",
     ),
 ]
 
