@@ -13,7 +13,20 @@ def arithmetic_intensity(seq_lens, *, num_q_heads, num_kv_heads, head_dim, page_
     return flops / (q_and_out + kv)
 
 
-LANES = 128  # m and l take one 128-lane row of a vector register per q row
+LANES = 128  # a vector register row: m and l take one per q row, a score row whole ones
+
+
+def kernel_vmem_bytes(pages, *, page_size, num_kv_heads_per_block, group, head_dim, itemsize,
+                      num_queries_per_block, padded_slot):  # fmt: skip
+    kvh, rows = num_kv_heads_per_block, num_queries_per_block * group
+    tokens = pages * page_size
+    heads_per_token = 2 * kvh + (2 if padded_slot else 0)  # padded: a spare row per token
+    kv_slots = 2 * tokens * heads_per_token * head_dim * itemsize  # double-buffered
+    q_and_out = 2 * 2 * kvh * rows * head_dim * itemsize  # q and out blocks, 2 buffers each
+    folded_q = kvh * rows * head_dim * itemsize
+    state = kvh * rows * (2 * LANES + head_dim) * 4  # m, l, acc in float32
+    spills = kvh * rows * (-(-tokens // LANES) * LANES) * 4  # one f32 score matrix per KV head
+    return kv_slots + q_and_out + folded_q + state + spills
 
 
 def num_kv_pages_per_block(
@@ -26,14 +39,13 @@ def num_kv_pages_per_block(
     head_dim,
     itemsize,
     num_queries_per_block,
+    padded_slot,
 ):
-    rows = num_queries_per_block * group
-    # What does not depend on the KV block: q and out blocks, double-buffered, and the state.
-    q_and_out = 2 * 2 * num_queries_per_block * num_kv_heads_per_block * group * head_dim
-    state = num_kv_heads_per_block * rows * (2 * LANES + head_dim) * 4  # float32
-    fixed = q_and_out * itemsize + state
-    # Each page of the KV block costs its bytes twice: two slots, for double buffering.
-    per_page = 2 * page_size * 2 * num_kv_heads_per_block * head_dim * itemsize
-    if vmem_budget_bytes < fixed + per_page:
-        return 0
-    return min((vmem_budget_bytes - fixed) // per_page, pages_per_seq)
+    shapes = dict(page_size=page_size, num_kv_heads_per_block=num_kv_heads_per_block,
+                  group=group, head_dim=head_dim, itemsize=itemsize,
+                  num_queries_per_block=num_queries_per_block, padded_slot=padded_slot)  # fmt: skip
+    # Count up: a page does not always cost the same (the spills grow by 128 tokens at a time).
+    pages = 0
+    while pages < pages_per_seq and kernel_vmem_bytes(pages + 1, **shapes) <= vmem_budget_bytes:
+        pages += 1
+    return pages

@@ -491,13 +491,37 @@ def arithmetic_intensity_every_pair(
 
 def num_kv_pages_per_block_one_slot(vmem_budget_bytes, *, page_size, pages_per_seq,
                                     num_kv_heads_per_block, group, head_dim, itemsize,
-                                    num_queries_per_block):  # fmt: skip
+                                    num_queries_per_block, padded_slot):  # fmt: skip
     # Forgets that the KV block is double-buffered: one slot per page.
-    q_and_out = 4 * num_queries_per_block * num_kv_heads_per_block * group * head_dim * itemsize
-    state = num_kv_heads_per_block * num_queries_per_block * group * (256 + head_dim) * 4
-    per_page = page_size * 2 * num_kv_heads_per_block * head_dim * itemsize
-    room = vmem_budget_bytes - q_and_out - state
-    return max(0, min(room // per_page, pages_per_seq))
+    kvh, rows = num_kv_heads_per_block, num_queries_per_block * group
+
+    def vmem(pages):
+        tokens = pages * page_size
+        slot = tokens * (2 * kvh + 2 * padded_slot) * head_dim * itemsize
+        q_out_fold = 5 * kvh * rows * head_dim * itemsize
+        state = kvh * rows * (256 + head_dim) * 4
+        return slot + q_out_fold + state + kvh * rows * -(-tokens // 128) * 128 * 4
+
+    pages = 0
+    while pages < pages_per_seq and vmem(pages + 1) <= vmem_budget_bytes:
+        pages += 1
+    return pages
+
+
+def num_kv_pages_per_block_without_spills(vmem_budget_bytes, *, page_size, pages_per_seq,
+                                          num_kv_heads_per_block, group, head_dim, itemsize,
+                                          num_queries_per_block, padded_slot):  # fmt: skip
+    # Adds up the kernel's own buffers and leaves out what Mosaic spills.
+    kvh, rows = num_kv_heads_per_block, num_queries_per_block * group
+
+    def vmem(pages):
+        slot = 2 * pages * page_size * (2 * kvh + 2 * padded_slot) * head_dim * itemsize
+        return slot + 5 * kvh * rows * head_dim * itemsize + kvh * rows * (256 + head_dim) * 4
+
+    pages = 0
+    while pages < pages_per_seq and vmem(pages + 1) <= vmem_budget_bytes:
+        pages += 1
+    return pages
 
 
 # (checker, solutions module, function name, wrong answer, a word of the likely cause)
@@ -551,6 +575,13 @@ MORE_EXERCISES = [
         "num_kv_pages_per_block",
         num_kv_pages_per_block_one_slot,
         "two slots",
+    ),
+    (
+        ex.check_num_kv_pages_per_block,
+        "ex09_performance",
+        "num_kv_pages_per_block",
+        num_kv_pages_per_block_without_spills,
+        "the spills",
     ),
 ]
 

@@ -23,6 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 from minilib.chips import CHIPS, FACTS
 
 __all__ = [
+    "DEFAULT_SCOPED_VMEM_BYTES",
     "RECORDED",
     "ChipMemories",
     "chip_memories",
@@ -35,6 +36,17 @@ __all__ = [
 # JAX's table, as a newer jax reads it, for a jax without one (0.7.2, Colab's).
 RECORDED = Path(__file__).with_name("recorded_chip_table.json")
 RECORD_COMMAND = "python -m minilib.tpu.recorded --chips"
+
+# The VMEM a kernel may use unless it asks for more (`vmem_limit_bytes`): libtpu's default
+# scoped limit, which JAX's table does not give. `tests/test_tpu_memory.py` compiles a kernel
+# just under it and one just over it for each chip (libtpu 0.0.50.1).
+DEFAULT_SCOPED_VMEM_BYTES = {
+    "v4": 16 << 20,
+    "v5e": 16 << 20,
+    "v5p": 16 << 20,
+    "v6e": 32 << 20,
+    "tpu7x": 32 << 20,
+}
 
 
 @dataclasses.dataclass(frozen=True)

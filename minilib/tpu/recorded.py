@@ -105,10 +105,23 @@ def kv_block_sizes() -> list[list]:
     return rows
 
 
+def vmem_by_kv_block() -> list[list]:
+    """Notebook 09: [chip, pages per KV block, peak VMEM bytes] of our mixed kernel compiled for
+    v5e and v6e with 4, 8, 16 and 32 pages per KV block, 32 q rows per block."""
+    specs = rpa_specs(**V5E_SPECS)
+    rows = []
+    for chip in ("v5e", "v6e"):
+        for pages in (4, 8, 16, 32):
+            report = compile_rpa("ours", specs, chip=chip, num_kv_pages_per_block=pages,
+                                 num_queries_per_block=32)  # fmt: skip
+            rows.append([chip, pages, kernel_for(report, decode=False).vmem_bytes])
+    return rows
+
+
 RESULTS = {
     fn.__name__: fn
     for fn in (aligned_blocks_verdict, cores_per_device, kernel_on_v5e, ours_against_jax,
-               kv_block_sizes)
+               kv_block_sizes, vmem_by_kv_block)
 }  # fmt: skip
 
 
