@@ -29,7 +29,7 @@ from ladder_wrong_answers import flash_call
 import minilib.exercises as ex
 from minilib.ladder.flash import init_online_softmax
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def solution(module: str, name: str):

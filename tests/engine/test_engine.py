@@ -53,7 +53,7 @@ from minilib.engine.scheduler import can_admit
 from minilib.errors import KVCacheError
 from minilib.kv_cache import pages_needed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ModelConfig(vocab_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32)
 PARAMS = init_params(CONFIG, seed=0)
 # Prompt lengths from 1 to 30: several are longer than the budget of 16 tokens (chunked).
@@ -1017,13 +1017,13 @@ def test_random_serving_runs_match_dense_and_keep_the_books(seed):
 
 
 def run_sharded_check(num_devices: int = 4) -> dict:
-    """tests/engine_sharded_check.py in a fresh process with `num_devices` CPU devices."""
+    """tests/engine/engine_sharded_check.py in a fresh process with `num_devices` CPU devices."""
     env = dict(os.environ)
     # The device count, after any flags of the test run's own (tasks.py's unoptimised compiles).
     flags = env.get("XLA_FLAGS", "")
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={num_devices}".strip()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    script = ROOT / "tests" / "engine_sharded_check.py"
+    script = ROOT / "tests" / "engine" / "engine_sharded_check.py"
     done = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900
     )

@@ -765,7 +765,7 @@ def test_compiles_in_a_fresh_process_when_libtpu_started_without_dump_flags():
     import sys
     from pathlib import Path
 
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     done = subprocess.run(

@@ -4,7 +4,7 @@ checkers under them: each passes its own solution and still rejects a wrong answ
 The error of each solution against the float32 reference under the emulation, which
 `BF16_PASS_TOLERANCE` is set from, is printed by
 
-    PYTHONPATH=$PWD JAX_PLATFORMS=cpu python tests/test_tpu_numerics.py
+    PYTHONPATH=$PWD JAX_PLATFORMS=cpu python tests/tpu/test_tpu_numerics.py
 """
 
 from __future__ import annotations
