@@ -120,8 +120,8 @@ COLAB_TPU_TESTS = f"{JAX_0_7_2_TPU_TESTS} or add_vectors or test_ladder or colab
 # pytest on both cores of CI's machine (pytest-xdist): "auto" is one worker per core. Each test
 # file runs whole in one worker (loadfile), so that its tests share their compiles (jitted
 # functions, JAX's reference per batch): tests/exercises/test_exercises.py took 230 s of CPU
-# spread over two workers, 195 s with loadfile. Not for the tpu_compile runs: their tests share each chip's
-# compiles through a per-process cache, which every worker would fill again.
+# spread over two workers, 195 s with loadfile. Not for the tpu_compile runs: their tests share
+# each chip's compiles through a per-process cache, which every worker would fill again.
 WORKERS = ("-n", os.environ.get("MINILIB_TEST_WORKERS", "auto"), "--dist", "loadfile")
 
 
