@@ -107,6 +107,8 @@ NOTEBOOKS_AS_ON_TPU = "MINILIB_NOTEBOOKS_AS_ON_TPU"
 # only these are collected there).
 TPU_COMPILE_TESTS = (
     "tests/tpu/test_tpu_compile.py",
+    "tests/tpu/test_tpu_comparison.py",
+    "tests/tpu/test_tpu_at_defaults.py",
     "tests/ladder/test_ladder.py",
     "tests/tpu/test_tpu_listing.py",
     "tests/tpu/test_tpu_recorded.py",
@@ -307,12 +309,13 @@ def run_tpu_compiles(phases: Phases, tpu: Path, tpu_oldest: Path, tpu_jax: Path)
     with phases("beside them, .venv-tpu-oldest: Colab's pair"):
         pytest(tpu_oldest, "-m", "tpu_compile", "-k", COLAB_TPU_TESTS,
                "-p", "no:cacheprovider", "-rs", "tests/tpu/test_tpu_compile.py",
-               "tests/ladder/test_ladder.py", "tests/tpu/test_tpu_colab_pair.py",
+               "tests/tpu/test_tpu_comparison.py", "tests/ladder/test_ladder.py",
+               "tests/tpu/test_tpu_colab_pair.py",
                in_one_piece=True)  # fmt: skip
     with phases("beside them, .venv-tpu-jax-0.7.2: a few compiles"):
         pytest(tpu_jax, "-m", "tpu_compile", "-k", JAX_0_7_2_TPU_TESTS,
                "-p", "no:cacheprovider", "tests/tpu/test_tpu_compile.py",
-               in_one_piece=True)  # fmt: skip
+               "tests/tpu/test_tpu_comparison.py", in_one_piece=True)  # fmt: skip
 
 
 def test_colab_2026_07(args: list[str]) -> None:
