@@ -8,6 +8,11 @@ import pytest
 from minilib.tpu.compile import chip_unknown_here, chips_here, tpu_compile_available
 
 AVAILABLE, REASON = tpu_compile_available()
+# Every test of a module that compiles with libtpu: marker `tpu_compile`, skipped without it.
+TPU_COMPILE = [
+    pytest.mark.tpu_compile,
+    pytest.mark.skipif(not AVAILABLE, reason=f"no TPU compile here: {REASON}"),
+]
 
 
 def require_chip(chip):

@@ -4,17 +4,14 @@ by libtpu here (marker `tpu_compile`); static estimates, never timings."""
 from __future__ import annotations
 
 import pytest
-from compile_checks import AVAILABLE, REASON, require_chip
+from compile_checks import TPU_COMPILE, require_chip
 
 from minilib import block_sizes
 from minilib.tpu.bundles import kv_block_loop
 from minilib.tpu.kernel_costs import COMPARISON_CASE, COMPARISON_CHIPS, rpa_specs
 from minilib.tpu.v3 import v3_available
 
-pytestmark = [
-    pytest.mark.tpu_compile,
-    pytest.mark.skipif(not AVAILABLE, reason=f"no TPU compile here: {REASON}"),
-]
+pytestmark = TPU_COMPILE
 
 
 def require_v3():

@@ -11,7 +11,7 @@ import functools
 
 import jax
 import pytest
-from compile_checks import AVAILABLE, REASON, assert_compiled, require_chip
+from compile_checks import TPU_COMPILE, assert_compiled, require_chip
 
 from minilib.tpu import dump_reader
 from minilib.tpu.bundles import MATMUL, count_ops, kv_block_loop, parse_bundles
@@ -31,10 +31,7 @@ from minilib.tpu.kernel_costs import (
 from minilib.tpu.loop_paths import PAGE_COPY, kv_block_passes
 from minilib.tpu.v3 import v3_available
 
-pytestmark = [
-    pytest.mark.tpu_compile,
-    pytest.mark.skipif(not AVAILABLE, reason=f"no TPU compile here: {REASON}"),
-]
+pytestmark = TPU_COMPILE
 
 
 # The listing each kernel's figures were read from: [(its KernelStats, its listing)], kept

@@ -38,7 +38,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from compile_checks import AVAILABLE, REASON, assert_compiled, require_chip
+from compile_checks import TPU_COMPILE, assert_compiled, require_chip
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -65,10 +65,7 @@ from minilib.tpu.kernel_costs import (
     rpa_specs,
 )
 
-pytestmark = [
-    pytest.mark.tpu_compile,
-    pytest.mark.skipif(not AVAILABLE, reason=f"no TPU compile here: {REASON}"),
-]
+pytestmark = TPU_COMPILE
 
 
 # The smallest scoped-VMEM limit of the chips (v5e's default, 16 MiB): every default
