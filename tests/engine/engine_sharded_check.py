@@ -1,4 +1,4 @@
-"""Run by tests/engine/test_engine.py in a fresh process with simulated CPU devices:
+"""Run by tests/engine/test_engine_sharded.py in a fresh process with simulated CPU devices:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/engine/engine_sharded_check.py
 
