@@ -95,7 +95,7 @@ EXECUTED = ROOT / "build" / "executed" / "venv"  # kept by tests/test_notebooks.
 BOOK_SOURCE, BOOK_HTML = ROOT / "build" / "book" / "source", ROOT / "build" / "book" / "html"
 TPU = (ROOT / ".venv-tpu", ROOT / "constraints" / "tpu.txt")
 # Colab's jax 0.7.2 and libtpu 0.0.21.1 (from its list): every kernel of the course compiles
-# with minilib's two fixes for the pair, each still needed (tests/test_tpu_colab_pair.py).
+# with minilib's two fixes for the pair, each still needed (tests/tpu/test_tpu_colab_pair.py).
 TPU_OLDEST = (ROOT / ".venv-tpu-oldest", ROOT / "constraints" / "tpu-oldest.txt")
 # jax 0.7.2 with the libtpu its `jax[tpu]` extra pins, 0.0.23: the kernels through the
 # oldest jax's Pallas lowering, compiled by Mosaic.
@@ -106,10 +106,13 @@ NOTEBOOKS_AS_ON_TPU = "MINILIB_NOTEBOOKS_AS_ON_TPU"
 # The test files holding `tpu_compile` tests (the TPU venvs lack the course's packages, so
 # only these are collected there).
 TPU_COMPILE_TESTS = (
-    "tests/test_tpu_compile.py",
-    "tests/test_ladder.py",
-    "tests/test_tpu_listing.py",
-    "tests/test_tpu_recorded.py",
+    "tests/tpu/test_tpu_compile.py",
+    "tests/tpu/test_tpu_comparison.py",
+    "tests/tpu/test_tpu_at_defaults.py",
+    "tests/tpu/test_tpu_vmem_model.py",
+    "tests/ladder/test_ladder.py",
+    "tests/tpu/test_tpu_listing.py",
+    "tests/tpu/test_tpu_recorded.py",
 )
 # With jax 0.7.2, one kernel configuration per chip, the comparison with JAX's kernel and
 # the harness's own failure tests: the whole matrix runs once, on the newest stack.
@@ -119,9 +122,9 @@ JAX_0_7_2_TPU_TESTS = "gqa-bf16 or against_jax or bad_kernel or vmem_overflow or
 COLAB_TPU_TESTS = f"{JAX_0_7_2_TPU_TESTS} or add_vectors or test_ladder or colab_pair"
 # pytest on both cores of CI's machine (pytest-xdist): "auto" is one worker per core. Each test
 # file runs whole in one worker (loadfile), so that its tests share their compiles (jitted
-# functions, JAX's reference per batch): tests/test_exercises.py took 230 s of CPU spread over
-# two workers, 195 s with loadfile. Not for the tpu_compile runs: their tests share each chip's
-# compiles through a per-process cache, which every worker would fill again.
+# functions, JAX's reference per batch): tests/exercises/test_exercises.py took 230 s of CPU
+# spread over two workers, 195 s with loadfile. Not for the tpu_compile runs: their tests share
+# each chip's compiles through a per-process cache, which every worker would fill again.
 WORKERS = ("-n", os.environ.get("MINILIB_TEST_WORKERS", "auto"), "--dist", "loadfile")
 
 
@@ -198,7 +201,7 @@ def colab_python() -> str:
 
 # The CPU test runs have XLA compile for the CPU without optimising (-O0). Their time goes
 # mostly to compiling interpret-mode kernels that then run once or twice: an optimised program
-# would save less than its optimising costs (tests/test_kernel_garbage.py: 497 s -> 333 s).
+# would save less than its optimising costs (tests/kernel/test_kernel_garbage.py: 497 s -> 333 s).
 # The notebooks' kernels drop the flag (tests/test_notebooks.py), so they run, and time this
 # machine, as a learner's do; the TPU compiles never get it.
 FAST_CPU_COMPILES = "--xla_backend_optimization_level=0"
@@ -306,13 +309,14 @@ def run_tpu_compiles(phases: Phases, tpu: Path, tpu_oldest: Path, tpu_jax: Path)
     # On Colab's pair: the jax 0.7.2 compiles, every ladder rung, and the pair's own tests.
     with phases("beside them, .venv-tpu-oldest: Colab's pair"):
         pytest(tpu_oldest, "-m", "tpu_compile", "-k", COLAB_TPU_TESTS,
-               "-p", "no:cacheprovider", "-rs", "tests/test_tpu_compile.py",
-               "tests/test_ladder.py", "tests/test_tpu_colab_pair.py",
+               "-p", "no:cacheprovider", "-rs", "tests/tpu/test_tpu_compile.py",
+               "tests/tpu/test_tpu_comparison.py", "tests/ladder/test_ladder.py",
+               "tests/tpu/test_tpu_colab_pair.py",
                in_one_piece=True)  # fmt: skip
     with phases("beside them, .venv-tpu-jax-0.7.2: a few compiles"):
         pytest(tpu_jax, "-m", "tpu_compile", "-k", JAX_0_7_2_TPU_TESTS,
-               "-p", "no:cacheprovider", "tests/test_tpu_compile.py",
-               in_one_piece=True)  # fmt: skip
+               "-p", "no:cacheprovider", "tests/tpu/test_tpu_compile.py",
+               "tests/tpu/test_tpu_comparison.py", in_one_piece=True)  # fmt: skip
 
 
 def test_colab_2026_07(args: list[str]) -> None:

@@ -16,7 +16,7 @@ because double buffering overlaps the copy of the next block with the compute of
 Bigger blocks amortise the fixed cost of a block (loop control, DMA issue, rescaling the
 softmax state) over more tokens, but the last block of a sequence is computed whole however
 few of its tokens exist, and both KV buffers must fit in VMEM next to q, the output and the
-softmax state. `modelled_seconds` evaluates the model; `tests/test_tpu_compile.py` compiles
+softmax state. `modelled_seconds` evaluates the model; `tests/tpu/test_tpu_compile.py` compiles
 8, 16 and 32 pages of 16 tokens for each chip, and checks that the default is the model's
 best, or within 10 % of it, and that the compiled kernel leaves VMEM headroom.
 
@@ -64,7 +64,7 @@ DECODE_Q_BLOCK_BYTES = 256 * 1024
 # token at any block size, and kv_len 1024 is whole blocks of each, so whatever the clock the
 # model ranks first the block that issues the fewest bundles per KV token: 32 pages there too
 # (libtpu 0.0.50.1, 32 q rows, per 128 KV tokens: 8 pages 1069, 16 pages 773.5, 32 pages
-# 692.75; 9.5 MiB of VMEM). `tests/test_tpu_compile.py` re-checks the ranking and the headroom
+# 692.75; 9.5 MiB of VMEM). `tests/tpu/test_tpu_compile.py` re-checks the ranking and the headroom
 # against the current kernel. A chip without an entry gets the chip-independent defaults.
 CHIP_DEFAULTS: dict[str, tuple[int, int, int, int]] = {
     "v4": (512, 32, 32, 4 * 1024 * 1024),
@@ -121,7 +121,7 @@ def default_block_sizes(
     proportion. (Measured with `python -m minilib compile --chip v4 --head-dim 256
     --num-kv-pages-per-block 16`: GQA in bf16 with head_dim 256 and 16 pages per block needed
     12.2 MiB of v4's 16 MiB of VMEM, 4.1 MiB of it spills; 8 pages leave a quarter free, as
-    `tests/test_tpu_compile.py` asks.)
+    `tests/tpu/test_tpu_compile.py` asks.)
 
     >>> default_block_sizes(page_size=16, pages_per_seq=64, max_num_batched_tokens=512,
     ...                     bytes_per_page=16 * 16 * 128 * 2)   # chip unknown

@@ -149,7 +149,7 @@ def ragged_paged_attention_pallas_basic(
     `interpret=False` fails at lowering with "The Pallas TPU lowering currently requires that
     the last two dimensions of your block shape are divisible by 8 and 128 respectively, or be
     equal to the respective dimensions of the overall array." `minilib.kernel` keeps whole
-    tiles (`num_kv_heads_per_block`); `tests/test_tpu_compile.py` checks both.
+    tiles (`num_kv_heads_per_block`); `tests/tpu/test_tpu_compile.py` checks both.
 
     >>> from minilib.batch import make_batch
     >>> batch = make_batch([(3, 3), (1, 9)])

@@ -1,8 +1,8 @@
 """Plausible wrong answers to the kernel ladder's exercises, as a learner writes them.
 
 Each `WrongAnswer` names its rung, the checker, how to build the learner's function, and words
-its report must contain (the named cause). `tests/test_ladder_checkers.py` runs them all in
-.venv, and one per rung (`fast=True`) on the other stacks.
+its report must contain (the named cause). `tests/exercises/test_ladder_checkers.py` runs them
+all in .venv, and one per rung (`fast=True`) on the other stacks.
 
 The kernels start from the solutions (solutions/ex07_flash.py, ex08_ladder.py) and change one
 thing, the `variant`; each variant is commented with the mistake it makes.

@@ -5,7 +5,7 @@ One line per bundle. A loop's first bundle is marked `LB:`, and every bundle ins
 carries one `>` per nesting level. `kv_block_loop` picks the loop of `COUNTING_RULE`;
 `minilib.tpu.loop_paths` follows the branches through it, and `minilib.tpu.dump_reader` reads
 the dump files. Nothing here needs libtpu or JAX: the rules are checked on small excerpts (the
-examples below, and `tests/test_tpu_dump_reader.py`).
+examples below, and `tests/tpu/test_tpu_dump_reader.py`).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ __all__ = [
 # The cells where we claim ours is at most another kernel: (chip, config) -> ((kernel, figure),
 # ...), a figure being "bundles_per_kv_block" or "spill_bytes". A claim on bundles per KV
 # block holds on each of its three counts (`COUNTS`: the listing, the longest path and the
-# interior path). `static_targets` judges them and `tests/test_tpu_compile.py` asserts them;
+# interior path). `static_targets` judges them and `tests/tpu/test_tpu_comparison.py` asserts them;
 # every other comparison is reported, not judged. Claim a cell only where the compiled
 # figures hold it, with libtpu 0.0.50.1 (the recorded ones) as with 0.0.42.1 before it.
 # Against v3, ours claims fewer bundles per KV block in every cell; on TPU7x (32 q, 8 q, decode)
@@ -68,7 +68,7 @@ CLAIMS: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
 
 # The comparison's figures as compiled on one stack, for where nothing can be compiled (no
 # libtpu, as on a laptop's .venv or Colab): written by `python -m minilib compile --record`,
-# and checked against a fresh compile by tests/test_tpu_compile.py on that stack.
+# and checked against a fresh compile by tests/tpu/test_tpu_comparison.py on that stack.
 RECORDED = Path(__file__).with_name("recorded_comparison.json")
 
 

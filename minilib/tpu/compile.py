@@ -100,7 +100,7 @@ __all__ = [
 # Colab's TPU runtime pairs jax 0.7.2 with libtpu 0.0.21.1 (its runtime 2026.07: 0.0.21). It
 # compiles here thanks to two fixes: kernels lowered at the Mosaic IR version that libtpu reads
 # (`minilib.jax_patches.mosaic_version`, on a real TPU too) and, on the compile-only devices alone,
-# this one; tests/test_tpu_colab_pair.py checks that each is still needed.
+# this one; tests/tpu/test_tpu_colab_pair.py checks that each is still needed.
 # (jax, libtpu) pairs whose compile-only devices crash the process (a segfault in libtpu) when
 # jax, after every compile, asks them for an argument's default layout
 # (`pxla.is_default_layout`, which calls `client.get_default_layout`). The program compiled
@@ -130,7 +130,7 @@ class TPUCompileUnavailable(RuntimeError):
     """
 
 
-# libtpu for the jax of each TPU environment of `tasks.py test` (tests/test_doctor.py checks
+# libtpu for the jax of each TPU environment of `tasks.py test` (tests/core/test_doctor.py checks
 # them against constraints/): {jax: (what to pip install, its libtpu, its size, the venv)}.
 # For Colab's jax 0.7.2 it is Colab's own libtpu, 0.0.21.1, not the 0.0.23 of `jax[tpu]==0.7.2`.
 LIBTPU_FOR_JAX = {

@@ -2,7 +2,7 @@
 
 `minilib.tpu.compile` asks libtpu (through `LIBTPU_INIT_ARGS`, see `DUMP_FLAGS`) to dump, per
 kernel, two text files, and this module reads them. It needs no libtpu and no JAX: its rules
-are checked on small excerpts (the examples below, and `tests/test_tpu_dump_reader.py`).
+are checked on small excerpts (the examples below, and `tests/tpu/test_tpu_dump_reader.py`).
 
 * `*-final_bundles.txt`: one line per bundle (`minilib.tpu.bundles`). `bundles_per_kv_block`
   is the length of one loop, chosen by `COUNTING_RULE` (`bundles.kv_block_loop`);

@@ -6,7 +6,7 @@ capacity, the vector register shape (sublanes x lanes), and the MXU. `chip_memor
 for the chips this course compiles for. Without that table (jax 0.7.2) it returns None, and
 `why_unavailable()` says so. `chip_memories_here_or_recorded` then gives the figures of JAX's
 table recorded with a newer jax (`RECORDED`, written by `record_chip_table`, which
-`python -m minilib.tpu.recorded --chips` runs; `tests/test_tpu_memory.py` holds it equal to
+`python -m minilib.tpu.recorded --chips` runs; `tests/tpu/test_tpu_memory.py` holds it equal to
 the live table), labelled so: the course never types these numbers in by hand.
 """
 

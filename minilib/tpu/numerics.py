@@ -52,7 +52,7 @@ ENV_VAR = "MINILIB_TPU_NUMERICS"
 # What one bfloat16 pass costs a checker's attention output (values of size about 1), against
 # float32: at most 0.0089 and 0.0082 (exercise 6's online softmax and decode attention), 0.0067
 # (rung 1, flash attention) and 0.0083 (rungs 2 to 5, paged decode) on the checkers' cases
-# under the emulation (printed by `python tests/test_tpu_numerics.py`). The checkers take this,
+# under the emulation (printed by `python tests/tpu/test_tpu_numerics.py`). The checkers take this,
 # twice that, as atol and rtol where matmuls run as one bfloat16 pass; every usual mistake is
 # far above.
 BF16_PASS_TOLERANCE = 2e-2

@@ -9,7 +9,7 @@ why it was not computed here and how to make it live.
 Each result is one function of `RESULTS`, the same compile as its notebook cell's.
 `python -m minilib.tpu.recorded` runs them all and writes `RECORDED` (it also rewrites
 `minilib.tpu.memory`'s recorded chip table; `--chips` rewrites only that, with no libtpu);
-`tests/test_tpu_recorded.py` holds each recorded result equal to a fresh compile. Static
+`tests/tpu/test_tpu_recorded.py` holds each recorded result equal to a fresh compile. Static
 estimates from the compiled programs, never timings. Notebook 09's three-way table has its own
 record (`minilib.tpu.comparison`), as has its raw listing (`minilib.tpu.listing`).
 """

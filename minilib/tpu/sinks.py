@@ -9,7 +9,7 @@ left out. The sinks join the softmax denominator once per output row
 same vector, MXU, memory and DMA ops with sinks as without, and no more bundles but for the
 scheduler's placing, a few bundles either way (libtpu 0.0.50.1, page copies with bounds
 checks: decode v5e 482 -> 481, v6e 606 -> 607, TPU7x 8 q 770 -> 771; without them, v6e 8 q
-619 -> 616, with the very same ops; `tests/test_tpu_compile.py` checks it on v5e, v6e and
+619 -> 616, with the very same ops; `tests/tpu/test_tpu_compile.py` checks it on v5e, v6e and
 TPU7x). What they add is outside
 the loops, once per q block (mixed kernel) or per sequence (decode kernel): with libtpu
 0.0.50.1, on the comparison workload, 42 to 140 bundles of the whole kernel (v5e, before the

@@ -1,7 +1,7 @@
 """minilib.block_sizes: the kernel's default block sizes and its tile-aligned heads blocks.
 
 The cost model's ranking and the compiled kernel's VMEM headroom, which need libtpu, are
-checked in tests/test_tpu_compile.py.
+checked in tests/tpu/test_tpu_compile.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """minilib.options: AttentionOptions checks every option once, and keeps plain Python numbers.
 
 The messages of the options every validator sees are checked, mistake by mistake, in
-tests/test_validation.py (through minilib.explore.mistakes); these check the object itself.
+tests/core/test_validation.py (through minilib.explore.mistakes); these check the object itself.
 """
 
 from __future__ import annotations

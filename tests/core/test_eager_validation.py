@@ -20,7 +20,7 @@ from conftest import IMPLEMENTATIONS
 
 from minilib import RPAInputError, make_batch, ragged_paged_attention_jnp
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 NAMES = ["q", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"]
 

@@ -1,6 +1,6 @@
 """The first Pallas kernels, run in interpret mode: vector add, and attention over K/V that jnp
 gathered. Parity with JAX's reference on NaN-padded batches (one compile per shape, bf16 and
-fp8: tests/test_implementations.py)."""
+fp8: tests/core/test_implementations.py)."""
 
 from __future__ import annotations
 

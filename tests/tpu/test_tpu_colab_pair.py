@@ -175,7 +175,7 @@ else:
 
 
 def run_fresh_process(what: str) -> subprocess.CompletedProcess:
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, JAX_PLATFORMS="cpu", **tpu_compile.QUIET_LIBTPU_ENV)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     command = [sys.executable, "-c", FRESH_PROCESS, what]

@@ -1,6 +1,6 @@
 """The reader of libtpu's dumps, on excerpts in libtpu 0.0.42.1's format (no libtpu needed).
 
-`tests/test_tpu_compile.py` checks it on real dumps; these check the rules themselves: loop
+`tests/tpu/test_tpu_compile.py` checks it on real dumps; these check the rules themselves: loop
 extents and bodies, the counting rule (where it and the older "deepest loop with a matmul"
 pick different loops, and where a loop must not end at an unmarked shallower bundle), delay
 slots, the paths through a KV-block loop (on `EXAMPLE_BRANCHES`, in libtpu 0.0.50.1's format),

@@ -4,7 +4,7 @@ checkers under them: each passes its own solution and still rejects a wrong answ
 The error of each solution against the float32 reference under the emulation, which
 `BF16_PASS_TOLERANCE` is set from, is printed by
 
-    PYTHONPATH=$PWD JAX_PLATFORMS=cpu python tests/test_tpu_numerics.py
+    PYTHONPATH=$PWD:$PWD/tests JAX_PLATFORMS=cpu python tests/tpu/test_tpu_numerics.py
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ladder_wrong_answers import WRONG_ANSWERS
-from test_exercises import (
+from exercise_answers import (
     ONCE_PASSED,
     attend_cap_after_mask,
     decode_attention_masks_scores_only,
@@ -27,6 +26,7 @@ from test_exercises import (
     online_softmax_no_rescale,
     solution,
 )
+from ladder_wrong_answers import WRONG_ANSWERS
 
 import minilib.exercises as ex
 from minilib.doctor import parity_passes, parity_smoke_check

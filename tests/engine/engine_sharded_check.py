@@ -1,6 +1,6 @@
-"""Run by tests/test_engine.py in a fresh process with simulated CPU devices:
+"""Run by tests/engine/test_engine_sharded.py in a fresh process with simulated CPU devices:
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/engine_sharded_check.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/engine/engine_sharded_check.py
 
 The device count is fixed when JAX starts, hence the separate process. Runs the engine with
 its attention and KV cache sharded over meshes of 1, 2 and 4 devices (the interpreted kernel

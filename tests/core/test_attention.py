@@ -1,5 +1,5 @@
 """Parity of minilib's reference and vectorized attention with JAX's own reference, on every
-shared case (what every implementation promises is in tests/test_implementations.py).
+shared case (what every implementation promises is in tests/core/test_implementations.py).
 
 Every batch comes from `make_batch`, so every unused page slot, unused page and q padding row
 holds NaN, and the padding sequence slots hold garbage: any leak shows up as NaN.

@@ -33,7 +33,7 @@ from minilib.ladder.interpret import races_found, strict_interpret_params
 from minilib.ladder.watch import watch_kernel
 from minilib.tpu.compile import compile_for_tpu, tpu_compile_available
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 DECODE_KERNELS = {
     "scalar_prefetch": scalar_prefetch.paged_decode_attention,

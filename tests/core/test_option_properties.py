@@ -6,7 +6,7 @@ The case files check each option on fixed batches (conftest.CASES), mostly one a
 the other property tests draw a few options for one dtype. Here each implementation meets
 each dtype pair with every option set (`random_batches(one_of_everything=True)`), so that a
 mix-up between two options (the soft cap applied before sm_scale, say) shows. The kernel's
-own random batches are in tests/test_kernel.py (`test_random_batches`).
+own random batches are in tests/kernel/test_kernel.py (`test_random_batches`).
 
 Each example compiles JAX's reference and the implementation anew, so the fast suite takes
 three examples per case: hypothesis' simplest one (every kind of sequence, each as short as
@@ -35,7 +35,7 @@ DTYPE_PAIRS = {
     "bfloat16 q, fp8 e4m3fn KV": (jnp.bfloat16, jnp.float8_e4m3fn),
     "float32 q, fp8 e5m2 KV": (jnp.float32, jnp.float8_e5m2),
 }
-# The block sizes each implementation takes (the kernel's: tests/test_kernel.py).
+# The block sizes each implementation takes (the kernel's: tests/kernel/test_kernel.py).
 BLOCK_SIZES_TAKEN = {
     "reference": (),
     "jnp": (),

@@ -43,7 +43,7 @@ def test_doctor_command_reports_and_passes():
 def test_install_hint_names_the_pair_of_each_tpu_environment():
     """doctor's advice for Colab's jax 0.7.2 is Colab's libtpu and .venv-tpu-oldest, for the
     newest jax its jax[tpu] and .venv-tpu: the pins of constraints/, as in the README's table."""
-    constraints = pathlib.Path(__file__).parent.parent / "constraints"
+    constraints = pathlib.Path(__file__).parents[2] / "constraints"
     for jax_version, (_, libtpu, _, venv) in LIBTPU_FOR_JAX.items():
         pins = (constraints / f"{venv.removeprefix('.venv-')}.txt").read_text().splitlines()
         assert f"jax=={jax_version}" in pins and f"libtpu=={libtpu}" in pins, venv
@@ -120,7 +120,7 @@ def test_ladder_rungs_cover_every_rung():
     # Every module of minilib/ladder is a rung with a solution, but the strict interpret mode
     # and its ledger (tools of the checkers) and aligned_blocks (notebook 07's step to whole
     # tiles, which has no checker).
-    folder = pathlib.Path(__file__).parent.parent / "minilib" / "ladder"
+    folder = pathlib.Path(__file__).parents[2] / "minilib" / "ladder"
     not_rungs = {"__init__", "interpret", "watch", "aligned_blocks"}
     rungs = {f"minilib.ladder.{p.stem}" for p in folder.glob("*.py") if p.stem not in not_rungs}
     assert {solution.__module__ for _, _, solution in ladder_rungs()} == rungs

@@ -28,7 +28,7 @@ from ladder_wrong_answers import WRONG_ANSWERS, flash_call, rung3, rung4
 import minilib.exercises as ex
 from minilib.ladder import async_copy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def ids(w):

@@ -1,6 +1,6 @@
 """The blockwise (flash) version: parity with JAX's reference with block sizes of every kind,
 and working memory that follows the block sizes, not the cache (one compile per shape, bf16
-and fp8: tests/test_implementations.py).
+and fp8: tests/core/test_implementations.py).
 
 Every batch comes from `make_batch`, so unused page slots, unused pages and q padding rows
 hold NaN, and padding sequence slots hold garbage: any leak shows up as NaN.

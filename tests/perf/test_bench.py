@@ -38,7 +38,7 @@ def bench_main(argv: list[str]) -> int:
 @functools.cache
 def load_check_targets():
     """benchmarks/check_targets.py, a script outside the package."""
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "check_targets.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "check_targets.py"
     spec = importlib.util.spec_from_file_location("check_targets", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
