@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from exercise_answers import ONCE_PASSED, cache_full_pages_skipping_cached_hashes, solution
+from exercise_answers import solution
+from once_passed import ONCE_PASSED, cache_full_pages_skipping_cached_hashes
 
 import minilib.exercises as ex
 

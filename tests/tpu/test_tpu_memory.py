@@ -1,5 +1,5 @@
 """minilib.tpu.memory: each chip's memories come from JAX's own table, never typed in; and
-notebook 09's VMEM sum against the recorded compiled VMEM (`tests/test_tpu_compile.py` holds
+notebook 09's VMEM sum against the recorded compiled VMEM (`test_tpu_vmem_model.py` holds
 it against fresh compiles, and compiles the chips' default scoped VMEM limits)."""
 
 from __future__ import annotations

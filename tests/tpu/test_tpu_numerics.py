@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from exercise_answers import (
-    ONCE_PASSED,
     attend_cap_after_mask,
     decode_attention_masks_scores_only,
     grouped_query_attention_interleaved,
@@ -27,6 +26,7 @@ from exercise_answers import (
     solution,
 )
 from ladder_wrong_answers import WRONG_ANSWERS
+from once_passed import ONCE_PASSED
 
 import minilib.exercises as ex
 from minilib.doctor import parity_passes, parity_smoke_check
