@@ -35,6 +35,8 @@ token it picks (`fold_in(key, index)`), so batching still cannot change them.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,7 +44,13 @@ import numpy as np
 from minilib.engine.sampling import GREEDY_BELOW, processed_logits
 from minilib.errors import EngineError
 
-__all__ = ["check_drafts", "check_speculative_settings", "propose_ngram", "rejection_sample"]
+__all__ = [
+    "check_drafts",
+    "check_speculative_settings",
+    "keep_draft",
+    "propose_ngram",
+    "rejection_sample",
+]
 
 PROMPT_LOOKUP = 1, 5  # the engine's default n-gram sizes: (min, max)
 
@@ -140,7 +148,17 @@ token ids in [0, vocab_size=8).
     return values
 
 
-def _verify_one(logits, drafts, num_drafts, key, first_index, temperature, top_k, top_p):
+def keep_draft(uniform: jax.Array, p_draft: jax.Array) -> jax.Array:
+    """vLLM's acceptance rule for a draft that is a point mass: keep draft x when a uniform
+    draw u < p(x) / q(x), with q(x) = 1.
+
+    >>> keep_draft(jnp.array([0.2, 0.7]), jnp.array([0.5, 0.5])).tolist()
+    [True, False]
+    """
+    return uniform < p_draft
+
+
+def _verify_one(logits, drafts, num_drafts, key, first_index, temperature, top_k, top_p, keep):
     """One sequence: logits f32[k + 1, vocab_size], drafts i32[k] (the first num_drafts
     real). Returns (tokens i32[k + 1]: the first num_accepted + 1 are its new tokens,
     num_accepted)."""
@@ -155,7 +173,7 @@ def _verify_one(logits, drafts, num_drafts, key, first_index, temperature, top_k
     # Keep draft x with probability p(x): u < p(x), u uniform from the row's key.
     uniform = jax.vmap(lambda rk: jax.random.uniform(jax.random.fold_in(rk, 1)))(row_keys[:k])
     p_draft = jnp.take_along_axis(jax.nn.softmax(scores[:k]), drafts[:, None], axis=1)[:, 0]
-    accept = jnp.where(greedy, drafts == target[:k], uniform < p_draft)
+    accept = jnp.where(greedy, drafts == target[:k], keep(uniform, p_draft))
     accept = accept & (jnp.arange(k) < num_drafts)
     num_accepted = jnp.argmin(jnp.append(accept, False))  # the first draft not kept
     # Rejected: a draw from p without x (the same Gumbel race, x left out); greedy: argmax.
@@ -169,8 +187,10 @@ def _verify_one(logits, drafts, num_drafts, key, first_index, temperature, top_k
     return tokens, num_accepted
 
 
-@jax.jit
-def rejection_sample(logits, drafts, num_drafts, keys, first_indices, temperature, top_k, top_p):
+@functools.partial(jax.jit, static_argnames="keep")
+def rejection_sample(
+    logits, drafts, num_drafts, keys, first_indices, temperature, top_k, top_p, keep=keep_draft
+):
     """Each sequence's new tokens, its drafts verified (vLLM's rejection sampler with a
     point-mass draft distribution).
 
@@ -179,6 +199,7 @@ def rejection_sample(logits, drafts, num_drafts, keys, first_indices, temperatur
       drafts:        i32[num_seqs, k]; num_drafts: i32[num_seqs], how many are real
       keys:          u32[num_seqs, 2]; first_indices: i32[num_seqs], the output token index
                      of row 0; temperature, top_p: f32[num_seqs]; top_k: i32[num_seqs]
+      keep:          the acceptance rule (`keep_draft`; the tests give a wrong one)
       returns        (tokens i32[num_seqs, k + 1], num_accepted i32[num_seqs]): the new
                      tokens of sequence i are tokens[i, : num_accepted[i] + 1]
 
@@ -189,6 +210,5 @@ def rejection_sample(logits, drafts, num_drafts, keys, first_indices, temperatur
     >>> tokens[0, : accepted[0] + 1].tolist()   # greedy: draft 1 kept, draft 1 wrong: 2
     [1, 2]
     """
-    return jax.vmap(_verify_one)(
-        logits, drafts, num_drafts, keys, first_indices, temperature, top_k, top_p
-    )
+    verify = jax.vmap(functools.partial(_verify_one, keep=keep))
+    return verify(logits, drafts, num_drafts, keys, first_indices, temperature, top_k, top_p)
