@@ -14,8 +14,11 @@ Each `Engine.step()`:
   5. records the tokens, names the pages that became full (prefix caching), and frees the
      pages of finished requests.
 
-Every array the model sees has a fixed size (`max_num_batched_tokens` rows, `max_num_seqs`
-sequence slots, `num_pages` pages per sequence), so each jitted piece compiles once.
+Every array the model sees is padded to a bucket (`minilib.engine.buckets`: by default one,
+`max_num_batched_tokens` rows and `max_num_seqs` sequence slots; `num_pages` pages per
+sequence), so each jitted piece compiles once per bucket, and `warm_up()` compiles them all
+before the first request. With `num_speculative_tokens`, a decoding sequence brings its
+last token and up to k n-gram drafts, and step 4 verifies them (`minilib.engine.spec_decode`).
 
 Continuous batching is this loop: the batch is re-formed at every step (iteration-level
 scheduling), so a request that finishes leaves at once and a waiting one takes its place in
