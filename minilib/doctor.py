@@ -28,6 +28,7 @@ from minilib.tpu.numerics import one_bf16_pass
 __all__ = [
     "batch_label",
     "doctor",
+    "engine_check",
     "expected_output",
     "kernel_mode",
     "ladder_checks",
@@ -301,6 +302,7 @@ def tpu_self_check(interpret: bool = False, ladder: bool = True) -> bool:
     print("minilib TPU self-check (python -m minilib doctor --tpu)")
     print_versions()
     results = implementation_checks()
+    results.append(engine_check())
     if ladder:
         results += ladder_checks()
     else:
@@ -366,6 +368,49 @@ def implementation_checks() -> list[tuple[str, bool]]:
     ok = bool(jnp.array_equal(add_vectors(x, y, interpret=jax.default_backend() != "tpu"), x + y))
     print(f"  {'PASS' if ok else 'FAIL'}  add_vectors    notebook 07's first kernel: exact")
     return [*results, ("add_vectors", ok)]
+
+
+# The engine check's model and stream: head_dim 128 and pages of 16 tokens, as the kernel runs
+# on a TPU; a prompt longer than the step's budget (chunked), a short one and a one-token one.
+ENGINE_CHECK = {"vocab_size": 128, "num_layers": 1, "num_q_heads": 4, "num_kv_heads": 2,
+                "head_dim": 128}  # fmt: skip
+ENGINE_CHECK_PROMPTS = ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4], [2, 7], [1])
+ENGINE_CHECK_TOKENS = 4
+
+
+def engine_check() -> tuple[str, bool]:
+    """A short stream through the serving engine with minilib's kernel as its attention
+    (compiled on a TPU, where it is the engine's default; TPU interpret mode elsewhere), its
+    tokens against `dense_generate`'s on the same platform: equal, token for token.
+    ("engine", passed).
+
+    >>> engine_check()  # doctest: +SKIP
+    <BLANKLINE>
+    engine: 3 requests through minilib's kernel (compiled (Mosaic, on the TPU)) ...
+      PASS  engine == dense, token for token (12 tokens)
+    ('engine', True)
+    """
+    from minilib.engine import Engine, ModelConfig, dense_generate, init_params
+    from minilib.kernel import ragged_paged_attention
+
+    config = ModelConfig(**ENGINE_CHECK)
+    params = init_params(config, seed=0)
+    print(
+        f"\nengine: {len(ENGINE_CHECK_PROMPTS)} requests through minilib's kernel "
+        f"({kernel_mode()}), {ENGINE_CHECK_TOKENS} greedy tokens each, against the dense model:"
+    )
+    try:
+        engine = Engine(params, config, num_pages=8, page_size=16, max_num_batched_tokens=16,
+                        max_num_seqs=4, attention=ragged_paged_attention)  # fmt: skip
+        got = engine.generate(list(ENGINE_CHECK_PROMPTS), ENGINE_CHECK_TOKENS)
+    except Exception as err:  # noqa: BLE001  (a failing engine is a failed check)
+        print(f"  FAIL  failed: {type(err).__name__}: {str(err).splitlines()[0]}")
+        return "engine", False
+    want = [dense_generate(params, config, p, ENGINE_CHECK_TOKENS) for p in ENGINE_CHECK_PROMPTS]
+    ok = got == want
+    shown = f"{sum(map(len, got))} tokens" if ok else f"engine {got}, dense {want}"
+    print(f"  {'PASS' if ok else 'FAIL'}  engine == dense, token for token ({shown})")
+    return "engine", ok
 
 
 def ladder_rungs() -> list[tuple[str, object, object]]:

@@ -4,6 +4,9 @@ model.py         ModelConfig, init_params, dense_generate: a toy transformer and
 sampling.py      SamplingParams, and seeded sampling that batching cannot change
 scheduler.py     admission, pages, chunked prefill, preemption: who runs in the next step
 prefix_cache.py  BlockPool: reference-counted pages named by chained hashes, an LRU of free ones
+spec_decode.py   speculative decoding: vLLM's n-gram proposer and its rejection sampler
+packing.py       pack_batch: one step's sequences in the fixed-size arrays attention reads
+buckets.py       the sizes a step is padded to, compiled once at warm-up; CompileCounter
 engine.py        Engine: pack one ragged batch, write K/V into pages, attend, sample, free
 outputs.py       RequestOutput and RequestMetrics: tokens, finish reason, latency; StepStats
 sharding.py      attention, its projections and the KV cache split by KV head (shard_map)

@@ -14,8 +14,11 @@ Each `Engine.step()`:
   5. records the tokens, names the pages that became full (prefix caching), and frees the
      pages of finished requests.
 
-Every array the model sees has a fixed size (`max_num_batched_tokens` rows, `max_num_seqs`
-sequence slots, `num_pages` pages per sequence), so each jitted piece compiles once.
+Every array the model sees is padded to a bucket (`minilib.engine.buckets`: by default one,
+`max_num_batched_tokens` rows and `max_num_seqs` sequence slots; `num_pages` pages per
+sequence), so each jitted piece compiles once per bucket, and `warm_up()` compiles them all
+before the first request. With `num_speculative_tokens`, a decoding sequence brings its
+last token and up to k n-gram drafts, and step 4 verifies them (`minilib.engine.spec_decode`).
 
 Continuous batching is this loop: the batch is re-formed at every step (iteration-level
 scheduling), so a request that finishes leaves at once and a waiting one takes its place in
@@ -33,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from minilib.engine.buckets import bucket_for, check_buckets, reachable_shapes
 from minilib.engine.model import (
     ModelConfig,
     attention_inputs,
@@ -43,13 +47,8 @@ from minilib.engine.model import (
     resolve_sampling_params,
 )
 from minilib.engine.outputs import RequestMetrics, RequestOutput, StepStats
-from minilib.engine.sampling import (
-    SamplingParams,
-    banned_tokens,
-    request_key,
-    sample_tokens,
-    top_logprobs,
-)
+from minilib.engine.packing import PackedBatch, pack_batch
+from minilib.engine.sampling import SamplingParams, banned_tokens, request_key, top_logprobs
 from minilib.engine.scheduler import Request, Scheduler, StepPlan
 from minilib.engine.sharding import (
     kv_head_replicas,
@@ -58,101 +57,46 @@ from minilib.engine.sharding import (
     shard_kv_pages,
     shard_params,
 )
+from minilib.engine.spec_decode import (
+    PROMPT_LOOKUP,
+    check_speculative_settings,
+    propose_ngram,
+    rejection_sample,
+)
 from minilib.errors import EngineError
+from minilib.kernel import ragged_paged_attention
 from minilib.kv_cache import pages_needed, write_tokens
-from minilib.reference import ref_ragged_paged_attention
+from minilib.vectorized import ragged_paged_attention_jnp
 
-__all__ = ["MAX_STATS", "Engine", "PackedBatch", "pack_batch"]
+__all__ = ["MAX_STATS", "Engine", "default_attention"]
 
 # How many steps' StepStats an Engine keeps by default. Each holds a tuple of num_pages page
 # owners, so a server that runs for ever must not keep them all.
 MAX_STATS = 1000
 
 
-@dataclasses.dataclass(frozen=True)
-class PackedBatch:
-    """One step's inputs, padded to fixed sizes.  T = max_num_batched_tokens.
-
-    >>> from minilib.engine.scheduler import StepPlan
-    >>> empty = pack_batch(StepPlan((), (), ()), max_num_batched_tokens=4, max_num_seqs=2,
-    ...                    num_pages=3, page_size=4)
-    >>> empty.page_ids.tolist(), empty.cu_q_lens.tolist(), empty.num_seqs.tolist()  # all padding
-    ([3, 3, 3, 3], [0, 0, 0], [0])
-    """
-
-    tokens: np.ndarray  # i32[T]
-    positions: np.ndarray  # i32[T], each row's position in its sequence
-    page_ids: np.ndarray  # i32[T], where each row's K/V goes (num_pages for padding: dropped)
-    slot_ids: np.ndarray  # i32[T]
-    kv_lens: np.ndarray  # i32[max_num_seqs]
-    page_indices: np.ndarray  # i32[max_num_seqs, pages_per_seq]
-    cu_q_lens: np.ndarray  # i32[max_num_seqs + 1]
-    num_seqs: np.ndarray  # i32[1]
-    sample_rows: np.ndarray  # i32[max_num_seqs], the last row of each sequence (0 if unused)
-
-
-def pack_batch(
-    plan: StepPlan,
-    *,
-    max_num_batched_tokens: int,
-    max_num_seqs: int,
-    num_pages: int,
-    page_size: int,
-) -> PackedBatch:
-    """Lay the step's sequences out one after another: prefill chunks and decode tokens of
-    many requests in one ragged batch.
-
-    >>> from minilib.engine.scheduler import Request, StepPlan, schedule_tokens
-    >>> a = Request(0, prompt=[5, 6, 7], max_new_tokens=1, pages=[3])
-    >>> b = Request(1, prompt=[8], max_new_tokens=2, output=[9], pages=[0], num_computed=1)
-    >>> plan = StepPlan((schedule_tokens(a, 3), schedule_tokens(b, 1)), (), ())
-    >>> batch = pack_batch(plan, max_num_batched_tokens=6, max_num_seqs=3, num_pages=4,
-    ...                    page_size=4)
-    >>> batch.tokens.tolist(), batch.positions.tolist(), batch.page_ids.tolist()
-    ([5, 6, 7, 9, 0, 0], [0, 1, 2, 1, 0, 0], [3, 3, 3, 0, 4, 4])
-    >>> batch.kv_lens.tolist(), batch.cu_q_lens.tolist(), batch.num_seqs.tolist()
-    ([3, 2, 0], [0, 3, 4, 4], [2])
-    """
-    t, s = max_num_batched_tokens, max_num_seqs
-    tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
-    page_ids, slot_ids = np.full(t, num_pages, np.int32), np.zeros(t, np.int32)
-    kv_lens, cu_q_lens = np.zeros(s, np.int32), np.zeros(s + 1, np.int32)
-    page_indices, sample_rows = np.zeros((s, num_pages), np.int32), np.zeros(s, np.int32)
-    for i, seq in enumerate(plan.seqs):
-        row, end = cu_q_lens[i], cu_q_lens[i] + seq.num_tokens
-        new_positions = np.arange(seq.start, seq.start + seq.num_tokens)
-        tokens[row:end] = seq.request.tokens[seq.start : seq.start + seq.num_tokens]
-        positions[row:end] = new_positions
-        pages = np.asarray(seq.request.pages, np.int32)
-        page_ids[row:end] = pages[new_positions // page_size]  # token t: page t // page_size
-        slot_ids[row:end] = new_positions % page_size  # ... at slot t % page_size
-        kv_lens[i] = seq.start + seq.num_tokens
-        page_indices[i, : len(pages)] = pages
-        cu_q_lens[i + 1] = end
-        sample_rows[i] = end - 1
-    cu_q_lens[len(plan.seqs) + 1 :] = cu_q_lens[len(plan.seqs)]
-    num_seqs = np.array([len(plan.seqs)], np.int32)
-    return PackedBatch(
-        tokens,
-        positions,
-        page_ids,
-        slot_ids,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        sample_rows,
-    )
-
-
 @jax.jit
-def next_tokens(params, x, rows, keys, token_indices, temperature, top_k, top_p, banned):
-    """The next token after each of `rows` of the final activations x: the logits of those
-    rows, then `sample_tokens` (one seed, token index and setting per row). Also returns
-    each row's log-probabilities, log_softmax of its logits, for `SamplingParams.logprobs`."""
-    logits = final_logits(params, x[rows])
-    tokens, _ = sample_tokens(logits, keys, token_indices, temperature, top_k, top_p, banned)
-    return tokens, jax.nn.log_softmax(logits)
+def logits_at(params, x, rows, banned):
+    """The logits of `rows` (i32[S, k + 1]) of the final activations x, f32[S, k + 1,
+    vocab_size], with the `banned` tokens' at -inf; and their log_softmax, unbanned, for
+    `SamplingParams.logprobs`. Compiled per (token bucket, sequence bucket); the sampling
+    that follows, per sequence bucket only."""
+    logits = final_logits(params, x[rows.reshape(-1)]).reshape(*rows.shape, -1)
+    return jnp.where(banned, -jnp.inf, logits), jax.nn.log_softmax(logits)
+
+
+def default_attention():
+    """The engine's attention when none is given: minilib's Pallas kernel, compiled, on a
+    TPU; elsewhere the jnp version (`ragged_paged_attention_jnp`), fast on a CPU. Pass
+    `attention=minilib.ragged_paged_attention` to run the kernel on a CPU, in TPU interpret
+    mode (right answers, slowly).
+
+    >>> default_attention().__name__ if jax.default_backend() == "cpu" else "..."
+    'ragged_paged_attention_jnp'
+    """
+    if jax.default_backend() == "tpu":
+        return ragged_paged_attention
+    return ragged_paged_attention_jnp
 
 
 class Engine:
@@ -164,7 +108,16 @@ class Engine:
       max_num_batched_tokens: the token budget of one step (prefill chunks + decode tokens).
       max_num_seqs: at most this many requests run at once.
       attention: any function with the signature of JAX's ragged paged attention that
-        returns an array shaped like q (as all of minilib's do).
+        returns an array shaped like q (as all of minilib's do). None (the default):
+        `default_attention()`, minilib's kernel compiled on a TPU, the jnp version elsewhere.
+      token_buckets, seq_buckets: the sizes a step's token rows and sequence slots are
+        padded to, each step to the smallest that holds it (`minilib.engine.buckets`; vLLM
+        on TPU pads to powers of two). None: one size, max_num_batched_tokens and
+        max_num_seqs. `warm_up()` compiles them all before the first request.
+      num_speculative_tokens: 0, or up to k drafts per decoding sequence from vLLM's n-gram
+        proposer, verified in one step (`minilib.engine.spec_decode`); n-grams of
+        prompt_lookup_min to prompt_lookup_max tokens (vLLM's default is 5 to 5; here 1 to
+        5, so that short prompts find matches).
       mesh: None, or a `jax.sharding.Mesh` with one axis "kv_heads": attention and the KV
         cache are split by KV head over its devices (see `minilib.engine.sharding`); with
         more devices than KV heads, each device holds a copy of one KV head.
@@ -197,11 +150,16 @@ class Engine:
         page_size: int,
         max_num_batched_tokens: int,
         max_num_seqs: int,
-        attention=ref_ragged_paged_attention,
+        attention=None,
         mesh=None,
         enable_prefix_caching: bool = False,
         seed: int = 0,
         max_stats: int = MAX_STATS,
+        token_buckets=None,
+        seq_buckets=None,
+        num_speculative_tokens: int = 0,
+        prompt_lookup_min: int = PROMPT_LOOKUP[0],
+        prompt_lookup_max: int = PROMPT_LOOKUP[1],
     ):
         for name, value in (
             ("num_pages", num_pages),
@@ -220,6 +178,7 @@ class Engine:
                 f"config={config!r} must be a ModelConfig.",
                 "pass the config that init_params was given.",
             )
+        attention = default_attention() if attention is None else attention
         if not callable(attention):
             raise EngineError(
                 f"attention={attention!r} is not callable.",
@@ -235,6 +194,17 @@ class Engine:
                 f"Engine: seed={seed!r} must be a non-negative int.",
                 "it seeds the generator that gives seedless requests their seeds.",
             )
+        check_speculative_settings(
+            num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, max_num_batched_tokens
+        )
+        self.token_buckets = check_buckets(
+            "token_buckets", [max_num_batched_tokens] if token_buckets is None else token_buckets,
+            "max_num_batched_tokens", max_num_batched_tokens,
+        )  # fmt: skip
+        self.seq_buckets = check_buckets(
+            "seq_buckets", [max_num_seqs] if seq_buckets is None else seq_buckets,
+            "max_num_seqs", max_num_seqs,
+        )  # fmt: skip
         self.params, self.config, self.mesh = config.check_attention_sinks(params), config, mesh
         self.page_size, self.num_pages = page_size, num_pages
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
@@ -247,7 +217,17 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=bool(enable_prefix_caching),
+            num_speculative_tokens=int(num_speculative_tokens),
+            vocab_size=config.vocab_size,
         )
+        self.num_speculative_tokens = int(num_speculative_tokens)
+        if num_speculative_tokens:
+            self.scheduler.propose_drafts = lambda token_ids: propose_ngram(
+                token_ids,
+                num_speculative_tokens=int(num_speculative_tokens),
+                prompt_lookup_min=int(prompt_lookup_min),
+                prompt_lookup_max=int(prompt_lookup_max),
+            )
         # One pool per layer, NaN until written: a stale read shows on a page's first use.
         num_kv_heads = config.num_kv_heads * self.kv_head_replicas
         shape = (num_pages, page_size, 2 * num_kv_heads, config.head_dim)
@@ -455,8 +435,9 @@ class Engine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time, metrics.first_scheduled_step = started, step
         finished = self.scheduler.finish_step(plan, sampled)
-        for request_id, entry in logprobs.items():
-            self.requests[request_id].logprobs.append(entry)
+        for request_id, entries in logprobs.items():
+            request = self.requests[request_id]
+            request.logprobs += entries[: len(request.output) - len(request.logprobs)]
         ended = time.perf_counter()
         for seq in plan.seqs:
             metrics = seq.request.metrics
@@ -466,24 +447,51 @@ class Engine:
                 metrics.last_token_time, metrics.last_token_step = ended, step
         for request in finished:
             request.metrics.finished_time, request.metrics.finished_step = ended, step
-        stats = self._stats(plan, finished)
+        stats = self._stats(plan, finished, sampled)
         self.stats.append(stats)
         del self.stats[: -self.max_stats]  # keep the last max_stats steps only
         self.num_steps += 1
         return stats
 
-    def run_model(self, plan: StepPlan) -> tuple[dict[int, int], dict[int, dict]]:
-        """The model on one packed batch. Returns {request_id: next token} for every sequence
-        that reached its last token, and {request_id: that token's logprobs entry} for those
-        of them that asked for logprobs (`top_logprobs`)."""
+    def run_model(self, plan: StepPlan) -> tuple[dict[int, list[int]], dict[int, list]]:
+        """The model on one packed batch, padded to the step's buckets. Returns
+        {request_id: its new tokens} for every sequence that reached its last token (one
+        token, or its kept drafts and one more), and {request_id: [logprobs entry per new
+        token]} for those of them that asked for logprobs (`top_logprobs`)."""
         batch = pack_batch(
             plan,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=bucket_for(
+                sum(q.num_tokens for q in plan.seqs), self.token_buckets
+            ),
+            max_num_seqs=bucket_for(len(plan.seqs), self.seq_buckets),
             num_pages=self.num_pages,
             page_size=self.page_size,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
         self.last_batch = batch  # kept for reading: what the model saw in the last step
+        kv_pages, (tokens, num_accepted, rows) = self._forward(batch, self._draws(plan, batch))
+        self.kv_pages = kv_pages  # only now: a step that raised leaves the cache as it was
+        tokens, num_accepted = np.asarray(tokens), np.asarray(num_accepted)
+        sampled, logprobs = {}, {}
+        for i, seq in enumerate(plan.seqs):
+            if seq.samples:
+                request = seq.request
+                new = tokens[i, : num_accepted[i] + 1].tolist()
+                sampled[request.request_id] = new
+                k = request.sampling_params.logprobs
+                if k is not None:
+                    rows = np.asarray(rows)  # once: indexing on the device compiles per index
+                    logprobs[request.request_id] = [
+                        top_logprobs(rows[i, j], t, k) for j, t in enumerate(new)
+                    ]
+        return sampled, logprobs
+
+    def _forward(self, batch: PackedBatch, draws: tuple):
+        """Every layer on `batch`: K/V of the new rows into the pages, attention, the MLP;
+        then each sequence's next tokens: the logits of its sample rows, stop tokens banned
+        until min_tokens, its drafts verified (`rejection_sample`; with no drafts, one draw
+        as `sample_tokens` makes it). Returns (the new kv_pages, (tokens i32[S, k + 1],
+        num_accepted i32[S], each row's log-probabilities, log_softmax of its logits))."""
         metadata = (batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs)
         x = embed_tokens(self.params, batch.tokens)
         kv_pages = list(self.kv_pages)
@@ -492,32 +500,47 @@ class Engine:
             kv_pages[i] = write_tokens(kv_pages[i], batch.page_ids, batch.slot_ids, k, v)
             attn = self.attention(q, kv_pages[i], *metadata, **self.config.attention_args(layer))
             x = attention_output_and_mlp(layer, x, attn)
-        tokens, rows = next_tokens(self.params, x, batch.sample_rows, *self._draws(plan))
-        self.kv_pages = kv_pages  # only now: a step that raised leaves the cache as it was
-        tokens, sampled, logprobs = np.asarray(tokens), {}, {}
-        for i, seq in enumerate(plan.seqs):
-            if seq.samples:
-                request = seq.request
-                sampled[request.request_id] = int(tokens[i])
-                k = request.sampling_params.logprobs
-                if k is not None:
-                    row = np.asarray(rows[i])
-                    logprobs[request.request_id] = top_logprobs(row, int(tokens[i]), k)
-        return sampled, logprobs
+        keys, first_indices, temperature, top_k, top_p, banned = draws
+        logits, logprobs = logits_at(self.params, x, batch.sample_rows, banned)
+        tokens, num_accepted = rejection_sample(
+            logits, batch.drafts, batch.num_drafts, keys, first_indices, temperature, top_k,
+            top_p,
+        )  # fmt: skip
+        return kv_pages, (tokens, num_accepted, logprobs)
 
-    def _draws(self, plan: StepPlan):
-        """Each sequence slot's key, output token index, settings and banned tokens (greedy,
-        none banned, for padding)."""
-        s = self.max_num_seqs
+    def warm_up(self) -> int:
+        """Compile every shape a step can take before any request runs, as vLLM on TPU does
+        at start-up: each (token bucket, sequence bucket) pair a step can reach
+        (`minilib.engine.buckets.reachable_shapes`), on an all-padding batch, which writes
+        nothing to the cache. Returns how many shapes it ran."""
+        shapes = reachable_shapes(self.token_buckets, self.seq_buckets, self.max_num_seqs)
+        empty = StepPlan((), (), ())
+        for num_tokens, num_seqs in shapes:
+            batch = pack_batch(
+                empty,
+                max_num_batched_tokens=num_tokens,
+                max_num_seqs=num_seqs,
+                num_pages=self.num_pages,
+                page_size=self.page_size,
+                num_speculative_tokens=self.num_speculative_tokens,
+            )
+            jax.block_until_ready(self._forward(batch, self._draws(empty, batch)))
+        return len(shapes)
+
+    def _draws(self, plan: StepPlan, batch: PackedBatch):
+        """Each sequence slot's key, first output token index, settings and banned tokens
+        per row (greedy, none banned, for padding)."""
+        s, rows = batch.sample_rows.shape
         keys, indices = np.zeros((s, 2), np.uint32), np.zeros(s, np.int32)
         temperature, top_k, top_p = np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s)
-        banned = np.zeros((s, self.config.vocab_size), bool)
+        banned = np.zeros((s, rows, self.config.vocab_size), bool)
         for i, seq in enumerate(plan.seqs):
-            params = seq.request.sampling_params
+            params, num_generated = seq.request.sampling_params, len(seq.request.output)
             keys[i] = request_key(params.seed)
-            indices[i] = len(seq.request.output)  # the index of the token this row picks
+            indices[i] = num_generated  # the index of the token row 0 picks
             temperature[i], top_k[i], top_p[i] = params.temperature, params.top_k, params.top_p
-            banned[i] = banned_tokens(params, len(seq.request.output), self.config.vocab_size)
+            for j in range(rows):
+                banned[i, j] = banned_tokens(params, num_generated + j, self.config.vocab_size)
         return keys, indices, temperature, top_k, top_p.astype(np.float32), banned
 
     def _request(self, request_id) -> Request:
@@ -542,7 +565,7 @@ class Engine:
         request.metrics.finished_time = time.perf_counter()
         request.metrics.finished_step = self.num_steps
 
-    def _stats(self, plan: StepPlan, finished: list[Request]) -> StepStats:
+    def _stats(self, plan: StepPlan, finished: list[Request], sampled: dict) -> StepStats:
         decode = sum(seq.num_tokens for seq in plan.seqs if seq.kind == "decode")
         prefill = sum(seq.num_tokens for seq in plan.seqs) - decode
         allocator = self.scheduler.allocator
@@ -561,4 +584,8 @@ class Engine:
             cached_pages=getattr(allocator, "cached_pages", ()),
             num_cached_tokens=plan.num_cached_tokens,
             page_tables=tuple((r.request_id, tuple(r.pages)) for r in self.scheduler.running),
+            num_draft_tokens=sum(len(seq.draft_token_ids) for seq in plan.seqs),
+            num_accepted_tokens=sum(
+                len(sampled[seq.request.request_id]) - 1 for seq in plan.seqs if seq.draft_token_ids
+            ),
         )

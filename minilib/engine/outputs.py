@@ -135,6 +135,9 @@ class StepStats:
     requests holding it: () for a free page, two or more for a page shared through the
     prefix cache. `cached_pages` are the pages holding a cached full page (in use or free),
     and `num_cached_tokens` the prompt tokens that this step's admissions found there.
+    With speculative decoding, `num_draft_tokens` drafts were verified in the step and
+    `num_accepted_tokens` of them kept (vLLM's names); a decode sequence's num_tokens counts
+    its drafts.
 
     >>> stats = StepStats(step=3, num_prefill_tokens=5, num_decode_tokens=2, num_pages_used=4,
     ...                   num_waiting=0, num_running=3, preempted=(), admitted=(2,),
@@ -158,6 +161,8 @@ class StepStats:
     cached_pages: tuple[int, ...] = ()
     num_cached_tokens: int = 0
     page_tables: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def num_preempted(self) -> int:

@@ -46,6 +46,7 @@ __all__ = [
     "GREEDY_BELOW",
     "SamplingParams",
     "banned_tokens",
+    "processed_logits",
     "request_key",
     "sample_tokens",
     "sampling_scores",
@@ -181,25 +182,20 @@ def request_key(seed: int) -> np.ndarray:
     return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
 
 
-def sampling_scores(
+def processed_logits(
     logits: jax.Array,  # f32[vocab_size], one row
-    key: jax.Array,  # u32[2], the request's key
-    token_index: jax.Array,  # i32[], which output token this draw picks
     temperature: jax.Array,  # f32[]
     top_k: jax.Array,  # i32[], 0 or -1: all
     top_p: jax.Array,  # f32[]
 ) -> jax.Array:  # f32[vocab_size]; -inf for tokens that top-k or top-p drop
-    """One row's scores, whose argmax is the sampled token (the Gumbel-max trick).
-
-    In the order vLLM applies them: logits / temperature; keep the top_k most likely; of
-    those, keep the most likely whose probabilities sum to top_p (always at least one);
-    add Gumbel noise drawn from `fold_in(key, token_index)`. At a temperature below 1e-5
-    (0 included) the noise is left out and the scores are the logits: greedy, as in vLLM.
+    """One row's logits as sampling sees them, in the order vLLM applies them: logits /
+    temperature; keep the top_k most likely; of those, keep the most likely whose
+    probabilities sum to top_p (always at least one). Their softmax is the distribution a
+    draw comes from. At a temperature below 1e-5 (0 included) the logits are not divided.
 
     >>> logits = jnp.array([2.0, 1.0, 0.5, -1.0])
-    >>> scores = sampling_scores(logits, request_key(0), 0, 1.0, 2, 1.0)  # top_k=2
-    >>> bool(jnp.isinf(scores[2:]).all()), int(jnp.argmax(scores)) in (0, 1)
-    (True, True)
+    >>> processed_logits(logits, 0.5, 2, 1.0).tolist()   # top_k=2, doubled
+    [4.0, 2.0, -inf, -inf]
     """
     vocab_size = logits.shape[-1]
     greedy = temperature < GREEDY_BELOW
@@ -212,9 +208,30 @@ def sampling_scores(
     sorted_probs = probs[order]
     mass_before = (jnp.cumsum(sorted_probs) - sorted_probs)[rank]  # of the more likely ones
     keep = keep & ((mass_before < top_p) | (top_p >= 1.0) | (rank == 0))  # 1.0: all, exactly
-    noise = jax.random.gumbel(jax.random.fold_in(key, token_index), (vocab_size,))
-    noisy = scaled + jnp.where(greedy, 0.0, noise)
-    return jnp.where(keep, noisy, -jnp.inf)
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def sampling_scores(
+    logits: jax.Array,  # f32[vocab_size], one row
+    key: jax.Array,  # u32[2], the request's key
+    token_index: jax.Array,  # i32[], which output token this draw picks
+    temperature: jax.Array,  # f32[]
+    top_k: jax.Array,  # i32[], 0 or -1: all
+    top_p: jax.Array,  # f32[]
+) -> jax.Array:  # f32[vocab_size]; -inf for tokens that top-k or top-p drop
+    """One row's scores, whose argmax is the sampled token (the Gumbel-max trick):
+    `processed_logits` plus Gumbel noise drawn from `fold_in(key, token_index)`. At a
+    temperature below 1e-5 (0 included) the noise is left out and the scores are the
+    logits: greedy, as in vLLM.
+
+    >>> logits = jnp.array([2.0, 1.0, 0.5, -1.0])
+    >>> scores = sampling_scores(logits, request_key(0), 0, 1.0, 2, 1.0)  # top_k=2
+    >>> bool(jnp.isinf(scores[2:]).all()), int(jnp.argmax(scores)) in (0, 1)
+    (True, True)
+    """
+    greedy = temperature < GREEDY_BELOW
+    noise = jax.random.gumbel(jax.random.fold_in(key, token_index), logits.shape)
+    return processed_logits(logits, temperature, top_k, top_p) + jnp.where(greedy, 0.0, noise)
 
 
 @jax.jit

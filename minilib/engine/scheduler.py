@@ -47,6 +47,7 @@ from minilib.engine.prefix_cache import (
     hash_request_tokens,
 )
 from minilib.engine.sampling import SamplingParams
+from minilib.engine.spec_decode import check_drafts
 from minilib.kv_cache import PageAllocator, pages_needed
 
 __all__ = [
@@ -135,6 +136,8 @@ class ScheduledSeq:
       chunk, or a recompute after preemption).
     samples: whether the step reaches the sequence's last token, so that the logits of its
       last row give the next token.
+    draft_token_ids: speculative decoding's drafts, the last len(draft_token_ids) of the
+      num_tokens (`minilib.engine.spec_decode`): the rows that verify them.
 
     >>> r = Request(0, prompt=[5, 6, 7, 8, 9], max_new_tokens=1)
     >>> seq = schedule_tokens(r, 2)     # the first chunk of the prompt
@@ -144,27 +147,33 @@ class ScheduledSeq:
 
     request: Request
     start: int  # the first new token's position = num_computed before the step
-    num_tokens: int  # this step's q_len
+    num_tokens: int  # this step's q_len, drafts included
     kind: str
     samples: bool
+    draft_token_ids: tuple[int, ...] = ()
 
 
-def schedule_tokens(request: Request, num_tokens: int) -> ScheduledSeq:
-    """`request`'s next `num_tokens` uncomputed tokens, as one sequence of the step.
+def schedule_tokens(request: Request, num_tokens: int, drafts=()) -> ScheduledSeq:
+    """`request`'s next `num_tokens` uncomputed tokens, as one sequence of the step; with
+    `drafts`, the last len(drafts) of them are drafts to verify.
 
-    >>> r = Request(0, prompt=[5, 6, 7], max_new_tokens=2, output=[9], num_computed=3)
+    >>> r = Request(0, prompt=[5, 6, 7], max_new_tokens=4, output=[9], num_computed=3)
     >>> seq = schedule_tokens(r, 1)     # the token sampled last step
     >>> seq.start, seq.kind, seq.samples
     (3, 'decode', True)
+    >>> schedule_tokens(r, 3, drafts=(5, 6)).num_tokens   # 9, then drafts 5 and 6
+    3
     """
     start, total = request.num_computed, len(request.prompt) + len(request.output)
-    is_decode = bool(request.output) and num_tokens == 1 and start == total - 1
+    num_new = num_tokens - len(drafts)
+    is_decode = bool(request.output) and num_new == 1 and start == total - 1
     return ScheduledSeq(
         request,
         start,
         num_tokens,
         "decode" if is_decode else "prefill",
-        start + num_tokens == total,
+        start + num_new == total,
+        tuple(drafts),
     )
 
 
@@ -303,6 +312,8 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         enable_prefix_caching: bool = False,
+        num_speculative_tokens: int = 0,
+        vocab_size: int | None = None,
     ):
         self.enable_prefix_caching = enable_prefix_caching
         pool = BlockPool if enable_prefix_caching else PageAllocator
@@ -310,12 +321,16 @@ class Scheduler:
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.num_speculative_tokens, self.vocab_size = num_speculative_tokens, vocab_size
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # oldest first
         # Hooks, so the notebook's exercises can swap in the learner's versions.
         self.admission_rule = can_admit
         self.preempt_request = preempt
         self.cache_pages = cache_full_pages
+        # Speculative decoding: token ids -> up to num_speculative_tokens drafts. The engine
+        # sets vLLM's n-gram proposer (`minilib.engine.spec_decode.propose_ngram`).
+        self.propose_drafts = None
 
     def add(self, request: Request) -> None:
         """Queue a new request at the back."""
@@ -325,15 +340,18 @@ class Scheduler:
         """Choose the next step's sequences; take the pages they need (see the module doc)."""
         budget = self.max_num_batched_tokens
         seqs, preempted = [], []
+        drafts = {r.request_id: self._drafts(r) for r in self.running}  # before any change
         for request in list(self.running):  # 1. running requests, oldest first
             if request not in self.running:  # preempted earlier in this loop
                 continue
-            num_tokens = min(request.num_uncomputed, budget)
+            wanted = drafts[request.request_id]
+            num_tokens = min(request.num_uncomputed + len(wanted), budget)
             if num_tokens == 0:
                 break
             if not self._make_room(request, request.num_computed + num_tokens, preempted):
                 break  # it was the newest, and preempted itself
-            seqs.append(schedule_tokens(request, num_tokens))
+            kept = wanted[: num_tokens - request.num_uncomputed]  # as many as the budget allows
+            seqs.append(schedule_tokens(request, num_tokens, kept))
             budget -= num_tokens
         admitted, num_cached_tokens = [], 0
         while self.waiting and not preempted:  # 2. admit waiting requests, in order
@@ -369,21 +387,31 @@ class Scheduler:
             budget -= num_tokens
         return StepPlan(tuple(seqs), tuple(admitted), tuple(preempted), num_cached_tokens)
 
-    def finish_step(self, plan: StepPlan, sampled: dict[int, int]) -> list[Request]:
+    def finish_step(self, plan: StepPlan, sampled: dict[int, list[int]]) -> list[Request]:
         """Record the step: new tokens are in the cache (and full pages in the prefix cache),
-        and sampled tokens are appended. Finished requests leave, and their pages go back to
-        the pool. Returns them."""
+        and sampled tokens are appended, one per sequence that sampled, or with speculative
+        decoding its kept drafts and one more (`sampled[request_id]`: a list). The K/V of
+        rejected drafts is not kept: pages that hold only those go back to the pool.
+        Finished requests leave, and their pages go back to the pool. Returns them."""
         finished = []
         for seq in plan.seqs:
             request = seq.request
-            request.num_computed = seq.start + seq.num_tokens
+            new_tokens = sampled[request.request_id] if seq.samples else []
+            for token in new_tokens:  # a stop token or max_new_tokens ends it early
+                if not request.finished:
+                    request.record_token(token)
+            num_rejected = len(seq.draft_token_ids) + 1 - len(new_tokens) if seq.samples else 0
+            computed = seq.start + seq.num_tokens - num_rejected
+            request.num_computed = min(
+                computed, len(request.tokens) - 1 if seq.samples else computed
+            )
             if self.enable_prefix_caching:
                 self.cache_pages(request, self.allocator, self.page_size)
-            if seq.samples:
-                request.record_token(sampled[request.request_id])
             if request.finished:
                 self._release(request)
                 finished.append(request)
+            elif seq.draft_token_ids:
+                self._trim(request)
         return finished
 
     def abort(self, request: Request) -> None:
@@ -433,6 +461,26 @@ class Scheduler:
         if not self.enable_prefix_caching or request.pages:
             return []
         return get_computed_pages(request.tokens, self.allocator, self.page_size)
+
+    def _drafts(self, request: Request) -> list[int]:
+        """The drafts to verify for a running request: none unless it decodes and a proposer
+        is set; at most num_speculative_tokens, and none past its last token (whose K/V never
+        enters the cache). `EngineError` for drafts that are not token ids."""
+        room = request.max_new_tokens - len(request.output) - 1
+        if not (self.propose_drafts and request.output and request.num_uncomputed == 1):
+            return []
+        most = min(self.num_speculative_tokens, max(room, 0))
+        drafts = check_drafts(
+            self.propose_drafts(request.tokens), request.request_id,
+            self.num_speculative_tokens, self.vocab_size,
+        )  # fmt: skip
+        return drafts[:most]
+
+    def _trim(self, request: Request) -> None:
+        """Give back the pages past the ones its tokens need (rejected drafts' pages)."""
+        keep = pages_needed(len(request.tokens), self.page_size)
+        self.allocator.free(request.pages[keep:])
+        del request.pages[keep:]
 
     def _release(self, request: Request) -> None:
         self.allocator.free(request.pages)

@@ -38,8 +38,8 @@ RECORDED = Path(__file__).with_name("recorded_chip_table.json")
 RECORD_COMMAND = "python -m minilib.tpu.recorded --chips"
 
 # The VMEM a kernel may use unless it asks for more (`vmem_limit_bytes`): libtpu's default
-# scoped limit, which JAX's table does not give. `tests/test_tpu_memory.py` compiles a kernel
-# just under it and one just over it for each chip (libtpu 0.0.50.1).
+# scoped limit, which JAX's table does not give. `tests/tpu/test_tpu_vmem_model.py` compiles
+# a kernel just under it and one just over it for each chip (libtpu 0.0.50.1).
 DEFAULT_SCOPED_VMEM_BYTES = {
     "v4": 16 << 20,
     "v5e": 16 << 20,

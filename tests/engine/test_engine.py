@@ -89,9 +89,9 @@ def test_small_pool_waits_and_preempts_without_changing_outputs(name, dense_toke
 
 
 def test_reference_attention_matches_dense(dense_tokens):
-    # The default attention; it compiles per (q_len, kv_len), so three short requests.
-    eng = Engine(PARAMS, CONFIG, num_pages=6, page_size=4, max_num_batched_tokens=8, max_num_seqs=2)
-    assert eng.attention is minilib.ref_ragged_paged_attention
+    # JAX's reference compiles per (q_len, kv_len), so three short requests.
+    eng = Engine(PARAMS, CONFIG, attention=minilib.ref_ragged_paged_attention, num_pages=6,
+                 page_size=4, max_num_batched_tokens=8, max_num_seqs=2)  # fmt: skip
     picked = [0, 2, 4]
     assert eng.generate([PROMPTS[i] for i in picked], 4) == [dense_tokens[i][:4] for i in picked]
     assert_all_pages_free(eng)

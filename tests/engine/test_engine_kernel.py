@@ -1,0 +1,58 @@
+"""The engine attends with minilib's kernel: by default on a TPU, when asked elsewhere (TPU
+interpret mode), and `python -m minilib doctor --tpu`'s engine check, exact against the dense
+model, which fails when the kernel is wrong."""
+
+from __future__ import annotations
+
+import jax
+
+import minilib
+import minilib.kernel
+from minilib import doctor
+from minilib.engine import Engine, ModelConfig, init_params
+from minilib.engine.engine import default_attention
+
+CONFIG = ModelConfig(vocab_size=64, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16)
+
+
+def test_the_default_attention_is_the_kernel_on_a_tpu_and_jnp_elsewhere(monkeypatch):
+    eng = Engine(init_params(CONFIG), CONFIG, num_pages=4, page_size=4,
+                 max_num_batched_tokens=8, max_num_seqs=2)  # fmt: skip
+    assert eng.attention is default_attention()
+    if jax.default_backend() != "tpu":
+        assert eng.attention is minilib.ragged_paged_attention_jnp
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert default_attention() is minilib.ragged_paged_attention
+
+
+def test_the_doctors_engine_check_runs_the_kernel_exact_against_dense(capsys):
+    assert doctor.engine_check() == ("engine", True)
+    out = capsys.readouterr().out
+    assert "through minilib's kernel" in out and "PASS  engine == dense" in out
+
+
+def test_the_doctors_engine_check_fails_a_wrong_kernel(monkeypatch, capsys):
+    kernel = minilib.kernel.ragged_paged_attention
+
+    def forgets_the_cache(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
+        q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+        return kernel(q, kv_pages, q_lens, page_indices, cu_q_lens, num_seqs, **options)
+
+    monkeypatch.setattr(minilib.kernel, "ragged_paged_attention", forgets_the_cache)
+    assert doctor.engine_check() == ("engine", False)
+    assert "FAIL  engine == dense" in capsys.readouterr().out
+
+
+def test_an_engine_run_through_the_kernel_matches_one_through_jnp():
+    """Speculative decoding's verification rows and padding buckets through the kernel (a
+    proposer that always drafts, so that every decode verifies two drafts)."""
+    params = init_params(CONFIG)
+    prompts = [[1, 2, 3, 4, 1, 2, 3], [9, 8, 7]]
+    sizes = {"num_pages": 8, "page_size": 4, "max_num_batched_tokens": 8, "max_num_seqs": 2,
+             "num_speculative_tokens": 2, "token_buckets": [4, 8], "seq_buckets": [2]}  # fmt: skip
+    jnp_engine = Engine(params, CONFIG, **sizes)
+    kernel_engine = Engine(params, CONFIG, attention=minilib.ragged_paged_attention, **sizes)
+    for eng in (jnp_engine, kernel_engine):
+        eng.scheduler.propose_drafts = lambda token_ids: token_ids[-2:]
+    assert kernel_engine.generate(prompts, 5) == jnp_engine.generate(prompts, 5)
+    assert sum(s.num_draft_tokens for s in kernel_engine.stats) > 0
