@@ -82,27 +82,13 @@ def ragged_ladder_reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     return out.at[:rows].set(got)
 
 
-def ragged_paged_attention_ladder(
-    q: jax.Array,  # [max_num_batched_tokens, num_q_heads, head_dim]
-    kv_pages: jax.Array,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
-    kv_lens: jax.Array,  # i32[max_num_seqs]
-    page_indices: jax.Array,  # i32[max_num_seqs, pages_per_seq]
-    cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
-    num_seqs: jax.Array,  # i32[1]
-    *,
-    sm_scale: float = 1.0,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = DEFAULT_MASK_VALUE,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    num_kv_pages_per_block: int = 2,
-    num_queries_per_block: int = 8,
-    vmem_limit_bytes: int | None = None,
-    interpret=False,
-    kernel=None,
-) -> jax.Array:  # [max_num_batched_tokens, num_q_heads, head_dim]
-    """Ragged paged attention with JAX's signature: grid step i walks the sequences that own
+def ragged_paged_attention_ladder(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                                  sm_scale=1.0, sliding_window=None, soft_cap=None,
+                                  mask_value=DEFAULT_MASK_VALUE, k_scale=None, v_scale=None,
+                                  num_kv_pages_per_block=2, num_queries_per_block=8,
+                                  vmem_limit_bytes=None, interpret=False, kernel=None):  # fmt: skip
+    """Ragged paged attention with JAX's signature (the arrays shaped as for
+    `minilib.reference.ref_ragged_paged_attention`): grid step i walks the sequences that own
     rows of q block i. Rows past cu_q_lens[num_seqs] are left unwritten (garbage).
 
     No sliding window, soft cap or fp8 scales (a ValueError names the one given). `kernel`
