@@ -27,7 +27,16 @@ from jax.experimental import topologies
 
 from minilib.chips import FACTS
 from minilib.tpu.compile import chips_here, compile_for_tpu, dump_here, tpu_compile_available
-from minilib.tpu.kernel_costs import TARGET_CASE, compile_rpa, kernel_for, rpa_specs, side_by_side
+from minilib.tpu.kernel_costs import (
+    COMPARISON_CASE,
+    TARGET_CASE,
+    compile_rpa,
+    compile_v3,
+    first_line,
+    kernel_for,
+    rpa_specs,
+    side_by_side,
+)
 
 __all__ = ["RECORDED", "RESULTS", "record_results", "recorded_result", "recorded_results"]
 
@@ -118,10 +127,52 @@ def vmem_by_kv_block() -> list[list]:
     return rows
 
 
+RUNG_7_BLOCKS = dict(num_kv_pages_per_block=8, num_queries_per_block=8)
+
+
+def rung_7_beside_ours_and_v3(rung_7=None) -> list[list]:
+    """Notebook 08: [chip, rung 7, ours, v3], the bundles per KV block (`COUNTING_RULE`) of
+    rung 7 (`rung_7`; by default the tested one, `minilib.ladder.ragged`), of our kernel and of
+    v3's mixed kernel, each compiled for v5e and v6e on the comparison's workload
+    (`COMPARISON_CASE`: bf16, 32 q / 8 KV heads, head_dim 128, page_size 16, an 8192-page
+    cache), KV blocks of 8 pages, q blocks of 8 rows. A kernel without a figure has, in its
+    place, why: it did not compile, or v3 cannot be loaded here (`minilib.tpu.v3`)."""
+    from minilib.ladder import ragged
+    from minilib.tpu.v3 import V3Unavailable
+
+    rung_7 = rung_7 or ragged.ragged_paged_attention_ladder
+    specs = rpa_specs(**COMPARISON_CASE)
+    sm_scale = COMPARISON_CASE["head_dim"] ** -0.5
+    rows = []
+    for chip in ("v5e", "v6e"):
+        yours = functools.partial(rung_7, sm_scale=sm_scale, **RUNG_7_BLOCKS)
+        reports = [compile_for_tpu(yours, *specs, chip=chip),
+                   compile_rpa("ours", specs, chip=chip, **RUNG_7_BLOCKS)]  # fmt: skip
+        try:
+            reports.append(compile_v3(chip, **RUNG_7_BLOCKS))
+        except V3Unavailable as err:
+            reports.append(f"v3 is not available here: {err}")
+        rows.append([chip, *map(mixed_kernel_bundles, reports)])
+    return rows
+
+
+def mixed_kernel_bundles(report) -> int | str:
+    """Bundles per KV block of the program's kernel that serves prefills and mixed batches
+    (`kernel_for`), or why there is no figure: `report` is the reason, or did not compile."""
+    if isinstance(report, str):
+        return report
+    if not report.compiled:
+        return f"did not compile: {first_line(report.error or '')}"
+    stats = kernel_for(report, decode=False)
+    if stats is None or not stats.bundles_per_kv_block:
+        return "no KV-block loop read: " + "; ".join(report.notes)
+    return stats.bundles_per_kv_block
+
+
 RESULTS = {
     fn.__name__: fn
     for fn in (aligned_blocks_verdict, cores_per_device, kernel_on_v5e, ours_against_jax,
-               kv_block_sizes, vmem_by_kv_block)
+               kv_block_sizes, vmem_by_kv_block, rung_7_beside_ours_and_v3)
 }  # fmt: skip
 
 

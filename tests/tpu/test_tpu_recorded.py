@@ -41,3 +41,21 @@ def test_recorded_result_is_what_compiles_here(name):
     assert fresh == record["results"][name], (
         f"{name}: recorded {record['results'][name]!r}, compiled {fresh!r}: run `{COMMAND}`"
     )
+
+
+def test_rung_7_is_recorded_beside_the_comparisons_own_figures():
+    """Notebook 08's rung 7 beside ours and v3's: ours and v3's figures are the three-way
+    comparison's for the same workload and blocks (8 q per block, `minilib.tpu.comparison`),
+    and the tested rung 7's KV-block loop is longer than both, as the notebook says."""
+    from minilib.tpu.comparison import recorded_comparison
+
+    rows, _ = recorded_result("rung_7_beside_ours_and_v3")
+    cells, comparison = recorded_comparison()
+    assert (comparison["jax"], comparison["libtpu"]) == (recorded_results()["jax"],
+                                                         recorded_results()["libtpu"])  # fmt: skip
+    figure = {(c.chip, c.kernel): c.bundles_per_kv_block for c in cells
+              if c.config == "8 q per block"}  # fmt: skip
+    assert [chip for chip, *_ in rows] == ["v5e", "v6e"]
+    for chip, rung_7, ours, v3 in rows:
+        assert (ours, v3) == (figure[chip, "ours"], figure[chip, "v3"]), chip
+        assert ours < rung_7 and v3 < rung_7, (chip, rung_7, ours, v3)
