@@ -12,7 +12,7 @@ Which path of the kernel each test covers:
   with DMAs done as soon as started (`dma_execution_mode="eager"`), where a copy into a slot
   still being read changes the answer. The race tests add the race detector.
 - The compiled path reads each KV head with one strided load through a flat 32-bit view of
-  the slot (`load_kv_head_strided`). Plain `interpret=True` can run that (it can view refs, but
+  the slot (`strided.read_kv_head`). Plain `interpret=True` can run that (it can view refs, but
   does not simulate DMA timing): `test_strided_kv_loads_match_jax_reference`, and with TPU7x's
   padded slot, `test_padded_slot_matches_jax_reference` (the decode kernel's on every chip:
   `test_the_decode_kernel_pads_its_slot_on_every_chip`); at head_dim 64, in rows of 64 lanes,
