@@ -202,8 +202,9 @@ def default_decode_seqs_per_block(max_num_seqs: int, bytes_per_seq: int) -> int:
 # The software pipeline over KV heads (`minilib.kernel.heads_in_flight`): how many heads'
 # P·V wait behind later heads' Q·K (one in flight: each head's P·V after the next head's Q·K;
 # the plain order, each P·V before the next Q·K, is the plain kernel's), and whether V is
-# loaded again for its P·V. Chosen by the static bundle counts per KV block (`minilib.tpu.compile`, libtpu 0.0.42.1; bf16, 8 KV
-# heads of 4 q heads, head_dim 128, KV blocks of 128 tokens; spilled KiB in brackets):
+# loaded again for its P·V. Chosen by the static bundle counts per KV block
+# (`minilib.tpu.compile`, libtpu 0.0.42.1; bf16, 8 KV heads of 4 q heads, head_dim 128, KV
+# blocks of 128 tokens; spilled KiB in brackets):
 #
 #                        one head in flight   all 8 heads, V kept   all 8 heads, V reloaded
 #   v4, 32 q rows           2426 (604)            2472 (900)           2884 (628)
