@@ -64,7 +64,15 @@ def can_load_kv_strided(config: KernelConfig, interpret=False) -> bool:
     (the chip, or plain `interpret=True`; not TPU interpret mode), head_dim is a multiple of
     128 or 64 (`narrow_rows`), and either the KV dtype is f32 or bf16 and the combined heads of
     a token fill whole (8 * packing, 128) tiles (so the flat view is free), or it is fp8 and
-    the KV heads pair up into whole words."""
+    the KV heads pair up into whole words.
+
+    >>> from minilib.batch import make_batch
+    >>> from minilib.kernel import kernel_config, resolve_interpret
+    >>> b = make_batch([(3, 3)], num_q_heads=16, num_kv_heads=8, head_dim=128)
+    >>> config = kernel_config(b.q, b.kv_pages, b.page_indices)
+    >>> can_load_kv_strided(config), can_load_kv_strided(config, resolve_interpret(True))
+    (True, False)
+    """
     if isinstance(interpret, pltpu.InterpretParams):
         return False
     kv_packing = packing_of_size(config.kv_itemsize)
