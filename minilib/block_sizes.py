@@ -164,11 +164,13 @@ def default_decode_seqs_per_block(max_num_seqs: int, bytes_per_seq: int) -> int:
 
 
 # The software pipeline over KV heads (`minilib.kernel.heads_in_flight`): how many heads'
-# Q·K go before the first of their P·V, and whether V is loaded again for its P·V. Chosen by
-# the static bundle counts per KV block (`minilib.tpu.compile`, libtpu 0.0.42.1; bf16, 8 KV
-# heads of 4 q heads, head_dim 128, KV blocks of 128 tokens; spilled KiB in brackets):
+# P·V wait behind later heads' Q·K (one in flight: each head's P·V after the next head's Q·K;
+# the plain order, each P·V before the next Q·K, is the plain kernel's), and whether V is
+# loaded again for its P·V. Chosen by the static bundle counts per KV block
+# (`minilib.tpu.compile`, libtpu 0.0.42.1; bf16, 8 KV heads of 4 q heads, head_dim 128, KV
+# blocks of 128 tokens; spilled KiB in brackets):
 #
-#                        one head at a time   all 8 heads, V kept   all 8 heads, V reloaded
+#                        one head in flight   all 8 heads, V kept   all 8 heads, V reloaded
 #   v4, 32 q rows           2426 (604)            2472 (900)           2884 (628)
 #   v4, 8 q rows            1313 (504)            1290 (488)           1646 (308)
 #   v4, decode              1057 (360)            1047 (332)           1366 (32)
@@ -183,7 +185,7 @@ def default_decode_seqs_per_block(max_num_seqs: int, bytes_per_seq: int) -> int:
 #   v6e, decode              778 (4)               695 (260)            756 (0)
 #
 # All heads in flight pays, except on v4, v5e and v5p (the chips with 128 x 128 MXUs) where one
-# head's p takes 16 vector registers (of 64: 32 q rows): there one head at a time is fastest
+# head's p takes 16 vector registers (of 64: 32 q rows): there one head in flight is fastest
 # (measured; the listing does not say why). Keeping V pays when V and p of the heads in flight take
 # little more than the register file (decode at head_dim 128: 8 x (1 + 8) = 72 registers), and only
 # on the strided load: the general load of other head sizes gathers K and V a register per token,
@@ -219,7 +221,7 @@ def default_head_pipeline(
     ...                       itemsize=2, chip="v6e")        # 8 q rows: all heads, V reloaded
     (8, True)
     >>> default_head_pipeline(rows=128, kv_tokens=128, head_dim=128, num_kv_heads=8,
-    ...                       itemsize=2, chip="v5e")        # 32 q rows on v5e: one at a time
+    ...                       itemsize=2, chip="v5e")        # 32 q rows on v5e: one in flight
     (1, False)
     """
     chip = current_chip() if chip is None else chip

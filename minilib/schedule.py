@@ -423,9 +423,7 @@ def record_trace(
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     # The kernel's own jitted call, with the trace output on.
     interpret = kernel.resolve_interpret(interpret)
-    out, traces = kernel._rpa_jit(
-        *args, config=config, interpret=interpret, trace_capacity=capacity
-    )
+    out, traces = kernel.rpa_jit(*args, config=config, interpret=interpret, trace_capacity=capacity)
     events = {}
     for name, trace in zip(("decode", "mixed"), traces, strict=True):
         trace = np.asarray(trace)

@@ -28,28 +28,26 @@ one block of heads, and walks over the sequences that own those rows:
 Every KV head serves `num_q_heads // num_kv_heads` q heads (GQA). Those q heads are folded
 into the rows of one matrix, so each KV head meets its whole group in one matmul.
 
-The modules, in the order to read them. First the one path, in one sitting:
+The modules, in the order to read them. First the plain kernel, in one sitting: what runs
+with every speed lever off, the production shape of the ladder's last rung:
 
     config      KernelConfig: what the kernel knows at compile time
-    call        ragged_paged_attention, the jitted wrapper (tables clamped once, two
-                kernels), the pallas_call: grid, block specs, scratch
-    walk        the kernel body: the walk over sequences and KV blocks, double-buffered
-    table       where the rows and pages are: the prefetched tables, the next KV block
-    copier      KVBlockCopier: a KV block's pages, HBM -> a VMEM slot, by DMA
-    softmax     OnlineSoftmax: scores, mask, running max and sum, P·V
-    kv_load     K and V of one KV head from a slot (the plain load)
+    plain       the kernel body: the walk over sequences and KV blocks, the prefetched tables,
+                the double-buffered copies, the plain K/V load, the online softmax, one KV head
+                at a time; and `Points`, where the levers plug in
+    call        ragged_paged_attention, the jitted wrapper (`rpa_jit`: tables clamped once,
+                two kernels), the pallas_call: grid, block specs, scratch
 
-Then the decode kernel, a variation on that path:
+Then the levers beside it, each replacing one point of the plain kernel (`levers` chooses
+them once per configuration; benchmarks/LEVERS.md records what each saves, and on which chips):
 
-    decode      one-token sequences in a kernel of their own, each attended alone
-
-Then the speed levers, each saying what it saves (bundles per KV block) and on which chips:
-
+    levers           which levers a configuration turns on, and the points they fill
+    decode           one-token sequences in a kernel of their own, each attended alone
     strided          each KV head read with one strided load, K and V from 32-bit words
-    padded_slot      v6e, TPU7x, decode everywhere: a bf16 slot with a spare row per token
-    fp8              an fp8 cache four values to a word, its scales on the scores and output
+    padded_slot      a bf16 slot with a spare row per token, so each strided load is whole
+    fp8              an fp8 cache to the MXU as stored, four values to a word, scales moved
     lane_blocks      head_dim in blocks of 128 lanes, so head_dim 256 is read strided too
-    narrow_rows      head_dim 64 read strided in rows of 64 lanes, from a padded slot
+    narrow_rows      head_dim 64 read strided in rows of 64 lanes
     heads_in_flight  the KV heads software-pipelined on the MXU (heads_in_flight, reload_v)
 
 And the trace, a wrapper the kernel body never mentions:
@@ -68,16 +66,16 @@ needs no cross-lane broadcasts; K is never cleaned past kv_len (the score mask r
 whatever is there), only V is zeroed (0 * NaN = NaN in p @ v).
 
 Written for JAX's TPU interpret mode as well as for the chip. Interpret mode cannot view a ref
-as another shape or dtype, so there K and V are read by plain indexing (`kv_load`), and the
+as another shape or dtype, so there K and V are read by plain indexing (`plain`), and the
 strided load is used only when the kernel is compiled (or run by plain `interpret=True`).
 No masked loads or stores: a `jnp.where` on values keeps the rows that must not change.
 
 Nothing in the batch description is trusted: under `jit` it cannot be validated, so the jitted
-wrapper clamps the tables once before the kernels (`table.clamp_tables`): sequences to
+wrapper clamps the tables once before the kernels (`call.clamp_tables`): sequences to
 max_num_seqs, kv_lens to pages_per_seq pages, page numbers to the pages there are. A garbage
 batch gives garbage, but no hang and no copy from outside `kv_pages`. That is also why the
 page copies can go without the compiler's bounds checks, a chain of scalar compares per copy
-(`call.rpa_pallas_call` says what that saves), as v3's do.
+(benchmarks/LEVERS.md says what that saves), as v3's do.
 
 What is checked without a TPU: parity in TPU interpret mode (DMAs, semaphores and races
 simulated) and, for the strided loads, in plain interpret mode; and Mosaic's own compiler, in
@@ -91,59 +89,64 @@ the kernels' walks.
 from __future__ import annotations
 
 from minilib.kernel.call import (
-    _rpa_jit,
+    clamp_tables,
+    count_seqs_in_order,
     kernel_config,
     ragged_paged_attention,
     resolve_interpret,
+    rpa_jit,
     rpa_pallas_call,
 )
 from minilib.kernel.config import KERNEL_NAMES, LANES, KernelConfig
-from minilib.kernel.copier import KVBlockCopier
 from minilib.kernel.decode import (
     DecodeBatch,
     DecodeWalker,
     decode_batch,
     decode_score_mask,
     fold_decode_q,
-    split_configs,
     write_output_row,
 )
-from minilib.kernel.heads_in_flight import attend_kv_heads, with_head_pipeline
-from minilib.kernel.kv_load import (
-    dequantize_kv,
-    load_kv_for_mxu,
-    load_kv_head,
-    load_kv_lane_block,
-    zero_tokens_past_kv_len,
+from minilib.kernel.heads_in_flight import attend_kv_heads
+from minilib.kernel.levers import (
+    can_load_kv_strided,
+    choose_points,
+    slot_levers,
+    split_configs,
+    with_head_pipeline,
 )
-from minilib.kernel.softmax import (
+from minilib.kernel.plain import (
+    KVBlockCopier,
     OnlineSoftmax,
+    PlainSlot,
+    Points,
+    QBlockWalker,
     ScoreMask,
     SeqSpan,
-    keep_other_rows,
-    q_row,
-    score_mask,
-    widen,
-)
-from minilib.kernel.strided import can_load_kv_strided, load_kv_head_strided
-from minilib.kernel.table import (
     SeqTable,
     Work,
-    clamp_tables,
-    count_seqs_in_order,
+    attend_heads,
     first_seq_in_q_block,
     first_work,
+    fold_q_heads,
+    keep_other_rows,
+    load_kv,
     next_live_seq,
     next_work,
+    other_slot,
+    q_row,
+    read_kv_head,
+    rpa_kernel,
+    score_mask,
     seq_kv_blocks,
     seq_or_last,
+    widen,
     work_after_seq,
+    zero_tokens_past_kv_len,
 )
-from minilib.kernel.walk import QBlockWalker, fold_q_heads, other_slot, rpa_kernel
 
 # The public names. The kernel's inner steps (SeqTable, QBlockWalker, KVBlockCopier, next_work,
 # OnlineSoftmax, ...) run only inside the kernel body; each is documented in its module, and
-# importable from here as before the package was split.
+# importable from here.
 __all__ = [
     "KERNEL_NAMES",
     "LANES",
@@ -152,6 +155,7 @@ __all__ = [
     "kernel_config",
     "ragged_paged_attention",
     "resolve_interpret",
+    "rpa_jit",
     "rpa_pallas_call",
     "split_configs",
 ]

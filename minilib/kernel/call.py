@@ -1,9 +1,10 @@
 """The entry point and the `pallas_call`: what runs, on which grid, with which memory.
 
-`ragged_paged_attention` checks the inputs and builds the `KernelConfig`; the jitted wrapper
-clamps the batch tables once and runs the two kernels (decode, then mixed); `rpa_pallas_call`
-builds each `pallas_call`: the grid (heads blocks, q blocks), q and the output in blocks that
-Pallas copies, `kv_pages` left in HBM for the kernel to copy, and the VMEM scratch.
+`ragged_paged_attention` checks the inputs and builds the `KernelConfig`; the jitted wrapper,
+`rpa_jit`, clamps the batch tables once (`clamp_tables`) and runs the two kernels (decode, then
+mixed); `rpa_pallas_call` builds each `pallas_call`: the grid (heads blocks, q blocks), q and
+the output in blocks that Pallas copies, `kv_pages` left in HBM for the kernel to copy, the VMEM
+scratch, and the levers' points (`levers.choose_points`).
 """
 
 from __future__ import annotations
@@ -24,20 +25,28 @@ from minilib.block_sizes import (
 from minilib.chips import current_chip
 from minilib.errors import RPAInputError
 from minilib.kernel.config import KERNEL_NAMES, LANES, KernelConfig
-from minilib.kernel.copier import KVBlockCopier
-from minilib.kernel.decode import DecodeWalker, decode_batch, split_configs
-from minilib.kernel.heads_in_flight import with_head_pipeline
-from minilib.kernel.narrow_rows import slot_levers
-from minilib.kernel.padded_slot import slots_scratch
-from minilib.kernel.strided import can_load_kv_strided
-from minilib.kernel.table import clamp_tables
+from minilib.kernel.decode import DecodeWalker, decode_batch
+from minilib.kernel.levers import (
+    can_load_kv_strided,
+    choose_points,
+    slot_levers,
+    split_configs,
+    with_head_pipeline,
+)
+from minilib.kernel.plain import KVBlockCopier, QBlockWalker, rpa_kernel
 from minilib.kernel.tracing import with_trace
-from minilib.kernel.walk import QBlockWalker, rpa_kernel
 from minilib.kernel_trace import TRACE_FIELDS
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions, attention_options
 from minilib.validation import validate_inputs
 
-__all__ = ["kernel_config", "ragged_paged_attention", "resolve_interpret", "rpa_pallas_call"]
+__all__ = [
+    "clamp_tables",
+    "kernel_config",
+    "ragged_paged_attention",
+    "resolve_interpret",
+    "rpa_jit",
+    "rpa_pallas_call",
+]
 
 
 def ragged_paged_attention(
@@ -74,7 +83,7 @@ def ragged_paged_attention(
     `attention_sink` (f32[num_q_heads], or None, the default): one more softmax logit per q
     head, with no value, as in `ref_ragged_paged_attention` (JAX's kernel has none; vLLM's
     head_dim-64 kernel takes the same argument). It goes to both kernels as a small VMEM
-    input and joins the denominator once per output row (`softmax.OnlineSoftmax.sink_term`);
+    input and joins the denominator once per output row (`plain.OnlineSoftmax.sink_term`);
     without it the kernels are compiled exactly as before.
 
     Called eagerly, it first checks the values of the inputs (`dynamic_validate_inputs`);
@@ -100,7 +109,7 @@ def ragged_paged_attention(
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     validate_inputs(*args, options, validate=validate, attention_sink=attention_sink)
     config = kernel_config(q, kv_pages, page_indices, options)
-    out, _ = _rpa_jit(
+    out, _ = rpa_jit(
         *args, attention_sink, config=config, interpret=resolve_interpret(interpret),
         trace_capacity=0,
     )  # fmt: skip
@@ -186,7 +195,7 @@ def kernel_config(
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "trace_capacity"))
-def _rpa_jit(
+def rpa_jit(
     q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, attention_sink=None, *, config,
     interpret, trace_capacity,
 ):  # fmt: skip
@@ -199,7 +208,16 @@ def _rpa_jit(
     validated them, and the kernels read them as they are.
 
     `attention_sink` (f32[num_q_heads] or None) goes to both kernels lane-replicated,
-    [num_kv_heads, group, LANES] (`sink_input`)."""
+    [num_kv_heads, group, LANES] (`sink_input`).
+
+    >>> from minilib.batch import make_batch
+    >>> batch = make_batch([(3, 3), (1, 9)])
+    >>> config = kernel_config(batch.q, batch.kv_pages, batch.page_indices)
+    >>> out, traces = rpa_jit(*batch.args(), config=config, interpret=resolve_interpret(True),
+    ...                       trace_capacity=0)
+    >>> out.shape == batch.q.shape, traces
+    (True, None)
+    """
     tables = clamp_tables(
         kv_lens, page_indices, cu_q_lens, num_seqs, config, total_num_pages=kv_pages.shape[0]
     )
@@ -242,7 +260,7 @@ def rpa_pallas_call(
     m; from SMEM each q head's sink would be a scalar to broadcast and select into its rows.
     Without sinks there is no such input, and the kernel body gets `sink_ref=None`.
 
-    The tables must be those of a valid batch, or clamped by `table.clamp_tables` (as the
+    The tables must be those of a valid batch, or clamped by `clamp_tables` (as the
     jitted wrapper of `ragged_paged_attention` does): the kernel reads them as they are, and
     its page copies are not bounds-checked.
 
@@ -251,7 +269,8 @@ def rpa_pallas_call(
 
     trace: i32[1 + trace_capacity, TRACE_FIELDS]; `trace[0, 0]` counts the events, which are
     rows 1.. of (kind, step heads block, step q block, heads block, seq, kv block, slot). The
-    kernel records them through a wrapper (`tracing.with_trace`).
+    kernel records them through a wrapper (`tracing.with_trace`). The kernel body takes each
+    ref by name (`plain.rpa_kernel`): the sinks as `sink_ref`, the trace as `trace_ref`.
 
     >>> from minilib.batch import make_batch
     >>> batch = make_batch([(3, 3), (1, 9)])
@@ -265,74 +284,68 @@ def rpa_pallas_call(
     """
     max_num_batched_tokens, _, head_dim = q.shape
     c = dataclasses.replace(config, strided_kv_loads=can_load_kv_strided(config, interpret))
+    points = choose_points(c)
     num_q_blocks = pl.cdiv(max_num_batched_tokens, c.num_queries_per_block)
     q_block = (c.num_queries_per_block, c.num_q_heads_per_block, head_dim)
 
     def q_index_map(heads_blk, q_blk, *scalar_prefetch_refs):
         return (q_blk, heads_blk, 0)
 
-    in_specs = [
-        pl.BlockSpec(q_block, q_index_map),
-        pl.BlockSpec(memory_space=pl.ANY),  # kv_pages stay in HBM; the kernel copies pages
-    ]
+    # Each ref of the kernel by the name `plain.rpa_kernel` takes it by, in pallas_call's order.
+    inputs = {
+        "q_ref": pl.BlockSpec(q_block, q_index_map),
+        "kv_pages_hbm_ref": pl.BlockSpec(memory_space=pl.ANY),  # the kernel copies the pages
+    }
     if attention_sink:
         sink_block = (c.num_kv_heads_per_block, c.num_q_heads_per_kv_head, LANES)
-        in_specs.append(pl.BlockSpec(sink_block, lambda heads_blk, *_: (heads_blk, 0, 0)))
-    out_specs = [pl.BlockSpec(q_block, q_index_map)]
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+        inputs["sink_ref"] = pl.BlockSpec(sink_block, lambda heads_blk, *_: (heads_blk, 0, 0))
+    o_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    outputs = {"o_ref": (pl.BlockSpec(q_block, q_index_map), o_shape)}
     if trace_capacity:
-        out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-        out_shape.append(jax.ShapeDtypeStruct((1 + trace_capacity, TRACE_FIELDS), jnp.int32))
+        trace_shape = jax.ShapeDtypeStruct((1 + trace_capacity, TRACE_FIELDS), jnp.int32)
+        outputs["trace_ref"] = (pl.BlockSpec(memory_space=pltpu.SMEM), trace_shape)
     rows = c.rows_per_kv_head
-    scratch_shapes = [
-        slots_scratch(c, kv_pages.dtype),  # kv_bufs: two slots of one KV block each
-        pltpu.SemaphoreType.DMA((2,)),  # sems: one per slot
-        pltpu.VMEM((c.num_kv_heads_per_block, rows, LANES), jnp.float32),  # m_ref
-        pltpu.VMEM((c.num_kv_heads_per_block, rows, LANES), jnp.float32),  # l_ref
-        pltpu.VMEM((c.num_kv_heads_per_block, rows, head_dim), jnp.float32),  # acc_ref
-        pltpu.VMEM((c.num_kv_heads_per_block, rows, head_dim), q.dtype),  # q_fold_ref
-        pltpu.SMEM((1,), jnp.int32),  # slot_ref: the slot the next KV block is loading into
-    ]
-    copier_class = copier_class or KVBlockCopier
-    walker_class = DecodeWalker if c.decode else QBlockWalker
+    scratch = {
+        "kv_bufs": points.slot.scratch(c, kv_pages.dtype),  # two slots of one KV block each
+        "sems": pltpu.SemaphoreType.DMA((2,)),  # one per slot
+        "m_ref": pltpu.VMEM((c.num_kv_heads_per_block, rows, LANES), jnp.float32),
+        "l_ref": pltpu.VMEM((c.num_kv_heads_per_block, rows, LANES), jnp.float32),
+        "acc_ref": pltpu.VMEM((c.num_kv_heads_per_block, rows, head_dim), jnp.float32),
+        "q_fold_ref": pltpu.VMEM((c.num_kv_heads_per_block, rows, head_dim), q.dtype),
+        "slot_ref": pltpu.SMEM((1,), jnp.int32),
+    }
+    names = [*TABLE_NAMES, *inputs, *outputs, *scratch]
+    classes = dict(copier_class=copier_class or KVBlockCopier,
+                   walker_class=DecodeWalker if c.decode else QBlockWalker)  # fmt: skip
+    body = functools.partial(rpa_kernel, config=c, points=points)
     if trace_capacity:
-        kernel = with_trace(
-            rpa_kernel, trace_capacity, copier_class=copier_class, walker_class=walker_class
-        )
-        kernel = functools.partial(kernel, config=c)
+        body = with_trace(body, trace_capacity, **classes)
     else:
-        kernel = functools.partial(
-            rpa_kernel, config=c, copier_class=copier_class, walker_class=walker_class
-        )
-    if not attention_sink:
-        kernel = functools.partial(_without_sink, kernel)
+        body = functools.partial(body, **classes)
+
+    def kernel(*refs):
+        body(**dict(zip(names, refs, strict=True)))
+
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=len(TABLE_NAMES),
             grid=(c.num_heads_blocks, num_q_blocks),
-            in_specs=in_specs,
-            out_specs=out_specs,
-            scratch_shapes=scratch_shapes,
+            in_specs=list(inputs.values()),
+            out_specs=[spec for spec, _ in outputs.values()],
+            scratch_shapes=list(scratch.values()),
         ),
         compiler_params=pltpu.CompilerParams(
             # "arbitrary": the grid runs in order on one core, because each step starts the
             # copy that the next step waits for.
             dimension_semantics=("arbitrary", "arbitrary"),
             vmem_limit_bytes=c.vmem_limit_bytes,
-            # No bounds check on each copy: Mosaic's is a serial chain of scalar compares and a
-            # halt per page copy, with no vector work beside it, and the tables the kernel reads
-            # are clamped (`clamp_tables`), so every copy is inside kv_pages already. vLLM's
-            # RPA v3 drops the checks too (a copy per page makes them costly). Bundles per KV
-            # block (static estimates, libtpu 0.0.50.1, `python -m minilib compile`; 32 q / 8 q
-            # / decode): v5e 1325 / 707 / 444 -> 1266 / 648 / 392, v6e 1157 / 729 / 587 ->
-            # 1050 / 619 / 478, TPU7x 1191 / 770 / 598 -> 1069 / 649 / 474. At each kernel's
-            # own block sizes (`--defaults`), per 128 KV tokens at decode: v5e 327.5 -> 275.2,
-            # v6e 359.2 -> 269.0, TPU7x 421.5 -> 318.0 in its blocks of 256 tokens then (v3:
-            # 385.0, 357.8, 354.5).
+            # No bounds check on each copy (a serial chain of scalar compares and a halt per
+            # page copy): the tables are clamped (`clamp_tables`), so every copy is inside
+            # kv_pages already. vLLM's RPA v3 drops them too.
             disable_bounds_checks=True,
         ),
-        out_shape=out_shape,
+        out_shape=[shape for _, shape in outputs.values()],
         interpret=interpret,
         name=KERNEL_NAMES["decode" if c.decode else "mixed"],
     )
@@ -354,6 +367,53 @@ def sink_input(
     return jnp.broadcast_to(sinks, (*sinks.shape[:2], LANES))
 
 
-def _without_sink(kernel, *refs, **keywords):
-    """The kernel body without a sink input: its `sink_ref`, after the six inputs, is None."""
-    return kernel(*refs[:6], None, *refs[6:], **keywords)
+# The scalar-prefetched tables, by the names `plain.rpa_kernel` takes them by.
+TABLE_NAMES = ("kv_lens_ref", "page_indices_ref", "cu_q_lens_ref", "num_seqs_ref")
+
+
+def clamp_tables(kv_lens, page_indices, cu_q_lens, num_seqs, config: KernelConfig, total_num_pages):
+    """The batch tables, clamped to what the shapes allow: run once, before the kernel.
+
+    Under `jit` nothing has validated these values, and a bad one must not send a loop or a
+    copy astray: a hang, or a copy from outside `kv_pages`. So each value is clamped, which
+    changes nothing for a valid batch:
+      num_seqs     to [0, max_num_seqs], and cut before the first sequence whose
+                   cu_q_lens go backwards (`count_seqs_in_order`);
+      cu_q_lens    to [0, max_num_batched_tokens];
+      kv_lens      to [0, pages_per_seq * page_size];
+      page numbers to [0, total_num_pages).
+    Every loop over sequences in the kernel then ends by max_num_seqs, and every loop over
+    pages or KV blocks by pages_per_seq (see also `plain.seq_kv_blocks`).
+
+    Why here, not in the kernel: a few vector ops on small tables, once per call, in place of
+    a clamp on every read of them in the kernel's loops.
+
+    >>> from minilib.batch import make_batch
+    >>> b = make_batch([(3, 3), (1, 9)])
+    >>> config = kernel_config(b.q, b.kv_pages, b.page_indices)
+    >>> kv_lens, _, cu_q_lens, num_seqs = clamp_tables(
+    ...     b.kv_lens.at[0].set(10**6), b.page_indices, b.cu_q_lens, b.num_seqs + 5, config,
+    ...     total_num_pages=b.kv_pages.shape[0])
+    >>> int(kv_lens[0]) == config.pages_per_seq * config.page_size, int(num_seqs[0])
+    (True, 2)
+    """
+    c = config
+    cu_q_lens = jnp.clip(cu_q_lens, 0, c.max_num_batched_tokens)
+    return (
+        jnp.clip(kv_lens, 0, c.pages_per_seq * c.page_size),
+        jnp.clip(page_indices, 0, total_num_pages - 1),
+        cu_q_lens,
+        count_seqs_in_order(cu_q_lens, num_seqs, c)[None],
+    )
+
+
+def count_seqs_in_order(cu_q_lens, num_seqs, config: KernelConfig):
+    """num_seqs clamped to [0, max_num_seqs], and cut before the first sequence whose
+    cu_q_lens go backwards: the walk relies on the rows of sequence s + 1 following those of s.
+
+    cu_q_lens: i32[max_num_seqs + 1]; num_seqs: i32[1]
+    """
+    n = jnp.clip(num_seqs[0], 0, config.max_num_seqs)
+    seq = jnp.arange(config.max_num_seqs, dtype=jnp.int32)
+    stops = (seq >= n) | (cu_q_lens[1:] < cu_q_lens[:-1])  # [max_num_seqs]
+    return jnp.min(jnp.where(stops, seq, config.max_num_seqs)).astype(jnp.int32)

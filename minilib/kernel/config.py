@@ -1,8 +1,10 @@
 """What the kernel knows at compile time: `KernelConfig`, one static argument of the jit.
 
 The attention options (`minilib.options`), with the block sizes filled in, the shapes they were
-chosen for, and which of the speed levers are on (the strided load, heads in flight). Frozen
-and hashable, so a change of any of them is a new compile. `call.kernel_config` builds it.
+chosen for, and which speed levers are on: `strided_kv_loads`, `padded_slot`, `narrow_rows`,
+`heads_in_flight` (and `reload_v`), the decode kernel's `decode` and `leaves_decode`; `lane_blocks`
+and an fp8 cache's load follow from head_dim and the cache's dtype (`levers.choose_points`).
+Frozen and hashable, so a change of any of them is a new compile. `call.kernel_config` builds it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ __all__ = ["KERNEL_NAMES", "LANES", "KernelConfig"]
 
 # The m and l scratch rows are 128 lanes wide, one vector register row: TPU vector memory is
 # laid out in (8, 128) tiles, so a [rows, 1] array would take the same space anyway. The slot
-# holds head_dim in blocks of LANES (`lane_blocks`).
+# holds head_dim in blocks of LANES with `lane_blocks`.
 LANES = 128
 
 # The pallas_calls' names, which a compiled program shows (`minilib.tpu.compile` reads them).
@@ -52,8 +54,8 @@ class KernelConfig(AttentionOptions):
     head_dim: int
     q_itemsize: int  # bytes per value of q's dtype, the compute dtype
     kv_itemsize: int  # ... and of kv_pages' dtype
-    # Read each KV head with one strided load through a flat view of the slot (the lever of
-    # `strided`); set by `rpa_pallas_call` where refs can be viewed (not in TPU interpret).
+    # Each KV head read with one strided load (`strided`); set by `rpa_pallas_call` where refs
+    # can be viewed (not in TPU interpret mode).
     strided_kv_loads: bool = False
     # The two kernels of `ragged_paged_attention` (`split_configs`): the decode kernel serves
     # one-token sequences, one q row each (`DecodeWalker`); the mixed kernel leaves them to it
@@ -61,16 +63,15 @@ class KernelConfig(AttentionOptions):
     decode: bool = False
     leaves_decode: bool = False
     decode_seqs_per_block: int = 1  # the decode kernel's q block: sequences per grid step
-    # The software pipeline over KV heads (the lever of `heads_in_flight`), set by
-    # `with_head_pipeline`.
-    heads_in_flight: int = 1
+    # The KV heads whose P·V waits behind the next head's Q·K (`heads_in_flight`), set by
+    # `levers.with_head_pipeline`; 0: the plain order, each head's P·V before the next Q·K.
+    heads_in_flight: int = 0
     reload_v: bool = False
-    # A bf16 slot held as words with a spare row per token (the lever of `padded_slot`), set
-    # by `kernel_config` on the chips of `padded_slot.PADDED_SLOT_CHIPS` (and at head_dim 64:
-    # `narrow_rows.slot_levers`).
+    # A bf16 slot held as words with a spare row per token (`padded_slot`), set by
+    # `kernel_config` (`levers.slot_levers`).
     padded_slot: bool = False
-    # head_dim 64 read by the strided load in rows of 64 lanes (the lever of `narrow_rows`),
-    # set by `kernel_config` at head_dim 64 (with the padded slot, on every chip).
+    # head_dim 64 read by the strided load in rows of 64 lanes (`narrow_rows`), set by
+    # `kernel_config` at head_dim 64.
     narrow_rows: bool = False
 
     @property
@@ -89,7 +90,7 @@ class KernelConfig(AttentionOptions):
 
     @property
     def lane_blocks(self) -> int:
-        """How many 128-lane blocks a KV slot holds head_dim in (the lever of `lane_blocks`): 2 at
+        """How many 128-lane blocks a KV slot holds head_dim in (`lane_blocks`, on above 1): 2 at
         head_dim 256; 1 when head_dim is 128, or not a multiple of 128."""
         return self.head_dim // LANES if self.head_dim % LANES == 0 else 1
 

@@ -1,17 +1,12 @@
-"""The decode kernel: one-token sequences, each attended alone; a variation on `walk`.
+"""Lever: the one-token sequences in a kernel of their own, each attended alone, in place of the
+rows they fill in the plain kernel's q blocks, computed against every KV block with the rest of
+the block and thrown away (benchmarks/LEVERS.md). `levers.split_configs` gives both configs.
 
-A decode sequence (q_len 1, the common case when serving) owns one row of a q block, but a q
-block computes all its rows against every KV block and throws the others away. So
-`ragged_paged_attention` runs two `pallas_call`s (`split_configs`): first this kernel
-(`minilib_ragged_paged_attention_decode` in a compiled program) on the one-token sequences,
-gathered into a batch of their own (`decode_batch`), a few per grid step; then the mixed
-kernel on the others, which treats the one-token sequences as idle. The walk, the copies and
-the softmax are the mixed kernel's; `DecodeWalker` changes what a grid step walks (a block of
-sequences, one row each), `decode_score_mask` the mask (no row selects).
-
-What it saves, bundles per KV block (static, 32 q / 8 KV heads, head_dim 128): the decode cell
-served by the 8 q per block kernel before (v5e 921, v6e 1054, TPU7x 1035), by this kernel after
-(645, 778, 782); with KV heads in flight since, 572, 695, 720.
+`ragged_paged_attention` runs this kernel first, on the one-token sequences gathered into a
+batch of their own (`decode_batch`), a few per grid step; then the mixed kernel, which treats
+them as idle. The walk, the copies and the softmax are the plain kernel's: `DecodeWalker`
+changes what a grid step walks (a block of sequences, one row each), `decode_score_mask` the
+mask (no row selects).
 """
 
 from __future__ import annotations
@@ -24,53 +19,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from minilib.kernel.config import KernelConfig
-from minilib.kernel.heads_in_flight import with_head_pipeline
-from minilib.kernel.padded_slot import padding_compiles
-from minilib.kernel.softmax import OnlineSoftmax, ScoreMask, SeqSpan
-from minilib.kernel.walk import QBlockWalker
+from minilib.kernel.plain import OnlineSoftmax, QBlockWalker, ScoreMask, SeqSpan
 from minilib.masking import is_masked, mask_value_vanishes
 
-__all__ = ["decode_batch", "split_configs"]
-
-
-def split_configs(config: KernelConfig) -> tuple[KernelConfig, KernelConfig]:
-    """(mixed, decode): the configs of the two kernels `ragged_paged_attention` runs.
-
-    Why a kernel of its own for decode: a sequence with one q row fills one row of a q
-    block, and the mixed kernel computes every row of the block (rows_per_kv_head of them)
-    against each KV block, then throws the others away with a select per row. The decode
-    kernel computes the sequence's own row alone: one row per q head, no row selects, and
-    for a single query the causal mask is only the kv_len (and window) mask. Its q block
-    holds `decode_seqs_per_block` sequences, walked one after another in one grid
-    step, so the fixed cost of a grid step is shared by several of them.
-
-    Its KV slot is padded on every chip (`padded_slot`), not only where the mixed kernel's is:
-    with 4 q rows per KV head, the decode loop is mostly the strided loads of K and V, and
-    on the plain slot each of them splits in two half loads and an OR. Bundles per KV block,
-    static estimates (`python -m minilib compile`, 32 q / 8 KV heads, head_dim 128, bf16; 128
-    / 512 KV tokens per block, 512 being v5e's and v6e's default decode block): v5e 549 /
-    2504 -> 482 / 1455, v6e 676 / 2700 -> 606 / 1611 (TPU7x pads already). Its slots stay
-    small (one heads block, 1/8 more), so the VMEM that keeps the mixed kernel's slot plain
-    on v5e and v6e is not short here.
-
-    >>> from minilib.batch import make_batch
-    >>> from minilib.kernel import kernel_config
-    >>> batch = make_batch([(3, 3), (1, 9)], max_num_seqs=4, head_dim=128)
-    >>> config = kernel_config(batch.q, batch.kv_pages, batch.page_indices)
-    >>> mixed, decode = split_configs(config)
-    >>> mixed.leaves_decode, decode.decode, decode.num_queries_per_block, decode.rows_per_kv_head
-    (True, True, 4, 2)
-    >>> mixed.padded_slot, decode.padded_slot   # head_dim 128 on a CPU: the mixed slot is plain
-    (False, True)
-    """
-    decode = dataclasses.replace(
-        config,
-        decode=True,
-        num_queries_per_block=config.decode_seqs_per_block,
-        max_num_batched_tokens=config.max_num_seqs,  # the decode batch: one row per sequence
-        padded_slot=padding_compiles(),  # on every chip (see above), with a libtpu that can
-    )
-    return dataclasses.replace(config, leaves_decode=True), with_head_pipeline(decode)
+__all__ = ["decode_batch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +46,7 @@ class DecodeBatch:
 def decode_batch(kv_lens, page_indices, cu_q_lens, num_seqs, config: KernelConfig) -> DecodeBatch:
     """Gather the one-token sequences (q_len == 1) of the first num_seqs, in order.
 
-    The tables are a valid batch's, or clamped by `table.clamp_tables` (as the jitted wrapper
+    The tables are a valid batch's, or clamped by `call.clamp_tables` (as the jitted wrapper
     does), so the decode tables are clamped too: a garbage batch sends the decode kernel only
     rows, pages and sequences that exist.
 

@@ -15,17 +15,12 @@ from minilib.kernel_trace import TRACE_COMPUTE, TRACE_START, TRACE_WAIT, Trace
 
 __all__: list[str] = []  # used by `call.rpa_pallas_call`: see `with_trace`
 
-# The refs before the outputs: four scalar-prefetch tables, q, kv_pages and the attention
-# sinks' (None without sinks: `call.rpa_pallas_call`) (`walk.rpa_kernel`).
-NUM_INPUTS = 7
-
 
 def with_trace(kernel, capacity: int, *, copier_class, walker_class):
-    """`kernel` (`walk.rpa_kernel`) with a trace output after its one output, and a copier
-    and a walker that record into it, up to `capacity` events."""
+    """`kernel` (`plain.rpa_kernel`, its refs by name) taking a trace output, `trace_ref`, and
+    with a copier and a walker that record into it, up to `capacity` events."""
 
-    def traced_kernel(*refs, **keywords):
-        inputs, (o_ref, trace_ref, *scratch) = refs[:NUM_INPUTS], refs[NUM_INPUTS:]
+    def traced_kernel(*, trace_ref, **refs):
         trace = Trace(trace_ref, capacity)
         step = (pl.program_id(0), pl.program_id(1))  # (heads_blk, q_blk)
 
@@ -34,10 +29,7 @@ def with_trace(kernel, capacity: int, *, copier_class, walker_class):
             trace.reset()
 
         kernel(
-            *inputs,
-            o_ref,
-            *scratch,
-            **keywords,
+            **refs,
             copier_class=traced_copier(copier_class, trace, step),
             walker_class=traced_walker(walker_class, trace),
         )

@@ -129,7 +129,7 @@ def ours_defaults(chip: str, specs) -> dict[str, dict]:
     """Our kernel's block sizes on `chip` (kernel_config, under the chip's mesh): per kernel,
     {"kv_tokens", "q_rows"} (q rows: sequences per grid step for decode)."""
     from minilib.kernel import kernel_config
-    from minilib.kernel.decode import split_configs
+    from minilib.kernel.levers import split_configs
 
     q, kv_pages, _, page_indices, _, _ = specs
     with on_chip(chip):

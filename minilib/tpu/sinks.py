@@ -5,7 +5,7 @@ compiled programs, not timings.
 an f32[num_q_heads] argument of the program, `rpa_with_sink`) in the comparison of
 `minilib.tpu.kernel_costs`; JAX's kernel and v3's head_dim-128 kernel have no sinks, and are
 left out. The sinks join the softmax denominator once per output row
-(`minilib.kernel.softmax.OnlineSoftmax.sink_term`), after the KV-block loops: those issue the
+(`minilib.kernel.plain.OnlineSoftmax.sink_term`), after the KV-block loops: those issue the
 same vector, MXU, memory and DMA ops with sinks as without, and no more bundles but for the
 scheduler's placing, a few bundles either way (libtpu 0.0.50.1, page copies with bounds
 checks: decode v5e 482 -> 481, v6e 606 -> 607, TPU7x 8 q 770 -> 771; without them, v6e 8 q

@@ -33,7 +33,7 @@ from conftest import (
 
 from minilib.batch import make_batch
 from minilib.errors import RPAInputError
-from minilib.kernel import _rpa_jit, can_load_kv_strided, kernel_config
+from minilib.kernel import can_load_kv_strided, kernel_config, rpa_jit
 from minilib.kv_cache import cdiv
 
 RUN = {name: fn for name, fn in IMPLEMENTATIONS.items() if name != "kernel"}
@@ -148,7 +148,7 @@ def test_kernel_strided_loads_and_heads_in_flight_match_the_dense_formula(name):
     config = dataclasses.replace(config, heads_in_flight=3, reload_v=True)
     assert can_load_kv_strided(config, interpret=True)
     sink = random_sinks(16)
-    out, _ = _rpa_jit(*batch.args(), sink, config=config, interpret=True, trace_capacity=0)
+    out, _ = rpa_jit(*batch.args(), sink, config=config, interpret=True, trace_capacity=0)
     want = dense_with_sink(batch, sink, sm_scale=SM_SCALE, k_scale=options.get("k_scale"),
                            v_scale=options.get("v_scale"))  # fmt: skip
     assert_close_to(out, want, jnp.bfloat16)
@@ -184,7 +184,7 @@ def test_the_kernels_take_a_sink_input_only_with_sinks():
 
     def pallas_call_inputs(*sink):
         jaxpr = jax.make_jaxpr(
-            functools.partial(_rpa_jit, config=config, interpret=INTERPRET, trace_capacity=0)
+            functools.partial(rpa_jit, config=config, interpret=INTERPRET, trace_capacity=0)
         )(*batch.args(), *sink)
         calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "jit"]
         inner = calls[0].params["jaxpr"].jaxpr if calls else jaxpr.jaxpr

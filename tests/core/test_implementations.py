@@ -29,7 +29,7 @@ from conftest import (
 
 from minilib import make_batch
 from minilib.blockwise import _rpa_blockwise
-from minilib.kernel import _rpa_jit
+from minilib.kernel import rpa_jit
 from minilib.pallas_basics import _rpa_pallas_basic
 from minilib.vectorized import _rpa_jnp
 
@@ -45,7 +45,7 @@ JITTED_CORES = {
     "jnp": _rpa_jnp,
     "blockwise": _rpa_blockwise,
     "pallas_basic": _rpa_pallas_basic,
-    "kernel": _rpa_jit,
+    "kernel": rpa_jit,
 }
 
 

@@ -12,7 +12,7 @@ Which path of the kernel each test covers:
   with DMAs done as soon as started (`dma_execution_mode="eager"`), where a copy into a slot
   still being read changes the answer. The race tests add the race detector.
 - The compiled path reads each KV head with one strided load through a flat 32-bit view of
-  the slot (`load_kv_head_strided`). Plain `interpret=True` can run that (it can view refs, but
+  the slot (`strided.read_kv_head`). Plain `interpret=True` can run that (it can view refs, but
   does not simulate DMA timing): `test_strided_kv_loads_match_jax_reference`, and with TPU7x's
   padded slot, `test_padded_slot_matches_jax_reference` (the decode kernel's on every chip:
   `test_the_decode_kernel_pads_its_slot_on_every_chip`); at head_dim 64, in rows of 64 lanes,
@@ -53,12 +53,12 @@ from minilib.batch import make_batch
 from minilib.errors import RPAInputError
 from minilib.kernel import (
     KVBlockCopier,
-    _rpa_jit,
     can_load_kv_strided,
     decode_batch,
     kernel_config,
     ragged_paged_attention,
     resolve_interpret,
+    rpa_jit,
     rpa_pallas_call,
     split_configs,
 )
@@ -219,7 +219,7 @@ def test_strided_kv_loads_match_jax_reference(name):
     """The compiled path's strided K/V loads, in both kernels, run by plain `interpret=True`."""
     batch, options, config = strided_case(name)
     assert can_load_kv_strided(config, interpret=True)
-    out, _ = _rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
+    out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 
 
@@ -240,7 +240,7 @@ def test_padded_slot_matches_jax_reference(name):
     batch, options, config = strided_case(name)
     config = dataclasses.replace(config, padded_slot=True)
     assert pads_slot(config, strided=can_load_kv_strided(config, interpret=True))
-    out, _ = _rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
+    out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 
 
@@ -268,7 +268,7 @@ def test_narrow_rows_match_jax_reference(name, padded):
     config = dataclasses.replace(config, padded_slot=padded)
     assert reads_narrow_rows(config) and can_load_kv_strided(config, interpret=True)
     assert pads_slot(config, strided=True) == (padded and config.kv_itemsize == 2)
-    out, _ = _rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
+    out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 
 
@@ -296,7 +296,7 @@ def test_every_head_pipeline_matches_jax_reference(heads_in_flight, reload_v, pa
     config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
     config = dataclasses.replace(config, heads_in_flight=heads_in_flight, reload_v=reload_v)
     interpret = True if path == "strided loads" else INTERPRET
-    out, _ = _rpa_jit(*batch.args(), config=config, interpret=interpret, trace_capacity=0)
+    out, _ = rpa_jit(*batch.args(), config=config, interpret=interpret, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 
 
@@ -414,7 +414,7 @@ def test_decode_kernel_in_several_grid_steps(name):
     config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
     config = dataclasses.replace(config, decode_seqs_per_block=2)
     with watch_kernel() as watch:
-        out, _ = _rpa_jit(*batch.args(), config=config, interpret=strict_interpret_params(),
+        out, _ = rpa_jit(*batch.args(), config=config, interpret=strict_interpret_params(),
                           trace_capacity=0)  # fmt: skip
         out = jax.block_until_ready(out)
     assert not watch.raced and watch.never_waited() == [] and watch.deadlock is None
@@ -437,7 +437,7 @@ def test_the_decode_kernel_pads_its_slot_on_every_chip():
     mixed, decode = split_configs(config)
     strided = can_load_kv_strided(decode, interpret=True)
     assert strided and not pads_slot(mixed, strided) and pads_slot(decode, strided)
-    out, _ = _rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
+    out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 
 

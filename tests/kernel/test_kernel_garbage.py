@@ -2,7 +2,7 @@
 
 Under `jit` the values of kv_lens, page_indices, cu_q_lens and num_seqs cannot be validated
 (they are tracers), so the jitted wrapper clamps them once, before the kernels
-(`minilib.kernel.table.clamp_tables`): every loop bound over sequences is clamped to
+(`minilib.kernel.call.clamp_tables`): every loop bound over sequences is clamped to
 max_num_seqs, every one over pages or KV blocks to pages_per_seq, every page number to the pages
 there are.
 The answer for a garbage batch is garbage, but it must come back, and be finite.

@@ -121,7 +121,7 @@ def test_every_ladder_kernel_compiles_on_colabs_pair(name, chip):
 def test_the_course_kernel_compiles_on_colabs_pair_mixed_and_decode(chip):
     """The program of `minilib.kernel.ragged_paged_attention` holds its two kernels, mixed and
     decode, each with its bundle dump. (With jax 0.7.2 libtpu names both after the jit,
-    `_rpa_jit.2` and `_rpa_jit.3`; the compiled HLO shows which is which by its output: all
+    `rpa_jit.2` and `rpa_jit.3`; the compiled HLO shows which is which by its output: all
     256 q rows for the mixed kernel, one row per sequence, 16, for the decode kernel.)"""
     report = compile_rpa(
         "ours", rpa_specs(**COMPARISON_CASE), chip=chip, num_kv_pages_per_block=8,

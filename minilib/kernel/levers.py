@@ -1,0 +1,144 @@
+"""Which speed levers a configuration turns on, and where they plug into the plain kernel.
+
+`kernel_config` (`call`) turns levers on in the `KernelConfig` (`slot_levers`,
+`with_head_pipeline`), `split_configs` gives the decode kernel its own, and `choose_points`
+picks, once per configuration, the plain kernel's `Points` or a lever's in their place:
+
+    slot          how a KV slot is laid out and filled  plain, padded_slot, lane_blocks
+    load_kv       how K and V reach the MXU             plain, strided, fp8, lane_blocks
+    attend_heads  the order of the heads                plain, heads_in_flight
+
+Levers meet only here: a lever that needs another's piece is handed it (`strided` the padded
+slot's words, `lane_blocks` the load or slot it repeats per block of lanes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from jax.experimental.pallas import tpu as pltpu
+
+from minilib.block_sizes import default_head_pipeline, packing_of_size
+from minilib.kernel import fp8, heads_in_flight, lane_blocks, narrow_rows, padded_slot, strided
+from minilib.kernel.config import KernelConfig
+from minilib.kernel.plain import Points, attend_heads, load_kv, read_kv_head
+
+__all__ = ["can_load_kv_strided", "choose_points", "split_configs"]
+
+
+def choose_points(config: KernelConfig) -> Points:
+    """The plain kernel's points, with the levers `config` turns on in their place.
+
+    >>> from minilib.batch import make_batch
+    >>> from minilib.kernel import kernel_config
+    >>> b = make_batch([(3, 3)], head_dim=128)
+    >>> config = kernel_config(b.q, b.kv_pages, b.page_indices)
+    >>> choose_points(config).attend_heads.__module__    # kernel_config's heads in flight
+    'minilib.kernel.heads_in_flight'
+    >>> choose_points(dataclasses.replace(config, heads_in_flight=0)) == Points()  # all off
+    True
+    """
+    pads = padded_slot.pads_slot(config)
+    slot = padded_slot.PaddedSlot() if pads else Points.slot
+    fp8_cache = config.kv_itemsize == 1
+    if config.strided_kv_loads:
+        word_rows = padded_slot.word_rows if pads else None
+        read = functools.partial(strided.read_kv_head, word_rows=word_rows)
+        read = fp8.read_kv_words if fp8_cache else read
+    else:
+        read = read_kv_head
+    if config.lane_blocks > 1:
+        slot, read = lane_blocks.LaneBlocks(slot), lane_blocks.each_lane_block(read)
+    load = load_kv
+    if fp8_cache:
+        load = fp8.load_kv_from_words if config.strided_kv_loads else fp8.load_kv_as_stored
+    if load is not load_kv or read is not read_kv_head:
+        load = functools.partial(load, read=read)
+    heads = heads_in_flight.attend_kv_heads if config.heads_in_flight else attend_heads
+    return Points(slot=slot, load_kv=load, attend_heads=heads)
+
+
+def can_load_kv_strided(config: KernelConfig, interpret=False) -> bool:
+    """Whether the strided load (`strided`, `fp8.read_kv_words`) applies: refs can be viewed
+    (the chip, or plain `interpret=True`; not TPU interpret mode), head_dim is a multiple of
+    128 or 64 (`narrow_rows`), and either the KV dtype is f32 or bf16 and the combined heads of
+    a token fill whole (8 * packing, 128) tiles (so the flat view is free), or it is fp8 and
+    the KV heads pair up into whole words.
+
+    >>> from minilib.batch import make_batch
+    >>> from minilib.kernel import kernel_config, resolve_interpret
+    >>> b = make_batch([(3, 3)], num_q_heads=16, num_kv_heads=8, head_dim=128)
+    >>> config = kernel_config(b.q, b.kv_pages, b.page_indices)
+    >>> can_load_kv_strided(config), can_load_kv_strided(config, resolve_interpret(True))
+    (True, False)
+    """
+    if isinstance(interpret, pltpu.InterpretParams):
+        return False
+    kv_packing = packing_of_size(config.kv_itemsize)
+    if not narrow_rows.strided_rows_fit(config):
+        return False
+    if kv_packing == 4:
+        return config.num_kv_heads_per_block % fp8.KV_HEADS_PER_WORD == 0
+    tiles_whole = (2 * config.num_kv_heads_per_block) % (8 * kv_packing) == 0
+    return kv_packing in (1, 2) and tiles_whole
+
+
+def slot_levers(head_dim: int, chip: str | None) -> dict[str, bool]:
+    """The slot's lever flags of `KernelConfig`: `narrow_rows` at head_dim 64, `padded_slot` on
+    the chips of `padded_slot.PADDED_SLOT_CHIPS` or at head_dim 64; neither where the installed
+    libtpu refuses them (`padded_slot.padding_compiles`: there head_dim 64 takes the plain load).
+
+    >>> slot_levers(64, "v5e"), slot_levers(128, "v5e")["padded_slot"]  # no libtpu, or new
+    ({'narrow_rows': True, 'padded_slot': True}, False)
+    """
+    narrow = head_dim == narrow_rows.NARROW_HEAD_DIM
+    compiles = padded_slot.padding_compiles()
+    padded = narrow or chip in padded_slot.PADDED_SLOT_CHIPS
+    return {"narrow_rows": narrow and compiles, "padded_slot": padded and compiles}
+
+
+def with_head_pipeline(config: KernelConfig) -> KernelConfig:
+    """`config` with the default software pipeline over KV heads (`heads_in_flight`), chosen per
+    chip and shape by `block_sizes.default_head_pipeline`."""
+    strided_load = can_load_kv_strided(config)
+    heads, reload_v = default_head_pipeline(
+        rows=config.rows_per_kv_head,
+        kv_tokens=config.kv_tokens_per_block,
+        head_dim=config.head_dim,
+        num_kv_heads=config.num_kv_heads_per_block,
+        itemsize=config.q_itemsize,
+        strided=strided_load,
+        padded=padded_slot.pads_slot(config, strided_load),
+    )
+    return dataclasses.replace(config, heads_in_flight=heads, reload_v=reload_v)
+
+
+def split_configs(config: KernelConfig) -> tuple[KernelConfig, KernelConfig]:
+    """(mixed, decode): the configs of the two kernels `ragged_paged_attention` runs.
+
+    The decode kernel (`decode`) computes a one-token sequence's own row alone: one row per q
+    head, no row selects, and the causal mask is only the kv_len (and window) mask. Its q block
+    holds `decode_seqs_per_block` sequences, walked one after another in one grid step. Its
+    slot is padded on every chip where libtpu can (`padded_slot`): its loop is mostly the
+    strided loads of K and V, and its slots are small, so the VMEM that keeps the mixed
+    kernel's slot plain on v5e is not short here.
+
+    >>> from minilib.batch import make_batch
+    >>> from minilib.kernel import kernel_config
+    >>> batch = make_batch([(3, 3), (1, 9)], max_num_seqs=4, head_dim=128)
+    >>> config = kernel_config(batch.q, batch.kv_pages, batch.page_indices)
+    >>> mixed, decode = split_configs(config)
+    >>> mixed.leaves_decode, decode.decode, decode.num_queries_per_block, decode.rows_per_kv_head
+    (True, True, 4, 2)
+    >>> mixed.padded_slot, decode.padded_slot   # head_dim 128 on a CPU: the mixed slot is plain
+    (False, True)
+    """
+    decode = dataclasses.replace(
+        config,
+        decode=True,
+        num_queries_per_block=config.decode_seqs_per_block,
+        max_num_batched_tokens=config.max_num_seqs,  # the decode batch: one row per sequence
+        padded_slot=padded_slot.padding_compiles(),
+    )
+    return dataclasses.replace(config, leaves_decode=True), with_head_pipeline(decode)

@@ -1,0 +1,483 @@
+"""The plain kernel: what runs with every speed lever off, in one sitting.
+
+It is the production shape of what the learner writes in the ladder's last rung. A grid step
+takes a block of q rows and a block of heads, and walks the sequences that own those rows:
+
+    for each sequence with rows in this q block:            QBlockWalker.attend_seq
+        for each KV block those rows can see:               QBlockWalker.attend_kv_block
+            start copying the next KV block into the other slot (`next_work`)
+            wait for this KV block
+            for each KV head: K and V, then the online softmax of its q heads
+
+The levers plug in at three `Points`, chosen once per configuration (`levers.choose_points`):
+how a KV slot is laid out and filled, how K and V reach the MXU, the order of the heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from minilib import masking
+from minilib.kernel.config import LANES, KernelConfig
+from minilib.reference import apply_soft_cap
+
+__all__: list[str] = []  # the kernel body's own: see `rpa_kernel`
+
+
+def rpa_kernel(
+    kv_lens_ref,  # i32[max_num_seqs], SMEM, as are the next three
+    page_indices_ref,  # i32[max_num_seqs, pages_per_seq]
+    cu_q_lens_ref,  # i32[max_num_seqs + 1]
+    num_seqs_ref,  # i32[1]
+    q_ref,  # [num_queries_per_block, num_q_heads_per_block, head_dim], VMEM
+    kv_pages_hbm_ref,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim], HBM
+    o_ref,  # [num_queries_per_block, num_q_heads_per_block, head_dim], VMEM
+    kv_bufs,  # [2, num_kv_pages_per_block, page_size, 2*num_kv_heads_per_block, head_dim]
+    sems,  # DMA semaphores [2], one per slot
+    m_ref,  # f32[num_kv_heads_per_block, rows_per_kv_head, LANES]
+    l_ref,  # f32[num_kv_heads_per_block, rows_per_kv_head, LANES]
+    acc_ref,  # f32[num_kv_heads_per_block, rows_per_kv_head, head_dim]
+    q_fold_ref,  # [num_kv_heads_per_block, rows_per_kv_head, head_dim], q's dtype
+    slot_ref,  # i32[1], SMEM: the slot the next KV block is loading into, across steps
+    *,
+    sink_ref=None,  # f32[num_kv_heads_per_block, group, LANES], VMEM: attention sinks
+    config: KernelConfig,
+    points: Points,
+    copier_class: type[KVBlockCopier],
+    walker_class: type[QBlockWalker],
+):
+    batch = SeqTable(kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref, config)
+    dma = copier_class(kv_pages_hbm_ref, kv_bufs, sems, batch, points.slot)
+    lanes = points.slot.output_lanes(config)
+    softmax = OnlineSoftmax(m_ref, l_ref, acc_ref, config, q_fold_ref.dtype, sink_ref, lanes)
+    step = (pl.program_id(0), pl.program_id(1))  # (heads_blk, q_blk)
+
+    @pl.when((step[0] == 0) & (step[1] == 0))
+    def _start_the_first_copy():
+        slot_ref[0] = 0
+        first = first_work(batch)
+
+        @pl.when(first.seq < batch.num_seqs())
+        def _():
+            dma.start(first, 0)
+
+    walker = walker_class(step, q_ref, q_fold_ref, o_ref, softmax, batch, dma, config, points)
+    walker.attend_grid_step(slot_ref)
+
+
+class QBlockWalker:
+    """One grid step: the sequences with rows in the q block, and the KV blocks they see."""
+
+    def __init__(self, step, q_ref, q_fold_ref, o_ref, softmax, batch, dma, config, points):
+        self.heads_blk, self.q_blk = step
+        self.q_ref, self.q_fold_ref, self.o_ref = q_ref, q_fold_ref, o_ref
+        self.softmax: OnlineSoftmax = softmax
+        self.batch: SeqTable = batch
+        self.dma: KVBlockCopier = dma
+        self.config: KernelConfig = config
+        self.points: Points = points
+        self.q_blk_start = self.q_blk * config.num_queries_per_block
+        self.q_blk_end = self.q_blk_start + config.num_queries_per_block
+        self.first_live = next_live_seq(batch, 0)  # where the next heads block starts
+
+    def attend_grid_step(self, slot_ref):
+        """Reset the softmax once per q block (no masked stores needed), fold q once, walk,
+        write the output."""
+        self.softmax.init()
+
+        @pl.when(self.q_blk_start < self.batch.total_q_len())
+        def _attend_this_q_block():
+            fold_q_heads(self.q_ref, self.q_fold_ref, self.config)
+            slot_ref[0] = self.run(slot_ref[0])
+
+        self.softmax.write_output(self.o_ref)
+
+    def run(self, slot):
+        _, slot = lax.while_loop(self.has_rows_here, self.attend_seq, (self.first_seq(), slot))
+        return slot
+
+    def first_seq(self):
+        return next_live_seq(self.batch, first_seq_in_q_block(self.batch, self.q_blk_start))
+
+    def has_rows_here(self, carry):
+        seq, _ = carry
+        return (seq < self.batch.num_seqs()) & (self.batch.q_start(seq) < self.q_blk_end)
+
+    def attend_seq(self, carry):
+        seq, slot = carry
+        first_kv_blk, end_kv_blk = seq_kv_blocks(self.batch, seq, self.q_blk)
+        following = next_live_seq(self.batch, seq + 1)
+        span = SeqSpan(self.batch.q_start(seq), self.batch.q_end(seq), self.batch.kv_len(seq))
+        num_pages = pl.cdiv(span.kv_len, self.config.page_size)
+        seq_work = Work(self.heads_blk, seq, first_kv_blk, num_pages)
+        after_seq = work_after_seq(self.batch, self.q_blk, seq_work, following, self.first_live)
+        attend = functools.partial(self.attend_kv_block, seq_work, end_kv_blk, span, after_seq)
+        slot = lax.fori_loop(first_kv_blk, end_kv_blk, attend, slot)
+        return following, slot
+
+    def attend_kv_block(self, seq_work, end_kv_blk, span, after_seq, kv_blk, slot):
+        here = dataclasses.replace(seq_work, kv_blk=kv_blk)
+        nxt = next_work(here, end_kv_blk, after_seq)
+        other = other_slot(slot)
+
+        @pl.when(nxt.heads_blk < self.config.num_heads_blocks)
+        def _prefetch_the_next_block():
+            self.dma.start(nxt, other)
+
+        self.dma.wait(here, slot)
+        self.compute(here, slot, span)
+        return other
+
+    def compute(self, here: Work, slot, span: SeqSpan):
+        mask = self.score_mask(span, here.kv_blk)
+        kv_buf = self.dma.buffer(slot)
+        self.points.attend_heads(kv_buf, self.q_fold_ref, self.softmax, mask, here.kv_blk,
+                                 span.kv_len, self.config, self.points.load_kv)  # fmt: skip
+
+    def score_mask(self, span: SeqSpan, kv_blk) -> ScoreMask:
+        return score_mask(span, self.q_blk, kv_blk, self.config)
+
+
+def fold_q_heads(q_ref, q_fold_ref, config: KernelConfig):
+    """Row r*group + g of q_fold_ref[kv_head] is q row r, head g. Once per grid step: the fold
+    moves rows between (8, 128) tiles, a quarter of the KV loop's cost if done in it."""
+    c = config
+    group = c.num_q_heads_per_kv_head
+    for kv_head in range(c.num_kv_heads_per_block):
+        q = q_ref[:, kv_head * group : (kv_head + 1) * group, :]  # [num_queries, group, hd]
+        q_fold_ref[kv_head] = q.reshape(c.rows_per_kv_head, c.head_dim)
+
+
+def other_slot(slot):
+    """A select, not `1 - slot`: Mosaic then knows it is 0 or 1 (no bounds check)."""
+    return jnp.where(slot == 0, 1, 0)
+
+
+class KVBlockCopier:
+    """Starts and waits for the page copies of one KV block into one slot of `kv_bufs`."""
+
+    def __init__(self, kv_pages_hbm_ref, kv_bufs, sems, batch: SeqTable, layout: PlainSlot):
+        self.kv_pages_hbm_ref, self.kv_bufs, self.sems = kv_pages_hbm_ref, kv_bufs, sems
+        self.batch, self.config, self.layout = batch, batch.config, layout
+
+    def buffer(self, slot):
+        return self.kv_bufs.at[slot]
+
+    def start(self, work: Work, slot):
+        """Every page of the block, past the sequence's end its last page again (the compute
+        masks it): every block copies the same bytes, and one wait takes them all back."""
+        c = self.config
+        last = jnp.maximum(work.num_pages - 1, 0)
+        hbm = self.kv_pages_hbm_ref
+        heads = pl.ds(work.heads_blk * 2 * c.num_kv_heads_per_block, 2 * c.num_kv_heads_per_block)
+        if c.num_heads_blocks == 1:  # static: a dynamic offset may not be provably tile-aligned
+            heads = slice(None)
+        for i in range(c.num_kv_pages_per_block):
+            page_pos = jnp.minimum(work.kv_blk * c.num_kv_pages_per_block + i, last)
+            page = self.batch.page_indices_ref[work.seq, page_pos]
+            buf = self.buffer(slot)
+            for source, target in self.layout.page_copies(hbm, page, heads, buf, i, c):
+                pltpu.make_async_copy(source, target, self.sems.at[slot]).start()
+
+    def wait(self, work: Work, slot):
+        del work  # every block copies the same bytes: a DMA semaphore counts bytes
+        copied = self.layout.copied(self.buffer(slot), self.config)
+        pltpu.make_async_copy(copied, copied, self.sems.at[slot]).wait()
+
+
+class PlainSlot:
+    """A KV slot as `kv_pages` holds a page: [pages per block, page_size, 2*kvh_per_blk, hd]."""
+
+    def scratch(self, config: KernelConfig, kv_dtype):  # both slots
+        c = config
+        shape = (c.num_kv_pages_per_block, c.page_size, 2 * c.num_kv_heads_per_block, c.head_dim)
+        return pltpu.VMEM((2, *shape), kv_dtype)
+
+    def page_copies(self, kv_pages_hbm_ref, page, heads, slot_buf, i: int, config: KernelConfig):
+        """The (source, target) of each copy that brings a page into page i of the slot."""
+        return [self.as_copied(kv_pages_hbm_ref.at[page, :, heads], slot_buf.at[i], config)]
+
+    def as_copied(self, source, target, config: KernelConfig):
+        return source, target
+
+    def copied(self, slot_buf, config: KernelConfig):  # what one wait counts the bytes of
+        return slot_buf
+
+    def output_lanes(self, config: KernelConfig) -> tuple[slice, ...]:
+        return (slice(None),)
+
+
+def read_kv_head(kv_buf, kv_head: int, kv_blk, kv_len, config: KernelConfig):
+    """K (combined head 2*kv_head) and V (2*kv_head + 1), [tokens, hd]. The ref indexed, the
+    value reshaped (interpret mode cannot reshape refs): on the chip a register per token."""
+    tokens, width = config.kv_tokens_per_block, kv_buf.shape[-1]
+    k = kv_buf[:, :, 2 * kv_head, :].reshape(tokens, width)
+    v = kv_buf[:, :, 2 * kv_head + 1, :].reshape(tokens, width)
+    return k, v
+
+
+def load_kv(kv_buf, kv_head: int, kv_blk, kv_len, dtype, config: KernelConfig, read=read_kv_head):
+    k, v = read(kv_buf, kv_head, kv_blk, kv_len, config)
+    v = zero_tokens_past_kv_len(v, kv_blk, kv_len, config)
+    return k.astype(dtype), v.astype(dtype)
+
+
+def zero_tokens_past_kv_len(x, kv_blk, kv_len, config: KernelConfig):  # x: [kv_tokens, hd]
+    """Tokens past kv_len hold NaN padding or stale memory. K needs nothing (the mask replaces
+    its scores), V does: 0 * NaN = NaN in p @ v. In float32: v5e has no bf16 vector unit."""
+    pos = kv_blk * config.kv_tokens_per_block + lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    return jnp.where(pos < kv_len, x.astype(jnp.float32), 0.0).astype(x.dtype)
+
+
+def attend_heads(kv_buf, q_fold_ref, softmax, mask, kv_blk, kv_len, config, load_kv):
+    """One KV head at a time, with its group of q heads: Q·K, softmax, P·V."""
+    for kv_head in range(config.num_kv_heads_per_block):
+        k, v = load_kv(kv_buf, kv_head, kv_blk, kv_len, q_fold_ref.dtype, config)
+        p, alpha = softmax.scores_and_stats(kv_head, q_fold_ref[kv_head], k, mask)
+        softmax.accumulate(kv_head, v, p, alpha, mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class Points:
+    slot: PlainSlot = PlainSlot()  # how a KV slot is laid out and filled
+    load_kv: Callable = load_kv  # how K and V of one KV head reach the MXU
+    attend_heads: Callable = attend_heads  # the order of the KV heads' Q·K and P·V
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqSpan:  # one sequence's rows [q_start, q_end) and kv_len, read once per sequence
+    q_start: jax.Array
+    q_end: jax.Array
+    kv_len: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreMask:
+    masked: jax.Array  # bool[rows, kv_tokens_per_block]: causal and sliding window
+    past_kv_len: jax.Array | None  # bool[rows, kv tokens]; None: `masked` covers them
+    in_seq: jax.Array | None  # bool[rows, LANES]: the rows that may change; None: all
+
+
+def score_mask(span: SeqSpan, q_blk, kv_blk, config: KernelConfig) -> ScoreMask:
+    c = config
+    shape = (c.rows_per_kv_head, c.kv_tokens_per_block)
+    q_pos = masking.q_position(q_row(shape, q_blk, c), span.q_end, span.kv_len)
+    k_pos = kv_blk * c.kv_tokens_per_block + lax.broadcasted_iota(jnp.int32, shape, 1)
+    masked = masking.is_masked(q_pos, k_pos, c.sliding_window)
+    # A small mask_value gives masked keys a weight: keys past kv_len are named apart.
+    past_kv_len = None if masking.mask_value_vanishes(c.mask_value) else k_pos >= span.kv_len
+    row = q_row((c.rows_per_kv_head, LANES), q_blk, c)
+    return ScoreMask(masked, past_kv_len, (row >= span.q_start) & (row < span.q_end))
+
+
+def q_row(shape, q_blk, config: KernelConfig):  # the batch's q row of each folded row
+    first = q_blk * config.num_queries_per_block
+    return first + lax.broadcasted_iota(jnp.int32, shape, 0) // config.num_q_heads_per_kv_head
+
+
+def widen(x, width: int):  # x: [rows, LANES], every lane the same -> [rows, width]
+    """Copies of whole vector registers, or the first lanes; else a cross-lane broadcast."""
+    if width % LANES == 0:
+        return jnp.concatenate([x] * (width // LANES), axis=1) if width > LANES else x
+    return x[:, :width] if width < LANES else jnp.broadcast_to(x[:, :1], (x.shape[0], width))
+
+
+def keep_other_rows(in_seq, new, old):  # in_seq: bool[rows, LANES]; new, old: [rows, width]
+    """`new` in the walked sequence's rows; the others (maybe NaN padding) keep `old`."""
+    return new if in_seq is None else jnp.where(widen(in_seq, new.shape[1]), new, old)
+
+
+class OnlineSoftmax:
+    """Running max m, sum l and unnormalized output acc of every row, per KV head. m and l are
+    128 lanes wide, as a row's value must sit to meet s or acc: never broadcast across lanes."""
+
+    def __init__(self, m_ref, l_ref, acc_ref, config, dtype, sink_ref=None, lanes=(slice(None),)):
+        self.m_ref, self.l_ref, self.acc_ref = m_ref, l_ref, acc_ref
+        self.config: KernelConfig = config
+        self.dtype = dtype  # the compute dtype, q's: p is rounded to it for P·V
+        self.sink_ref = sink_ref  # f32[kvh_per_blk, group, LANES], or None
+        self.output_lanes = lanes  # the columns of head_dim the output is written in
+
+    def init(self):
+        self.m_ref[...] = jnp.full(self.m_ref.shape, -jnp.inf, jnp.float32)
+        self.l_ref[...] = jnp.zeros(self.l_ref.shape, jnp.float32)
+        self.acc_ref[...] = jnp.zeros(self.acc_ref.shape, jnp.float32)
+
+    def scores_and_stats(self, kv_head: int, q, k, mask: ScoreMask):  # q: [rows, hd]
+        """s = q k^T masked, the new m and l (stored), p = exp(s - m), alpha = exp(m_prev - m)."""
+        c = self.config
+        s = jnp.einsum("rd,td->rt", q, k, preferred_element_type=jnp.float32) * c.score_scale
+        s = apply_soft_cap(s, c.soft_cap)
+        s = masking.apply_mask_value(s, mask.masked, c.mask_value, mask.past_kv_len)
+        lanes = (s.shape[0], LANES)
+        m_prev = self.m_ref[kv_head]  # [rows, LANES]
+        l_prev = self.l_ref[kv_head]  # [rows, LANES]
+        m_next = jnp.maximum(m_prev, jnp.broadcast_to(s.max(axis=1, keepdims=True), lanes))
+        p = jnp.exp(s - widen(m_next, s.shape[1]))  # [rows, kv_tokens]
+        alpha = jnp.exp(m_prev - m_next)
+        l_next = alpha * l_prev + jnp.broadcast_to(p.sum(axis=1, keepdims=True), lanes)
+        self.m_ref[kv_head] = keep_other_rows(mask.in_seq, m_next, m_prev)
+        self.l_ref[kv_head] = keep_other_rows(mask.in_seq, l_next, l_prev)
+        return p, alpha
+
+    def accumulate(self, kv_head: int, v, p, alpha, mask: ScoreMask):  # v: [kv_tokens, hd]
+        acc_prev = self.acc_ref[kv_head]  # [rows, head_dim]
+        pv = jnp.einsum("rt,td->rd", p.astype(self.dtype), v, preferred_element_type=jnp.float32)
+        acc_next = widen(alpha, acc_prev.shape[1]) * acc_prev + pv
+        self.acc_ref[kv_head] = keep_other_rows(mask.in_seq, acc_next, acc_prev)
+
+    def normalized(self, kv_head: int, lanes=slice(None)):  # -> f32[rows_per_kv_head, width]
+        """acc / l (0 in rows no sequence owns), times v_scale; sinks join l here."""
+        total = self.l_ref[kv_head][:, :1]  # [rows, 1]
+        if self.sink_ref is not None:
+            total = total + self.sink_term(kv_head)
+        out = self.acc_ref[kv_head, :, lanes] / jnp.where(total == 0.0, 1.0, total)
+        return out if self.config.v_scale is None else out * self.config.v_scale
+
+    def sink_term(self, kv_head: int):  # -> f32[rows_per_kv_head, 1]
+        """exp(sink - m): the sink's share of l, once per output row, not per KV block (m scales
+        numerator and denominator alike). Folded row r*group + g is q head g's."""
+        c = self.config
+        sinks = self.sink_ref[kv_head]  # [group, LANES]
+        q_rows = c.rows_per_kv_head // c.num_q_heads_per_kv_head
+        rows = jnp.concatenate([sinks] * q_rows, axis=0) if q_rows > 1 else sinks
+        return jnp.exp(rows[:, :1] - self.m_ref[kv_head][:, :1])
+
+    def write_output(self, o_ref):  # o_ref: [num_queries_per_block, num_q_heads_per_block, hd]
+        c = self.config
+        group = c.num_q_heads_per_kv_head
+        for kv_head in range(c.num_kv_heads_per_block):
+            heads = slice(kv_head * group, (kv_head + 1) * group)
+            for lanes in self.output_lanes:
+                out = self.normalized(kv_head, lanes)  # [rows, width]
+                out = out.reshape(c.num_queries_per_block, group, out.shape[1])
+                o_ref[:, heads, lanes] = out.astype(o_ref.dtype)
+
+
+class SeqTable:
+    """The scalar-prefetched batch description (SMEM refs)."""
+
+    def __init__(self, kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref, config):
+        self.kv_lens_ref = kv_lens_ref  # i32[max_num_seqs]
+        self.page_indices_ref = page_indices_ref  # i32[max_num_seqs, pages_per_seq]
+        self.cu_q_lens_ref = cu_q_lens_ref  # i32[max_num_seqs + 1]
+        self.num_seqs_ref = num_seqs_ref  # i32[1]
+        self.config: KernelConfig = config
+
+    def num_seqs(self):
+        return self.num_seqs_ref[0]
+
+    def q_start(self, seq):
+        return self.cu_q_lens_ref[seq]
+
+    def q_end(self, seq):
+        return self.cu_q_lens_ref[seq + 1]
+
+    def kv_len(self, seq):
+        return self.kv_lens_ref[seq]
+
+    def total_q_len(self):
+        """The rows the sequences own (0 if there is none)."""
+        n = self.num_seqs()
+        return jnp.where(n > 0, self.q_end(jnp.maximum(n - 1, 0)), 0)
+
+    def num_pages(self, seq):
+        return pl.cdiv(self.kv_len(seq), self.config.page_size)
+
+
+def next_live_seq(batch: SeqTable, seq):
+    """The first sequence from `seq` on with q rows, or `num_seqs`. In the mixed kernel beside
+    the decode kernel (`leaves_decode`), a one-token sequence has none here either."""
+    n = batch.num_seqs()
+
+    def is_idle(s):
+        s_safe = seq_or_last(batch, s)
+        q_len = batch.q_end(s_safe) - batch.q_start(s_safe)
+        no_work = (q_len == 0) | (q_len == 1) if batch.config.leaves_decode else q_len == 0
+        return (s < n) & no_work
+
+    return lax.while_loop(is_idle, lambda s: s + 1, seq)
+
+
+def first_seq_in_q_block(batch: SeqTable, q_blk_start):
+    """The sequence owning row `q_blk_start`: the first whose rows end after it."""
+    last = batch.num_seqs() - 1
+    return lax.while_loop(
+        lambda s: (s < last) & (batch.q_end(s) <= q_blk_start), lambda s: s + 1, 0
+    )
+
+
+def seq_kv_blocks(batch: SeqTable, seq, q_blk):
+    """The KV blocks [first, end) that the rows of `seq` in q block `q_blk` can see."""
+    c = batch.config
+    q_start, q_end, kv_len = batch.q_start(seq), batch.q_end(seq), batch.kv_len(seq)
+    first_row = jnp.maximum(q_start, q_blk * c.num_queries_per_block)
+    last_row = jnp.minimum(q_end, (q_blk + 1) * c.num_queries_per_block) - 1
+    if masking.mask_value_vanishes(c.mask_value):  # masked keys weigh exactly 0: skip their blocks
+        first_pos = masking.q_position(first_row, q_end, kv_len)
+        last_pos = masking.q_position(last_row, q_end, kv_len)
+        window = c.sliding_window
+        first, end = masking.kv_blocks_to_visit(first_pos, last_pos, c.kv_tokens_per_block, window)
+    else:  # a small mask_value gives masked keys a weight (JAX's rule): visit every block
+        first, end = 0, pl.cdiv(kv_len, c.kv_tokens_per_block)
+    # At least one block, all within pages_per_seq: a garbage batch (kv_len < q_len) must
+    # neither loop long nor leave a prefetched block without its compute.
+    max_kv_blks = pl.cdiv(c.pages_per_seq, c.num_kv_pages_per_block)
+    first = jnp.clip(first, 0, max_kv_blks - 1)
+    end = jnp.clip(end, first + 1, max_kv_blks)
+    return first, end
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:  # one KV block's worth of work, and the sequence's page count (for the copies)
+    heads_blk: jax.Array
+    seq: jax.Array
+    kv_blk: jax.Array
+    num_pages: jax.Array
+
+
+def first_work(batch: SeqTable) -> Work:
+    """The first KV block of the first live sequence (`seq` is `num_seqs` if none is)."""
+    seq = next_live_seq(batch, 0)
+    seq_q_blk = batch.q_start(seq_or_last(batch, seq)) // batch.config.num_queries_per_block
+    first_kv_blk, _ = seq_kv_blocks(batch, seq_or_last(batch, seq), seq_q_blk)
+    num_pages = batch.num_pages(seq_or_last(batch, seq))
+    return Work(jnp.int32(0), seq, first_kv_blk, num_pages)
+
+
+def seq_or_last(batch: SeqTable, seq):
+    return jnp.clip(seq, 0, jnp.maximum(batch.num_seqs() - 1, 0))
+
+
+def work_after_seq(batch: SeqTable, q_blk, seq_work: Work, following, first_live):
+    """The work after the last KV block of `seq_work.seq` in q block `q_blk`: the same sequence
+    in the next q block if its rows go on; else the next live sequence (`following`); else the
+    first live sequence of the next heads block (after the last: `num_heads_blocks`)."""
+    bq = batch.config.num_queries_per_block
+    rows_go_on = batch.q_end(seq_work.seq) > (q_blk + 1) * bq
+    heads_done = following >= batch.num_seqs()
+    seq = jnp.where(heads_done, first_live, following)
+    seq = jnp.where(rows_go_on, seq_work.seq, seq)
+    seq_q_blk = jnp.where(rows_go_on, q_blk + 1, batch.q_start(seq) // bq)
+    first_kv_blk, _ = seq_kv_blocks(batch, seq, seq_q_blk)
+    heads_blk = jnp.where(heads_done & ~rows_go_on, seq_work.heads_blk + 1, seq_work.heads_blk)
+    return Work(heads_blk, seq, first_kv_blk, batch.num_pages(seq))
+
+
+def next_work(here: Work, end_kv_blk, after_seq: Work) -> Work:
+    """The KV block after `here`: the next of this sequence, or else `after_seq`."""
+    more_kv = here.kv_blk + 1 < end_kv_blk
+    return Work(
+        jnp.where(more_kv, here.heads_blk, after_seq.heads_blk),
+        jnp.where(more_kv, here.seq, after_seq.seq),
+        jnp.where(more_kv, here.kv_blk + 1, after_seq.kv_blk),
+        jnp.where(more_kv, here.num_pages, after_seq.num_pages),
+    )
