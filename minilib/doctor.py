@@ -426,10 +426,13 @@ def ladder_rungs() -> list[tuple[str, object, object]]:
         check_paged_decode_attention,
         check_prefetching_decode,
     )
+    from minilib.exercises.ex08_ragged import check_prefill_chunk, check_ragged_paged_attention
     from minilib.ladder.async_copy import paged_decode_attention_async_copy
     from minilib.ladder.double_buffer import paged_decode_attention_double_buffered
     from minilib.ladder.flash import flash_attention
     from minilib.ladder.prefetch import paged_decode_attention_prefetch
+    from minilib.ladder.prefill_chunk import prefill_chunk_attention
+    from minilib.ladder.ragged import ragged_paged_attention_ladder
     from minilib.ladder.scalar_prefetch import paged_decode_attention
 
     return [
@@ -438,6 +441,8 @@ def ladder_rungs() -> list[tuple[str, object, object]]:
         ("rung 3", check_paged_decode_async_copy, paged_decode_attention_async_copy),
         ("rung 4", check_double_buffered_decode, paged_decode_attention_double_buffered),
         ("rung 5", check_prefetching_decode, paged_decode_attention_prefetch),
+        ("rung 6", check_prefill_chunk, prefill_chunk_attention),
+        ("rung 7", check_ragged_paged_attention, ragged_paged_attention_ladder),
     ]
 
 
@@ -448,7 +453,7 @@ def ladder_checks(rungs=None) -> list[tuple[str, bool]]:
 
     It runs the checkers, about a minute in interpret mode, so the example is not run:
 
-    >>> ladder_checks(ladder_rungs()[-1:])  # doctest: +SKIP
+    >>> ladder_checks(ladder_rungs()[4:5])  # doctest: +SKIP
     <BLANKLINE>
     ladder solutions, each by its checker:
       PASS  rung 5 paged_decode_attention_prefetch: Passed: prefetching_decode matches ...

@@ -109,6 +109,10 @@ def test_notebook_shape(path):
     assert "## Summary" in text
     assert 'NotImplementedError("FILL ME IN")' in text
     assert "from minilib.exercises import check_" in text
+    # nbformat 4.5 gives every cell a unique id; a cell without one is a warning today, an
+    # error in later nbformat versions.
+    ids = [c.get("id") for c in cells]
+    assert None not in ids and len(set(ids)) == len(ids), f"{path.name}: a cell id missing or twice"
 
 
 # What a cell prints when it compares an answer with a reference: "max |minilib - JAX| = ...",

@@ -111,7 +111,7 @@ def test_parity_judge_fails_a_wrong_output():
 
 
 def test_ladder_checks_run_a_rung(capsys):
-    results = ladder_checks(ladder_rungs()[-1:])
+    results = ladder_checks(ladder_rungs()[4:5])
     assert results == [("rung 5 (paged_decode_attention_prefetch)", True)]
     assert "PASS  rung 5 paged_decode_attention_prefetch: Passed" in capsys.readouterr().out
 
