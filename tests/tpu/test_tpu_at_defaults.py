@@ -96,13 +96,13 @@ def test_whole_program_follows_the_batch_as_defined():
     size), so its whole program is that many KV-block passes smaller and nothing else changes;
     v3's decode block is the whole 1024-token slot (its default): one pass per sequence in
     both."""
-    from minilib.tpu import at_defaults
+    from minilib.tpu import at_defaults, suite
 
     chip = "v5e"
     require_chip(chip)
     require_v3()
-    full = at_defaults.Workload("full", ((1, 1024),) * 8)
-    half = at_defaults.Workload("half", ((1, 1024),) * 4 + ((1, 512),) * 4)
+    full = suite.Workload("full", ((1, 1024),) * 8)
+    half = suite.Workload("half", ((1, 1024),) * 4 + ((1, 512),) * 4)
     assert full.specs() == half.specs()
     a, b = at_defaults.whole_program(chip, full), at_defaults.whole_program(chip, half)
     decode = at_defaults.ours_kernels(chip, full.specs())[1]["decode"]  # already compiled
@@ -110,8 +110,8 @@ def test_whole_program_follows_the_batch_as_defined():
 
     blocks = at_defaults.ours_defaults(chip, full.specs())["mixed"]
     fewer = 4 * (math.ceil(1024 / blocks["kv_tokens"]) - math.ceil(512 / blocks["kv_tokens"]))
-    trips_a = at_defaults.ours_trips(full, blocks["pages"], blocks["q_rows"])["decode"]
-    trips_b = at_defaults.ours_trips(half, blocks["pages"], blocks["q_rows"])["decode"]
+    trips_a = suite.ours_trips(full, blocks["pages"], blocks["q_rows"])["decode"]
+    trips_b = suite.ours_trips(half, blocks["pages"], blocks["q_rows"])["decode"]
     assert trips_a[0] - trips_b[0] == fewer > 0 and trips_a[1:] == trips_b[1:]
     totals = {name: (sum(n for _, n, _ in a[name]), sum(n for _, n, _ in b[name])) for name in a}
     assert totals["ours"][0] - totals["ours"][1] == fewer * at_defaults.block_bundles(
