@@ -43,8 +43,10 @@ The workloads, their trip counts and each loop against its chip's limit are in
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import hashlib
+import json
 import os
 import re
 import sys
@@ -55,12 +57,20 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from minilib.tpu import compile as tpu
-from minilib.tpu.bundles import MATMUL, count_ops, kv_block_loop, loop_bodies, parse_bundles
+from minilib.tpu import suite
+from minilib.tpu.bundles import (
+    COUNTING_RULE,
+    MATMUL,
+    count_ops,
+    kv_block_loop,
+    loop_bodies,
+    parse_bundles,
+)
 from minilib.tpu.dump_reader import DUMP_FILE, NON_KERNEL_PROGRAMS
 from minilib.tpu.kernel_costs import COMPARISON_CASE, rpa_function, rpa_specs
-from minilib.tpu.suite import SUITE, Workload, ours_trips, suite_table, v3_trips
+from minilib.tpu.suite import SUITE, Workload, ours_trips, recorded_suite, suite_table, v3_trips
 
-__all__ = ["block_bundles", "defaults_rows", "suite_result", "weighted_bundles",
+__all__ = ["block_bundles", "defaults_rows", "record_suite", "suite_result", "weighted_bundles",
            "whole_program"]  # fmt: skip
 
 LABEL = "static estimate from the compiled program, not a timing"
@@ -414,10 +424,41 @@ def kernel_result(name: str, chip: str, workload: Workload) -> dict:
 
 
 def suite_result(chip: str, workload: Workload) -> dict:
-    """{"ours": kernel_result, "v3": kernel_result or {"unsupported": why}} on `workload`."""
+    """{"ours": kernel_result, "v3": kernel_result or {"unsupported": why}} on `workload`: a
+    few minutes of compiles, so the example is not run.
+
+    >>> suite_result("v5e", SUITE["gpt-oss"])["v3"]  # doctest: +SKIP
+    {'unsupported': "head_dim 64: vLLM runs v3's head_dim-64 kernel, ..."}
+    """
     why = workload.model.v3_unsupported()
     v3 = {"unsupported": why} if why else kernel_result("v3", chip, workload)
     return {"ours": kernel_result("ours", chip, workload), "v3": v3}
+
+
+def record_suite(path=suite.RECORDED, chips=("v5e", "v6e", "tpu7x"), names=None) -> dict:
+    """Compile every workload of `SUITE` (or `names`) for `chips` (needs libtpu and v3's
+    wheel; many minutes) and write the results, the stack and the date to `path`, beside the
+    other chips' results already there when they were recorded on the same stack.
+
+    >>> record_suite()["libtpu"]  # doctest: +SKIP
+    '0.0.50.1'
+    """
+    from minilib.tpu.v3 import V3_VERSION
+
+    tpu.require_libtpu()
+    stack = {"jax": jax.__version__, "libtpu": tpu.libtpu_version(), "v3": V3_VERSION,
+             "counting_rule": COUNTING_RULE}  # fmt: skip
+    old = json.loads(path.read_text()) if path.exists() else {}
+    results = old["results"] if all(old.get(k) == v for k, v in stack.items()) else {}
+    record = {"what": f"`python -m minilib compile --workloads`: {suite.LABEL}; written by "
+              f"`{suite.COMMAND}`", "date": datetime.date.today().isoformat(), **stack,
+              "results": results}  # fmt: skip
+    for chip in chips:
+        results[chip] = {}
+        for name in names or SUITE:  # written after each: a run takes many minutes
+            results[chip][name] = suite_result(chip, SUITE[name])
+            path.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    return record
 
 
 def whole_program(chip: str, workload: Workload) -> dict[str, list[tuple[str, int, str]]]:
@@ -460,7 +501,7 @@ def defaults_table(rows: list[Row]) -> str:
 def flag_problem(args, flag_defaults: dict) -> str | None:
     """Why `--defaults` / `--workloads` cannot run with these flags (`flag_defaults`: every
     flag's default), or None: they compile each kernel at its own block sizes on fixed shapes,
-    so only --chip goes with them.
+    so only --chip goes with them (and --record with --workloads: it records the suite).
 
     >>> from argparse import Namespace
     >>> defaults = dict(chip=None, defaults=False, workloads=False, head_dim=128)
@@ -468,11 +509,13 @@ def flag_problem(args, flag_defaults: dict) -> str | None:
     --defaults compiles each kernel at its own block sizes and shapes: drop --head-dim (only --chip goes with it)
     """  # noqa: E501
     mode = "--defaults" if args.defaults else "--workloads"
-    for name in [n for n in flag_defaults if n not in ("chip", "defaults", "workloads")]:
+    allowed = ("chip", "defaults", "workloads") + ("record",) * (not args.defaults)
+    for name in [n for n in flag_defaults if n not in allowed]:
         if getattr(args, name) != flag_defaults[name]:
             flag = "--" + name.replace("_", "-")
+            only = "--chip and --record go" if "record" in allowed else "--chip goes"
             return (f"{mode} compiles each kernel at its own block sizes and shapes: drop "
-                    f"{flag} (only --chip goes with it)")  # fmt: skip
+                    f"{flag} (only {only} with it)")  # fmt: skip
     return None
 
 
@@ -495,7 +538,11 @@ def run(args, flag_defaults: dict) -> int:
         print(f"Skipping {chip}: {tpu.chip_unknown_here(chip)}")
     if args.defaults:
         print(defaults_table([row for chip in chips for row in defaults_rows(chip)]))
-    if args.workloads:
+    if args.workloads and args.record:
+        record_suite(chips=chips)
+        print(f"Recorded the suite for {', '.join(chips)} in {suite.RECORDED}")
+        print(suite_table(recorded_suite()))
+    elif args.workloads:
         from minilib.tpu.compile import libtpu_version
         from minilib.tpu.v3 import V3_VERSION
 

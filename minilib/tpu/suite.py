@@ -23,31 +23,30 @@ kernel with a copy of its KV-block loop per kind of sequence, which the whole-pr
 does not follow: gpt-oss has ours alone, and says so.
 
 Compiling the suite takes many minutes, so its results are recorded (`RECORDED`, with the
-stack and the date) by `python -m minilib.tpu.suite --record`; `suite_table` prints them, and
-`tests/tpu/test_tpu_suite.py` compiles one workload fresh against the record.
+stack and the date) by `python -m minilib compile --workloads --record`
+(`minilib.tpu.at_defaults.record_suite`); `suite_table` prints them (`python -m
+minilib.tpu.suite`), and `tests/tpu/test_tpu_suite.py` compiles one workload fresh against the
+record.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import math
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
 from minilib.chips import FACTS
-from minilib.tpu.bundles import COUNTING_RULE
 from minilib.tpu.kernel_costs import rpa_specs
 
 __all__ = ["MODELS", "RECORDED", "SUITE", "KVLoop", "LoopTimes", "Model", "Workload",
            "loop_times", "ours_trips", "recorded_suite", "suite_table", "v3_trips"]  # fmt: skip
 
 RECORDED = Path(__file__).with_name("recorded_suite.json")
-COMMAND = "python -m minilib.tpu.suite --record"
+COMMAND = "python -m minilib compile --workloads --record"
 LABEL = "static estimates from the compiled programs, not timings"
 MIN_CACHE_PAGES = 8192
 EFFICIENCY_CHIPS = ("v5e", "v6e")  # TPU7x: no published clock, so no issue time
@@ -55,7 +54,13 @@ EFFICIENCY_CHIPS = ("v5e", "v6e")  # TPU7x: no published clock, so no issue time
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """One attention layer's shapes and options, as a workload compiles them."""
+    """One attention layer's shapes and options, as a workload compiles them.
+
+    >>> MODELS["gpt-oss"].options(), MODELS["gpt-oss"].fp8().kv_dtype
+    ({'sliding_window': 128}, 'fp8')
+    >>> MODELS["gemma"].v3_unsupported() is None, MODELS["gpt-oss"].v3_unsupported()[:12]
+    (True, 'head_dim 64:')
+    """
 
     name: str
     num_q_heads: int
@@ -224,7 +229,11 @@ def v3_trips(workload: Workload, blocks: dict[str, dict]) -> dict[str, tuple[lis
 class KVLoop:
     """One KV-block loop a call runs: its bundles per KV block (`COUNTING_RULE`; v3's compute
     chunks counted once per chunk of the block), the block's KV tokens and KV heads, the q
-    tokens one pass serves, and its passes in the call."""
+    tokens one pass serves, and its passes in the call.
+
+    >>> KVLoop("ours", "mixed", 2749, kv_tokens=512, kv_heads=8, q_tokens=32, passes=32).passes
+    32
+    """
 
     kernel: str  # "ours" or "v3"
     program: str  # "decode" or "mixed"
@@ -239,7 +248,14 @@ class KVLoop:
 class LoopTimes:
     """One pass of a KV-block loop, three ways (static estimates: no stalls, no DMA queueing):
     its bundles at the chip's clock (issue; None without a published clock), its K and V bytes
-    at the HBM bandwidth (copy), its matmul FLOPs at the bf16 peak (MXU)."""
+    at the HBM bandwidth (copy), its matmul FLOPs at the bf16 peak (MXU).
+
+    >>> t = LoopTimes(issue_s=2e-6, copy_s=1e-6, mxu_s=0.5e-6)   # issue-bound
+    >>> t.limit_s, t.efficiency
+    (1e-06, 0.5)
+    >>> LoopTimes(None, 1e-6, 0.5e-6).efficiency is None          # no published clock
+    True
+    """
 
     issue_s: float | None
     copy_s: float
@@ -263,7 +279,7 @@ def loop_times(loop: KVLoop, model: Model, chip: str) -> LoopTimes:
 
     >>> t = loop_times(KVLoop("ours", "decode", 1100, 512, 8, 1, 1), LLAMA, "v5e")
     >>> round(t.copy_s * 1e6, 2), round(t.issue_s * 1e6, 2), round(t.mxu_s * 1e9, 1)
-    (2.56, 0.73, 10.9)
+    (2.56, 0.73, 42.6)
     >>> t.efficiency
     1.0
     """
@@ -279,33 +295,8 @@ def loop_times(loop: KVLoop, model: Model, chip: str) -> LoopTimes:
 # The record, and the table. ---------------------------------------------------------------------
 
 
-def record_suite(path: Path = RECORDED, chips=("v5e", "v6e", "tpu7x"), names=None) -> dict:
-    """Compile every workload of `SUITE` (or `names`) for `chips` (needs libtpu and v3's
-    wheel; many minutes) and write the results, the stack and the date to `path`.
-
-    >>> record_suite()["libtpu"]  # doctest: +SKIP
-    '0.0.50.1'
-    """
-    import jax
-
-    from minilib.tpu.at_defaults import suite_result
-    from minilib.tpu.compile import libtpu_version, require_libtpu
-    from minilib.tpu.v3 import V3_VERSION
-
-    require_libtpu()
-    record = {"what": f"`python -m minilib compile --workloads`: {LABEL}; written by `{COMMAND}`",
-              "date": datetime.date.today().isoformat(), "jax": jax.__version__,
-              "libtpu": libtpu_version(), "v3": V3_VERSION, "counting_rule": COUNTING_RULE,
-              "results": {}}  # fmt: skip
-    for chip in chips:
-        for name in names or SUITE:  # written after each: a run takes many minutes
-            record["results"].setdefault(chip, {})[name] = suite_result(chip, SUITE[name])
-            path.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
-    return record
-
-
 def recorded_suite(path: Path = RECORDED) -> dict:
-    """The record `record_suite` wrote.
+    """The record `minilib.tpu.at_defaults.record_suite` wrote: stack, date, results.
 
     >>> record = recorded_suite()
     >>> sorted(record["results"]), list(record["results"]["v5e"]) == list(SUITE)
@@ -361,14 +352,5 @@ def suite_table(record: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    """`python -m minilib.tpu.suite [--record]`: print the recorded suite, or record it."""
-    if "--record" in argv:
-        record = record_suite()
-        print(f"Recorded the suite (libtpu {record['libtpu']}) in {RECORDED}")
+if __name__ == "__main__":  # python -m minilib.tpu.suite: the recorded suite's table
     print(suite_table(recorded_suite()))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

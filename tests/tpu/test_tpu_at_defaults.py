@@ -129,7 +129,8 @@ def test_whole_program_follows_the_batch_as_defined():
 )  # fmt: skip
 def test_defaults_and_workloads_refuse_flags_they_do_not_use(flags, named, capsys):
     """--defaults and --workloads compile each kernel at its own block sizes on fixed shapes:
-    any flag but --chip is a usage error (exit 2) that names it, before anything compiles."""
+    any flag but --chip (and --record with --workloads) is a usage error (exit 2) that names
+    it, before anything compiles."""
     import argparse
 
     from minilib.tpu.comparison import add_arguments, run
@@ -138,4 +139,5 @@ def test_defaults_and_workloads_refuse_flags_they_do_not_use(flags, named, capsy
     add_arguments(parser)
     assert run(parser.parse_args(flags)) == 2
     err = capsys.readouterr().err
-    assert named in err and "only --chip goes with it" in err
+    only = "--chip goes" if "--defaults" in flags else "--chip and --record go"
+    assert named in err and f"only {only} with it" in err
