@@ -39,8 +39,11 @@ def test_the_record_holds_every_workload_on_every_chip_by_one_rule():
     for results in RECORD["results"].values():
         assert list(results) == list(SUITE)
     for chip, name in CELLS:
-        v3 = RECORD["results"][chip][name]["v3"]
-        assert ("unsupported" in v3) == (SUITE[name].model.v3_unsupported() is not None)
+        v3, why = RECORD["results"][chip][name]["v3"], SUITE[name].model.v3_unsupported()
+        if why is not None:
+            assert v3 == {"unsupported": why}
+        elif "unsupported" in v3:  # v3's own block sizes may not fit the chip's VMEM
+            assert f"does not compile on {chip}: Used " in v3["unsupported"], v3
 
 
 @pytest.mark.parametrize("chip, name", CELLS)
