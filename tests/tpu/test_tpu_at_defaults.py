@@ -123,7 +123,7 @@ def test_whole_program_follows_the_batch_as_defined():
 
 @pytest.mark.parametrize(
     "flags, named",
-    [(["--workloads", "--record"], "--record"),
+    [(["--workloads", "--head-dim", "64"], "--head-dim"),
      (["--defaults", "--num-kv-pages-per-block", "16"], "--num-kv-pages-per-block"),
      (["--defaults", "--workloads", "--head-dim", "64"], "--head-dim")],
 )  # fmt: skip
