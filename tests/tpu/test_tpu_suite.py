@@ -104,7 +104,7 @@ def test_the_table_shows_each_ratio_and_efficiency_from_the_recorded_bundles():
 @pytest.mark.skipif(not AVAILABLE, reason=f"no TPU compile here: {REASON}")
 def test_a_workload_compiled_here_is_what_was_recorded():
     """The decode workload, both kernels, on v5e: the same parts and loops as recorded (one of
-    the suite's 27 cells; `python -m minilib.tpu.suite --record` records them all)."""
+    the suite's 27 cells; `python -m minilib compile --workloads --record` records them all)."""
     from minilib.tpu.at_defaults import suite_result
     from minilib.tpu.compile import libtpu_version
     from minilib.tpu.v3 import v3_available
