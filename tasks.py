@@ -109,6 +109,7 @@ TPU_COMPILE_TESTS = (
     "tests/tpu/test_tpu_compile.py",
     "tests/tpu/test_tpu_comparison.py",
     "tests/tpu/test_tpu_at_defaults.py",
+    "tests/tpu/test_tpu_suite.py",
     "tests/tpu/test_tpu_vmem_model.py",
     "tests/ladder/test_ladder.py",
     "tests/tpu/test_tpu_listing.py",

@@ -36,16 +36,17 @@ Pallas kernels):
 
 v3 also writes the new tokens' K/V into the cache inside its kernel; ours writes none, so the
 comparison includes that difference. v3's cache is donated, as in vLLM: XLA copies none of it.
-Workloads (`WORKLOADS`): 64 decode sequences of 2048 tokens; and 32 of them with 2 prefill
-chunks of 256 new tokens on 768 cached.
+The workloads, their trip counts and each loop against its chip's limit are in
+`minilib.tpu.suite` (`python -m minilib compile --workloads`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import hashlib
-import math
+import json
 import os
 import re
 import sys
@@ -56,64 +57,23 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from minilib.tpu import compile as tpu
-from minilib.tpu.bundles import MATMUL, count_ops, kv_block_loop, loop_bodies, parse_bundles
+from minilib.tpu import suite
+from minilib.tpu.bundles import (
+    COUNTING_RULE,
+    MATMUL,
+    count_ops,
+    kv_block_loop,
+    loop_bodies,
+    parse_bundles,
+)
 from minilib.tpu.dump_reader import DUMP_FILE, NON_KERNEL_PROGRAMS
 from minilib.tpu.kernel_costs import COMPARISON_CASE, rpa_function, rpa_specs
+from minilib.tpu.suite import SUITE, Workload, ours_trips, recorded_suite, suite_table, v3_trips
 
-__all__ = ["WORKLOADS", "Workload", "block_bundles", "defaults_rows", "ours_trips", "v3_trips",
-           "weighted_bundles", "whole_program"]  # fmt: skip
+__all__ = ["block_bundles", "defaults_rows", "record_suite", "suite_result", "weighted_bundles",
+           "whole_program"]  # fmt: skip
 
-MODEL = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
 LABEL = "static estimate from the compiled program, not a timing"
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    """A batch: (q_len, kv_len) per sequence, decode sequences first (v3 wants them first).
-
-    >>> w = Workload("two", ((1, 40), (8, 40)))
-    >>> w.tokens, w.pages_per_seq, w.tables()[2].tolist()   # cu_q_lens
-    (9, 3, [0, 1, 9])
-    """
-
-    name: str
-    seqs: tuple[tuple[int, int], ...]
-
-    @property
-    def tokens(self) -> int:
-        return sum(q for q, _ in self.seqs)
-
-    @property
-    def pages_per_seq(self) -> int:
-        return math.ceil(max(kv for _, kv in self.seqs) / MODEL["page_size"])
-
-    def specs(self):
-        """Our kernel's argument shapes for this batch (an 8192-page cache, see kernel_costs)."""
-        return rpa_specs(**MODEL, pages_per_seq=self.pages_per_seq, max_num_seqs=len(self.seqs),
-                         max_num_batched_tokens=self.tokens, num_pages=8192)  # fmt: skip
-
-    def tables(self):
-        """(kv_lens, page_indices, cu_q_lens, num_seqs) as numpy arrays: distinct pages."""
-        q_lens = np.array([q for q, _ in self.seqs], np.int32)
-        pages = np.arange(len(self.seqs) * self.pages_per_seq, dtype=np.int32)
-        return (np.array([kv for _, kv in self.seqs], np.int32),
-                pages.reshape(len(self.seqs), self.pages_per_seq),
-                np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
-                np.array([len(self.seqs)], np.int32))  # fmt: skip
-
-    def distribution(self) -> tuple[int, int, int]:
-        """v3's: sequences [0, d) decode, [d, d) prefill-only (none), [d, n) mixed."""
-        decode = sum(1 for q, _ in self.seqs if q == 1)
-        return decode, decode, len(self.seqs)
-
-
-WORKLOADS = {
-    "decode": Workload("64 decode sequences of 2048 tokens", ((1, 2048),) * 64),
-    "mixed": Workload(
-        "32 decode sequences of 2048 tokens + 2 prefill chunks of 256 tokens on 768 cached",
-        ((1, 2048),) * 32 + ((256, 1024),) * 2,
-    ),
-}
 
 
 # Each kernel's own defaults. --------------------------------------------------------------------
@@ -125,17 +85,19 @@ def on_chip(chip: str):
     return jax.sharding.use_abstract_mesh(tpu.abstract_mesh(tpu.topology_device(chip)))
 
 
-def ours_defaults(chip: str, specs) -> dict[str, dict]:
-    """Our kernel's block sizes on `chip` (kernel_config, under the chip's mesh): per kernel,
-    {"kv_tokens", "q_rows"} (q rows: sequences per grid step for decode)."""
+def ours_defaults(chip: str, specs, **options) -> dict[str, dict]:
+    """Our kernel's block sizes on `chip` (kernel_config, under the chip's mesh, with the
+    layer's `options`): per kernel, {"kv_tokens", "q_rows", "pages", "kv_heads"} (q rows:
+    sequences per grid step for decode; KV heads of one block)."""
     from minilib.kernel import kernel_config
     from minilib.kernel.levers import split_configs
 
     q, kv_pages, _, page_indices, _, _ = specs
     with on_chip(chip):
-        mixed, decode = split_configs(kernel_config(q, kv_pages, page_indices))
+        mixed, decode = split_configs(kernel_config(q, kv_pages, page_indices, **options))
     return {name: dict(kv_tokens=c.num_kv_pages_per_block * c.page_size,
-                       q_rows=c.num_queries_per_block, pages=c.num_kv_pages_per_block)
+                       q_rows=c.num_queries_per_block, pages=c.num_kv_pages_per_block,
+                       kv_heads=c.num_kv_heads_per_block)
             for name, c in (("mixed", mixed), ("decode", decode))}  # fmt: skip
 
 
@@ -308,74 +270,22 @@ def weighted_bundles(bundles, passes_outward: list[int], chunk_passes: int | Non
     return total
 
 
-# Trip counts, from the batch. -------------------------------------------------------------------
-
-
-def ours_trips(workload: Workload, pages: int, queries: int) -> dict[str, list[int]]:
-    """Per kernel of ours ("decode", "mixed"): passes of its KV-block loop, its sequence loop
-    and its grid loop, read from `minilib.schedule.plan_schedule` (the kernel's own walk). A
-    grid of one step compiles to no loop: then there is no grid loop to count.
-
-    >>> ours_trips(Workload("two", ((1, 40), (8, 40))), pages=1, queries=8)
-    {'decode': [3, 1], 'mixed': [6, 2, 2]}
-    """
-    from minilib.schedule import plan_schedule
-
-    q, kv_pages, *_ = workload.specs()
-    s = plan_schedule(q, kv_pages, *workload.tables(), num_kv_pages_per_block=pages,
-                      num_queries_per_block=queries)  # fmt: skip
-    trips = {}
-    for kernel, grid in (("decode", s.decode_grid), ("mixed", s.grid)):
-        work = [e for e in s.computes() if e.kernel == kernel]
-        steps = [math.prod(grid)] if math.prod(grid) > 1 else []
-        trips[kernel] = [len(work), len({(e.step, e.seq) for e in work}), *steps]
-    return trips
-
-
-def v3_trips(workload: Workload, blocks: dict[str, dict]) -> dict[str, tuple[list[int], int]]:
-    """Per kernel of v3 ("decode", "mixed"): (passes of its KV-block loop and of the loops
-    around it, outward; passes of its compute-chunk loop), from the batch as v3's kernel walks
-    it (`v3/kernel.py`: sequences of its range, q blocks, KV blocks up to the causal end, chunks
-    of `bkv_csz`). Its decode kernel has one q block per sequence, so no q-block loop.
-
-    >>> w = Workload("two", ((1, 40), (8, 40)))
-    >>> b = dict(bq_sz=4, bkv_sz=32, bq_csz=4, bkv_csz=16)
-    >>> v3_trips(w, {"decode": b, "mixed": b})
-    {'decode': ([2, 1], 3), 'mixed': ([4, 2, 1], 6)}
-    """
-    decode, _, num_seqs = workload.distribution()
-    trips = {}
-    for kernel, (first, end) in (("decode", (0, decode)), ("mixed", (decode, num_seqs))):
-        b = blocks[kernel]
-        kv_passes = q_passes = chunks = 0
-        for q_len, kv_len in workload.seqs[first:end]:
-            bq = 1 if kernel == "decode" else b["bq_sz"]
-            for bq_idx in range(-(-q_len // bq)):
-                q_passes += 1
-                effective = min(kv_len, kv_len - q_len + (bq_idx + 1) * bq)
-                for bkv_idx in range(-(-effective // b["bkv_sz"])):
-                    kv_passes += 1
-                    size = min(effective - bkv_idx * b["bkv_sz"], b["bkv_sz"])
-                    chunks += -(-size // b["bkv_csz"])
-        outward = [kv_passes] + ([] if kernel == "decode" else [q_passes]) + [end - first]
-        trips[kernel] = (outward, chunks)
-    return trips
-
-
 # The calls compiled, at each kernel's own defaults. ---------------------------------------------
 
 
-def ours_whole_call(*args, sm_scale):
-    """Our `ragged_paged_attention`, compiled, at its default block sizes."""
-    return rpa_function("ours")(*args, sm_scale=sm_scale)
+def ours_whole_call(*args, sm_scale, **options):
+    """Our `ragged_paged_attention`, compiled, at its default block sizes; a seventh
+    argument is the attention sinks."""
+    sink = dict(attention_sink=args[6]) if len(args) == 7 else {}
+    return rpa_function("ours")(*args[:6], sm_scale=sm_scale, **sink, **options)
 
 
-def v3_whole_call(*args, sm_scale):
+def v3_whole_call(*args, sm_scale, **options):
     """v3's `ragged_paged_attention` (q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens,
     distribution) at its own block sizes and VMEM limit: (out, the cache, K/V written)."""
     from minilib.tpu.v3 import load_v3
 
-    return load_v3().ragged_paged_attention(*args, sm_scale=sm_scale)
+    return load_v3().ragged_paged_attention(*args, sm_scale=sm_scale, **options)
 
 
 def jax_call(*args, sm_scale, pages, queries):
@@ -393,14 +303,14 @@ def kernel_named(programs, prefix: str) -> Program:
     return found[0]
 
 
-def v3_kernels(chip: str, specs) -> tuple[dict, dict[str, Program], tuple[Program, ...]]:
-    """v3 compiled at its defaults on `specs` (our shapes): (its block sizes, its kernels
-    {"decode", "mixed"}, every program). Each kernel's name carries its block sizes, checked
-    against `v3_defaults`."""
+def v3_kernels(chip: str, specs, **options) -> tuple[dict, dict[str, Program], tuple]:
+    """v3 compiled at its defaults on `specs` (our shapes) with the layer's `options`: (its
+    block sizes, its kernels {"decode", "mixed"}, every program). Each kernel's name carries
+    its block sizes, checked against `v3_defaults`."""
     from minilib.tpu.v3 import v3_specs
 
     blocks = v3_defaults(chip, specs)
-    call = functools.partial(v3_whole_call, sm_scale=specs[0].shape[2] ** -0.5)
+    call = functools.partial(v3_whole_call, sm_scale=specs[0].shape[2] ** -0.5, **options)
     programs = compile_programs(call, v3_specs(specs), chip, donate=(3,))
     kernels = {}
     for kernel, symbol in (("decode", "d"), ("mixed", "m")):
@@ -412,13 +322,15 @@ def v3_kernels(chip: str, specs) -> tuple[dict, dict[str, Program], tuple[Progra
     return blocks, kernels, programs
 
 
-def ours_kernels(chip: str, specs) -> tuple[dict, dict[str, Program], tuple[Program, ...]]:
-    """Ours compiled at its defaults on `specs`: (block sizes, kernels, every program)."""
-    call = functools.partial(ours_whole_call, sm_scale=specs[0].shape[2] ** -0.5)
-    programs = compile_programs(call, specs, chip)
+def ours_kernels(chip: str, specs, sinks: bool = False, **options) -> tuple[dict, dict, tuple]:
+    """Ours compiled at its defaults on `specs` with the layer's `options` (and attention
+    sinks, an argument of the program): (block sizes, kernels, every program)."""
+    call = functools.partial(ours_whole_call, sm_scale=specs[0].shape[2] ** -0.5, **options)
+    sink = (jax.ShapeDtypeStruct((specs[0].shape[1],), np.float32),) * sinks
+    programs = compile_programs(call, (*specs, *sink), chip)
     kernels = {"decode": kernel_named(programs, "minilib_ragged_paged_attention_decode"),
                "mixed": kernel_named(programs, "minilib_ragged_paged_attention.")}  # fmt: skip
-    return ours_defaults(chip, specs), kernels, programs
+    return ours_defaults(chip, specs, **options), kernels, programs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -475,35 +387,98 @@ def defaults_rows(chip: str, case: dict = COMPARISON_CASE, kernels=("ours", "JAX
     return [row for kernel in kernels for row in rows_of[kernel](chip, rpa_specs(**case))]
 
 
+def kernel_result(name: str, chip: str, workload: Workload) -> dict:
+    """{"parts": [(part, bundles, how counted)], "loops": [KVLoop fields]}: the whole-program
+    static estimate of one call of `name` ("ours" or "v3") on `workload` (see the module
+    docstring; the parts sum to it) and the KV-block loops it runs."""
+    specs, model = workload.specs(), workload.model
+    if name == "ours":
+        blocks, kernels, programs = ours_kernels(chip, specs, model.sinks, **model.options())
+        trips = ours_trips(workload, blocks["mixed"]["pages"], blocks["mixed"]["q_rows"])
+        passes = {k: (trips[k], None) for k in kernels}
+        loop_of = {k: dict(kv_tokens=b["kv_tokens"], kv_heads=b["kv_heads"],
+                           q_tokens=1 if k == "decode" else b["q_rows"], chunks=1)
+                   for k, b in blocks.items()}  # fmt: skip
+    else:
+        blocks, kernels, programs = v3_kernels(chip, specs, **model.options())
+        passes = v3_trips(workload, blocks)
+        loop_of = {k: dict(kv_tokens=b["bkv_sz"], kv_heads=model.num_kv_heads, q_tokens=b["bq_sz"],
+                           chunks=-(-b["bkv_sz"] // b["bkv_csz"]))
+                   for k, b in blocks.items()}  # fmt: skip
+    xla = [p for p in programs if not p.kernel]
+    in_loops = sum(len({i for s, e in loop_bodies(p.bundles) for i in range(s, e)})
+                   for p in xla)  # fmt: skip
+    how = f"each bundle once; {in_loops:,} of them in loops, counted once"
+    parts = [(f"{len(xla)} XLA programs", sum(len(p.bundles) for p in xla), how)]
+    loops = []
+    for kernel, program in kernels.items():
+        outward, chunks = passes[kernel]
+        how = "passes of its loops, KV-block loop outward: " + ", ".join(map(str, outward))
+        how += f"; compute chunks: {chunks}" if chunks is not None else ""
+        parts.append((program.name, weighted_bundles(program.bundles, outward, chunks), how))
+        figures = dict(loop_of[kernel])
+        bundles = block_bundles(program.bundles, figures.pop("chunks"))
+        loops.append(dict(kernel=name, program=kernel, bundles=bundles, **figures,
+                          passes=outward[0]))  # fmt: skip
+    return {"parts": parts, "loops": loops}
+
+
+def suite_result(chip: str, workload: Workload) -> dict:
+    """{"ours": kernel_result, "v3": kernel_result or {"unsupported": why}} on `workload`: a
+    few minutes of compiles, so the example is not run.
+
+    >>> suite_result("v5e", SUITE["gpt-oss"])["v3"]  # doctest: +SKIP
+    {'unsupported': "head_dim 64: vLLM runs v3's head_dim-64 kernel, ..."}
+    """
+    why = workload.model.v3_unsupported()
+    try:
+        v3 = {"unsupported": why} if why else kernel_result("v3", chip, workload)
+    except jax.errors.JaxRuntimeError as err:  # v3's defaults may not fit the chip's VMEM
+        used = re.search(r"Used \S+ of \S+ vmem", str(err))
+        if used is None:
+            raise
+        b = v3_defaults(chip, workload.specs())["mixed"]
+        why = (f"v3 at its own block sizes (mixed: bq {b['bq_sz']}, bkv {b['bkv_sz']}) does "
+               f"not compile on {chip}: {used.group()}")  # fmt: skip
+        v3 = {"unsupported": why}
+    return {"ours": kernel_result("ours", chip, workload), "v3": v3}
+
+
+def record_suite(path=suite.RECORDED, chips=("v5e", "v6e", "tpu7x"), names=None) -> dict:
+    """Compile every workload of `SUITE` (or `names`) for `chips` (needs libtpu and v3's
+    wheel; many minutes) and write the results, the stack and the date to `path`, beside the
+    other chips' results already there when they were recorded on the same stack.
+
+    >>> record_suite()["libtpu"]  # doctest: +SKIP
+    '0.0.50.1'
+    """
+    from minilib.tpu.v3 import V3_VERSION
+
+    tpu.require_libtpu()
+    stack = {"jax": jax.__version__, "libtpu": tpu.libtpu_version(), "v3": V3_VERSION,
+             "counting_rule": COUNTING_RULE}  # fmt: skip
+    old = json.loads(path.read_text()) if path.exists() else {}
+    results = old["results"] if all(old.get(k) == v for k, v in stack.items()) else {}
+    record = {"what": f"`python -m minilib compile --workloads`: {suite.LABEL}; written by "
+              f"`{suite.COMMAND}`", "date": datetime.date.today().isoformat(), **stack,
+              "results": results}  # fmt: skip
+    for chip in chips:
+        done = results.get(chip, {}) if names else {}
+        for name in names or SUITE:  # written after each: a run takes many minutes
+            done[name] = suite_result(chip, SUITE[name])
+            results[chip] = {n: done[n] for n in SUITE if n in done}
+            path.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    return record
+
+
 def whole_program(chip: str, workload: Workload) -> dict[str, list[tuple[str, int, str]]]:
     """{kernel: [(part, bundles, how counted)]}: the whole-program static estimate of one
     call of ours and of v3 on `workload` (see the module docstring); each list sums to it.
 
-    >>> sum(n for _, n, _ in whole_program("v5e", WORKLOADS["decode"])["v3"])  # doctest: +SKIP
+    >>> sum(n for _, n, _ in whole_program("v5e", SUITE["decode"])["v3"])  # doctest: +SKIP
     392655
     """
-    specs = workload.specs()
-    result = {}
-    for name, kernels_of in (("ours", ours_kernels), ("v3", v3_kernels)):
-        blocks, kernels, programs = kernels_of(chip, specs)
-        if name == "ours":
-            trips = ours_trips(workload, blocks["mixed"]["pages"], blocks["mixed"]["q_rows"])
-            passes = {k: (trips[k], None) for k in kernels}
-        else:
-            passes = v3_trips(workload, blocks)
-        parts = []
-        xla = [p for p in programs if not p.kernel]
-        in_loops = sum(len({i for s, e in loop_bodies(p.bundles) for i in range(s, e)})
-                       for p in xla)  # fmt: skip
-        how = f"each bundle once; {in_loops:,} of them in loops, counted once"
-        parts.append((f"{len(xla)} XLA programs", sum(len(p.bundles) for p in xla), how))
-        for kernel, program in kernels.items():
-            outward, chunks = passes[kernel]
-            how = "passes of its loops, KV-block loop outward: " + ", ".join(map(str, outward))
-            how += f"; compute chunks: {chunks}" if chunks is not None else ""
-            parts.append((program.name, weighted_bundles(program.bundles, outward, chunks), how))
-        result[name] = parts
-    return result
+    return {name: kernel_result(name, chip, workload)["parts"] for name in ("ours", "v3")}
 
 
 # Tables, and `python -m minilib compile --defaults / --workloads`. ------------------------------
@@ -533,23 +508,10 @@ def defaults_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def workloads_table(chip: str, name: str, parts: dict) -> str:
-    """`whole_program`'s result for one chip and workload, as lines."""
-    totals = {kernel: sum(n for _, n, _ in rows) for kernel, rows in parts.items()}
-    lines = [f"{chip}, {WORKLOADS[name].name}: whole-program bundles per call, a {LABEL}"]
-    for kernel, rows in parts.items():
-        extra = " (it writes the new tokens' K/V into the cache; ours does not)" * (kernel == "v3")
-        lines.append(f"  {kernel}: {totals[kernel]:,}{extra}")
-        lines += [f"    {n:12,}  {part}: {how}" for part, n, how in rows]
-    verdict = "holds" if totals["ours"] <= totals["v3"] else "FAILS"
-    lines.append(f"  ours <= v3 ({chip}, {name}): {verdict} ({totals['ours'] / totals['v3']:.2f}x)")
-    return "\n".join(lines)
-
-
 def flag_problem(args, flag_defaults: dict) -> str | None:
     """Why `--defaults` / `--workloads` cannot run with these flags (`flag_defaults`: every
     flag's default), or None: they compile each kernel at its own block sizes on fixed shapes,
-    so only --chip goes with them.
+    so only --chip goes with them (and --record with --workloads: it records the suite).
 
     >>> from argparse import Namespace
     >>> defaults = dict(chip=None, defaults=False, workloads=False, head_dim=128)
@@ -557,11 +519,13 @@ def flag_problem(args, flag_defaults: dict) -> str | None:
     --defaults compiles each kernel at its own block sizes and shapes: drop --head-dim (only --chip goes with it)
     """  # noqa: E501
     mode = "--defaults" if args.defaults else "--workloads"
-    for name in [n for n in flag_defaults if n not in ("chip", "defaults", "workloads")]:
+    allowed = ("chip", "defaults", "workloads") + ("record",) * (not args.defaults)
+    for name in [n for n in flag_defaults if n not in allowed]:
         if getattr(args, name) != flag_defaults[name]:
             flag = "--" + name.replace("_", "-")
+            only = "--chip and --record go" if "record" in allowed else "--chip goes"
             return (f"{mode} compiles each kernel at its own block sizes and shapes: drop "
-                    f"{flag} (only --chip goes with it)")  # fmt: skip
+                    f"{flag} (only {only} with it)")  # fmt: skip
     return None
 
 
@@ -584,8 +548,15 @@ def run(args, flag_defaults: dict) -> int:
         print(f"Skipping {chip}: {tpu.chip_unknown_here(chip)}")
     if args.defaults:
         print(defaults_table([row for chip in chips for row in defaults_rows(chip)]))
-    if args.workloads:
-        for chip in chips:
-            for name, workload in WORKLOADS.items():
-                print(workloads_table(chip, name, whole_program(chip, workload)))
+    if args.workloads and args.record:
+        record_suite(chips=chips)
+        print(f"Recorded the suite for {', '.join(chips)} in {suite.RECORDED}")
+        print(suite_table(recorded_suite()))
+    elif args.workloads:
+        from minilib.tpu.compile import libtpu_version
+        from minilib.tpu.v3 import V3_VERSION
+
+        for chip in chips:  # a chip at a time: each takes minutes
+            results = {chip: {name: suite_result(chip, w) for name, w in SUITE.items()}}
+            print(suite_table(dict(libtpu=libtpu_version(), v3=V3_VERSION, results=results)))
     return 0

@@ -319,7 +319,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workloads",
         action="store_true",
-        help="whole-program bundles per call on two workloads, ours and v3",
+        help="the workload suite (minilib.tpu.suite): whole-program bundles per call, ours "
+        "and v3, and each KV-block loop's static efficiency; with --record, written to "
+        "minilib/tpu/recorded_suite.json for notebook 09",
     )
 
 

@@ -96,13 +96,13 @@ def test_whole_program_follows_the_batch_as_defined():
     size), so its whole program is that many KV-block passes smaller and nothing else changes;
     v3's decode block is the whole 1024-token slot (its default): one pass per sequence in
     both."""
-    from minilib.tpu import at_defaults
+    from minilib.tpu import at_defaults, suite
 
     chip = "v5e"
     require_chip(chip)
     require_v3()
-    full = at_defaults.Workload("full", ((1, 1024),) * 8)
-    half = at_defaults.Workload("half", ((1, 1024),) * 4 + ((1, 512),) * 4)
+    full = suite.Workload("full", ((1, 1024),) * 8)
+    half = suite.Workload("half", ((1, 1024),) * 4 + ((1, 512),) * 4)
     assert full.specs() == half.specs()
     a, b = at_defaults.whole_program(chip, full), at_defaults.whole_program(chip, half)
     decode = at_defaults.ours_kernels(chip, full.specs())[1]["decode"]  # already compiled
@@ -110,8 +110,8 @@ def test_whole_program_follows_the_batch_as_defined():
 
     blocks = at_defaults.ours_defaults(chip, full.specs())["mixed"]
     fewer = 4 * (math.ceil(1024 / blocks["kv_tokens"]) - math.ceil(512 / blocks["kv_tokens"]))
-    trips_a = at_defaults.ours_trips(full, blocks["pages"], blocks["q_rows"])["decode"]
-    trips_b = at_defaults.ours_trips(half, blocks["pages"], blocks["q_rows"])["decode"]
+    trips_a = suite.ours_trips(full, blocks["pages"], blocks["q_rows"])["decode"]
+    trips_b = suite.ours_trips(half, blocks["pages"], blocks["q_rows"])["decode"]
     assert trips_a[0] - trips_b[0] == fewer > 0 and trips_a[1:] == trips_b[1:]
     totals = {name: (sum(n for _, n, _ in a[name]), sum(n for _, n, _ in b[name])) for name in a}
     assert totals["ours"][0] - totals["ours"][1] == fewer * at_defaults.block_bundles(
@@ -123,13 +123,14 @@ def test_whole_program_follows_the_batch_as_defined():
 
 @pytest.mark.parametrize(
     "flags, named",
-    [(["--workloads", "--record"], "--record"),
+    [(["--workloads", "--head-dim", "64"], "--head-dim"),
      (["--defaults", "--num-kv-pages-per-block", "16"], "--num-kv-pages-per-block"),
      (["--defaults", "--workloads", "--head-dim", "64"], "--head-dim")],
 )  # fmt: skip
 def test_defaults_and_workloads_refuse_flags_they_do_not_use(flags, named, capsys):
     """--defaults and --workloads compile each kernel at its own block sizes on fixed shapes:
-    any flag but --chip is a usage error (exit 2) that names it, before anything compiles."""
+    any flag but --chip (and --record with --workloads) is a usage error (exit 2) that names
+    it, before anything compiles."""
     import argparse
 
     from minilib.tpu.comparison import add_arguments, run
@@ -138,4 +139,5 @@ def test_defaults_and_workloads_refuse_flags_they_do_not_use(flags, named, capsy
     add_arguments(parser)
     assert run(parser.parse_args(flags)) == 2
     err = capsys.readouterr().err
-    assert named in err and "only --chip goes with it" in err
+    only = "--chip goes" if "--defaults" in flags else "--chip and --record go"
+    assert named in err and f"only {only} with it" in err

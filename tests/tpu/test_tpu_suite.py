@@ -1,0 +1,126 @@
+"""The workload suite (`minilib.tpu.suite`): its record is whole and agrees with itself (no
+libtpu needed), and one workload compiled here is what was recorded (marker `tpu_compile`).
+Static estimates from the compiled programs, never timings."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import pytest
+from compile_checks import AVAILABLE, REASON, require_chip
+
+from minilib.tpu.bundles import COUNTING_RULE
+from minilib.tpu.suite import (
+    COMMAND,
+    EFFICIENCY_CHIPS,
+    SUITE,
+    KVLoop,
+    loop_times,
+    ours_trips,
+    recorded_suite,
+    suite_table,
+    total,
+    v3_trips,
+)
+
+RECORD = recorded_suite()
+CELLS = [(chip, name) for chip, results in RECORD["results"].items() for name in results]
+V3_NAME = re.compile(r"RPA([dm])-p_\d+-bq_(\d+)_(\d+)-bkv_(\d+)_(\d+)\.")
+
+
+def test_the_record_holds_every_workload_on_every_chip_by_one_rule():
+    assert RECORD["counting_rule"] == COUNTING_RULE
+    assert {k: bool(RECORD[k]) for k in ("date", "jax", "libtpu", "v3")} == dict.fromkeys(
+        ("date", "jax", "libtpu", "v3"), True
+    )
+    assert COMMAND in RECORD["what"] and "not timings" in RECORD["what"]
+    assert sorted(RECORD["results"]) == ["tpu7x", "v5e", "v6e"]
+    for results in RECORD["results"].values():
+        assert list(results) == list(SUITE)
+    for chip, name in CELLS:
+        v3, why = RECORD["results"][chip][name]["v3"], SUITE[name].model.v3_unsupported()
+        if why is not None:
+            assert v3 == {"unsupported": why}
+        elif "unsupported" in v3:  # v3's own block sizes may not fit the chip's VMEM
+            assert f"does not compile on {chip}: Used " in v3["unsupported"], v3
+
+
+@pytest.mark.parametrize("chip, name", CELLS)
+def test_recorded_loops_pass_as_the_batch_says(chip, name):
+    """Each recorded kernel's parts sum to its whole program; each KV-block loop's passes are
+    the first trip count its part names, and the trip counts follow from the batch (our
+    schedule; v3's walk at the block sizes its kernel names carry)."""
+    workload, result = SUITE[name], RECORD["results"][chip][name]
+    for kernel, figures in result.items():
+        if "unsupported" in figures:
+            continue
+        parts, loops = figures["parts"], [KVLoop(**loop) for loop in figures["loops"]]
+        assert total(parts) == sum(n for _, n, _ in parts) > 0
+        assert [loop.kernel for loop in loops] == [kernel, kernel]
+        for loop, (_, bundles, how) in zip(loops, parts[1:], strict=True):
+            assert bundles > 0 and loop.bundles > 0
+            outward = [int(n) for n in how.split("outward: ")[1].split(";")[0].split(", ")]
+            assert outward[0] == loop.passes
+        by_program = {loop.program: loop for loop in loops}
+        if kernel == "ours":
+            mixed = by_program["mixed"]
+            trips = ours_trips(workload, mixed.kv_tokens // workload.model.page_size,
+                               mixed.q_tokens)  # fmt: skip
+        else:
+            blocks = {}
+            for part, *_ in parts[1:]:
+                kind, bq, bq_c, bkv, bkv_c = V3_NAME.match(part).groups()
+                blocks["decode" if kind == "d" else "mixed"] = dict(
+                    bq_sz=int(bq), bq_csz=int(bq_c), bkv_sz=int(bkv), bkv_csz=int(bkv_c)
+                )
+                assert by_program["decode" if kind == "d" else "mixed"].kv_tokens == int(bkv)
+            trips = {k: outward for k, (outward, _) in v3_trips(workload, blocks).items()}
+        assert {k: t[0] for k, t in trips.items()} == {k: v.passes for k, v in by_program.items()}
+
+
+def test_the_table_shows_each_ratio_and_efficiency_from_the_recorded_bundles():
+    lines = suite_table(RECORD).splitlines()
+    assert "static estimates" in lines[0] and "not timings" in lines[0]
+    for chip, name in CELLS:
+        result, model = RECORD["results"][chip][name], SUITE[name].model
+        (line,) = [x for x in lines if x.startswith(f"{chip:6} {name:12} ")]
+        ours = total(result["ours"]["parts"])
+        assert f"{ours:,}" in line
+        if "parts" in result["v3"]:
+            assert f"{ours / total(result['v3']['parts']):.2f}" in line.split()
+        for loop in [KVLoop(**d) for d in result["ours"]["loops"]]:
+            t = loop_times(loop, model, chip)
+            shown = f"{loop.program[0]} {t.efficiency:.0%}" if t.efficiency is not None else ""
+            if loop.passes and chip in EFFICIENCY_CHIPS:
+                assert shown in line
+                # 100% exactly when the bundles issue within the copy's (or matmuls') time
+                assert (t.efficiency >= 1) == (t.issue_s <= t.limit_s)
+            if chip == "tpu7x":
+                assert t.efficiency is None and "%" not in line
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.skipif(not AVAILABLE, reason=f"no TPU compile here: {REASON}")
+def test_a_workload_compiled_here_is_what_was_recorded():
+    """The decode workload, both kernels, on v5e: the same parts and loops as recorded (one of
+    the suite's 27 cells; `python -m minilib compile --workloads --record` records them all)."""
+    from minilib.tpu.at_defaults import suite_result
+    from minilib.tpu.compile import libtpu_version
+    from minilib.tpu.v3 import v3_available
+
+    chip, name = "v5e", "decode"
+    require_chip(chip)
+    ok, reason = v3_available()
+    if not ok:
+        pytest.skip(reason)
+    here = (jax.__version__, libtpu_version())
+    if (RECORD["jax"], RECORD["libtpu"]) != here:
+        pytest.skip(f"recorded with jax {RECORD['jax']}, libtpu {RECORD['libtpu']}; here {here}")
+    fresh = suite_result(chip, SUITE[name])
+    recorded = RECORD["results"][chip][name]
+    for kernel in ("ours", "v3"):
+        assert [list(p) for p in fresh[kernel]["parts"]] == recorded[kernel]["parts"], (
+            f"{kernel} on {chip}, {name}: run `{COMMAND}`"
+        )
+        assert fresh[kernel]["loops"] == recorded[kernel]["loops"]
