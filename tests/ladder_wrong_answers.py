@@ -517,6 +517,10 @@ WRONG_ANSWERS = [
     W("5a", "ignores num_seqs", ex.check_next_work,
       lambda: next_work_variant("ignores_num_seqs"), "num_seqs, not len(kv_lens)"),
     # rung 6: a prefill chunk
+    W("6", "1/sqrt(head_dim) for sm_scale", ex.check_prefill_chunk,
+      lambda: rung6("head_dim_scale"), "not by the sm_scale argument"),
+    W("7", "1/sqrt(head_dim) for sm_scale", ex.check_ragged_paged_attention,
+      lambda: rung7("head_dim_scale"), "not by the sm_scale argument"),
     W("6", "no causal offset", ex.check_prefill_chunk, lambda: rung6("no_kv_offset"),
       "kv_len - q_len` is missing", fast=True),
     W("6", "no q block offset", ex.check_prefill_chunk, lambda: rung6("no_block_offset"),

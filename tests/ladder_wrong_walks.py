@@ -165,6 +165,8 @@ def rung6(variant: str) -> Callable:
         sm_scale,
     ):
         seq, i = pl.program_id(0), pl.program_id(1)
+        if variant == "head_dim_scale":  # 1/sqrt(head_dim), not the sm_scale it is given
+            sm_scale = q_ref.shape[-1] ** -0.5
         kv_len, q_len = kv_lens_ref[seq], q_lens_ref[seq]
         block_q, block_kv = q_ref.shape[0], bufs.shape[1]
         first_row = i * block_q
@@ -231,6 +233,8 @@ def rung7(variant: str) -> Callable:
         mask_value,
     ):
         q_blk, num_q_blks, num_seqs = pl.program_id(0), pl.num_programs(0), num_seqs_ref[0]
+        if variant == "head_dim_scale":  # 1/sqrt(head_dim), not the sm_scale it is given
+            sm_scale = q_ref.shape[-1] ** -0.5
         if variant == "ignores_num_seqs":  # walks the padding slots too
             num_seqs = kv_lens_ref.shape[0]
         block_q, block_kv = q_ref.shape[0], bufs.shape[1]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from minilib.exercises.checking import SM_SCALE_IGNORED
 from minilib.kv_cache import pages_needed
 
 __all__ = ["prefill", "prefill_mistakes", "ragged", "ragged_mistakes"]
@@ -127,6 +128,15 @@ def ragged(variant: str = "right"):
     return fn
 
 
+def head_dim_scale(fn):
+    """`fn` scaling the scores by 1/sqrt(head_dim), whatever sm_scale it is given."""
+
+    def wrong(q, *args, sm_scale, **options):
+        return fn(q, *args, sm_scale=q.shape[-1] ** -0.5, **options)
+
+    return wrong
+
+
 def prefill_mistakes() -> dict:
     """Rung 6's mistakes: explanation -> fn(q, kv_pages, kv_lens, page_indices, q_lens, ...).
 
@@ -138,6 +148,7 @@ def prefill_mistakes() -> dict:
         "the q block's first row is missing from q_pos: row r of q block i is row "
         "`first_row + r` of the chunk, first_row = i * block_q, at position kv_len - q_len + "
         "first_row + r.": prefill("no_block_offset"),
+        SM_SCALE_IGNORED: head_dim_scale(prefill()),
     }
 
 
@@ -145,7 +156,7 @@ def ragged_mistakes() -> dict:
     """Rung 7's mistakes: explanation -> fn with JAX's signature.
 
     >>> len(ragged_mistakes())
-    4
+    5
     """
     return {
         "the rows of other sequences were overwritten: a q block's rows belong to several "
@@ -158,4 +169,5 @@ def ragged_mistakes() -> dict:
         "row - q_start (row = first_row + r), at position kv_len - q_len + row - q_start.":
             ragged("global_row"),
         NO_KV_OFFSET: ragged("no_kv_offset"),
+        SM_SCALE_IGNORED: head_dim_scale(ragged()),
     }  # fmt: skip
