@@ -31,6 +31,7 @@ from minilib.tpu.kernel_costs import (
     describe_case,
     source_lines,
 )
+from minilib.tpu.labels import recorded_label
 from minilib.tpu.loop_paths import PATH_RULES
 
 # `add_arguments` and `run` are `python -m minilib compile`'s command line, not the library's.
@@ -180,11 +181,7 @@ def comparison_here_or_recorded(chips=("v5e", "v6e")) -> tuple[list[Cell], str, 
     return (
         [cell for cell in cells if cell.chip in chips],
         record["libtpu"],
-        (
-            f"Recorded on {record['date']} with jax {record['jax']}, libtpu {record['libtpu']} "
-            f"and {record['v3']} by `python -m minilib compile --record`, not computed here: "
-            f"{reason.rstrip('.')}."
-        ),
+        recorded_label(record, "python -m minilib compile --record", not_here=reason),
     )
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from minilib.tpu.bundles import COMMENT, DMA_START, MATMUL, kv_block_loop, parse_bundles
 from minilib.tpu.dump_reader import SOURCE_LOC, libtpu_version, short_path
+from minilib.tpu.labels import recorded_label
 
 __all__ = [
     "RECORDED",
@@ -35,6 +36,7 @@ __all__ = [
 
 RECORDED = Path(__file__).with_name("recorded_listing_v5e.txt")
 COMMAND = "python -m minilib.tpu.listing > minilib/tpu/recorded_listing_v5e.txt"
+HEADER = r"# Recorded on (\S+) with jax (\S+), libtpu ([^:]+):"
 
 # The ops picked, in the order a KV block needs them; each line of the excerpt is the first
 # bundle of the KV-block loop that holds one (the loop's first bundle is shown too).
@@ -169,15 +171,16 @@ def recorded_listing() -> list[str]:
     return [line for line in text.splitlines() if line and not line.startswith("#")]
 
 
-def recorded_listing_label() -> str:
-    """The label of the recorded lines, from `RECORDED`'s header: "Recorded on <date> with
-    jax X, libtpu Y by `COMMAND`".
+def recorded_listing_label(not_here: str = "") -> str:
+    """The label of the recorded lines (`labels.recorded_label`), read from `RECORDED`'s header.
 
     >>> print(recorded_listing_label())
-    Recorded on ... with jax ..., libtpu ... by `python -m minilib.tpu.listing > ...`
+    Recorded on ... with jax ..., libtpu ... by `python -m minilib.tpu.listing > ...`.
     """
-    first = RECORDED.read_text().splitlines()[0]
-    return first.removeprefix("# ").split(":", 1)[0] + f" by `{COMMAND}`"
+    header = RECORDED.read_text().splitlines()[0]
+    date, jax_version, libtpu = re.match(HEADER, header).groups()
+    record = {"date": date, "jax": jax_version, "libtpu": libtpu}
+    return recorded_label(record, COMMAND, not_here=not_here)
 
 
 def _record() -> str:

@@ -21,6 +21,7 @@ import jax
 from jax.experimental.pallas import tpu as pltpu
 
 from minilib.chips import CHIPS, FACTS
+from minilib.tpu.labels import recorded_label
 
 __all__ = [
     "DEFAULT_SCOPED_VMEM_BYTES",
@@ -173,8 +174,8 @@ def chip_memories_here_or_recorded(chips=CHIPS) -> tuple[list[ChipMemories], str
         return rows, f"From JAX's own table (jax {jax.__version__}, pltpu.get_tpu_info_for_chip)."
     recorded, record = recorded_chip_memories()
     by_chip = {row.chip: row for row in recorded}
-    return [by_chip[chip] for chip in chips], (
-        f"Recorded on {record['date']} with jax {record['jax']} from its table of TPU chips "
-        f"(pltpu.get_tpu_info_for_chip) by `{RECORD_COMMAND}`, not read here: jax "
-        f"{jax.__version__} has no such table (jax 0.10.2 and newer read it live)."
+    why = (
+        f"jax {jax.__version__} has no table of TPU chips (pltpu.get_tpu_info_for_chip; "
+        "jax 0.10.2 and newer read it live)"
     )
+    return [by_chip[chip] for chip in chips], recorded_label(record, RECORD_COMMAND, not_here=why)

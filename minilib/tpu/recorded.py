@@ -37,6 +37,7 @@ from minilib.tpu.kernel_costs import (
     rpa_specs,
     side_by_side,
 )
+from minilib.tpu.labels import recorded_label
 
 __all__ = ["RECORDED", "RESULTS", "record_results", "recorded_result", "recorded_results"]
 
@@ -222,11 +223,8 @@ def recorded_result(name: str, *, say_why: bool = True) -> tuple:
     """
     record = recorded_results()
     ok, reason = tpu_compile_available()
-    why = "" if ok or not say_why else f", not computed here: {reason.rstrip('.')}"
-    label = (
-        f"Recorded on {record['date']} with jax {record['jax']}, libtpu {record['libtpu']} "
-        f"by `{COMMAND}`{why}."
-    )
+    why = "" if ok or not say_why else reason
+    label = recorded_label(record, COMMAND, not_here=why)
     return record["results"][name], label
 
 
