@@ -52,7 +52,8 @@ def test_a_lever_imports_no_other_lever():
 
 
 def test_the_plain_kernel_is_read_in_one_sitting():
-    """Its lines of code, docstrings and comments (blank lines not counted)."""
+    """Its lines of code, docstrings and comments: what a reader reads. Blank lines are not
+    counted: they are the formatter's (two between top-level definitions, one between methods)."""
     lines = sum(
         1
         for module in PLAIN_MODULES
