@@ -190,12 +190,13 @@ def check_new_kv(
     >>> check_new_kv(jnp.zeros((8, 4, 64)), jnp.zeros((8, 4, 64)), q, kv_pages)
     Traceback (most recent call last):
     ...
-    minilib.errors.RPAInputError: new_keys.shape=(8, 4, 64) must be (max_num_batched_tokens, num_kv_heads, head_dim) = (8, 2, 64).
+    minilib.errors.RPAInputError: new_keys.shape=(8, 4, 64) must be (max_num_batched_tokens, ...
     Hint: ...
     """
     if (new_keys is None) != (new_values is None):
-        given, missing = ("new_keys", "new_values") if new_values is None else ("new_values",
-                                                                                 "new_keys")
+        given, missing = (
+            ("new_keys", "new_values") if new_values is None else ("new_values", "new_keys")
+        )
         raise RPAInputError(
             f"{given} was given without {missing}.",
             "pass both, the new tokens' K and V, to have the kernel write them into the "

@@ -256,6 +256,15 @@ def rpa_write_jit(
     """`rpa_jit` with the new tokens' K and V written into the cache by the kernels
     (`kv_write`): returns (out, the updated kv_pages, traces). `kv_pages` is donated, and
     each kernel's cache output aliases its input, so no copy of the cache is made.
+
+    >>> from minilib.batch import make_batch
+    >>> batch = make_batch([(2, 5)])
+    >>> config = kernel_config(batch.q, batch.kv_pages, batch.page_indices)
+    >>> new_k = new_v = jnp.zeros((2, 2, 64))
+    >>> out, kv_pages, _ = rpa_write_jit(*batch.args(), new_k, new_v, config=config,
+    ...                                  interpret=resolve_interpret(True), trace_capacity=0)
+    >>> kv_pages[batch.page_indices[0, 0], 3:5, 0, 0].tolist()   # positions 3 and 4
+    [0.0, 0.0]
     """
     new_kv = combine_kv(new_keys, new_values, kv_pages.dtype)
     return run_kernels(

@@ -77,6 +77,11 @@ def write_new_tokens(batch: SeqTable, new_kv_hbm_ref, kv_pages_hbm_ref, sem, con
         return rows_written + num_new
 
     rows = lax.fori_loop(0, batch.num_seqs(), write_seq, jnp.int32(0))
+    wait_for_the_writes(new_kv_hbm_ref, rows, sem)
+
+
+def wait_for_the_writes(new_kv_hbm_ref, rows, sem):
+    """One wait for the copies of `rows` token rows in all."""
 
     @pl.when(rows > 0)
     def _wait_for_all_of_them():
