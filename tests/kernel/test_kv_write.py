@@ -183,6 +183,23 @@ def test_an_empty_batch_writes_nothing():
     np.testing.assert_array_equal(np.asarray(out), 0.0)
 
 
+def test_a_garbage_batch_under_jit_writes_only_inside_its_sequences_pages():
+    """Under jit nothing validates the batch; the tables are clamped. A sequence whose kv_len
+    (3) is below its q_len (5) gets its last 3 rows at positions 0..2, and nothing else
+    changes; the slots past num_seqs (huge kv_lens, pages out of range) write nothing."""
+    batch = make_batch([(5, 20), (1, 9)], **BATCH_OPTIONS)
+    k, v = new_kv(batch)
+    args = list(batch.args())
+    args[1], args[2] = jnp.array(batch.kv_pages, copy=True), batch.kv_lens.at[0].set(3)
+    call = jax.jit(functools.partial(ragged_paged_attention, interpret=INTERPRET, **BLOCKS))
+    _, kv_pages = call(*args, new_keys=k, new_values=v)
+    table = np.asarray(batch.page_indices)  # page_size 8: the decode's position 8 is page 1
+    pages = jnp.array([table[0, 0]] * 3 + [table[1, 1]])
+    rows = jnp.array([2, 3, 4, 5])  # sequence 0's last three rows, and the decode's
+    expected = write_tokens(batch.kv_pages, pages, jnp.array([0, 1, 2, 0]), k[rows], v[rows])
+    assert_bit_identical(kv_pages, expected, "the cache of a garbage batch")
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input: a ValueError naming the value and the fix.
 # ---------------------------------------------------------------------------------------------
