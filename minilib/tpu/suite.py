@@ -321,7 +321,12 @@ def efficiencies(result: dict, kernel: str, model: Model, chip: str) -> list[tup
 def whole_programs(result: dict) -> dict[str, int | None]:
     """A workload's whole-program bundles: "ours" (attention alone), "ours + scatter" (then the
     separate scatter of the new tokens), "ours fused" (the kernels writing them), "v3" (which
-    always writes them); None where there is none. The last three are like for like."""
+    always writes them); None where there is none. The last three are like for like.
+
+    >>> figures = whole_programs(recorded_suite()["results"]["v5e"]["mixed"])
+    >>> list(figures), figures["ours + scatter"] > figures["ours"]
+    (['ours', 'ours + scatter', 'ours fused', 'v3'], True)
+    """
     ours = total(result["ours"]["parts"])
     scatter = total(result["scatter"]["parts"]) if "scatter" in result else None
     fused = result.get("ours fused", {})
