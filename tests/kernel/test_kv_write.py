@@ -20,7 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from minilib.batch import RaggedBatch, make_batch
 from minilib.errors import RPAInputError
-from minilib.kernel import kv_write, ragged_paged_attention, rpa_write_jit
+from minilib.kernel import kernel_config, kv_write, ragged_paged_attention, rpa_jit, rpa_write_jit
 from minilib.kv_cache import write_tokens
 from minilib.ladder.interpret import races_found, strict_interpret_params
 from minilib.parity import parity_error, parity_tolerance
@@ -173,6 +173,21 @@ def test_under_jit_the_cache_comes_back_updated():
     args[1] = jnp.array(batch.kv_pages, copy=True)
     out, kv_pages = call(*args, new_keys=k, new_values=v)
     assert_bit_identical(kv_pages, scattered(batch, k, v).kv_pages, "the cache under jit")
+
+
+def test_the_writing_kernels_walk_and_copy_as_the_others_do():
+    """With the write, each kernel's trace (every KV block's copy start, wait and compute) is
+    the trace without it, on the cache the write left: the write adds no step to the walk."""
+    batch, (k, v), options = case("float32")
+    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
+    args = [batch.q, jnp.array(batch.kv_pages, copy=True), *batch.args()[2:]]
+    run = dict(config=config, interpret=INTERPRET, trace_capacity=256)
+    out, kv_pages, traces = rpa_write_jit(*args, k, v, **run)
+    plain_out, plain_traces = rpa_jit(batch.q, kv_pages, *batch.args()[2:], **run)
+    assert_bit_identical(out, plain_out, "the output")
+    for written, plain in zip(traces, plain_traces, strict=True):
+        assert int(plain[0, 0]) > 0
+        np.testing.assert_array_equal(np.asarray(written), np.asarray(plain))
 
 
 def test_an_empty_batch_writes_nothing():
