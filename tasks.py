@@ -114,13 +114,14 @@ TPU_COMPILE_TESTS = (
     "tests/ladder/test_ladder.py",
     "tests/tpu/test_tpu_listing.py",
     "tests/tpu/test_tpu_recorded.py",
+    "tests/tpu/test_tpu_kv_write.py",
 )
 # With jax 0.7.2, one kernel configuration per chip, the comparison with JAX's kernel and
 # the harness's own failure tests: the whole matrix runs once, on the newest stack.
 JAX_0_7_2_TPU_TESTS = "gqa-bf16 or against_jax or bad_kernel or vmem_overflow or by_design"
-# On Colab's own pair: those, every ladder rung (test_ladder.py's tpu_compile tests), and the
-# pair's tests.
-COLAB_TPU_TESTS = f"{JAX_0_7_2_TPU_TESTS} or add_vectors or test_ladder or colab_pair"
+# On Colab's own pair: those, every ladder rung (test_ladder.py's tpu_compile tests), the
+# pair's tests, and the kernels writing the new tokens into the cache.
+COLAB_TPU_TESTS = f"{JAX_0_7_2_TPU_TESTS} or add_vectors or test_ladder or colab_pair or kv_write"
 # pytest on both cores of CI's machine (pytest-xdist): "auto" is one worker per core. Each test
 # file runs whole in one worker (loadfile), so that its tests share their compiles (jitted
 # functions, JAX's reference per batch): tests/exercises/test_exercises.py took 230 s of CPU
@@ -312,7 +313,7 @@ def run_tpu_compiles(phases: Phases, tpu: Path, tpu_oldest: Path, tpu_jax: Path)
         pytest(tpu_oldest, "-m", "tpu_compile", "-k", COLAB_TPU_TESTS,
                "-p", "no:cacheprovider", "-rs", "tests/tpu/test_tpu_compile.py",
                "tests/tpu/test_tpu_comparison.py", "tests/ladder/test_ladder.py",
-               "tests/tpu/test_tpu_colab_pair.py",
+               "tests/tpu/test_tpu_colab_pair.py", "tests/tpu/test_tpu_kv_write.py",
                in_one_piece=True)  # fmt: skip
     with phases("beside them, .venv-tpu-jax-0.7.2: a few compiles"):
         pytest(tpu_jax, "-m", "tpu_compile", "-k", JAX_0_7_2_TPU_TESTS,

@@ -49,6 +49,7 @@ __all__ = [
     "bucket_size",
     "cdiv",
     "check_can_allocate",
+    "combine_kv",
     "check_page_number",
     "fill_cache",
     "gather_kv",
@@ -110,10 +111,23 @@ def write_tokens(
     >>> pages[1, 3, :, 0].tolist()   # [K, V] of KV head 0
     [1.0, 2.0]
     """
+    kv = combine_kv(k, v, kv_pages.dtype)
+    return kv_pages.at[page_ids, slot_ids].set(kv, mode="drop")
+
+
+def combine_kv(
+    k: jax.Array,  # [n, num_kv_heads, head_dim]
+    v: jax.Array,  # [n, num_kv_heads, head_dim]
+    dtype,  # the cache's
+) -> jax.Array:  # [n, 2*num_kv_heads, head_dim]
+    """n tokens' K and V in the cache's layout, K0 V0 K1 V1 ... (as `merge_kv_pages`), cast to
+    the cache's dtype (an fp8 cache: a plain cast, the values already scaled).
+
+    >>> combine_kv(jnp.ones((1, 2, 1)), 2 * jnp.ones((1, 2, 1)), jnp.float32)[0, :, 0].tolist()
+    [1.0, 2.0, 1.0, 2.0]
+    """
     n, num_kv_heads, head_dim = k.shape
-    # Interleave K and V heads into the combined layout K0 V0 K1 V1 ... (as merge_kv_pages).
-    kv = jnp.stack([k, v], axis=2).reshape(n, 2 * num_kv_heads, head_dim)
-    return kv_pages.at[page_ids, slot_ids].set(kv.astype(kv_pages.dtype), mode="drop")
+    return jnp.stack([k, v], axis=2).reshape(n, 2 * num_kv_heads, head_dim).astype(dtype)
 
 
 def gather_kv(

@@ -39,6 +39,7 @@ from minilib.options import AttentionOptions, attention_options
 __all__ = [
     "check_attention_sink",
     "check_dtypes",
+    "check_new_kv",
     "dynamic_validate_inputs",
     "static_validate_inputs",
     "validate_inputs",
@@ -170,6 +171,60 @@ def check_attention_sink(
             f"attention_sink[{h}]={float(np.asarray(attention_sink)[h])} must be finite.",
             "a NaN sink makes every output of its head NaN, an infinite one every output 0 "
             "or NaN. A very negative finite sink (such as -1e30) is the same as no sink.",
+        )
+
+
+def check_new_kv(
+    new_keys,  # [max_num_batched_tokens, num_kv_heads, head_dim]
+    new_values,  # [max_num_batched_tokens, num_kv_heads, head_dim]
+    q,  # [max_num_batched_tokens, num_q_heads, head_dim]; shape
+    kv_pages,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]; shape
+) -> None:
+    """Raise unless the new tokens' K and V, to be written into the cache by the kernel, are
+    both given, float arrays of one dtype, each [max_num_batched_tokens, num_kv_heads,
+    head_dim]: row i holds the K (or V) of q row i.
+
+    >>> import jax.numpy as jnp
+    >>> q, kv_pages = jnp.zeros((8, 4, 64)), jnp.zeros((4, 16, 4, 64))
+    >>> check_new_kv(jnp.zeros((8, 2, 64)), jnp.zeros((8, 2, 64)), q, kv_pages)
+    >>> check_new_kv(jnp.zeros((8, 4, 64)), jnp.zeros((8, 4, 64)), q, kv_pages)
+    Traceback (most recent call last):
+    ...
+    minilib.errors.RPAInputError: new_keys.shape=(8, 4, 64) must be (max_num_batched_tokens, ...
+    Hint: ...
+    """
+    if (new_keys is None) != (new_values is None):
+        given, missing = (
+            ("new_keys", "new_values") if new_values is None else ("new_values", "new_keys")
+        )
+        raise RPAInputError(
+            f"{given} was given without {missing}.",
+            "pass both, the new tokens' K and V, to have the kernel write them into the "
+            "cache; or neither, and write them first (minilib.kv_cache.write_tokens).",
+        )
+    expected = (q.shape[0], kv_pages.shape[2] // 2, q.shape[2])
+    fix = (
+        "row i of new_keys and new_values holds the K and V of q row i, of every KV head: "
+        "shape [max_num_batched_tokens, num_kv_heads, head_dim] (q.shape[0], "
+        "kv_pages.shape[2] // 2, q.shape[2]), a float dtype, the same for both."
+    )
+    for name, x in (("new_keys", new_keys), ("new_values", new_values)):
+        shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+        if shape is None or dtype is None:
+            raise RPAInputError(f"{name} must be an array, got {type(x).__name__}.", fix)
+        if tuple(shape) != expected:
+            raise RPAInputError(
+                f"{name}.shape={tuple(shape)} must be (max_num_batched_tokens, num_kv_heads, "
+                f"head_dim) = {expected}.",
+                fix,
+            )
+        if not jax.numpy.issubdtype(np.dtype(dtype), jax.numpy.floating):
+            raise RPAInputError(f"{name}.dtype={np.dtype(dtype)} must be a float dtype.", fix)
+    if np.dtype(new_keys.dtype) != np.dtype(new_values.dtype):
+        raise RPAInputError(
+            f"new_keys.dtype={np.dtype(new_keys.dtype)} and new_values.dtype="
+            f"{np.dtype(new_values.dtype)} must be the same.",
+            fix,
         )
 
 

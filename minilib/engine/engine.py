@@ -8,7 +8,8 @@ Each `Engine.step()`:
      where each token's K/V goes in the pool, and the four index arrays of ragged paged
      attention (`kv_lens`, `page_indices`, `cu_q_lens`, `num_seqs`);
   3. runs the model layer by layer: K/V of the new tokens into the pages with the cache's
-     jitted scatter (`write_tokens`), then the chosen attention implementation;
+     jitted scatter (`write_tokens`), then the chosen attention implementation (minilib's
+     kernel, on one device, writes them itself: `minilib.kernel.kv_write`);
   4. samples from the last row of every sequence that reached its end, each with its own
      `SamplingParams` and seed (`minilib.engine.sampling`);
   5. records the tokens, names the pages that became full (prefix caching), and frees the
@@ -209,6 +210,8 @@ class Engine:
         self.page_size, self.num_pages = page_size, num_pages
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.attention = attention if mesh is None else shard_attention(attention, mesh, config)
+        kernel = getattr(attention, "func", attention) is ragged_paged_attention  # or a partial
+        self.kernel_writes_kv = mesh is None and kernel  # it writes the new K/V into the cache
         # More devices than KV heads: each device holds a copy of one KV head (vLLM's way).
         self.kv_head_replicas = 1 if mesh is None else kv_head_replicas(mesh, config)
         self.scheduler = Scheduler(
@@ -404,12 +407,12 @@ class Engine:
         Raises `EngineError`, and changes nothing, when there are requests but none can run:
         nothing runs, and the admission rule refused the first waiting request.
 
-        When the model raises (a learner's attention, say), the error goes to the caller and
-        the step does not count: the KV cache is as it was, no token is recorded, and
-        `num_steps`, `stats` and the requests' metrics do not move. The scheduler has made the
-        plan already (admitted, preempted, taken pages), so the plan is kept, and the next
-        `step()` runs it again instead of planning anew (unless one of its requests was
-        aborted in between).
+        When the model raises (a learner's attention, say), the error goes to the caller and the
+        step does not count: the KV cache is as it was (with `kernel_writes_kv`, but for this
+        step's own slots, written again when it runs), no token is recorded, and `num_steps`,
+        `stats` and the requests' metrics do not move. The scheduler has made the plan already
+        (admitted, preempted, taken pages), so the plan is kept, and the next `step()` runs it
+        again instead of planning anew (unless one of its requests was aborted in between).
         """
         step = self.num_steps
         plan = self._unrun_plan or self.scheduler.schedule()
@@ -497,8 +500,14 @@ class Engine:
         kv_pages = list(self.kv_pages)
         for i, layer in enumerate(self.params["layers"]):
             q, k, v = attention_inputs(layer, self.config, x, batch.positions)
-            kv_pages[i] = write_tokens(kv_pages[i], batch.page_ids, batch.slot_ids, k, v)
-            attn = self.attention(q, kv_pages[i], *metadata, **self.config.attention_args(layer))
+            options = self.config.attention_args(layer)
+            if self.kernel_writes_kv:  # the kernel writes k and v; the old cache is donated
+                kv = dict(new_keys=k, new_values=v)
+                attn, self.kv_pages[i] = self.attention(q, kv_pages[i], *metadata, **options, **kv)
+                kv_pages[i] = self.kv_pages[i]
+            else:
+                kv_pages[i] = write_tokens(kv_pages[i], batch.page_ids, batch.slot_ids, k, v)
+                attn = self.attention(q, kv_pages[i], *metadata, **options)
             x = attention_output_and_mlp(layer, x, attn)
         keys, first_indices, temperature, top_k, top_p, banned = draws
         logits, logprobs = logits_at(self.params, x, batch.sample_rows, banned)

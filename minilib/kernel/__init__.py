@@ -50,8 +50,10 @@ them once per configuration; benchmarks/LEVERS.md records what each saves, and o
     narrow_rows      head_dim 64 read strided in rows of 64 lanes
     heads_in_flight  the KV heads software-pipelined on the MXU (heads_in_flight, reload_v)
 
-And the trace, a wrapper the kernel body never mentions:
+And two wrappers the kernel body never mentions:
 
+    kv_write    the new tokens' K/V written into the cache by the kernel, before it reads them
+                (`new_keys`, `new_values`), in place of a separate scatter
     tracing     the kernel recording its DMA starts, waits and computes (`minilib.kernel_trace`)
 
 Compared with JAX's kernel (jax/experimental/pallas/ops/tpu/ragged_paged_attention), which
@@ -96,6 +98,7 @@ from minilib.kernel.call import (
     resolve_interpret,
     rpa_jit,
     rpa_pallas_call,
+    rpa_write_jit,
 )
 from minilib.kernel.config import KERNEL_NAMES, LANES, KernelConfig
 from minilib.kernel.decode import (
@@ -157,5 +160,6 @@ __all__ = [
     "resolve_interpret",
     "rpa_jit",
     "rpa_pallas_call",
+    "rpa_write_jit",
     "split_configs",
 ]

@@ -26,6 +26,7 @@ from minilib.chips import current_chip
 from minilib.errors import RPAInputError
 from minilib.kernel.config import KERNEL_NAMES, LANES, KernelConfig
 from minilib.kernel.decode import DecodeWalker, decode_batch
+from minilib.kernel.kv_write import with_kv_write
 from minilib.kernel.levers import (
     can_load_kv_strided,
     choose_points,
@@ -36,8 +37,9 @@ from minilib.kernel.levers import (
 from minilib.kernel.plain import KVBlockCopier, QBlockWalker, rpa_kernel
 from minilib.kernel.tracing import with_trace
 from minilib.kernel_trace import TRACE_FIELDS
+from minilib.kv_cache import combine_kv
 from minilib.options import DEFAULT_MASK_VALUE, AttentionOptions, attention_options
-from minilib.validation import validate_inputs
+from minilib.validation import check_new_kv, validate_inputs
 
 __all__ = [
     "clamp_tables",
@@ -46,6 +48,7 @@ __all__ = [
     "resolve_interpret",
     "rpa_jit",
     "rpa_pallas_call",
+    "rpa_write_jit",
 ]
 
 
@@ -69,7 +72,9 @@ def ragged_paged_attention(
     interpret=None,
     validate: bool = True,
     attention_sink: jax.Array | None = None,  # f32[num_q_heads]
-) -> jax.Array:  # [max_num_batched_tokens, num_q_heads, head_dim]
+    new_keys: jax.Array | None = None,  # [max_num_batched_tokens, num_kv_heads, head_dim]
+    new_values: jax.Array | None = None,  # [max_num_batched_tokens, num_kv_heads, head_dim]
+):  # out [max_num_batched_tokens, num_q_heads, head_dim]; with new K/V, (out, kv_pages)
     """Ragged paged attention on a TPU, or on CPU in Pallas' TPU interpret mode.
 
     Same arguments as JAX's `ragged_paged_attention`, plus `interpret`:
@@ -86,6 +91,13 @@ def ragged_paged_attention(
     input and joins the denominator once per output row (`plain.OnlineSoftmax.sink_term`);
     without it the kernels are compiled exactly as before.
 
+    `new_keys` and `new_values` (both, or neither, the default): this step's new tokens, row
+    i the K and V of q row i. Sequence s's rows cu_q_lens[s]..cu_q_lens[s+1] go to positions
+    kv_lens[s] - q_len .. kv_lens[s] - 1 of its pages, written by the kernels before they
+    read them (`kv_write`), cast to the cache's dtype as `write_tokens` does. Then the call
+    returns (out, the updated kv_pages), and `kv_pages` is donated: the update is made in
+    its buffer, which must not be used after the call (pass a copy to keep the old cache).
+
     Called eagerly, it first checks the values of the inputs (`dynamic_validate_inputs`);
     `validate=False` skips that. Under `jax.jit` only the static checks can run: validate the
     batch outside jit, as JAX does.
@@ -94,6 +106,10 @@ def ragged_paged_attention(
     >>> batch = make_batch([(3, 3), (1, 9)])
     >>> ragged_paged_attention(*batch.args(), sm_scale=0.125).shape
     (4, 4, 64)
+    >>> new_k = new_v = jnp.ones((4, 2, 64), batch.q.dtype)       # written into the cache
+    >>> out, kv_pages = ragged_paged_attention(*batch.args(), new_keys=new_k, new_values=new_v)
+    >>> kv_pages[batch.page_indices[0, 0], :3, 0, 0].tolist()    # sequence 0's 3 tokens
+    [1.0, 1.0, 1.0]
     """
     options = AttentionOptions(
         sm_scale=sm_scale,
@@ -109,10 +125,15 @@ def ragged_paged_attention(
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     validate_inputs(*args, options, validate=validate, attention_sink=attention_sink)
     config = kernel_config(q, kv_pages, page_indices, options)
-    out, _ = rpa_jit(
-        *args, attention_sink, config=config, interpret=resolve_interpret(interpret),
-        trace_capacity=0,
-    )  # fmt: skip
+    interpret = resolve_interpret(interpret)
+    if new_keys is not None or new_values is not None:
+        check_new_kv(new_keys, new_values, q, kv_pages)
+        out, kv_pages, _ = rpa_write_jit(
+            *args, new_keys, new_values, attention_sink, config=config, interpret=interpret,
+            trace_capacity=0,
+        )  # fmt: skip
+        return out, kv_pages
+    out, _ = rpa_jit(*args, attention_sink, config=config, interpret=interpret, trace_capacity=0)
     return out
 
 
@@ -218,26 +239,66 @@ def rpa_jit(
     >>> out.shape == batch.q.shape, traces
     (True, None)
     """
-    tables = clamp_tables(
-        kv_lens, page_indices, cu_q_lens, num_seqs, config, total_num_pages=kv_pages.shape[0]
-    )
+    out, _, traces = run_kernels(
+        q, kv_pages, (kv_lens, page_indices, cu_q_lens, num_seqs), attention_sink, None,
+        config=config, interpret=interpret, trace_capacity=trace_capacity,
+    )  # fmt: skip
+    return out, traces
+
+
+@functools.partial(
+    jax.jit, static_argnames=("config", "interpret", "trace_capacity"), donate_argnames="kv_pages"
+)
+def rpa_write_jit(
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_keys, new_values,
+    attention_sink=None, *, config, interpret, trace_capacity,
+):  # fmt: skip
+    """`rpa_jit` with the new tokens' K and V written into the cache by the kernels
+    (`kv_write`): returns (out, the updated kv_pages, traces). `kv_pages` is donated, and
+    each kernel's cache output aliases its input, so no copy of the cache is made.
+
+    >>> from minilib.batch import make_batch
+    >>> batch = make_batch([(2, 5)])
+    >>> config = kernel_config(batch.q, batch.kv_pages, batch.page_indices)
+    >>> new_k = new_v = jnp.zeros((2, 2, 64))
+    >>> out, kv_pages, _ = rpa_write_jit(*batch.args(), new_k, new_v, config=config,
+    ...                                  interpret=resolve_interpret(True), trace_capacity=0)
+    >>> kv_pages[batch.page_indices[0, 0], 3:5, 0, 0].tolist()   # positions 3 and 4
+    [0.0, 0.0]
+    """
+    new_kv = combine_kv(new_keys, new_values, kv_pages.dtype)
+    return run_kernels(
+        q, kv_pages, (kv_lens, page_indices, cu_q_lens, num_seqs), attention_sink, new_kv,
+        config=config, interpret=interpret, trace_capacity=trace_capacity,
+    )  # fmt: skip
+
+
+def run_kernels(q, kv_pages, tables, attention_sink, new_kv, *, config, interpret, trace_capacity):
+    """The body of `rpa_jit` and `rpa_write_jit`: (out, kv_pages, traces); without `new_kv`
+    ([max_num_batched_tokens, 2*num_kv_heads, head_dim] or None) the cache is returned as
+    given. The decode kernel writes its sequences' tokens, the mixed kernel the others'."""
+    tables = clamp_tables(*tables, config, total_num_pages=kv_pages.shape[0])
     mixed_config, decode_config = split_configs(config)
     decode = decode_batch(*tables, config)
     q_decode = jnp.take(q, decode.rows, axis=0, mode="clip")  # [max_num_seqs, heads, hd]
     sink = () if attention_sink is None else (sink_input(attention_sink, config),)
+    write = new_kv is not None
+    decode_new_kv = (jnp.take(new_kv, decode.rows, axis=0, mode="clip"),) if write else ()
     decode_call = rpa_pallas_call(
         q_decode, kv_pages, config=decode_config, interpret=interpret,
-        trace_capacity=trace_capacity, attention_sink=bool(sink),
+        trace_capacity=trace_capacity, attention_sink=bool(sink), write_kv=write,
     )  # fmt: skip
-    decode_outs = decode_call(*decode.tables(), q_decode, kv_pages, *sink)
+    decode_outs = decode_call(*decode.tables(), q_decode, kv_pages, *sink, *decode_new_kv)
+    kv_pages = decode_outs[-1] if write else kv_pages
     mixed_call = rpa_pallas_call(
         q, kv_pages, config=mixed_config, interpret=interpret, trace_capacity=trace_capacity,
-        attention_sink=bool(sink),
+        attention_sink=bool(sink), write_kv=write,
     )  # fmt: skip
-    mixed_outs = mixed_call(*tables, q, kv_pages, *sink)
+    mixed_outs = mixed_call(*tables, q, kv_pages, *sink, *((new_kv,) if write else ()))
+    kv_pages = mixed_outs[-1] if write else kv_pages
     # Rows of decode slots that hold no sequence point past the output: dropped.
     out = mixed_outs[0].at[decode.rows].set(decode_outs[0], mode="drop")
-    return out, (decode_outs[1], mixed_outs[1]) if trace_capacity else None
+    return out, kv_pages, (decode_outs[1], mixed_outs[1]) if trace_capacity else None
 
 
 def rpa_pallas_call(
@@ -249,6 +310,7 @@ def rpa_pallas_call(
     trace_capacity: int = 0,
     copier_class: type[KVBlockCopier] | None = None,
     attention_sink: bool = False,
+    write_kv: bool = False,
 ):
     """Build the `pallas_call`. Called with (kv_lens, page_indices, cu_q_lens, num_seqs, q,
     kv_pages), and the sinks of `sink_input` after them if `attention_sink`; returns (out,)
@@ -259,6 +321,10 @@ def rpa_pallas_call(
     it). Why VMEM, not SMEM: they are used as vectors, a lane-replicated column beside l and
     m; from SMEM each q head's sink would be a scalar to broadcast and select into its rows.
     Without sinks there is no such input, and the kernel body gets `sink_ref=None`.
+
+    With `write_kv`, the call takes the new tokens last, [rows of q, 2*num_kv_heads, head_dim]
+    in HBM, and returns the cache last, aliased to its kv_pages input: the kernel writes the
+    tokens into it first (`kv_write.with_kv_write`).
 
     The tables must be those of a valid batch, or clamped by `clamp_tables` (as the
     jitted wrapper of `ragged_paged_attention` does): the kernel reads them as they are, and
@@ -304,6 +370,10 @@ def rpa_pallas_call(
     if trace_capacity:
         trace_shape = jax.ShapeDtypeStruct((1 + trace_capacity, TRACE_FIELDS), jnp.int32)
         outputs["trace_ref"] = (pl.BlockSpec(memory_space=pltpu.SMEM), trace_shape)
+    if write_kv:
+        inputs["new_kv_hbm_ref"] = pl.BlockSpec(memory_space=pl.ANY)
+        cache_shape = jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype)
+        outputs["kv_pages_out_ref"] = (pl.BlockSpec(memory_space=pl.ANY), cache_shape)
     rows = c.rows_per_kv_head
     scratch = {
         "kv_bufs": points.slot.scratch(c, kv_pages.dtype),  # two slots of one KV block each
@@ -314,6 +384,8 @@ def rpa_pallas_call(
         "q_fold_ref": pltpu.VMEM((c.num_kv_heads_per_block, rows, head_dim), q.dtype),
         "slot_ref": pltpu.SMEM((1,), jnp.int32),
     }
+    if write_kv:
+        scratch["write_sem"] = pltpu.SemaphoreType.DMA((1,))
     names = [*TABLE_NAMES, *inputs, *outputs, *scratch]
     classes = dict(copier_class=copier_class or KVBlockCopier,
                    walker_class=DecodeWalker if c.decode else QBlockWalker)  # fmt: skip
@@ -322,6 +394,11 @@ def rpa_pallas_call(
         body = with_trace(body, trace_capacity, **classes)
     else:
         body = functools.partial(body, **classes)
+    aliases = {}
+    if write_kv:
+        body = with_kv_write(body, c)
+        cache_in = len(TABLE_NAMES) + list(inputs).index("kv_pages_hbm_ref")
+        aliases = {cache_in: list(outputs).index("kv_pages_out_ref")}
 
     def kernel(*refs):
         body(**dict(zip(names, refs, strict=True)))
@@ -346,6 +423,7 @@ def rpa_pallas_call(
             disable_bounds_checks=True,
         ),
         out_shape=[shape for _, shape in outputs.values()],
+        input_output_aliases=aliases,
         interpret=interpret,
         name=KERNEL_NAMES["decode" if c.decode else "mixed"],
     )

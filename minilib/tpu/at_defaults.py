@@ -34,8 +34,10 @@ Pallas kernels):
   q block or grid step, v3's chunk loop once per chunk; any other loop (a table scan, v3's
   K/V-write loop) once per pass of the loop around it. Both sides of a branch count.
 
-v3 also writes the new tokens' K/V into the cache inside its kernel; ours writes none, so the
-comparison includes that difference. v3's cache is donated, as in vLLM: XLA copies none of it.
+v3 always writes the new tokens' K/V into the cache in its kernel. Ours is counted alone (no
+write: not like for like), with the write in its kernels (`ours fused`: `minilib.kernel.kv_write`)
+and followed by the scatter (`write_tokens`' XLA program). A written cache is donated, as in
+vLLM, so XLA copies none of it (`write_tokens` without donation copies the whole cache).
 The workloads, their trip counts and each loop against its chip's limit are in
 `minilib.tpu.suite` (`python -m minilib compile --workloads`).
 """
@@ -280,6 +282,19 @@ def ours_whole_call(*args, sm_scale, **options):
     return rpa_function("ours")(*args[:6], sm_scale=sm_scale, **sink, **options)
 
 
+def ours_fused_call(*args, sm_scale, **options):
+    """Ours writing the new K and V (arguments 7, 8) into the cache; a ninth: the sinks."""
+    sink = dict(attention_sink=args[8]) if len(args) == 9 else {}
+    new = dict(new_keys=args[6], new_values=args[7])
+    return rpa_function("ours")(*args[:6], sm_scale=sm_scale, **new, **sink, **options)
+
+
+def new_kv_specs(specs) -> tuple:
+    """The shapes of the new tokens' K and V: [max_num_batched_tokens, num_kv_heads, hd]."""
+    q, kv_pages = specs[:2]
+    return (jax.ShapeDtypeStruct((q.shape[0], kv_pages.shape[2] // 2, q.shape[2]), q.dtype),) * 2
+
+
 def v3_whole_call(*args, sm_scale, **options):
     """v3's `ragged_paged_attention` (q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens,
     distribution) at its own block sizes and VMEM limit: (out, the cache, K/V written)."""
@@ -322,12 +337,16 @@ def v3_kernels(chip: str, specs, **options) -> tuple[dict, dict[str, Program], t
     return blocks, kernels, programs
 
 
-def ours_kernels(chip: str, specs, sinks: bool = False, **options) -> tuple[dict, dict, tuple]:
+def ours_kernels(chip: str, specs, sinks: bool = False, fused: bool = False,
+                 **options) -> tuple[dict, dict, tuple]:  # fmt: skip
     """Ours compiled at its defaults on `specs` with the layer's `options` (and attention
-    sinks, an argument of the program): (block sizes, kernels, every program)."""
-    call = functools.partial(ours_whole_call, sm_scale=specs[0].shape[2] ** -0.5, **options)
+    sinks, an argument of the program; with `fused`, writing the new tokens into the cache,
+    donated): (block sizes, kernels, every program)."""
+    fn = ours_fused_call if fused else ours_whole_call
+    call = functools.partial(fn, sm_scale=specs[0].shape[2] ** -0.5, **options)
     sink = (jax.ShapeDtypeStruct((specs[0].shape[1],), np.float32),) * sinks
-    programs = compile_programs(call, (*specs, *sink), chip)
+    new = new_kv_specs(specs) if fused else ()
+    programs = compile_programs(call, (*specs, *new, *sink), chip, donate=(1,) * fused)
     kernels = {"decode": kernel_named(programs, "minilib_ragged_paged_attention_decode"),
                "mixed": kernel_named(programs, "minilib_ragged_paged_attention.")}  # fmt: skip
     return ours_defaults(chip, specs, **options), kernels, programs
@@ -389,11 +408,12 @@ def defaults_rows(chip: str, case: dict = COMPARISON_CASE, kernels=("ours", "JAX
 
 def kernel_result(name: str, chip: str, workload: Workload) -> dict:
     """{"parts": [(part, bundles, how counted)], "loops": [KVLoop fields]}: the whole-program
-    static estimate of one call of `name` ("ours" or "v3") on `workload` (see the module
-    docstring; the parts sum to it) and the KV-block loops it runs."""
+    static estimate of one call of `name` ("ours", "ours fused" or "v3") on `workload` (see
+    the module docstring; the parts sum to it) and the KV-block loops it runs."""
     specs, model = workload.specs(), workload.model
-    if name == "ours":
-        blocks, kernels, programs = ours_kernels(chip, specs, model.sinks, **model.options())
+    if name.startswith("ours"):
+        blocks, kernels, programs = ours_kernels(chip, specs, model.sinks, name == "ours fused",
+                                                 **model.options())  # fmt: skip
         trips = ours_trips(workload, blocks["mixed"]["pages"], blocks["mixed"]["q_rows"])
         passes = {k: (trips[k], None) for k in kernels}
         loop_of = {k: dict(kv_tokens=b["kv_tokens"], kv_heads=b["kv_heads"],
@@ -405,12 +425,7 @@ def kernel_result(name: str, chip: str, workload: Workload) -> dict:
         loop_of = {k: dict(kv_tokens=b["bkv_sz"], kv_heads=model.num_kv_heads, q_tokens=b["bq_sz"],
                            chunks=-(-b["bkv_sz"] // b["bkv_csz"]))
                    for k, b in blocks.items()}  # fmt: skip
-    xla = [p for p in programs if not p.kernel]
-    in_loops = sum(len({i for s, e in loop_bodies(p.bundles) for i in range(s, e)})
-                   for p in xla)  # fmt: skip
-    how = f"each bundle once; {in_loops:,} of them in loops, counted once"
-    parts = [(f"{len(xla)} XLA programs", sum(len(p.bundles) for p in xla), how)]
-    loops = []
+    parts, loops = [xla_part([p for p in programs if not p.kernel])], []
     for kernel, program in kernels.items():
         outward, chunks = passes[kernel]
         how = "passes of its loops, KV-block loop outward: " + ", ".join(map(str, outward))
@@ -423,9 +438,30 @@ def kernel_result(name: str, chip: str, workload: Workload) -> dict:
     return {"parts": parts, "loops": loops}
 
 
+def xla_part(programs) -> tuple[str, int, str]:
+    """The part of XLA's own programs: each bundle once."""
+    in_loops = sum(len({i for s, e in loop_bodies(p.bundles) for i in range(s, e)})
+                   for p in programs)  # fmt: skip
+    how = f"each bundle once; {in_loops:,} of them in loops, counted once"
+    return (f"{len(programs)} XLA programs", sum(len(p.bundles) for p in programs), how)
+
+
+def scatter_result(chip: str, workload: Workload) -> dict:
+    """{"parts": [the XLA part]}: the separate scatter of the new tokens, `write_tokens` on
+    `workload`'s cache, donated, and a page and slot per q row."""
+    from minilib.kv_cache import write_tokens
+
+    specs = workload.specs()
+    rows = jax.ShapeDtypeStruct((specs[0].shape[0],), np.int32)
+    programs = compile_programs(write_tokens, (specs[1], rows, rows, *new_kv_specs(specs)), chip,
+                                donate=(0,))  # fmt: skip
+    return {"parts": [xla_part(programs)]}
+
+
 def suite_result(chip: str, workload: Workload) -> dict:
-    """{"ours": kernel_result, "v3": kernel_result or {"unsupported": why}} on `workload`: a
-    few minutes of compiles, so the example is not run.
+    """{"ours": kernel_result, "ours fused": kernel_result, "scatter": scatter_result, "v3":
+    kernel_result or {"unsupported": why}} on `workload`: a few minutes of compiles, so the
+    example is not run.
 
     >>> suite_result("v5e", SUITE["gpt-oss"])["v3"]  # doctest: +SKIP
     {'unsupported': "head_dim 64: vLLM runs v3's head_dim-64 kernel, ..."}
@@ -441,7 +477,9 @@ def suite_result(chip: str, workload: Workload) -> dict:
         why = (f"v3 at its own block sizes (mixed: bq {b['bq_sz']}, bkv {b['bkv_sz']}) does "
                f"not compile on {chip}: {used.group()}")  # fmt: skip
         v3 = {"unsupported": why}
-    return {"ours": kernel_result("ours", chip, workload), "v3": v3}
+    return {"ours": kernel_result("ours", chip, workload),
+            "ours fused": kernel_result("ours fused", chip, workload),
+            "scatter": scatter_result(chip, workload), "v3": v3}  # fmt: skip
 
 
 def record_suite(path=suite.RECORDED, chips=("v5e", "v6e", "tpu7x"), names=None) -> dict:

@@ -43,7 +43,8 @@ from minilib.chips import FACTS
 from minilib.tpu.kernel_costs import rpa_specs
 
 __all__ = ["MODELS", "RECORDED", "SUITE", "KVLoop", "LoopTimes", "Model", "Workload",
-           "loop_times", "ours_trips", "recorded_suite", "suite_table", "v3_trips"]  # fmt: skip
+           "loop_times", "ours_trips", "recorded_suite", "suite_table", "v3_trips",
+           "whole_programs"]  # fmt: skip
 
 RECORDED = Path(__file__).with_name("recorded_suite.json")
 COMMAND = "python -m minilib compile --workloads --record"
@@ -317,25 +318,50 @@ def efficiencies(result: dict, kernel: str, model: Model, chip: str) -> list[tup
             for loop in loops if loop.passes > 0]  # fmt: skip
 
 
+def whole_programs(result: dict) -> dict[str, int | None]:
+    """A workload's whole-program bundles: "ours" (attention alone), "ours + scatter" (then the
+    separate scatter of the new tokens), "ours fused" (the kernels writing them), "v3" (which
+    always writes them); None where there is none. The last three are like for like.
+
+    >>> figures = whole_programs(recorded_suite()["results"]["v5e"]["mixed"])
+    >>> list(figures), figures["ours + scatter"] > figures["ours"]
+    (['ours', 'ours + scatter', 'ours fused', 'v3'], True)
+    """
+    ours = total(result["ours"]["parts"])
+    scatter = total(result["scatter"]["parts"]) if "scatter" in result else None
+    fused = result.get("ours fused", {})
+    return {"ours": ours, "ours + scatter": None if scatter is None else ours + scatter,
+            "ours fused": total(fused["parts"]) if "parts" in fused else None,
+            "v3": total(result["v3"]["parts"]) if "parts" in result["v3"] else None}  # fmt: skip
+
+
 def suite_table(record: dict) -> str:
     """The suite's results (`record_suite`'s, or live ones shaped alike) as a table: per chip
-    and workload, whole-program bundles of ours and v3, ours / v3, and on v5e and v6e the
-    static efficiency of each KV-block loop of ours (and v3's).
+    and workload, whole-program bundles of ours (alone, + the separate scatter, with the write
+    fused), of v3, each of ours / v3, and on v5e and v6e the static efficiency of each
+    KV-block loop of ours (and v3's).
 
     >>> print(suite_table(recorded_suite()).splitlines()[0])
     Whole-program bundles per call, each kernel at its own block sizes: static estimates ...
     """
     lines = [f"Whole-program bundles per call, each kernel at its own block sizes: {LABEL} "
-             f"(libtpu {record['libtpu']}, v3 {record['v3']}). Efficiency: limit / max(copy, "
-             "issue) per KV-block loop, d = decode kernel, m = mixed kernel.",
-             f"{'chip':6} {'workload':12} {'model':26} {'ours':>11} {'v3':>11} {'ours/v3':>7}"
+             f"(libtpu {record['libtpu']}, v3 {record['v3']}). v3 writes the new tokens' K/V "
+             "into the cache: like for like with it are ours + scatter (the separate scatter, "
+             "write_tokens) and ours fused (the write in our kernels); ours alone writes none. "
+             "Efficiency: limit / max(copy, issue) per KV-block loop, d = decode kernel, "
+             "m = mixed kernel.",
+             f"{'chip':6} {'workload':12} {'model':26} {'ours':>11} {'+ scatter':>11} "
+             f"{'fused':>11} {'v3':>11} {'ours/v3':>7} {'+sc/v3':>7} {'fused/v3':>8}"
              f"  {'efficiency ours':17} {'efficiency v3':13}"]  # fmt: skip
     for chip, results in record["results"].items():
         for name, result in results.items():
             model = SUITE[name].model
-            ours = total(result["ours"]["parts"])
-            v3 = total(result["v3"]["parts"]) if "parts" in result["v3"] else None
-            ratio = f"{ours / v3:7.2f}" if v3 else f"{'-':>7}"
+            figures = whole_programs(result)
+            v3 = figures["v3"]
+            counts = " ".join(f"{n:11,}" if n else f"{'-':>11}" for n in figures.values())
+            ratios = " ".join(f"{figures[k] / v3:{w}.2f}" if v3 and figures[k] else f"{'-':>{w}}"
+                              for k, w in (("ours", 7), ("ours + scatter", 7),
+                                           ("ours fused", 8)))  # fmt: skip
             cells = []
             for kernel in ("ours", "v3"):
                 if chip not in EFFICIENCY_CHIPS or "loops" not in result[kernel]:
@@ -343,8 +369,7 @@ def suite_table(record: dict) -> str:
                     continue
                 found = efficiencies(result, kernel, model, chip)
                 cells.append(" ".join(f"{p[0]} {e:.0%}" for p, e in found))
-            v3_text = f"{v3:11,}" if v3 else f"{'-':>11}"
-            lines.append(f"{chip:6} {name:12} {model.name:26} {ours:11,} {v3_text} {ratio}"
+            lines.append(f"{chip:6} {name:12} {model.name:26} {counts} {ratios}"
                          f"  {cells[0]:17} {cells[1]:13}".rstrip())  # fmt: skip
     notes = {result["v3"]["unsupported"] for results in record["results"].values()
              for result in results.values() if "unsupported" in result["v3"]}  # fmt: skip

@@ -5,11 +5,13 @@ model, which fails when the kernel is wrong."""
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 import minilib
 import minilib.kernel
 from minilib import doctor
 from minilib.engine import Engine, ModelConfig, init_params
+from minilib.engine import engine as engine_module
 from minilib.engine.engine import default_attention
 
 CONFIG = ModelConfig(vocab_size=64, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16)
@@ -56,3 +58,25 @@ def test_an_engine_run_through_the_kernel_matches_one_through_jnp():
         eng.scheduler.propose_drafts = lambda token_ids: token_ids[-2:]
     assert kernel_engine.generate(prompts, 5) == jnp_engine.generate(prompts, 5)
     assert sum(s.num_draft_tokens for s in kernel_engine.stats) > 0
+
+
+def test_the_kernel_writes_the_new_tokens_in_place_of_the_scatter(monkeypatch):
+    """Through the kernel the engine passes the new K/V to it (`new_keys`, `new_values`) and
+    never calls the scatter; the cache it ends with is the jnp engine's, byte for byte (one
+    layer: its K/V come from the embeddings alone), NaN in the slots never written."""
+    params = init_params(CONFIG)
+    prompts = [[1, 2, 3, 4, 5, 6], [9, 8, 7]]
+    sizes = {"num_pages": 8, "page_size": 4, "max_num_batched_tokens": 8, "max_num_seqs": 2}
+    jnp_engine = Engine(params, CONFIG, **sizes)
+    kernel_engine = Engine(params, CONFIG, attention=minilib.ragged_paged_attention, **sizes)
+    assert kernel_engine.kernel_writes_kv and not jnp_engine.kernel_writes_kv
+    want = jnp_engine.generate(prompts, 4)
+
+    def no_scatter(*args):
+        raise AssertionError("the kernel engine called the separate scatter")
+
+    monkeypatch.setattr(engine_module, "write_tokens", no_scatter)
+    assert kernel_engine.generate(prompts, 4) == want
+    got, expected = (np.asarray(e.kv_pages[0]) for e in (kernel_engine, jnp_engine))
+    assert np.isnan(expected).any(), "every slot written: the NaN check would be empty"
+    np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))

@@ -1,0 +1,105 @@
+"""The kernels writing the new tokens' K/V into the cache (`new_keys`, `new_values`) compile for
+the chips of Colab's TPU runtimes, on the newest stack and on Colab's pair (jax 0.7.2 with
+libtpu 0.0.21.1), and the compiled program makes no copy of the cache: with `kv_pages`
+donated, each kernel writes into the very buffer it was given, and the program returns it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from compile_checks import TPU_COMPILE, assert_compiled, require_chip
+
+from minilib.kernel import ragged_paged_attention
+from minilib.tpu import compile as tpu_compile
+from minilib.tpu.compile import compile_for_tpu
+from minilib.tpu.kernel_costs import COMPARISON_CASE, rpa_specs
+
+pytestmark = TPU_COMPILE
+
+CHIPS = ("v5e", "v6e")  # Colab's
+KV_DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
+
+
+def writing_call(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_keys, new_values):
+    out, kv_pages = ragged_paged_attention(
+        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_keys=new_keys,
+        new_values=new_values, sm_scale=0.1, interpret=False,
+    )  # fmt: skip
+    return out, kv_pages
+
+
+def writing_specs(kv_dtype):
+    """The comparison's case (an 8192-page cache), and the new K and V of every q row."""
+    specs = rpa_specs(**COMPARISON_CASE, kv_dtype=kv_dtype)
+    q, kv_pages = specs[:2]
+    new = jax.ShapeDtypeStruct((q.shape[0], kv_pages.shape[2] // 2, q.shape[2]), q.dtype)
+    return (*specs, new, new)
+
+
+def compiled_text(fn, specs, chip: str, donate_argnums) -> str:
+    """The compiled program's HLO, `fn` jitted with `donate_argnums`, for `chip`. Compiled
+    here, libtpu started with the dump flags as every compile test expects; the dump of this
+    compile is removed."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    folder = tpu_compile.dump_folder()  # starts libtpu with the dump flags if not started
+    before = set(os.listdir(folder.path)) if folder else set()
+    device = tpu_compile.topology_device(chip)
+    sharding = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
+    placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
+    try:
+        with jax.sharding.use_abstract_mesh(tpu_compile.abstract_mesh(device)):
+            lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*placed)
+        with tpu_compile.default_layouts_assumed():
+            return lowered.compile().as_text()
+    finally:
+        for name in set(os.listdir(folder.path)) - before if folder else ():
+            (folder.path / name).unlink(missing_ok=True)
+
+
+@functools.cache
+def cache_program(chip: str, kv_dtype: str) -> str:
+    return compiled_text(writing_call, writing_specs(KV_DTYPES[kv_dtype]), chip, (1,))
+
+
+@pytest.mark.parametrize("chip", CHIPS)
+def test_kv_write_kernels_compile(chip):
+    """Both kernels, decode and mixed, each with its bundle dump: static estimates."""
+    require_chip(chip)
+    report = compile_for_tpu(writing_call, *writing_specs(jnp.bfloat16), chip=chip)
+    assert_compiled(report)
+    assert len(report.kernels) == 2, report
+
+
+@pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
+@pytest.mark.parametrize("chip", CHIPS)
+def test_kv_write_makes_no_copy_of_the_cache(chip, kv_dtype):
+    """No copy (and no copy-start) of an array shaped as the cache; the program's output 1,
+    the cache, aliases its parameter 1, and each kernel's output 1 its cache operand."""
+    require_chip(chip)
+    text = cache_program(chip, kv_dtype)
+    cache = writing_specs(KV_DTYPES[kv_dtype])[1]
+    shape = ",".join(map(str, cache.shape))
+    copies = re.findall(rf"\[{shape}\][^ ]* copy(?:-start)?\(", text)
+    assert not copies, f"the compiled program copies the cache: {copies}"
+    assert re.search(r"input_output_alias=\{ \{1\}: \(1, ", text), "the cache is not aliased"
+    kernels = re.findall(r"output_to_operand_aliasing=\{\{1\}: \(5, ", text)
+    assert len(kernels) == 2, "each kernel's output 1 should alias operand 5, the cache"
+
+
+def test_the_no_copy_check_can_fail():
+    """Not donated, the entry's cache must be copied before a kernel writes it: the check
+    above sees that copy."""
+    chip = CHIPS[0]
+    require_chip(chip)
+    specs = writing_specs(jnp.bfloat16)
+    text = compiled_text(writing_call, specs, chip, ())
+    shape = ",".join(map(str, specs[1].shape))
+    assert re.findall(rf"\[{shape}\][^ ]* copy(?:-start)?\(", text)
