@@ -105,6 +105,9 @@ TPU_JAX_0_7_2 = (ROOT / ".venv-tpu-jax-0.7.2", ROOT / "constraints" / "tpu-jax-0
 NOTEBOOKS_AS_ON_TPU = "MINILIB_NOTEBOOKS_AS_ON_TPU"
 # The test files holding `tpu_compile` tests (the TPU venvs lack the course's packages, so
 # only these are collected there).
+# The kernels against JAX's reference, run again as a TPU rounds its matmuls.
+KERNEL_PARITY_TESTS = ("tests/kernel/test_kernel.py", "tests/kernel/test_kv_write.py",
+                       "tests/kernel/test_plain_kernel.py")  # fmt: skip
 TPU_COMPILE_TESTS = (
     "tests/tpu/test_tpu_compile.py",
     "tests/tpu/test_tpu_comparison.py",
@@ -210,7 +213,8 @@ FAST_CPU_COMPILES = "--xla_backend_optimization_level=0"
 
 
 def pytest(python: Path, *args: str, fast_cpu_compiles: bool = False,
-           notebooks_as_on_tpu: bool = False, **run_options) -> None:  # fmt: skip
+           notebooks_as_on_tpu: bool = False, tpu_numerics: bool = False,
+           **run_options) -> None:  # fmt: skip
     # pytest exits 5 when it collected no tests: that is a failure here, as any non-zero code.
     # --durations: the slowest tests of each run, where CI's time goes.
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
@@ -218,6 +222,8 @@ def pytest(python: Path, *args: str, fast_cpu_compiles: bool = False,
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_CPU_COMPILES}".strip()
     if notebooks_as_on_tpu:
         env[NOTEBOOKS_AS_ON_TPU] = "1"
+    if tpu_numerics:  # every float32 matmul at default precision one bfloat16 pass, as on a TPU
+        env["MINILIB_TPU_NUMERICS"] = "1"
     run(python, "-m", "pytest", "--durations=15", *args, env=env, **run_options)
 
 
@@ -295,6 +301,9 @@ def run_cpu_suites(args: list[str], phases: Phases, python: Path, oldest: Path,
         pytest(oldest, *WORKERS, "-m", "not slow and not browser and not matrix",
                "-p", "no:cacheprovider", fast_cpu_compiles=True,
                notebooks_as_on_tpu=True)  # fmt: skip
+    with phases(".venv: the kernels' parity under TPU numerics (MINILIB_TPU_NUMERICS=1)"):
+        pytest(python, *WORKERS, "-m", "not slow and not matrix", "-p", "no:cacheprovider",
+               *KERNEL_PARITY_TESTS, fast_cpu_compiles=True, tpu_numerics=True)  # fmt: skip
     # The two browser tests side by side: each mostly waits for its Jupyter server and browser.
     # (Beside .venv-oldest's tests as well, notebook 08's took 123 s, over its 120 s limit.)
     with phases(".venv and .venv-oldest: the browser tests, side by side"):
