@@ -230,13 +230,17 @@ def rpa_jit(
         trace_capacity=trace_capacity, attention_sink=bool(sink),
     )  # fmt: skip
     decode_outs = decode_call(*decode.tables(), q_decode, kv_pages, *sink)
+    layout = mixed_layout(tables[2], tables[3], config)
+    q_mixed = jnp.take(q, layout.sources, axis=0, mode="fill", fill_value=0)
     mixed_call = rpa_pallas_call(
-        q, kv_pages, config=mixed_config, interpret=interpret, trace_capacity=trace_capacity,
-        attention_sink=bool(sink),
+        q_mixed, kv_pages, config=mixed_config, interpret=interpret,
+        trace_capacity=trace_capacity, attention_sink=bool(sink),
     )  # fmt: skip
-    mixed_outs = mixed_call(*tables, q, kv_pages, *sink)
+    mixed_tables = (tables[0], tables[1], layout.cu_q_lens, tables[3])
+    mixed_outs = mixed_call(*mixed_tables, q_mixed, kv_pages, *sink)
+    out = jnp.take(mixed_outs[0], layout.targets, axis=0, mode="fill", fill_value=0)
     # Rows of decode slots that hold no sequence point past the output: dropped.
-    out = mixed_outs[0].at[decode.rows].set(decode_outs[0], mode="drop")
+    out = out.at[decode.rows].set(decode_outs[0], mode="drop")
     return out, (decode_outs[1], mixed_outs[1]) if trace_capacity else None
 
 
@@ -365,6 +369,66 @@ def sink_input(
     group = config.num_q_heads_per_kv_head
     sinks = attention_sink.astype(jnp.float32).reshape(-1, group, 1)
     return jnp.broadcast_to(sinks, (*sinks.shape[:2], LANES))
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedLayout:
+    """Where the mixed kernel's q rows come from (`mixed_layout`)."""
+
+    cu_q_lens: jax.Array  # i32[max_num_seqs + 1]: the sequences' rows in the mixed kernel's q
+    sources: jax.Array  # i32[rows of the mixed q]: the batch's row in each, or past q: zeros
+    targets: jax.Array  # i32[max_num_batched_tokens]: each batch row's, or past: the decode's
+
+
+def mixed_layout(cu_q_lens, num_seqs, config: KernelConfig) -> MixedLayout:
+    """The mixed kernel's q: the rows of the sequences it serves, each sequence starting on a
+    q block while the padding fits.
+
+    Packed as the batch packs them, a sequence starting mid-block costs one more (q block,
+    sequence) pass, each running all the KV blocks its rows see: 32 decode rows then a chunk of
+    256 rows take 3 + 3 q blocks of 128 where 2 + 2 would do. So here the decode and idle
+    sequences take no rows (the decode kernel serves the one-token ones), and each other
+    sequence's rows are padded to a multiple of `num_queries_per_block`, the padding BEFORE
+    its rows: a row's position is kv_len - (q_end - row), so the real rows keep theirs, the
+    padding rows (q zeros) get earlier ones, and their outputs are dropped. The grid keeps
+    the q blocks of the batch's q: a sequence is padded only while the padding of it and of
+    all before it fits in the rows left free (the decode rows, the last block's rest), so
+    later ones are packed as they come.
+
+    The tables must be clamped (`clamp_tables`). Rows of q that no mixed sequence owns (decode,
+    padding) have `targets` past the mixed output: gathered as zeros.
+
+    >>> from minilib.batch import make_batch
+    >>> b = make_batch([(3, 8), (1, 9), (6, 9), (2, 5)], max_num_batched_tokens=12)
+    >>> config = kernel_config(b.q, b.kv_pages, b.page_indices, num_queries_per_block=4)
+    >>> layout = mixed_layout(b.cu_q_lens, b.num_seqs, config)
+    >>> b.cu_q_lens.tolist(), layout.cu_q_lens.tolist()  # 1 row free: seq 0 padded, 2 not
+    ([0, 3, 4, 10, 12], [0, 4, 4, 10, 12])
+    >>> layout.sources.tolist()     # 12: past q, a zero row (seq 0's padding)
+    [12, 0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11]
+    >>> layout.targets.tolist()     # 12: past the mixed q (the decode row: its own kernel's)
+    [1, 2, 3, 12, 4, 5, 6, 7, 8, 9, 10, 11]
+    """
+    c = config
+    bq, num_rows = c.num_queries_per_block, c.max_num_batched_tokens
+    mixed_rows = pl.cdiv(num_rows, bq) * bq
+    seq = jnp.arange(c.max_num_seqs, dtype=jnp.int32)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    mixed = (seq < num_seqs[0]) & (q_lens > 1)
+    rows = jnp.where(mixed, q_lens, 0)
+    padding = jnp.where(mixed, -rows % bq, 0)
+    spare = mixed_rows - jnp.sum(rows)
+    rows = rows + jnp.where(jnp.cumsum(padding) <= spare, padding, 0)
+    mixed_cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(rows, dtype=jnp.int32)])
+    # Batch row r of sequence s goes to r + shift[s]: its rows end where its mixed rows end.
+    shift = mixed_cu_q_lens[1:] - cu_q_lens[1:]
+    row = jnp.arange(num_rows, dtype=jnp.int32)
+    ends = jnp.where(seq < num_seqs[0], cu_q_lens[1:], num_rows)
+    seq_of_row = jnp.minimum(jnp.searchsorted(ends, row, side="right"), c.max_num_seqs - 1)
+    targets = jnp.where(mixed[seq_of_row] & (row < ends[seq_of_row]),
+                        row + shift[seq_of_row], mixed_rows)  # fmt: skip
+    sources = jnp.full(mixed_rows, num_rows, jnp.int32).at[targets].set(row, mode="drop")
+    return MixedLayout(mixed_cu_q_lens, sources, targets.astype(jnp.int32))
 
 
 # The scalar-prefetched tables, by the names `plain.rpa_kernel` takes them by.
