@@ -92,6 +92,7 @@ from minilib.kernel.call import (
     clamp_tables,
     count_seqs_in_order,
     kernel_config,
+    mixed_layout,
     ragged_paged_attention,
     resolve_interpret,
     rpa_jit,

@@ -42,6 +42,7 @@ from minilib.validation import validate_inputs
 __all__ = [
     "clamp_tables",
     "kernel_config",
+    "mixed_layout",
     "ragged_paged_attention",
     "resolve_interpret",
     "rpa_jit",
