@@ -5,6 +5,13 @@
 mixed); `rpa_pallas_call` builds each `pallas_call`: the grid (heads blocks, q blocks), q and
 the output in blocks that Pallas copies, `kv_pages` left in HBM for the kernel to copy, the VMEM
 scratch, and the levers' points (`levers.choose_points`).
+
+The mixed kernel gets a q of its own (`mixed_layout`), not the batch's: the one-token
+sequences take no rows there (the decode kernel serves them), and each other sequence starts
+on a q block while the padding fits, its padding rows before its own. A q block costs the same
+whether a sequence fills it or not, and each (q block, sequence) pair runs all the KV blocks
+its rows see: a chunk that starts mid-block pays for one more pair. q is gathered into that
+layout, and the output gathered back.
 """
 
 from __future__ import annotations
@@ -201,9 +208,9 @@ def rpa_jit(
     interpret, trace_capacity,
 ):  # fmt: skip
     """The two kernels on one batch: the decode kernel on its one-token sequences (gathered
-    into a batch of their own), the mixed kernel on the others; the decode rows scattered
-    into the mixed kernel's output. Returns (out, None), or with `trace_capacity > 0`
-    (out, (decode trace, mixed trace)).
+    into a batch of their own), the mixed kernel on the others (in its own q, `mixed_layout`);
+    the output gathered back from the mixed kernel's, the decode rows scattered into it.
+    Returns (out, None), or with `trace_capacity > 0` (out, (decode trace, mixed trace)).
 
     The batch tables are clamped here, once (`clamp_tables`): under `jit` nothing has
     validated them, and the kernels read them as they are.
