@@ -176,6 +176,8 @@ def kernel_config(
         max_num_batched_tokens=max_num_batched_tokens,
         bytes_per_page=page_size * 2 * kv_heads_per_block * head_dim * kv_pages.dtype.itemsize,
         head_dim=head_dim,
+        num_q_heads_per_block=kv_heads_per_block * (num_q_heads // num_kv_heads),
+        q_itemsize=q.dtype.itemsize,
     )
     options = dataclasses.replace(
         options,
