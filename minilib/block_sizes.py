@@ -176,9 +176,8 @@ def default_block_sizes(
         vmem = VMEM_SHARE * DEFAULT_SCOPED_VMEM_BYTES[chip]
         shapes = dict(kv_tokens=pages * page_size, num_q_heads_per_block=num_q_heads_per_block,
                       head_dim=head_dim, q_itemsize=q_itemsize)  # fmt: skip
-        while queries > 8 and 2 * pages * bytes_per_page + mixed_kernel_vmem_bytes(
-            queries, **shapes
-        ) > vmem:
+        slots = 2 * pages * bytes_per_page
+        while queries > 8 and slots + mixed_kernel_vmem_bytes(queries, **shapes) > vmem:
             queries //= 2
     return pages, min(queries, max_num_batched_tokens)
 
