@@ -135,11 +135,13 @@ def default_block_sizes(
     hand.
 
     The budgets are set for head_dim 128. A wider head widens q, the output and acc too, and
-    head_dim 256 takes the kernel's general K/V load, which spills more: the budget shrinks in
-    proportion. (Measured with `python -m minilib compile --chip v4 --head-dim 256
-    --num-kv-pages-per-block 16`: GQA in bf16 with head_dim 256 and 16 pages per block needed
-    12.2 MiB of v4's 16 MiB of VMEM, 4.1 MiB of it spills; 8 pages leave a quarter free, as
-    `tests/tpu/test_tpu_compile.py` asks.)
+    head_dim 256 takes the kernel's general K/V load, which spills more: the budget and the
+    target tokens shrink in proportion (an fp8 cache at head_dim 256, whose 512 tokens fit
+    the budget, costs less at 256 over the workload suite: benchmarks/LEVERS.md). (Measured
+    with `python -m minilib compile --chip v4 --head-dim 256 --num-kv-pages-per-block 16`: GQA
+    in bf16 with head_dim 256 and 16 pages per block needed 12.2 MiB of v4's 16 MiB of VMEM,
+    4.1 MiB of it spills; 8 pages leave a quarter free, as `tests/tpu/test_tpu_compile.py`
+    asks.)
 
     >>> default_block_sizes(page_size=16, pages_per_seq=64, max_num_batched_tokens=512,
     ...                     bytes_per_page=16 * 16 * 128 * 2)   # chip unknown
@@ -166,6 +168,7 @@ def default_block_sizes(
         ),
     )
     budget = budget * min(1, 128 / head_dim)
+    target_tokens = int(target_tokens * min(1, 128 / head_dim))
     pages = max(1, min(target_tokens // page_size, max_pages))
     pages = min(pages, pages_per_seq)
     while pages > 1 and 2 * pages * bytes_per_page > budget:
