@@ -179,7 +179,7 @@ def default_block_sizes(
         vmem = VMEM_SHARE * DEFAULT_SCOPED_VMEM_BYTES[chip]
         shapes = dict(kv_tokens=pages * page_size, num_q_heads_per_block=num_q_heads_per_block,
                       head_dim=head_dim, q_itemsize=q_itemsize)  # fmt: skip
-        slots = 2 * pages * bytes_per_page
+        slots = 2 * pages * bytes_per_page * lane_width(head_dim) // head_dim
         while queries > 8 and slots + mixed_kernel_vmem_bytes(queries, **shapes) > vmem:
             queries //= 2
     return pages, min(queries, max_num_batched_tokens)
@@ -191,18 +191,23 @@ def mixed_kernel_vmem_bytes(
     """The mixed kernel's VMEM for one heads block beside its two KV slots, as notebook 09
     adds it up (exercise 9.2's `kernel_vmem_bytes` less the slots): the q and output blocks,
     double-buffered; q folded; m and l (128 lanes a row) and acc in float32; and as spills,
-    one float32 score matrix per KV head, each row whole 128-lane registers. Every q head of a
-    q row is a row of these.
+    one float32 score matrix per KV head. Every q head of a q row is a row of these, and
+    every row takes whole 128-lane tiles (`lane_width`).
 
     >>> mixed_kernel_vmem_bytes(32, kv_tokens=512, num_q_heads_per_block=32, head_dim=128,
     ...                         q_itemsize=2) / 2**20   # MiB, Llama-3-8B's 32 q heads in bf16
     4.75
     """
-    rows = q_rows * num_q_heads_per_block
-    q_blocks = (2 * 2 + 1) * rows * head_dim * q_itemsize  # q and out, 2 buffers each; folded q
-    state = rows * (2 * 128 + head_dim) * 4  # m, l, acc
-    spills = rows * math.ceil(kv_tokens / 128) * 128 * 4
+    rows, width = q_rows * num_q_heads_per_block, lane_width(head_dim)
+    q_blocks = (2 * 2 + 1) * rows * width * q_itemsize  # q and out, 2 buffers each; folded q
+    state = rows * (2 * 128 + width) * 4  # m, l, acc
+    spills = rows * lane_width(kv_tokens) * 4
     return q_blocks + state + spills
+
+
+def lane_width(n: int) -> int:
+    """n values along the last axis take whole 128-lane tiles in VMEM: head_dim 64 takes 128."""
+    return math.ceil(n / 128) * 128
 
 
 def default_decode_seqs_per_block(max_num_seqs: int, bytes_per_seq: int) -> int:
