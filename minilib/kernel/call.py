@@ -242,6 +242,9 @@ def rpa_jit(
     decode_outs = decode_call(*decode.tables(), q_decode, kv_pages, *sink)
     layout = mixed_layout(tables[2], tables[3], config)
     q_mixed = jnp.take(q, layout.q_rows, axis=0, mode="clip")
+    # In HBM, as q is: Pallas copies its blocks into the kernel's VMEM (XLA would place a
+    # small gathered q in VMEM itself, outside the kernel's scoped VMEM).
+    q_mixed = pltpu.with_memory_space_constraint(q_mixed, pltpu.HBM)
     mixed_call = rpa_pallas_call(
         q_mixed, kv_pages, config=mixed_config, interpret=interpret,
         trace_capacity=trace_capacity, attention_sink=bool(sink),
