@@ -31,12 +31,14 @@ from __future__ import annotations
 import math
 
 from minilib.chips import FACTS, current_chip, packing, packing_of_size
+from minilib.tpu.memory import DEFAULT_SCOPED_VMEM_BYTES
 
 __all__ = [
     "default_block_sizes",
     "default_decode_seqs_per_block",
     "default_head_pipeline",
     "hbm_bytes_per_s",
+    "mixed_kernel_vmem_bytes",
     "modelled_seconds",
     "num_kv_heads_per_block",
 ]
@@ -54,8 +56,8 @@ DEFAULT_NUM_QUERIES_PER_BLOCK = 32
 # double-buffers it and the output block, so four of them sit in VMEM beside the KV slots.
 DECODE_Q_BLOCK_BYTES = 256 * 1024
 
-# Per chip: (KV tokens per block, most pages per block, q rows per block, KV buffers' VMEM
-# budget). Chosen with the cost model above on the course's GQA case (32 q heads, 8 KV heads,
+# Per chip: (KV tokens per block, most pages per block, most q rows per block, KV buffers'
+# VMEM budget). Chosen with the cost model above on the course's GQA case (32 q heads, 8 KV heads,
 # head_dim 128, bf16, page_size 16, kv_len 1024): on all four chips the model ranks 32 pages
 # (512 tokens) first, then 16, 8 and 4, because a KV block's fixed cost is large against its
 # per-token cost. Both KV buffers at 32 such pages take 4 MiB; the compiled kernel then needs
@@ -66,13 +68,23 @@ DECODE_Q_BLOCK_BYTES = 256 * 1024
 # (libtpu 0.0.50.1, 32 q rows, per 128 KV tokens: 8 pages 1069, 16 pages 773.5, 32 pages
 # 692.75; 9.5 MiB of VMEM). `tests/tpu/test_tpu_compile.py` re-checks the ranking and the headroom
 # against the current kernel. A chip without an entry gets the chip-independent defaults.
+#
+# The q block: as many rows as the mixed kernel's VMEM allows (`mixed_kernel_vmem_bytes`
+# within `VMEM_SHARE` of the chip's default scoped limit), up to the chip's most. More rows
+# per block cost fewer bundles per q row in the KV-block loop and fewer grid steps: over the
+# workload suite (`python -m minilib compile --workloads`, benchmarks/LEVERS.md), 128 rows
+# where they fit, else 64, gave the lowest worst ratio to vLLM's RPA v3 on v5e, v6e and
+# TPU7x. v4 and v5p, not measured, keep 32.
 CHIP_DEFAULTS: dict[str, tuple[int, int, int, int]] = {
     "v4": (512, 32, 32, 4 * 1024 * 1024),
-    "v5e": (512, 32, 32, 4 * 1024 * 1024),
+    "v5e": (512, 32, 128, 4 * 1024 * 1024),
     "v5p": (512, 32, 32, 4 * 1024 * 1024),
-    "v6e": (512, 32, 32, 8 * 1024 * 1024),
-    "tpu7x": (512, 32, 32, 8 * 1024 * 1024),
+    "v6e": (512, 32, 128, 8 * 1024 * 1024),
+    "tpu7x": (512, 32, 128, 8 * 1024 * 1024),
 }
+# The mixed kernel's VMEM sum may take this share of the chip's default scoped VMEM: the sum
+# is within 10% of the compiled kernel's (notebook 09, tests/tpu/test_tpu_vmem_model.py).
+VMEM_SHARE = 0.9
 
 
 def num_kv_heads_per_block(num_q_heads: int, num_kv_heads: int, q_dtype, kv_dtype) -> int:
@@ -108,27 +120,40 @@ def default_block_sizes(
     bytes_per_page: int,
     head_dim: int = 128,
     chip: str | None = None,
+    num_q_heads_per_block: int | None = None,
+    q_itemsize: int = 2,
 ) -> tuple[int, int]:  # (num_kv_pages_per_block, num_queries_per_block)
     """Default block sizes for `chip` ("v4", "v5e", "v5p", "v6e", "tpu7x"; None:
     `current_chip()`, and chip-independent sizes when that is unknown).
 
     A KV block of the chip's target tokens (at most the chip's most pages, 16 when the chip
     is unknown, and the sequence's pages), halved until both KV buffers fit the VMEM budget;
-    q blocks of 32 rows (fewer if the batch has fewer). Pass both block sizes to tune by hand.
+    q blocks of the chip's most rows (fewer if the batch has fewer), halved while the mixed
+    kernel's VMEM (`mixed_kernel_vmem_bytes`, of `num_q_heads_per_block` q heads in
+    `q_itemsize` bytes) exceeds `VMEM_SHARE` of the chip's default scoped VMEM; without
+    `num_q_heads_per_block`, or on an unknown chip, 32 rows. Pass both block sizes to tune by
+    hand.
 
     The budgets are set for head_dim 128. A wider head widens q, the output and acc too, and
-    head_dim 256 takes the kernel's general K/V load, which spills more: the budget shrinks in
-    proportion. (Measured with `python -m minilib compile --chip v4 --head-dim 256
-    --num-kv-pages-per-block 16`: GQA in bf16 with head_dim 256 and 16 pages per block needed
-    12.2 MiB of v4's 16 MiB of VMEM, 4.1 MiB of it spills; 8 pages leave a quarter free, as
-    `tests/tpu/test_tpu_compile.py` asks.)
+    head_dim 256 takes the kernel's general K/V load, which spills more: the budget and the
+    target tokens shrink in proportion (an fp8 cache at head_dim 256, whose 512 tokens fit
+    the budget, costs less at 256 over the workload suite: benchmarks/LEVERS.md). (Measured
+    with `python -m minilib compile --chip v4 --head-dim 256 --num-kv-pages-per-block 16`: GQA
+    in bf16 with head_dim 256 and 16 pages per block needed 12.2 MiB of v4's 16 MiB of VMEM,
+    4.1 MiB of it spills; 8 pages leave a quarter free, as `tests/tpu/test_tpu_compile.py`
+    asks.)
 
     >>> default_block_sizes(page_size=16, pages_per_seq=64, max_num_batched_tokens=512,
     ...                     bytes_per_page=16 * 16 * 128 * 2)   # chip unknown
     (16, 32)
     >>> default_block_sizes(page_size=16, pages_per_seq=64, max_num_batched_tokens=512,
-    ...                     bytes_per_page=16 * 16 * 128 * 2, chip="v5e")
-    (32, 32)
+    ...                     bytes_per_page=16 * 16 * 128 * 2, chip="v5e",
+    ...                     num_q_heads_per_block=32)   # Llama-3-8B's 32 q heads, bf16
+    (32, 64)
+    >>> default_block_sizes(page_size=16, pages_per_seq=64, max_num_batched_tokens=512,
+    ...                     bytes_per_page=16 * 16 * 128 * 2, chip="v6e",
+    ...                     num_q_heads_per_block=32)
+    (32, 128)
     """
     chip = current_chip() if chip is None else chip
     if chip is not None and chip not in FACTS:
@@ -143,11 +168,46 @@ def default_block_sizes(
         ),
     )
     budget = budget * min(1, 128 / head_dim)
+    target_tokens = int(target_tokens * min(1, 128 / head_dim))
     pages = max(1, min(target_tokens // page_size, max_pages))
     pages = min(pages, pages_per_seq)
     while pages > 1 and 2 * pages * bytes_per_page > budget:
         pages //= 2
+    if chip is None or num_q_heads_per_block is None:
+        queries = min(queries, DEFAULT_NUM_QUERIES_PER_BLOCK)
+    else:
+        vmem = VMEM_SHARE * DEFAULT_SCOPED_VMEM_BYTES[chip]
+        shapes = dict(kv_tokens=pages * page_size, num_q_heads_per_block=num_q_heads_per_block,
+                      head_dim=head_dim, q_itemsize=q_itemsize)  # fmt: skip
+        slots = 2 * pages * bytes_per_page * lane_width(head_dim) // head_dim
+        while queries > 8 and slots + mixed_kernel_vmem_bytes(queries, **shapes) > vmem:
+            queries //= 2
     return pages, min(queries, max_num_batched_tokens)
+
+
+def mixed_kernel_vmem_bytes(
+    q_rows: int, *, kv_tokens: int, num_q_heads_per_block: int, head_dim: int, q_itemsize: int
+) -> int:
+    """The mixed kernel's VMEM for one heads block beside its two KV slots, as notebook 09
+    adds it up (exercise 9.2's `kernel_vmem_bytes` less the slots): the q and output blocks,
+    double-buffered; q folded; m and l (128 lanes a row) and acc in float32; and as spills,
+    one float32 score matrix per KV head. Every q head of a q row is a row of these, and
+    every row takes whole 128-lane tiles (`lane_width`).
+
+    >>> mixed_kernel_vmem_bytes(32, kv_tokens=512, num_q_heads_per_block=32, head_dim=128,
+    ...                         q_itemsize=2) / 2**20   # MiB, Llama-3-8B's 32 q heads in bf16
+    4.75
+    """
+    rows, width = q_rows * num_q_heads_per_block, lane_width(head_dim)
+    q_blocks = (2 * 2 + 1) * rows * width * q_itemsize  # q and out, 2 buffers each; folded q
+    state = rows * (2 * 128 + width) * 4  # m, l, acc
+    spills = rows * lane_width(kv_tokens) * 4
+    return q_blocks + state + spills
+
+
+def lane_width(n: int) -> int:
+    """n values along the last axis take whole 128-lane tiles in VMEM: head_dim 64 takes 128."""
+    return math.ceil(n / 128) * 128
 
 
 def default_decode_seqs_per_block(max_num_seqs: int, bytes_per_seq: int) -> int:

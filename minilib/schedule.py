@@ -31,6 +31,9 @@ are skipped.
 A `Schedule` has:
     grid                    (num_heads_blocks, num_q_blocks): the mixed kernel's grid
     decode_grid             (num_heads_blocks, decode q blocks): the decode kernel's grid
+    mixed_q_rows            per sequence slot, its rows (start, end) in the mixed kernel's q,
+                            which holds no one-token sequence and starts the others on q-block
+                            boundaries while the padding fits (`minilib.kernel.mixed_layout`)
     num_queries_per_block, num_kv_pages_per_block, page_size, kv_tokens_per_block,
     num_q_heads_per_block, num_kv_heads_per_block, decode_seqs_per_block
     events                  list[Event], in the order they happened (decode kernel first)
@@ -49,7 +52,8 @@ An `Event` (frozen dataclass) has:
     slot        0 or 1, the VMEM buffer
     pages       the physical pages of that KV block (what the DMA copies)
     kv_tokens   (start, end): the block's token positions in its sequence, clipped to kv_len
-    q_rows      (start, end): rows of q computed (compute and wait events; None for start)
+    q_rows      (start, end): rows of the batch's q computed (compute and wait events; None
+                for start)
     kernel      "decode" or "mixed": which of the two kernels
 
 >>> from minilib.batch import make_batch
@@ -131,6 +135,7 @@ class Schedule:
     events: tuple[Event, ...]
     decode_grid: tuple[int, int] = (1, 1)
     decode_seqs_per_block: int = 1
+    mixed_q_rows: tuple[tuple[int, int], ...] = ()  # per sequence slot: rows of the mixed q
 
     @property
     def kv_tokens_per_block(self) -> int:
@@ -181,7 +186,7 @@ class Schedule:
                 lines += ["  " + describe_event(e) for e in events]
         for (h, q_blk), events in self.steps().items():
             first_row = q_blk * self.num_queries_per_block
-            rows = f"q rows [{first_row}, {first_row + self.num_queries_per_block})"
+            rows = f"mixed q rows [{first_row}, {first_row + self.num_queries_per_block})"
             empty = "" if events else ": no rows for this kernel, output zeros"
             lines.append(f"grid step (heads block {h}, q block {q_blk}): {rows}{empty}")
             lines += ["  " + describe_event(e) for e in events]
@@ -250,6 +255,7 @@ def plan_schedule(
         (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs), options
     )
     mixed, decode = kernel.split_configs(config)
+    mixed_table = table.in_mixed_layout(config)
     num_q_blocks = cdiv(q.shape[0], config.num_queries_per_block)
     grid_steps = config.num_heads_blocks * num_q_blocks
     if max_grid_steps is not None and grid_steps > max_grid_steps:
@@ -259,14 +265,14 @@ def plan_schedule(
             "num_queries_per_block, or fewer q rows or heads."
         )
     if max_computes is not None:
-        count = count_computes(table, mixed, num_q_blocks) + count_computes(table, decode)
+        count = count_computes(mixed_table, mixed, num_q_blocks) + count_computes(table, decode)
         if count > max_computes:
             raise ScheduleTooBig(
                 f"The kernel computes {count} KV blocks for this batch, more than "
                 f"{max_computes=}. Use bigger blocks, fewer heads or shorter sequences."
             )
     events = chain_of_copies(work_list(table, decode), "decode")
-    events += chain_of_copies(work_list(table, mixed, num_q_blocks), "mixed")
+    events += chain_of_copies(work_list(mixed_table, mixed, num_q_blocks), "mixed")
     return _schedule(q, config, table, events)
 
 
@@ -329,17 +335,37 @@ def _seq_blocks(table: _Table, config: kernel.KernelConfig, num_q_blocks=None):
 
 
 class _Table:
-    """The batch description as Python ints, with the questions the schedule asks of it."""
+    """The batch description as Python ints, with the questions the schedule asks of it. Its
+    q rows are the batch's, or the mixed kernel's (`in_mixed_layout`)."""
 
-    def __init__(self, kv_lens, page_indices, cu_q_lens, num_seqs):
+    def __init__(self, kv_lens, page_indices, cu_q_lens, num_seqs, batch_cu_q_lens=None):
         self.kv_lens = np.asarray(kv_lens)
         self.page_indices = np.asarray(page_indices)
         self.cu_q_lens = np.asarray(cu_q_lens)
+        self.batch_cu_q_lens = self.cu_q_lens if batch_cu_q_lens is None else batch_cu_q_lens
         # Clamped to the slots that exist, as the kernel's loops are.
         self.num_seqs = min(max(int(np.asarray(num_seqs)[0]), 0), len(self.kv_lens))
 
+    def in_mixed_layout(self, config: kernel.KernelConfig) -> _Table:
+        """This batch as the mixed kernel sees it: its sequences' rows in the mixed kernel's q
+        (`kernel.mixed_layout`: one-token sequences none, the others on q-block boundaries
+        while the padding fits)."""
+        layout = kernel.mixed_layout(self.cu_q_lens, np.array([self.num_seqs]), config)
+        return _Table(self.kv_lens, self.page_indices, np.asarray(layout.cu_q_lens),
+                      [self.num_seqs], batch_cu_q_lens=self.cu_q_lens)  # fmt: skip
+
     def q_rows(self, seq) -> tuple[int, int]:
         return int(self.cu_q_lens[seq]), int(self.cu_q_lens[seq + 1])
+
+    def batch_rows(self, seq, rows) -> tuple[int, int]:
+        """The batch's rows of `seq` that are among `rows` of this table's q: the padding
+        before a sequence's rows in the mixed kernel's q is none of them."""
+        q_end, batch_start, batch_end = self.q_rows(seq)[1], *self.batch_q_rows(seq)
+        shift = q_end - batch_end  # row r of the batch is row r + shift here
+        return max(batch_start, rows[0] - shift), min(batch_end, rows[1] - shift)
+
+    def batch_q_rows(self, seq) -> tuple[int, int]:
+        return int(self.batch_cu_q_lens[seq]), int(self.batch_cu_q_lens[seq + 1])
 
     def decode_seqs(self) -> list[int]:
         """The one-token sequences, in order: those the decode kernel serves."""
@@ -460,18 +486,19 @@ def _config_and_table(args: tuple, options: AttentionOptions):
 
 def _schedule(q, config: kernel.KernelConfig, table: _Table, raw_events) -> Schedule:
     """Turn (kind, step, heads_blk, seq, kv_blk, slot, kernel) tuples into Events with pages
-    and rows (a decode sequence's one row; a mixed q block's rows of the sequence)."""
+    and rows (a decode sequence's one row; a mixed q block's rows of the sequence, as rows of
+    the batch)."""
     bq = config.num_queries_per_block
+    mixed_table = table.in_mixed_layout(config)
     events = []
     for kind, step, heads_blk, seq, kv_blk, slot, kernel_name in raw_events:
         tokens = config.kv_tokens_per_block
         kv_len = int(table.kv_lens[seq])
         q_rows = None
         if kind != "start":
-            q_start, q_end = table.q_rows(seq)
+            q_rows = table.q_rows(seq)
             if kernel_name == "mixed":
-                q_start, q_end = max(q_start, step[1] * bq), min(q_end, (step[1] + 1) * bq)
-            q_rows = (q_start, q_end)
+                q_rows = mixed_table.batch_rows(seq, (step[1] * bq, (step[1] + 1) * bq))
         events.append(
             Event(
                 kind=kind,
@@ -497,4 +524,5 @@ def _schedule(q, config: kernel.KernelConfig, table: _Table, raw_events) -> Sche
         events=tuple(events),
         decode_grid=(config.num_heads_blocks, decode_blocks),
         decode_seqs_per_block=config.decode_seqs_per_block,
+        mixed_q_rows=tuple(mixed_table.q_rows(s) for s in range(len(table.kv_lens))),
     )

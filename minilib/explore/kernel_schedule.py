@@ -86,7 +86,8 @@ def kernel_schedule_figure(schedule, step: tuple[int, int] | None = None) -> Fig
     """A `minilib.schedule.Schedule` drawn in two panels.
 
     Top, the grid: one row per heads block, one column per q block of
-    `num_queries_per_block` rows, under the packed q rows of each sequence. In each grid step,
+    `num_queries_per_block` rows, under each sequence's rows in the mixed kernel's q (where
+    a sequence starts on a q block while the padding fits). In each grid step,
     one tile per KV block the kernel computes there, coloured by sequence (s1 b2: sequence 1,
     KV block 2). Below, a lane per heads block of the decode kernel: each one-token sequence's
     KV blocks at its row.
@@ -138,11 +139,8 @@ def _draw_grid(ax, schedule, selected) -> list:
     num_heads_blocks, num_q_blocks = schedule.grid
     bq = schedule.num_queries_per_block
     labels = []
-    # The packed q rows of each sequence, on top.
-    rows = {}
-    for e in schedule.computes():
-        start, end = rows.get(e.seq, e.q_rows)
-        rows[e.seq] = (min(start, e.q_rows[0]), max(end, e.q_rows[1]))
+    # Each sequence's rows in the mixed kernel's q, on top (padding included).
+    rows = {e.seq: schedule.mixed_q_rows[e.seq] for e in schedule.computes() if e.kernel == "mixed"}
     for seq, (start, end) in rows.items():
         box = style.rectangle(ax, start, 0, end - start, 0.7, style.color(seq), style.hatch(seq))
         labels.append((style.box_label(ax, box, f"seq {seq}", style.color(seq)), box))

@@ -36,7 +36,8 @@ with every speed lever off, the production shape of the ladder's last rung:
                 the double-buffered copies, the plain K/V load, the online softmax, one KV head
                 at a time; and `Points`, where the levers plug in
     call        ragged_paged_attention, the jitted wrapper (`rpa_jit`: tables clamped once,
-                two kernels), the pallas_call: grid, block specs, scratch
+                two kernels, the mixed kernel's q with each sequence on a q block:
+                `mixed_layout`), the pallas_call: grid, block specs, scratch
 
 Then the levers beside it, each replacing one point of the plain kernel (`levers` chooses
 them once per configuration; benchmarks/LEVERS.md records what each saves, and on which chips):
@@ -94,6 +95,7 @@ from minilib.kernel.call import (
     clamp_tables,
     count_seqs_in_order,
     kernel_config,
+    mixed_layout,
     ragged_paged_attention,
     resolve_interpret,
     rpa_jit,

@@ -5,6 +5,13 @@
 mixed); `rpa_pallas_call` builds each `pallas_call`: the grid (heads blocks, q blocks), q and
 the output in blocks that Pallas copies, `kv_pages` left in HBM for the kernel to copy, the VMEM
 scratch, and the levers' points (`levers.choose_points`).
+
+The mixed kernel gets a q of its own (`mixed_layout`), not the batch's: the one-token
+sequences take no rows there (the decode kernel serves them), and each other sequence starts
+on a q block while the padding fits, its padding rows before its own. A q block costs the same
+whether a sequence fills it or not, and each (q block, sequence) pair runs all the KV blocks
+its rows see: a chunk that starts mid-block pays for one more pair. q is gathered into that
+layout, and the output gathered back.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from minilib.validation import check_new_kv, validate_inputs
 __all__ = [
     "clamp_tables",
     "kernel_config",
+    "mixed_layout",
     "ragged_paged_attention",
     "resolve_interpret",
     "rpa_jit",
@@ -189,6 +197,8 @@ def kernel_config(
         max_num_batched_tokens=max_num_batched_tokens,
         bytes_per_page=page_size * 2 * kv_heads_per_block * head_dim * kv_pages.dtype.itemsize,
         head_dim=head_dim,
+        num_q_heads_per_block=kv_heads_per_block * (num_q_heads // num_kv_heads),
+        q_itemsize=q.dtype.itemsize,
     )
     options = dataclasses.replace(
         options,
@@ -221,9 +231,9 @@ def rpa_jit(
     interpret, trace_capacity,
 ):  # fmt: skip
     """The two kernels on one batch: the decode kernel on its one-token sequences (gathered
-    into a batch of their own), the mixed kernel on the others; the decode rows scattered
-    into the mixed kernel's output. Returns (out, None), or with `trace_capacity > 0`
-    (out, (decode trace, mixed trace)).
+    into a batch of their own), the mixed kernel on the others (in its own q, `mixed_layout`);
+    the output gathered back from the mixed kernel's, the decode rows scattered into it.
+    Returns (out, None), or with `trace_capacity > 0` (out, (decode trace, mixed trace)).
 
     The batch tables are clamped here, once (`clamp_tables`): under `jit` nothing has
     validated them, and the kernels read them as they are.
@@ -283,21 +293,33 @@ def run_kernels(q, kv_pages, tables, attention_sink, new_kv, *, config, interpre
     q_decode = jnp.take(q, decode.rows, axis=0, mode="clip")  # [max_num_seqs, heads, hd]
     sink = () if attention_sink is None else (sink_input(attention_sink, config),)
     write = new_kv is not None
-    decode_new_kv = (jnp.take(new_kv, decode.rows, axis=0, mode="clip"),) if write else ()
     decode_call = rpa_pallas_call(
         q_decode, kv_pages, config=decode_config, interpret=interpret,
         trace_capacity=trace_capacity, attention_sink=bool(sink), write_kv=write,
     )  # fmt: skip
-    decode_outs = decode_call(*decode.tables(), q_decode, kv_pages, *sink, *decode_new_kv)
+    # Each kernel writes the tokens of the sequences it attends, as the batch packs their rows
+    # (`writes`: new K/V and the rows' table), whatever q layout its walk reads.
+    writes = (
+        (jnp.take(new_kv, decode.rows, axis=0, mode="clip"), decode.tables()[2]) if write else ()
+    )
+    decode_outs = decode_call(*decode.tables(), q_decode, kv_pages, *sink, *writes)
     kv_pages = decode_outs[-1] if write else kv_pages
+    layout = mixed_layout(tables[2], tables[3], config)
+    q_mixed = jnp.take(q, layout.q_rows, axis=0, mode="clip")
+    # In HBM, as q is: Pallas copies its blocks into the kernel's VMEM (XLA would place a
+    # small gathered q in VMEM itself, outside the kernel's scoped VMEM).
+    q_mixed = pltpu.with_memory_space_constraint(q_mixed, pltpu.HBM)
     mixed_call = rpa_pallas_call(
-        q, kv_pages, config=mixed_config, interpret=interpret, trace_capacity=trace_capacity,
-        attention_sink=bool(sink), write_kv=write,
+        q_mixed, kv_pages, config=mixed_config, interpret=interpret,
+        trace_capacity=trace_capacity, attention_sink=bool(sink), write_kv=write,
     )  # fmt: skip
-    mixed_outs = mixed_call(*tables, q, kv_pages, *sink, *((new_kv,) if write else ()))
+    mixed_tables = (tables[0], tables[1], layout.cu_q_lens, tables[3])
+    writes = (new_kv, tables[2]) if write else ()
+    mixed_outs = mixed_call(*mixed_tables, q_mixed, kv_pages, *sink, *writes)
     kv_pages = mixed_outs[-1] if write else kv_pages
+    out = jnp.take(mixed_outs[0], layout.out_rows, axis=0, mode="clip")
     # Rows of decode slots that hold no sequence point past the output: dropped.
-    out = mixed_outs[0].at[decode.rows].set(decode_outs[0], mode="drop")
+    out = out.at[decode.rows].set(decode_outs[0], mode="drop")
     return out, kv_pages, (decode_outs[1], mixed_outs[1]) if trace_capacity else None
 
 
@@ -322,9 +344,10 @@ def rpa_pallas_call(
     m; from SMEM each q head's sink would be a scalar to broadcast and select into its rows.
     Without sinks there is no such input, and the kernel body gets `sink_ref=None`.
 
-    With `write_kv`, the call takes the new tokens last, [rows of q, 2*num_kv_heads, head_dim]
-    in HBM, and returns the cache last, aliased to its kv_pages input: the kernel writes the
-    tokens into it first (`kv_write.with_kv_write`).
+    With `write_kv`, the call takes the new tokens last, [rows, 2*num_kv_heads, head_dim] in
+    HBM, packed as the batch packs them, then their cu_q_lens (SMEM; the mixed kernel's q has
+    a layout of its own), and returns the cache last, aliased to its kv_pages input: the
+    kernel writes the tokens into it first (`kv_write.with_kv_write`).
 
     The tables must be those of a valid batch, or clamped by `clamp_tables` (as the
     jitted wrapper of `ragged_paged_attention` does): the kernel reads them as they are, and
@@ -372,6 +395,7 @@ def rpa_pallas_call(
         outputs["trace_ref"] = (pl.BlockSpec(memory_space=pltpu.SMEM), trace_shape)
     if write_kv:
         inputs["new_kv_hbm_ref"] = pl.BlockSpec(memory_space=pl.ANY)
+        inputs["new_kv_cu_q_lens_ref"] = pl.BlockSpec(memory_space=pltpu.SMEM)
         cache_shape = jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype)
         outputs["kv_pages_out_ref"] = (pl.BlockSpec(memory_space=pl.ANY), cache_shape)
     rows = c.rows_per_kv_head
@@ -443,6 +467,81 @@ def sink_input(
     group = config.num_q_heads_per_kv_head
     sinks = attention_sink.astype(jnp.float32).reshape(-1, group, 1)
     return jnp.broadcast_to(sinks, (*sinks.shape[:2], LANES))
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedLayout:
+    """The mixed kernel's q rows (`mixed_layout`)."""
+
+    cu_q_lens: jax.Array  # i32[max_num_seqs + 1]: the sequences' rows in the mixed kernel's q
+    q_rows: jax.Array  # i32[mixed rows]: the batch's q row each mixed row is gathered from
+    out_rows: jax.Array  # i32[max_num_batched_tokens]: each batch row's mixed output row
+
+
+def mixed_layout(cu_q_lens, num_seqs, config: KernelConfig) -> MixedLayout:
+    """The mixed kernel's q: the rows of the sequences it serves, each starting on a q block
+    while the padding fits.
+
+    Packed as the batch packs them, a sequence starting mid-block costs one more (q block,
+    sequence) pass, and each pass runs every KV block its rows see: 32 decode rows then a
+    chunk of 256 rows take 3 + 3 q blocks of 128 where 2 + 2 would do. So here the decode and
+    idle sequences take no rows (the decode kernel serves the one-token ones), and each other
+    sequence's rows are padded to a multiple of `num_queries_per_block`, the padding BEFORE its
+    rows: a row's position is kv_len - (q_end - row), so the real rows keep theirs, the
+    padding rows get earlier ones (their q is any row's, their outputs are never read).
+
+    The grid keeps the q blocks of the batch's q, so a sequence is padded only while its
+    padding and that of all before it fit in the rows left free (the decode rows, the last
+    block's rest), less the last row: no sequence owns it, so the kernel writes it zero, and
+    the output rows no sequence owns are gathered from it (the decode rows too, before the
+    decode kernel's rows are scattered over them). Later sequences are packed as they come.
+    The tables must be clamped (`clamp_tables`).
+
+    >>> from minilib.batch import make_batch
+    >>> b = make_batch([(3, 8), (1, 9), (5, 9), (2, 5)], max_num_batched_tokens=12)
+    >>> config = kernel_config(b.q, b.kv_pages, b.page_indices, num_queries_per_block=4)
+    >>> layout = mixed_layout(b.cu_q_lens, b.num_seqs, config)
+    >>> b.cu_q_lens.tolist(), layout.cu_q_lens.tolist()  # 2 rows free: seq 0 padded, 2 not
+    ([0, 3, 4, 9, 11], [0, 4, 4, 9, 11])
+    >>> layout.q_rows.tolist()      # row 0: seq 0's padding (any row will do)
+    [0, 0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11]
+    >>> layout.out_rows.tolist()    # 11: the zero row (the decode row 3, the unused 11)
+    [1, 2, 3, 11, 4, 5, 6, 7, 8, 9, 10, 11]
+    """
+    c = config
+    bq, num_rows = c.num_queries_per_block, c.max_num_batched_tokens
+    mixed_rows = pl.cdiv(num_rows, bq) * bq
+    seq = jnp.arange(c.max_num_seqs, dtype=jnp.int32)
+    live = seq < num_seqs[0]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    mixed = live & (q_lens > 1)
+    rows = jnp.where(mixed, q_lens, 0)
+    padding = jnp.where(mixed, -rows % bq, 0)
+    spare = mixed_rows - jnp.sum(rows)
+    rows = rows + jnp.where(jnp.cumsum(padding) < spare, padding, 0)
+    mixed_cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(rows, dtype=jnp.int32)])
+    # Row r of sequence s is row r + shift[s] of the mixed q: its rows end where its mixed end.
+    shift = jnp.where(mixed, mixed_cu_q_lens[1:] - cu_q_lens[1:], 0)
+    mixed_row = jnp.arange(mixed_rows, dtype=jnp.int32)
+    mixed_shift = row_shifts(mixed_row, mixed_cu_q_lens, shift)
+    row = jnp.arange(num_rows, dtype=jnp.int32)
+    in_mixed = rows_in_seqs(row, cu_q_lens) & mixed  # bool[num_rows, max_num_seqs]
+    row_shift = jnp.sum(jnp.where(in_mixed, shift, 0), axis=1)
+    return MixedLayout(
+        cu_q_lens=mixed_cu_q_lens,
+        q_rows=jnp.clip(mixed_row - mixed_shift, 0, num_rows - 1),
+        out_rows=jnp.where(jnp.any(in_mixed, axis=1), row + row_shift, mixed_rows - 1),
+    )
+
+
+def rows_in_seqs(rows, cu_q_lens):  # -> bool[len(rows), max_num_seqs]
+    """Whether each row is one of each sequence's: a compare per (row, sequence), no gather."""
+    return (cu_q_lens[:-1] <= rows[:, None]) & (rows[:, None] < cu_q_lens[1:])
+
+
+def row_shifts(rows, cu_q_lens, shift):
+    """shift[s] of the sequence s that owns each row (0 where none does)."""
+    return jnp.sum(jnp.where(rows_in_seqs(rows, cu_q_lens), shift, 0), axis=1)
 
 
 # The scalar-prefetched tables, by the names `plain.rpa_kernel` takes them by.

@@ -32,12 +32,15 @@ __all__: list[str] = []  # used by `call.rpa_pallas_call`: see `with_kv_write`
 
 def with_kv_write(kernel, config: KernelConfig):
     """`kernel` (`plain.rpa_kernel`, its refs by name) taking the new tokens, `new_kv_hbm_ref`,
-    the aliased cache output, `kv_pages_out_ref`, and a DMA semaphore, `write_sem`; it writes
-    the tokens in the first grid step, and then reads the cache from the output."""
+    the cu_q_lens of their rows, `new_kv_cu_q_lens_ref` (the batch's: the mixed kernel's q has
+    its own layout), the aliased cache output, `kv_pages_out_ref`, and a DMA semaphore,
+    `write_sem`; it writes the tokens in the first grid step, then reads the cache from the
+    output."""
 
-    def writing_kernel(*, new_kv_hbm_ref, kv_pages_out_ref, write_sem, **refs):
+    def writing_kernel(*, new_kv_hbm_ref, new_kv_cu_q_lens_ref, kv_pages_out_ref, write_sem,
+                       **refs):  # fmt: skip
         del refs["kv_pages_hbm_ref"]  # the same buffer as kv_pages_out_ref: read that one
-        batch = SeqTable(refs["kv_lens_ref"], refs["page_indices_ref"], refs["cu_q_lens_ref"],
+        batch = SeqTable(refs["kv_lens_ref"], refs["page_indices_ref"], new_kv_cu_q_lens_ref,
                          refs["num_seqs_ref"], config)  # fmt: skip
 
         @pl.when((pl.program_id(0) == 0) & (pl.program_id(1) == 0))

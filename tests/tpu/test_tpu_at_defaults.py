@@ -40,7 +40,7 @@ def test_each_kernel_runs_at_what_its_own_heuristic_answers():
     kv_heads = block_sizes.num_kv_heads_per_block(32, 8, q.dtype, kv_pages.dtype)
     pages, queries = block_sizes.default_block_sizes(
         page_size=16, pages_per_seq=page_indices.shape[1], max_num_batched_tokens=q.shape[0],
-        bytes_per_page=16 * 2 * kv_heads * 128 * 2, chip=chip,
+        bytes_per_page=16 * 2 * kv_heads * 128 * 2, chip=chip, num_q_heads_per_block=4 * kv_heads,
     )  # fmt: skip
     assert (rows["ours", "mixed"].kv_tokens, rows["ours", "mixed"].q_rows) == (16 * pages, queries)
     assert rows["ours", "decode"].kv_tokens == 16 * pages
