@@ -174,8 +174,8 @@ def ours_trips(workload: Workload, pages: int, queries: int) -> dict[str, list[i
     layer's sliding window included). A grid of one step compiles to no loop: then there is no
     grid loop to count.
 
-    >>> ours_trips(Workload("two", ((1, 40), (8, 40))), pages=1, queries=8)
-    {'decode': [3, 1], 'mixed': [6, 2, 2]}
+    >>> ours_trips(Workload("two", ((1, 40), (8, 40))), pages=1, queries=8)  # 8 rows, 1 q block
+    {'decode': [3, 1], 'mixed': [3, 1, 2]}
     """
     from minilib.schedule import plan_schedule
 
