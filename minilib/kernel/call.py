@@ -306,9 +306,9 @@ def run_kernels(q, kv_pages, tables, attention_sink, new_kv, *, config, interpre
     kv_pages = decode_outs[-1] if write else kv_pages
     layout = mixed_layout(tables[2], tables[3], config)
     q_mixed = jnp.take(q, layout.q_rows, axis=0, mode="clip")
-    # In HBM, as q is: Pallas copies its blocks into the kernel's VMEM (XLA would place a
-    # small gathered q in VMEM itself, outside the kernel's scoped VMEM).
-    q_mixed = pltpu.with_memory_space_constraint(q_mixed, pltpu.HBM)
+    if interpret is False:  # compiled: in HBM, as q is (XLA would place a small gathered q in
+        # VMEM itself, outside the kernel's scoped VMEM); jax 0.7.2 cannot interpret it
+        q_mixed = pltpu.with_memory_space_constraint(q_mixed, pltpu.HBM)
     mixed_call = rpa_pallas_call(
         q_mixed, kv_pages, config=mixed_config, interpret=interpret,
         trace_capacity=trace_capacity, attention_sink=bool(sink), write_kv=write,
