@@ -133,7 +133,6 @@ from minilib.kernel.plain import (
     first_seq_in_q_block,
     first_work,
     fold_q_heads,
-    keep_other_rows,
     load_kv,
     next_live_seq,
     next_work,

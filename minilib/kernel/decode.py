@@ -131,13 +131,13 @@ def fold_decode_q(
 def decode_score_mask(span: SeqSpan, kv_blk, config: KernelConfig) -> ScoreMask:
     """`score_mask` for the decode kernel's one row: its position is the sequence's last,
     kv_len - 1, so the causal mask is exactly "past kv_len" (and the window counts back from
-    there). Every row is the sequence's: no `in_seq`."""
+    there)."""
     c = config
     shape = (c.rows_per_kv_head, c.kv_tokens_per_block)
     k_pos = kv_blk * c.kv_tokens_per_block + lax.broadcasted_iota(jnp.int32, shape, 1)
     masked = is_masked(span.kv_len - 1, k_pos, c.sliding_window)
     past_kv_len = None if mask_value_vanishes(c.mask_value) else k_pos >= span.kv_len
-    return ScoreMask(masked, past_kv_len, None)
+    return ScoreMask(masked, past_kv_len)
 
 
 def write_output_row(softmax: OnlineSoftmax, o_ref, row):

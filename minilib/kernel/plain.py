@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -30,6 +31,12 @@ from minilib.kernel.config import LANES, KernelConfig
 from minilib.reference import apply_soft_cap
 
 __all__: list[str] = []  # the kernel body's own: see `rpa_kernel`
+
+# Scores in units of log2 (q . k * score_scale * LOG2_E): p = 2**(s - m), no multiply in exp.
+LOG2_E = math.log2(math.e)
+# m starts finite, above every vanishing mask value: a row seeing only masked keys (another
+# sequence's, NaN padding) keeps m, l and acc exactly. No real score is this low.
+M_START = -1e29
 
 
 def rpa_kernel(
@@ -156,6 +163,10 @@ def fold_q_heads(q_ref, q_fold_ref, config: KernelConfig):
         q_fold_ref[kv_head] = q.reshape(c.rows_per_kv_head, c.head_dim)
 
 
+def in_log2_units(mask_value: float) -> float:  # one that vanishes stays as it is
+    return mask_value if masking.mask_value_vanishes(mask_value) else mask_value * LOG2_E
+
+
 def other_slot(slot):
     """A select, not `1 - slot`: Mosaic then knows it is 0 or 1 (no bounds check)."""
     return jnp.where(slot == 0, 1, 0)
@@ -260,22 +271,25 @@ class SeqSpan:  # one sequence's rows [q_start, q_end) and kv_len, read once per
 
 
 @dataclasses.dataclass(frozen=True)
-class ScoreMask:
+class ScoreMask:  # once per KV block, for every KV head
     masked: jax.Array  # bool[rows, kv_tokens_per_block]: causal and sliding window
-    past_kv_len: jax.Array | None  # bool[rows, kv tokens]; None: `masked` covers them
-    in_seq: jax.Array | None  # bool[rows, LANES]: the rows that may change; None: all
+    hidden: jax.Array | None  # bool[rows, kv tokens]: past kv_len; None: `masked` covers them
 
 
 def score_mask(span: SeqSpan, q_blk, kv_blk, config: KernelConfig) -> ScoreMask:
+    """The keys each row may not see. Rows of other sequences see none of this one's: their
+    m, l and acc stay as they are (`M_START`), with no select of their own."""
     c = config
     shape = (c.rows_per_kv_head, c.kv_tokens_per_block)
-    q_pos = masking.q_position(q_row(shape, q_blk, c), span.q_end, span.kv_len)
+    row = q_row(shape, q_blk, c)
+    q_pos = masking.q_position(row, span.q_end, span.kv_len)
     k_pos = kv_blk * c.kv_tokens_per_block + lax.broadcasted_iota(jnp.int32, shape, 1)
     masked = masking.is_masked(q_pos, k_pos, c.sliding_window)
+    other_rows = (row < span.q_start) | (row >= span.q_end)
+    if masking.mask_value_vanishes(c.mask_value):
+        return ScoreMask(masked | other_rows, None)
     # A small mask_value gives masked keys a weight: keys past kv_len are named apart.
-    past_kv_len = None if masking.mask_value_vanishes(c.mask_value) else k_pos >= span.kv_len
-    row = q_row((c.rows_per_kv_head, LANES), q_blk, c)
-    return ScoreMask(masked, past_kv_len, (row >= span.q_start) & (row < span.q_end))
+    return ScoreMask(masked, (k_pos >= span.kv_len) | other_rows)
 
 
 def q_row(shape, q_blk, config: KernelConfig):  # the batch's q row of each folded row
@@ -290,14 +304,18 @@ def widen(x, width: int):  # x: [rows, LANES], every lane the same -> [rows, wid
     return x[:, :width] if width < LANES else jnp.broadcast_to(x[:, :1], (x.shape[0], width))
 
 
-def keep_other_rows(in_seq, new, old):  # in_seq: bool[rows, LANES]; new, old: [rows, width]
-    """`new` in the walked sequence's rows; the others (maybe NaN padding) keep `old`."""
-    return new if in_seq is None else jnp.where(widen(in_seq, new.shape[1]), new, old)
+def lane_sums(p):  # p: f32[rows, kv_tokens] -> [rows, LANES], the lanes adding up to each row's sum
+    """Whole vector registers of p added, no sum across lanes: that waits for the output."""
+    if p.shape[1] % LANES == 0:
+        return functools.reduce(jnp.add, [p[:, i : i + LANES] for i in range(0, p.shape[1], LANES)])
+    first_lane = lax.broadcasted_iota(jnp.int32, (p.shape[0], LANES), 1) == 0
+    return jnp.where(first_lane, p.sum(axis=1, keepdims=True), 0.0)
 
 
 class OnlineSoftmax:
-    """Running max m, sum l and unnormalized output acc of every row, per KV head. m and l are
-    128 lanes wide, as a row's value must sit to meet s or acc: never broadcast across lanes."""
+    """Running max m, sum l and unnormalized output acc of every row, per KV head, 128 lanes
+    wide: m as a row's value must sit to meet s (every lane the same: never broadcast across
+    lanes), l as lane sums (`lane_sums`), a row's sum the sum of its lanes."""
 
     def __init__(self, m_ref, l_ref, acc_ref, config, dtype, sink_ref=None, lanes=(slice(None),)):
         self.m_ref, self.l_ref, self.acc_ref = m_ref, l_ref, acc_ref
@@ -307,49 +325,52 @@ class OnlineSoftmax:
         self.output_lanes = lanes  # the columns of head_dim the output is written in
 
     def init(self):
-        self.m_ref[...] = jnp.full(self.m_ref.shape, -jnp.inf, jnp.float32)
+        self.m_ref[...] = jnp.full(self.m_ref.shape, M_START, jnp.float32)
         self.l_ref[...] = jnp.zeros(self.l_ref.shape, jnp.float32)
         self.acc_ref[...] = jnp.zeros(self.acc_ref.shape, jnp.float32)
 
     def scores_and_stats(self, kv_head: int, q, k, mask: ScoreMask):  # q: [rows, hd]
-        """s = q k^T masked, the new m and l (stored), p = exp(s - m), alpha = exp(m_prev - m)."""
+        """s = q k^T masked, the new m and l (stored), p = 2**(s - m), alpha = 2**(m_prev - m),
+        in units of log2 (`LOG2_E`)."""
         c = self.config
-        s = jnp.einsum("rd,td->rt", q, k, preferred_element_type=jnp.float32) * c.score_scale
-        s = apply_soft_cap(s, c.soft_cap)
-        s = masking.apply_mask_value(s, mask.masked, c.mask_value, mask.past_kv_len)
+        s = jnp.einsum("rd,td->rt", q, k, preferred_element_type=jnp.float32)
+        s = s * (c.score_scale * LOG2_E)
+        s = apply_soft_cap(s, None if c.soft_cap is None else c.soft_cap * LOG2_E)
+        s = masking.apply_mask_value(s, mask.masked, in_log2_units(c.mask_value), mask.hidden)
         lanes = (s.shape[0], LANES)
         m_prev = self.m_ref[kv_head]  # [rows, LANES]
         l_prev = self.l_ref[kv_head]  # [rows, LANES]
         m_next = jnp.maximum(m_prev, jnp.broadcast_to(s.max(axis=1, keepdims=True), lanes))
-        p = jnp.exp(s - widen(m_next, s.shape[1]))  # [rows, kv_tokens]
-        alpha = jnp.exp(m_prev - m_next)
-        l_next = alpha * l_prev + jnp.broadcast_to(p.sum(axis=1, keepdims=True), lanes)
-        self.m_ref[kv_head] = keep_other_rows(mask.in_seq, m_next, m_prev)
-        self.l_ref[kv_head] = keep_other_rows(mask.in_seq, l_next, l_prev)
+        p = jnp.exp2(s - widen(m_next, s.shape[1]))  # [rows, kv_tokens]
+        alpha = jnp.exp2(m_prev - m_next)
+        l_next = alpha * l_prev + lane_sums(p)
+        self.m_ref[kv_head] = m_next
+        self.l_ref[kv_head] = l_next
         return p, alpha
 
     def accumulate(self, kv_head: int, v, p, alpha, mask: ScoreMask):  # v: [kv_tokens, hd]
         acc_prev = self.acc_ref[kv_head]  # [rows, head_dim]
         pv = jnp.einsum("rt,td->rd", p.astype(self.dtype), v, preferred_element_type=jnp.float32)
         acc_next = widen(alpha, acc_prev.shape[1]) * acc_prev + pv
-        self.acc_ref[kv_head] = keep_other_rows(mask.in_seq, acc_next, acc_prev)
+        self.acc_ref[kv_head] = acc_next
 
     def normalized(self, kv_head: int, lanes=slice(None)):  # -> f32[rows_per_kv_head, width]
         """acc / l (0 in rows no sequence owns), times v_scale; sinks join l here."""
-        total = self.l_ref[kv_head][:, :1]  # [rows, 1]
+        total = self.l_ref[kv_head].sum(axis=1, keepdims=True)  # [rows, 1]
         if self.sink_ref is not None:
             total = total + self.sink_term(kv_head)
         out = self.acc_ref[kv_head, :, lanes] / jnp.where(total == 0.0, 1.0, total)
         return out if self.config.v_scale is None else out * self.config.v_scale
 
     def sink_term(self, kv_head: int):  # -> f32[rows_per_kv_head, 1]
-        """exp(sink - m): the sink's share of l, once per output row, not per KV block (m scales
-        numerator and denominator alike). Folded row r*group + g is q head g's."""
+        """exp(sink - m), m in units of log2: the sink's share of l, once per output row, not
+        per KV block (m scales numerator and denominator alike). Folded row r*group + g is q
+        head g's."""
         c = self.config
         sinks = self.sink_ref[kv_head]  # [group, LANES]
         q_rows = c.rows_per_kv_head // c.num_q_heads_per_kv_head
         rows = jnp.concatenate([sinks] * q_rows, axis=0) if q_rows > 1 else sinks
-        return jnp.exp(rows[:, :1] - self.m_ref[kv_head][:, :1])
+        return jnp.exp2(rows[:, :1] * LOG2_E - self.m_ref[kv_head][:, :1])
 
     def write_output(self, o_ref):  # o_ref: [num_queries_per_block, num_q_heads_per_block, hd]
         c = self.config
