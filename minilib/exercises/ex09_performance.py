@@ -149,7 +149,7 @@ def kernel_vmem_bytes(
 
       KV slots:  2 slots * num_kv_pages_per_block * page_size tokens, each token 2 * kvh
                  combined heads of head_dim values (2 * kvh + 2 with `padded_slot`: the
-                 spare row per token of v6e's and TPU7x's slot);
+                 spare row per token of a bf16 slot on v5e, v6e and TPU7x);
       q, out:    the q and output blocks, each double-buffered by Pallas: 2 * 2 blocks of
                  num_queries_per_block * kvh * group rows of head_dim values;
       folded q:  the q block once more, each KV head's q heads folded into rows (`q_fold_ref`);

@@ -14,7 +14,7 @@ from minilib.kernel.plain import PlainSlot
 
 __all__: list[str] = []  # the kernel body's own: see `PaddedSlot`
 
-PADDED_SLOT_CHIPS = ("v6e", "tpu7x")  # where `kernel_config` sets `KernelConfig.padded_slot`
+PADDED_SLOT_CHIPS = ("v5e", "v6e", "tpu7x")  # where `kernel_config` sets `KernelConfig.padded_slot`
 
 # The oldest libtpu checked to compile a page's DMA into the padded slot; 0.0.21.1 (Colab's)
 # and 0.0.23 refuse it ("Failed to update target tile strides"), and `narrow_rows`' loads too.
