@@ -121,13 +121,18 @@ def combine_kv(
     dtype,  # the cache's
 ) -> jax.Array:  # [n, 2*num_kv_heads, head_dim]
     """n tokens' K and V in the cache's layout, K0 V0 K1 V1 ... (as `merge_kv_pages`), cast to
-    the cache's dtype (an fp8 cache: a plain cast, the values already scaled).
+    the cache's dtype (an fp8 cache: a plain cast, the values already scaled). Each row picks
+    K or V, each repeated twice: XLA writes that in the cache's layout in one pass, where
+    `jnp.stack([k, v], axis=2)` made it copy once more (static estimate, 544 tokens of 8 KV
+    heads on v6e: 6,532 -> 1,229 bundles in bf16, 28,896 -> 13,629 in fp8).
 
     >>> combine_kv(jnp.ones((1, 2, 1)), 2 * jnp.ones((1, 2, 1)), jnp.float32)[0, :, 0].tolist()
     [1.0, 2.0, 1.0, 2.0]
     """
     n, num_kv_heads, head_dim = k.shape
-    return jnp.stack([k, v], axis=2).reshape(n, 2 * num_kv_heads, head_dim).astype(dtype)
+    shape = (n, 2 * num_kv_heads, head_dim)
+    is_k = jax.lax.broadcasted_iota(jnp.int32, shape, 1) % 2 == 0
+    return jnp.where(is_k, jnp.repeat(k, 2, axis=1), jnp.repeat(v, 2, axis=1)).astype(dtype)
 
 
 def gather_kv(
