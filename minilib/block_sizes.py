@@ -256,7 +256,15 @@ def default_decode_seqs_per_block(max_num_seqs: int, bytes_per_seq: int) -> int:
 # (`minilib.kernel.padded_slot`), whose loads are whole: there loading V again pays wherever
 # reloading pays at all, V kept or not above (libtpu 0.0.50.1, decode: TPU7x 675 -> 618, no
 # spills; with the padded slot forced, v5e 518 -> 482, v6e 652 -> 606).
-SCORE_REGISTERS_FOR_ALL_HEADS = {"v4": 8, "v5e": 8, "v5p": 8}  # chips not named: no limit
+#
+# At the large q blocks of the workload suite (128 q rows: 512 score rows per KV head), all
+# heads in flight costs on v6e and TPU7x too: eight heads' p, 256 registers each, go to VMEM and
+# back. Mixed kernel, KV block 512 tokens, bundles (one in flight / all 8, V reloaded; libtpu
+# 0.0.50.1): v6e 128 q rows 6572 / 7126, gpt-oss (64 q of 8 heads, head_dim 64) 7017 / 7671,
+# Gemma (128 q of 2 heads, head_dim 256, KV 256 tokens: 64 registers) 2968 / 3007; TPU7x 128 q
+# rows 6743 / 7321. At 32 q rows all 8 still pay on v6e: KV 128 tokens (16 registers) 1136 /
+# 891, 256 tokens (32 registers) 1382 / 1327 (V as `default_head_pipeline` chose).
+SCORE_REGISTERS_FOR_ALL_HEADS = {"v4": 8, "v5e": 8, "v5p": 8, "v6e": 32, "tpu7x": 32}
 RELOADING_V_PAYS = {"v4": False}  # chips not named: True
 KEEP_V_REGISTERS = 72
 

@@ -304,8 +304,13 @@ def widen(x, width: int):  # x: [rows, LANES], every lane the same -> [rows, wid
     return x[:, :width] if width < LANES else jnp.broadcast_to(x[:, :1], (x.shape[0], width))
 
 
-def lane_sums(p):  # p: f32[rows, kv_tokens] -> [rows, LANES], the lanes adding up to each row's sum
-    """Whole vector registers of p added, no sum across lanes: that waits for the output."""
+def reciprocal(x):  # x: f32 > 0. The chip's approximate 1/x, two Newton steps: no division
+    r = (getattr(pltpu, "reciprocal", None) or pl.reciprocal)(x, approx=True)  # pl: jax < 0.11
+    r = r * (2.0 - x * r)
+    return r * (2.0 - x * r)
+
+
+def lane_sums(p):  # f32[rows, tokens] -> [rows, LANES]: registers added, lanes summed at output
     if p.shape[1] % LANES == 0:
         return functools.reduce(jnp.add, [p[:, i : i + LANES] for i in range(0, p.shape[1], LANES)])
     first_lane = lax.broadcasted_iota(jnp.int32, (p.shape[0], LANES), 1) == 0
@@ -359,13 +364,12 @@ class OnlineSoftmax:
         total = self.l_ref[kv_head].sum(axis=1, keepdims=True)  # [rows, 1]
         if self.sink_ref is not None:
             total = total + self.sink_term(kv_head)
-        out = self.acc_ref[kv_head, :, lanes] / jnp.where(total == 0.0, 1.0, total)
+        out = self.acc_ref[kv_head, :, lanes] * reciprocal(jnp.where(total == 0.0, 1.0, total))
         return out if self.config.v_scale is None else out * self.config.v_scale
 
     def sink_term(self, kv_head: int):  # -> f32[rows_per_kv_head, 1]
-        """exp(sink - m), m in units of log2: the sink's share of l, once per output row, not
-        per KV block (m scales numerator and denominator alike). Folded row r*group + g is q
-        head g's."""
+        """2**(sink * LOG2_E - m): the sink's share of l, once per output row, not per KV block
+        (m scales numerator and denominator alike). Folded row r*group + g is q head g's."""
         c = self.config
         sinks = self.sink_ref[kv_head]  # [group, LANES]
         q_rows = c.rows_per_kv_head // c.num_q_heads_per_kv_head
