@@ -89,7 +89,7 @@ def slot_levers(head_dim: int, chip: str | None) -> dict[str, bool]:
     the chips of `padded_slot.PADDED_SLOT_CHIPS` or at head_dim 64; neither where the installed
     libtpu refuses them (`padded_slot.padding_compiles`: there head_dim 64 takes the plain load).
 
-    >>> slot_levers(64, "v5e"), slot_levers(128, "v5e")["padded_slot"]  # no libtpu, or new
+    >>> slot_levers(64, "v4"), slot_levers(128, "v4")["padded_slot"]  # no libtpu, or new
     ({'narrow_rows': True, 'padded_slot': True}, False)
     """
     narrow = head_dim == narrow_rows.NARROW_HEAD_DIM

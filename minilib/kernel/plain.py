@@ -34,8 +34,7 @@ __all__: list[str] = []  # the kernel body's own: see `rpa_kernel`
 
 # Scores in units of log2 (q . k * score_scale * LOG2_E): p = 2**(s - m), no multiply in exp.
 LOG2_E = math.log2(math.e)
-# m starts finite, above every vanishing mask value: a row seeing only masked keys (another
-# sequence's, NaN padding) keeps m, l and acc exactly. No real score is this low.
+# m's start: finite, above any mask value that vanishes; a row with no key it sees keeps its state
 M_START = -1e29
 
 
@@ -364,7 +363,8 @@ class OnlineSoftmax:
         total = self.l_ref[kv_head].sum(axis=1, keepdims=True)  # [rows, 1]
         if self.sink_ref is not None:
             total = total + self.sink_term(kv_head)
-        out = self.acc_ref[kv_head, :, lanes] * reciprocal(jnp.where(total == 0.0, 1.0, total))
+        total = jnp.where(total == 0.0, 1.0, jnp.minimum(total, jnp.finfo(jnp.float32).max))
+        out = self.acc_ref[kv_head, :, lanes] * reciprocal(total)  # 0 if total overflowed
         return out if self.config.v_scale is None else out * self.config.v_scale
 
     def sink_term(self, kv_head: int):  # -> f32[rows_per_kv_head, 1]
