@@ -34,7 +34,8 @@ __all__: list[str] = []  # the kernel body's own: see `rpa_kernel`
 
 # Scores in units of log2 (q . k * score_scale * LOG2_E): p = 2**(s - m), no multiply in exp.
 LOG2_E = math.log2(math.e)
-# m's start: finite, above any mask value that vanishes; a row with no key it sees keeps its state
+# m starts finite, above every vanishing mask value: a row seeing only masked keys (another
+# sequence's, NaN padding) keeps m, l and acc exactly. No real score is this low.
 M_START = -1e29
 
 
@@ -303,13 +304,8 @@ def widen(x, width: int):  # x: [rows, LANES], every lane the same -> [rows, wid
     return x[:, :width] if width < LANES else jnp.broadcast_to(x[:, :1], (x.shape[0], width))
 
 
-def reciprocal(x):  # x: f32 > 0. The chip's approximate 1/x, two Newton steps: no division
-    r = (getattr(pltpu, "reciprocal", None) or pl.reciprocal)(x, approx=True)  # pl: jax < 0.11
-    r = r * (2.0 - x * r)
-    return r * (2.0 - x * r)
-
-
-def lane_sums(p):  # f32[rows, tokens] -> [rows, LANES]: registers added, lanes summed at output
+def lane_sums(p):  # p: f32[rows, kv_tokens] -> [rows, LANES], the lanes adding up to each row's sum
+    """Whole vector registers of p added, no sum across lanes: that waits for the output."""
     if p.shape[1] % LANES == 0:
         return functools.reduce(jnp.add, [p[:, i : i + LANES] for i in range(0, p.shape[1], LANES)])
     first_lane = lax.broadcasted_iota(jnp.int32, (p.shape[0], LANES), 1) == 0
@@ -363,8 +359,7 @@ class OnlineSoftmax:
         total = self.l_ref[kv_head].sum(axis=1, keepdims=True)  # [rows, 1]
         if self.sink_ref is not None:
             total = total + self.sink_term(kv_head)
-        total = jnp.where(total == 0.0, 1.0, jnp.minimum(total, jnp.finfo(jnp.float32).max))
-        out = self.acc_ref[kv_head, :, lanes] * reciprocal(total)  # 0 if total overflowed
+        out = self.acc_ref[kv_head, :, lanes] / jnp.where(total == 0.0, 1.0, total)
         return out if self.config.v_scale is None else out * self.config.v_scale
 
     def sink_term(self, kv_head: int):  # -> f32[rows_per_kv_head, 1]
