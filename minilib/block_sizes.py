@@ -83,7 +83,7 @@ CHIP_DEFAULTS: dict[str, tuple[int, int, int, int]] = {
     "tpu7x": (512, 32, 128, 8 * 1024 * 1024),
 }
 # The mixed kernel's VMEM sum may take this share of the chip's default scoped VMEM: the sum
-# is within 10% of the compiled kernel's (notebook 09, tests/tpu/test_tpu_vmem_model.py).
+# is at most 10% under the compiled kernel's (notebook 09, tests/tpu/test_tpu_vmem_model.py).
 VMEM_SHARE = 0.9
 
 
@@ -191,10 +191,8 @@ def mixed_kernel_vmem_bytes(
     """The mixed kernel's VMEM for one heads block beside its two KV slots, as notebook 09
     adds it up (exercise 9.2's `kernel_vmem_bytes` less the slots): the q and output blocks,
     double-buffered; q folded; m and l (128 lanes a row) and acc in float32; and as spills,
-    one float32 score matrix per KV head, where notebook 09 now counts one KV head's (the
-    kernel spills less since its softmax needs fewer registers: libtpu 0.0.50.1); the larger
-    margin is the one the defaults were measured with over the workload suite. Every q head of
-    a q row is a row of these, and every row takes whole 128-lane tiles (`lane_width`).
+    one float32 score matrix per KV head. Every q head of a q row is a row of these, and
+    every row takes whole 128-lane tiles (`lane_width`).
 
     >>> mixed_kernel_vmem_bytes(32, kv_tokens=512, num_q_heads_per_block=32, head_dim=128,
     ...                         q_itemsize=2) / 2**20   # MiB, Llama-3-8B's 32 q heads in bf16

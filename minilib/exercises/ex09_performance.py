@@ -154,12 +154,12 @@ def kernel_vmem_bytes(
                  num_queries_per_block * kvh * group rows of head_dim values;
       folded q:  the q block once more, each KV head's q heads folded into rows (`q_fold_ref`);
       m, l, acc: the softmax state in float32, m and l 128 lanes a row, acc head_dim;
-      spills:    one float32 score matrix, one KV head's: [rows, kv tokens rounded up to
-                 whole 128-lane registers]: not a buffer of the kernel, but about what Mosaic
+      spills:    one float32 score matrix per KV head, [rows, kv tokens rounded up to whole
+                 128-lane registers]: not a buffer of the kernel, but about what Mosaic
                  spills to VMEM from the vector registers at the course's shapes.
     (kvh = num_kv_heads_per_block; rows = num_queries_per_block * group; the first three in
     `itemsize` bytes.) What it leaves out: Mosaic's internal scratch (36 KiB on v5e), and how
-    far the spills stray from one KV head's score matrix. Notebook 09 holds the sum against
+    far the spills stray from one score matrix per KV head. Notebook 09 holds the sum against
     the compiled kernel's VMEM.
 
     The keywords after `padded_slot` exist to model mistakes; the kernel's values are the
@@ -177,7 +177,7 @@ def kernel_vmem_bytes(
     fold = kvh * rows * head_dim * itemsize if folded_q else 0
     state = kvh * rows * (2 * state_lanes + head_dim) * 4
     score_tokens = -(-tokens // score_lanes) * score_lanes
-    scores = rows * score_tokens * 4 if spills else 0
+    scores = kvh * rows * score_tokens * 4 if spills else 0
     return kv + q_and_out + fold + state + scores
 
 
@@ -219,7 +219,7 @@ def check_num_kv_pages_per_block(
       q, out:    2 blocks * 2 buffers * kvh * rows * head_dim
       folded q:  kvh * rows * head_dim                  (these three in `itemsize` bytes)
       m, l, acc: kvh * rows * (2*128 + head_dim)        float32 values
-      spills:    rows * (tokens rounded up to a multiple of 128)   float32 values
+      spills:    kvh * rows * (tokens rounded up to a multiple of 128)   float32 values
 
     >>> check_num_kv_pages_per_block(_num_kv_pages_per_block)
     Passed: num_kv_pages_per_block matches the reference on all 12 cases.
@@ -288,7 +288,7 @@ def check_num_kv_pages_per_block(
         "block: kvh * rows * head_dim values.": making(folded_q=False),
         "m and l are stored 128 lanes wide, one vector-register row per q row: "
         "(2 * 128 + head_dim) float32 values per row, not (2 + head_dim).": making(state_lanes=1),
-        "the spills: count one float32 score matrix, one KV head's, rows * tokens values, "
+        "the spills: count one float32 score matrix per KV head, kvh * rows * tokens values, "
         "with tokens rounded up to a multiple of 128.": making(spills=False),
         "a score row takes whole 128-lane vector registers: round the KV block's tokens up to a "
         "multiple of 128 in the spills.": making(score_lanes=1),

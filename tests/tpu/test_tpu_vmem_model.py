@@ -1,5 +1,6 @@
 """Notebook 09's VMEM sum against Mosaic's compile: the default scoped VMEM limit of each chip,
-the sum within 10% of a fresh compile, and the block exercise 9.2 picks fitting the limit.
+the sum from 10% under to 30% over a fresh compile, and the block exercise 9.2 picks fitting
+the limit.
 Marker `tpu_compile`; runs where libtpu is installed."""
 
 from __future__ import annotations
@@ -85,15 +86,19 @@ def test_the_vmem_sum_is_within_10_percent_of_a_fresh_compile(chip):
     for pages in (4, 32):
         compiled = kernel_for(compile_notebook_09(chip, pages), decode=False).vmem_bytes
         modelled = modelled_vmem(chip, pages)
-        assert abs(modelled / compiled - 1) <= 0.10, (pages, modelled, compiled)
+        # Over at larger blocks: the sum counts a score matrix per KV head as spills, more than
+        # the kernel spills there (libtpu 0.0.50.1: about 22% over at 32 pages on v6e).
+        assert -0.10 <= modelled / compiled - 1 <= 0.30, (pages, modelled, compiled)
 
 
 # v6e's 128-page compile takes about a minute: it runs with the larger sweeps (`-m slow`).
 @pytest.mark.parametrize("chip", ["v5e", pytest.param("v6e", marks=pytest.mark.slow)])
 def test_the_block_picked_for_90_percent_of_the_scoped_limit_fits(chip):
-    """The sum is within 10% of the compile, so the block exercise 9.2 picks for 90% of the
-    default scoped limit fits the limit. With that margin the next block up compiles as well;
-    what the test shows needs the margin is the block picked for the whole limit: it overflows."""
+    """The sum is at most 10% under the compile, so the block exercise 9.2 picks for 90% of
+    the default scoped limit fits the limit. (The block picked for the whole limit overflowed
+    while the kernel spilled a score matrix per KV head, as the sum counts; since its softmax
+    needs fewer registers, libtpu 0.0.50.1, the sum is over the compile there and that block
+    fits too: not asserted either way.)"""
     require_chip(chip)
     limit = DEFAULT_SCOPED_VMEM_BYTES[chip]
     pages, greedy = largest_block(0.9 * limit, chip), largest_block(limit, chip)
@@ -101,5 +106,3 @@ def test_the_block_picked_for_90_percent_of_the_scoped_limit_fits(chip):
     report = compile_notebook_09(chip, pages, pages_per_seq=256)
     assert report.compiled, report.error
     assert kernel_for(report, decode=False).vmem_bytes <= limit
-    too_big = compile_notebook_09(chip, greedy, pages_per_seq=256)
-    assert too_big.vmem_overflow, too_big.error
