@@ -273,7 +273,7 @@ class SeqSpan:  # one sequence's rows [q_start, q_end) and kv_len, read once per
 @dataclasses.dataclass(frozen=True)
 class ScoreMask:  # once per KV block, for every KV head
     masked: jax.Array  # bool[rows, kv_tokens_per_block]: causal and sliding window
-    hidden: jax.Array | None  # bool[rows, kv tokens]: past kv_len; None: `masked` covers them
+    hidden: jax.Array | None  # bool[rows, kv tokens]: past kv_len, other rows; None: in `masked`
 
 
 def score_mask(span: SeqSpan, q_blk, kv_blk, config: KernelConfig) -> ScoreMask:
