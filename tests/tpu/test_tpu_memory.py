@@ -70,7 +70,7 @@ def modelled_vmem(chip, pages, queries):
     return kernel_vmem_bytes(pages, **SHAPES, num_queries_per_block=queries, padded_slot=padded)
 
 
-def test_the_vmem_sum_is_within_10_percent_of_the_recorded_compiles():
+def test_the_vmem_sum_is_at_most_10_percent_under_or_30_over_the_recorded_compiles():
     """The recorded compiles (libtpu 0.0.50.1): notebook 09's, v5e and v6e at 4 to 32 pages per
     KV block, and the three-way comparison's, v5e, v6e and TPU7x at 8 pages with 32 and 8 q
     per block."""

@@ -79,7 +79,7 @@ def test_default_scoped_vmem_limit(chip):
 
 
 @pytest.mark.parametrize("chip", CHIPS)
-def test_the_vmem_sum_is_within_10_percent_of_a_fresh_compile(chip):
+def test_the_vmem_sum_is_at_most_10_percent_under_or_30_over_a_fresh_compile(chip):
     """At the notebook's smallest block (4 pages, 64 tokens: score rows of half a register)
     and at the default one (32 pages, the most spills of the four), on every chip."""
     require_chip(chip)
