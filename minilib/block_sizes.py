@@ -75,9 +75,16 @@ DECODE_Q_BLOCK_BYTES = 256 * 1024
 # workload suite (`python -m minilib compile --workloads`, benchmarks/LEVERS.md), 128 rows
 # where they fit, else 64, gave the lowest worst ratio to vLLM's RPA v3 on v5e, v6e and
 # TPU7x. v4 and v5p, not measured, keep 32.
+#
+# The KV buffers' budget bites only where 512 tokens take more than 4 MiB for both buffers:
+# head_dim 256 in bf16 (its budget halves, below) or a float32 cache. v5e's was 4 MiB, from
+# before the q block was sized by the mixed kernel's VMEM; with that rule guarding the VMEM,
+# 8 MiB as on v6e gives Gemma 2's global layer (head_dim 256) 16 pages in place of 8, and its
+# mixed workload on v5e 471,472 -> 418,436 bundles (v3: 473,032), the q block 64 rows (the
+# compiled kernel: 8.3 MiB of VMEM). v4 and v5p, not measured, keep 4 MiB.
 CHIP_DEFAULTS: dict[str, tuple[int, int, int, int]] = {
     "v4": (512, 32, 32, 4 * 1024 * 1024),
-    "v5e": (512, 32, 128, 4 * 1024 * 1024),
+    "v5e": (512, 32, 128, 8 * 1024 * 1024),
     "v5p": (512, 32, 32, 4 * 1024 * 1024),
     "v6e": (512, 32, 128, 8 * 1024 * 1024),
     "tpu7x": (512, 32, 128, 8 * 1024 * 1024),
