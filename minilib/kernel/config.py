@@ -85,6 +85,12 @@ class KernelConfig(AttentionOptions):
         return self.num_kv_pages_per_block * self.page_size
 
     @property
+    def blocks_per_seq(self) -> int:
+        """KV blocks of a sequence of pages_per_seq pages (the last one may be partly past
+        them): a row of `call.block_page_table` holds this many blocks of pages."""
+        return -(-self.pages_per_seq // self.num_kv_pages_per_block)
+
+    @property
     def num_q_heads_per_block(self) -> int:
         return self.num_kv_heads_per_block * self.num_q_heads_per_kv_head
 

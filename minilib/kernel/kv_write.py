@@ -69,7 +69,7 @@ def write_new_tokens(batch: SeqTable, new_kv_hbm_ref, kv_pages_hbm_ref, sem, con
         def write_page(page_pos, _):
             start = jnp.maximum(first_pos, page_pos * c.page_size)
             size = jnp.minimum(kv_len, (page_pos + 1) * c.page_size) - start
-            page = batch.page_indices_ref[seq, page_pos]
+            page = batch.page(seq, page_pos)
             rows = new_kv_hbm_ref.at[pl.ds(q_end - kv_len + start, size)]
             slots = kv_pages_hbm_ref.at[page, pl.ds(start - page_pos * c.page_size, size)]
             pltpu.make_async_copy(rows, slots, sem.at[0]).start()

@@ -41,7 +41,7 @@ M_START = -1e29
 
 def rpa_kernel(
     kv_lens_ref,  # i32[max_num_seqs], SMEM, as are the next three
-    page_indices_ref,  # i32[max_num_seqs, pages_per_seq]
+    page_indices_ref,  # i32[max_num_seqs * blocks_per_seq * pages per block]: block_page_table
     cu_q_lens_ref,  # i32[max_num_seqs + 1]
     num_seqs_ref,  # i32[1]
     q_ref,  # [num_queries_per_block, num_q_heads_per_block, head_dim], VMEM
@@ -123,8 +123,7 @@ class QBlockWalker:
         first_kv_blk, end_kv_blk = seq_kv_blocks(self.batch, seq, self.q_blk)
         following = next_live_seq(self.batch, seq + 1)
         span = SeqSpan(self.batch.q_start(seq), self.batch.q_end(seq), self.batch.kv_len(seq))
-        num_pages = pl.cdiv(span.kv_len, self.config.page_size)
-        seq_work = Work(self.heads_blk, seq, first_kv_blk, num_pages)
+        seq_work = Work(self.heads_blk, seq, first_kv_blk)
         after_seq = work_after_seq(self.batch, self.q_blk, seq_work, following, self.first_live)
         attend = functools.partial(self.attend_kv_block, seq_work, end_kv_blk, span, after_seq)
         slot = lax.fori_loop(first_kv_blk, end_kv_blk, attend, slot)
@@ -184,16 +183,16 @@ class KVBlockCopier:
 
     def start(self, work: Work, slot):
         """Every page of the block, past the sequence's end its last page again (the compute
-        masks it): every block copies the same bytes, and one wait takes them all back."""
+        masks it; `call.block_page_table`): every block copies the same bytes, and one wait
+        takes them all back. The block's pages are one index on in the table, plus i."""
         c = self.config
-        last = jnp.maximum(work.num_pages - 1, 0)
+        first = (work.seq * c.blocks_per_seq + work.kv_blk) * c.num_kv_pages_per_block
         hbm = self.kv_pages_hbm_ref
         heads = pl.ds(work.heads_blk * 2 * c.num_kv_heads_per_block, 2 * c.num_kv_heads_per_block)
         if c.num_heads_blocks == 1:  # static: a dynamic offset may not be provably tile-aligned
             heads = slice(None)
         for i in range(c.num_kv_pages_per_block):
-            page_pos = jnp.minimum(work.kv_blk * c.num_kv_pages_per_block + i, last)
-            page = self.batch.page_indices_ref[work.seq, page_pos]
+            page = self.batch.page_indices_ref[first + i]
             buf = self.buffer(slot)
             for source, target in self.layout.page_copies(hbm, page, heads, buf, i, c):
                 pltpu.make_async_copy(source, target, self.sems.at[slot]).start()
@@ -387,7 +386,7 @@ class SeqTable:
 
     def __init__(self, kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref, config):
         self.kv_lens_ref = kv_lens_ref  # i32[max_num_seqs]
-        self.page_indices_ref = page_indices_ref  # i32[max_num_seqs, pages_per_seq]
+        self.page_indices_ref = page_indices_ref  # `call.block_page_table`'s, flat
         self.cu_q_lens_ref = cu_q_lens_ref  # i32[max_num_seqs + 1]
         self.num_seqs_ref = num_seqs_ref  # i32[1]
         self.config: KernelConfig = config
@@ -404,13 +403,16 @@ class SeqTable:
     def kv_len(self, seq):
         return self.kv_lens_ref[seq]
 
+    def page(self, seq, page_pos):
+        """Page `page_pos` of `seq`: the table is flat, a row of whole KV blocks a sequence
+        (`call.block_page_table`), so a block's pages are one index plus a constant each."""
+        c = self.config
+        return self.page_indices_ref[seq * c.blocks_per_seq * c.num_kv_pages_per_block + page_pos]
+
     def total_q_len(self):
         """The rows the sequences own (0 if there is none)."""
         n = self.num_seqs()
         return jnp.where(n > 0, self.q_end(jnp.maximum(n - 1, 0)), 0)
-
-    def num_pages(self, seq):
-        return pl.cdiv(self.kv_len(seq), self.config.page_size)
 
 
 def next_live_seq(batch: SeqTable, seq):
@@ -457,11 +459,10 @@ def seq_kv_blocks(batch: SeqTable, seq, q_blk):
 
 
 @dataclasses.dataclass(frozen=True)
-class Work:  # one KV block's worth of work, and the sequence's page count (for the copies)
+class Work:  # one KV block's worth of work
     heads_blk: jax.Array
     seq: jax.Array
     kv_blk: jax.Array
-    num_pages: jax.Array
 
 
 def first_work(batch: SeqTable) -> Work:
@@ -469,8 +470,7 @@ def first_work(batch: SeqTable) -> Work:
     seq = next_live_seq(batch, 0)
     seq_q_blk = batch.q_start(seq_or_last(batch, seq)) // batch.config.num_queries_per_block
     first_kv_blk, _ = seq_kv_blocks(batch, seq_or_last(batch, seq), seq_q_blk)
-    num_pages = batch.num_pages(seq_or_last(batch, seq))
-    return Work(jnp.int32(0), seq, first_kv_blk, num_pages)
+    return Work(jnp.int32(0), seq, first_kv_blk)
 
 
 def seq_or_last(batch: SeqTable, seq):
@@ -489,7 +489,7 @@ def work_after_seq(batch: SeqTable, q_blk, seq_work: Work, following, first_live
     seq_q_blk = jnp.where(rows_go_on, q_blk + 1, batch.q_start(seq) // bq)
     first_kv_blk, _ = seq_kv_blocks(batch, seq, seq_q_blk)
     heads_blk = jnp.where(heads_done & ~rows_go_on, seq_work.heads_blk + 1, seq_work.heads_blk)
-    return Work(heads_blk, seq, first_kv_blk, batch.num_pages(seq))
+    return Work(heads_blk, seq, first_kv_blk)
 
 
 def next_work(here: Work, end_kv_blk, after_seq: Work) -> Work:
@@ -499,5 +499,4 @@ def next_work(here: Work, end_kv_blk, after_seq: Work) -> Work:
         jnp.where(more_kv, here.heads_blk, after_seq.heads_blk),
         jnp.where(more_kv, here.seq, after_seq.seq),
         jnp.where(more_kv, here.kv_blk + 1, after_seq.kv_blk),
-        jnp.where(more_kv, here.num_pages, after_seq.num_pages),
     )
