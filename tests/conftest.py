@@ -34,6 +34,13 @@ pytest_plugins = ["time_limit", "markers"]
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 
+def pytest_collection_modifyitems(items):
+    """The notebooks first. Each test file runs whole on one worker (`--dist loadfile`, in the
+    order collected), and tests/test_notebooks.py is the longest (about four minutes): started
+    last, as its name sorts, it kept one worker busy while the other had nothing left to do."""
+    items.sort(key=lambda item: item.path.name != "test_notebooks.py")  # a stable sort
+
+
 def pytest_terminal_summary(terminalreporter):
     """The notebooks' times (tests/test_notebooks.py), each with its slowest cells, and their
     sum: the notebooks' budget is 300 s for all eleven, top to bottom."""
