@@ -7,6 +7,8 @@ Data movement, the new idea of this chapter:
 
 * `kv_lens`, `page_indices`, `cu_q_lens` and `num_seqs` are *scalar-prefetched*: copied into
   SMEM before the kernel starts, so the kernel can branch on them and compute DMA addresses.
+  The page table goes in as the page copies read it (`page_table.block_page_table`): one flat row of
+  whole KV blocks per sequence, so that a page's number is one load at a known offset.
 * `q` and the output move in blocks of `num_queries_per_block` rows, which Pallas copies
   between HBM and VMEM for us (a `BlockSpec`).
 * `kv_pages` stays in HBM (`memory_space=pl.ANY`). The kernel copies the pages it needs into

@@ -41,6 +41,7 @@ from minilib.kernel.levers import (
     split_configs,
     with_head_pipeline,
 )
+from minilib.kernel.page_table import block_page_table
 from minilib.kernel.plain import KVBlockCopier, QBlockWalker, rpa_kernel
 from minilib.kernel.tracing import with_trace
 from minilib.kernel_trace import TRACE_FIELDS
@@ -451,11 +452,8 @@ def rpa_pallas_call(
         interpret=interpret,
         name=KERNEL_NAMES["decode" if c.decode else "mixed"],
     )
-
-    def call_with_block_table(kv_lens, page_indices, *rest):
-        return call(kv_lens, block_page_table(kv_lens, page_indices, c), *rest)
-
-    return call_with_block_table
+    # The page table as the page copies read it (`page_table.block_page_table`).
+    return lambda kv_lens, pages, *rest: call(kv_lens, block_page_table(kv_lens, pages, c), *rest)
 
 
 def sink_input(
@@ -587,27 +585,6 @@ def clamp_tables(kv_lens, page_indices, cu_q_lens, num_seqs, config: KernelConfi
         cu_q_lens,
         count_seqs_in_order(cu_q_lens, num_seqs, c)[None],
     )
-
-
-def block_page_table(kv_lens, page_indices, config: KernelConfig):
-    """The page table as the kernel's page copies read it: one flat row of whole KV blocks
-    per sequence (`blocks_per_seq` blocks of `num_kv_pages_per_block` pages), and past the
-    sequence's last page that page again, so that every block copies the same bytes. Block b
-    of sequence s is then the pages at one index, (s * blocks_per_seq + b) * pages per block,
-    on: a page copy adds a constant to it, where a clamp and a 2-D index in SMEM took eight
-    scalar ops a page (the decode kernel's KV-block loop, v6e, 32 pages: 1,072 -> 929 bundles).
-
-    >>> from minilib.batch import make_batch
-    >>> b = make_batch([(1, 20)], page_size=16, pages_per_seq=3)   # 20 tokens: 2 of 3 pages
-    >>> config = kernel_config(b.q, b.kv_pages, b.page_indices, num_kv_pages_per_block=2)
-    >>> b.page_indices[0].tolist(), block_page_table(b.kv_lens, b.page_indices, config).tolist()
-    ([1, 4, 2], [1, 4, 4, 4])
-    """
-    c = config
-    pos = jnp.arange(c.blocks_per_seq * c.num_kv_pages_per_block)
-    last = jnp.maximum(pl.cdiv(kv_lens, c.page_size) - 1, 0)  # [max_num_seqs]
-    pos = jnp.minimum(pos[None, :], last[:, None])
-    return jnp.take_along_axis(page_indices, pos, axis=1, mode="clip").reshape(-1)
 
 
 def count_seqs_in_order(cu_q_lens, num_seqs, config: KernelConfig):

@@ -87,7 +87,7 @@ class KernelConfig(AttentionOptions):
     @property
     def blocks_per_seq(self) -> int:
         """KV blocks of a sequence of pages_per_seq pages (the last one may be partly past
-        them): a row of `call.block_page_table` holds this many blocks of pages."""
+        them): a row of `page_table.block_page_table` holds this many blocks of pages."""
         return -(-self.pages_per_seq // self.num_kv_pages_per_block)
 
     @property

@@ -183,7 +183,7 @@ class KVBlockCopier:
 
     def start(self, work: Work, slot):
         """Every page of the block, past the sequence's end its last page again (the compute
-        masks it; `call.block_page_table`): every block copies the same bytes, and one wait
+        masks it; `page_table.block_page_table`): every block copies the same bytes, and one wait
         takes them all back. The block's pages are one index on in the table, plus i."""
         c = self.config
         first = (work.seq * c.blocks_per_seq + work.kv_blk) * c.num_kv_pages_per_block
@@ -386,7 +386,7 @@ class SeqTable:
 
     def __init__(self, kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref, config):
         self.kv_lens_ref = kv_lens_ref  # i32[max_num_seqs]
-        self.page_indices_ref = page_indices_ref  # `call.block_page_table`'s, flat
+        self.page_indices_ref = page_indices_ref  # `page_table.block_page_table`'s, flat
         self.cu_q_lens_ref = cu_q_lens_ref  # i32[max_num_seqs + 1]
         self.num_seqs_ref = num_seqs_ref  # i32[1]
         self.config: KernelConfig = config
@@ -405,7 +405,7 @@ class SeqTable:
 
     def page(self, seq, page_pos):
         """Page `page_pos` of `seq`: the table is flat, a row of whole KV blocks a sequence
-        (`call.block_page_table`), so a block's pages are one index plus a constant each."""
+        (`page_table.block_page_table`), so a block's pages are one index plus a constant each."""
         c = self.config
         return self.page_indices_ref[seq * c.blocks_per_seq * c.num_kv_pages_per_block + page_pos]
 
