@@ -465,7 +465,7 @@ def _trace_capacity(q, table: _Table, config: kernel.KernelConfig) -> int:
     start. The mixed kernel's (seq, q block) pairs are at most num_q_blocks + num_seqs, the
     decode kernel's at most num_seqs, each with at most all of its KV blocks."""
     num_q_blocks = cdiv(q.shape[0], config.num_queries_per_block)
-    kv_blocks = cdiv(config.pages_per_seq, config.num_kv_pages_per_block)
+    kv_blocks = config.blocks_per_seq
     pairs = num_q_blocks + max(table.num_seqs, 1)
     return 3 * config.num_heads_blocks * pairs * kv_blocks + 1
 
