@@ -183,10 +183,9 @@ class KVBlockCopier:
 
     def start(self, work: Work, slot):
         """Every page of the block, past the sequence's end its last page again (the compute
-        masks it; `page_table.block_page_table`): every block copies the same bytes, and one
-        wait takes them all back. The block's pages are one index on in the table, plus i."""
+        masks it; `page_table.block_page_table`): the same bytes each block, one wait for all.
+        The block's first index once, plus i: `SeqTable.page` per page issued 16 more (v6e)."""
         c = self.config
-        # The block's first index once, not `SeqTable.page` per page: 16 fewer bundles (v6e).
         first = (work.seq * c.blocks_per_seq + work.kv_blk) * c.num_kv_pages_per_block
         hbm = self.kv_pages_hbm_ref
         heads = pl.ds(work.heads_blk * 2 * c.num_kv_heads_per_block, 2 * c.num_kv_heads_per_block)
