@@ -39,6 +39,7 @@ __all__ = [
     "is_masked",
     "kv_blocks_to_visit",
     "mask_value_vanishes",
+    "open_kv_blocks_end",
     "q_position",
 ]
 
@@ -114,6 +115,29 @@ def kv_blocks_to_visit(
         return 0, end
     first_key = jnp.maximum(first_q_pos - sliding_window + 1, 0)
     return first_key // kv_tokens_per_block, end
+
+
+def open_kv_blocks_end(
+    rows,  # (first, end): the q block's rows, in the kernel's q
+    seq_rows,  # (q_start, q_end): the sequence's rows there
+    kv_len,
+    kv_tokens_per_block: int,
+    sliding_window: int | None = None,
+):  # -> the KV blocks [0, end) that no row of the q block needs masked
+    """The KV blocks in which every row of a q block sees every key: all rows are the
+    sequence's, and the block ends at or before the first row's position (so before kv_len
+    too). With a sliding window none: it hides keys at a block's start as well.
+
+    >>> int(open_kv_blocks_end((0, 8), (0, 8), 40, 16))   # rows at 32..39: keys 0..31 open
+    2
+    >>> int(open_kv_blocks_end((0, 8), (2, 8), 40, 16))   # rows 0, 1 are another sequence's
+    0
+    """
+    if sliding_window is not None:
+        return 0
+    whole = (seq_rows[0] <= rows[0]) & (seq_rows[1] >= rows[1])
+    first_pos = q_position(rows[0], seq_rows[1], kv_len)
+    return jnp.where(whole, (first_pos + 1) // kv_tokens_per_block, 0)
 
 
 def mask_value_vanishes(mask_value: float) -> bool:

@@ -52,6 +52,7 @@ them once per configuration; benchmarks/LEVERS.md records what each saves, and o
     lane_blocks      head_dim in blocks of 128 lanes, so head_dim 256 is read strided too
     narrow_rows      head_dim 64 read strided in rows of 64 lanes
     heads_in_flight  the KV heads software-pipelined on the MXU (heads_in_flight, reload_v)
+    open_blocks      the KV blocks every row sees whole walked first, in a loop with no mask
 
 And two wrappers the kernel body never mentions:
 

@@ -32,17 +32,18 @@ from minilib.block_sizes import (
 from minilib.chips import current_chip
 from minilib.errors import RPAInputError
 from minilib.kernel.config import KERNEL_NAMES, LANES, KernelConfig
-from minilib.kernel.decode import DecodeWalker, decode_batch
+from minilib.kernel.decode import decode_batch
 from minilib.kernel.kv_write import with_kv_write
 from minilib.kernel.levers import (
     can_load_kv_strided,
     choose_points,
     slot_levers,
     split_configs,
+    walker_class,
     with_head_pipeline,
 )
 from minilib.kernel.page_table import block_page_table
-from minilib.kernel.plain import KVBlockCopier, QBlockWalker, rpa_kernel
+from minilib.kernel.plain import KVBlockCopier, rpa_kernel
 from minilib.kernel.tracing import with_trace
 from minilib.kernel_trace import TRACE_FIELDS
 from minilib.kv_cache import combine_kv
@@ -413,7 +414,7 @@ def rpa_pallas_call(
         scratch["write_sem"] = pltpu.SemaphoreType.DMA((1,))
     names = [*TABLE_NAMES, *inputs, *outputs, *scratch]
     classes = dict(copier_class=copier_class or KVBlockCopier,
-                   walker_class=DecodeWalker if c.decode else QBlockWalker)  # fmt: skip
+                   walker_class=walker_class(c))  # fmt: skip
     body = functools.partial(rpa_kernel, config=c, points=points)
     if trace_capacity:
         body = with_trace(body, trace_capacity, **classes)

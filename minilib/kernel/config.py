@@ -73,6 +73,9 @@ class KernelConfig(AttentionOptions):
     # head_dim 64 read by the strided load in rows of 64 lanes (`narrow_rows`), set by
     # `kernel_config` at head_dim 64.
     narrow_rows: bool = False
+    # The KV blocks no row needs masked walked apart, without the mask (`open_blocks`), set
+    # for the mixed kernel by `levers.split_configs`.
+    open_blocks: bool = False
 
     @property
     def score_scale(self) -> float:

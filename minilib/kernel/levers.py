@@ -20,11 +20,20 @@ import functools
 from jax.experimental.pallas import tpu as pltpu
 
 from minilib.block_sizes import default_head_pipeline, packing_of_size
-from minilib.kernel import fp8, heads_in_flight, lane_blocks, narrow_rows, padded_slot, strided
+from minilib.kernel import (
+    fp8,
+    heads_in_flight,
+    lane_blocks,
+    narrow_rows,
+    open_blocks,
+    padded_slot,
+    strided,
+)
 from minilib.kernel.config import KernelConfig
-from minilib.kernel.plain import Points, attend_heads, load_kv, read_kv_head
+from minilib.kernel.decode import DecodeWalker
+from minilib.kernel.plain import Points, QBlockWalker, attend_heads, load_kv, read_kv_head
 
-__all__ = ["can_load_kv_strided", "choose_points", "split_configs"]
+__all__ = ["can_load_kv_strided", "choose_points", "split_configs", "walker_class"]
 
 
 def choose_points(config: KernelConfig) -> Points:
@@ -141,4 +150,13 @@ def split_configs(config: KernelConfig) -> tuple[KernelConfig, KernelConfig]:
         max_num_batched_tokens=config.max_num_seqs,  # the decode batch: one row per sequence
         padded_slot=padded_slot.padding_compiles(),
     )
-    return dataclasses.replace(config, leaves_decode=True), with_head_pipeline(decode)
+    mixed = dataclasses.replace(config, leaves_decode=True, open_blocks=True)
+    return mixed, with_head_pipeline(decode)
+
+
+def walker_class(config: KernelConfig) -> type[QBlockWalker]:
+    """The walk of the grid step `config` describes: the decode kernel's, the plain one, or
+    with its open KV blocks apart (`open_blocks`)."""
+    if config.decode:
+        return DecodeWalker
+    return open_blocks.OpenBlocksWalker if config.open_blocks else QBlockWalker

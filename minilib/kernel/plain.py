@@ -126,10 +126,12 @@ class QBlockWalker:
         seq_work = Work(self.heads_blk, seq, first_kv_blk)
         after_seq = work_after_seq(self.batch, self.q_blk, seq_work, following, self.first_live)
         attend = functools.partial(self.attend_kv_block, seq_work, end_kv_blk, span, after_seq)
-        slot = lax.fori_loop(first_kv_blk, end_kv_blk, attend, slot)
-        return following, slot
+        return following, self.walk_kv_blocks(first_kv_blk, end_kv_blk, span, attend, slot)
 
-    def attend_kv_block(self, seq_work, end_kv_blk, span, after_seq, kv_blk, slot):
+    def walk_kv_blocks(self, first_kv_blk, end_kv_blk, span: SeqSpan, attend, slot):
+        return lax.fori_loop(first_kv_blk, end_kv_blk, attend, slot)  # each block masked
+
+    def attend_kv_block(self, seq_work, end_kv_blk, span, after_seq, kv_blk, slot, masked=True):
         here = dataclasses.replace(seq_work, kv_blk=kv_blk)
         nxt = next_work(here, end_kv_blk, after_seq)
         other = other_slot(slot)
@@ -139,11 +141,11 @@ class QBlockWalker:
             self.dma.start(nxt, other)
 
         self.dma.wait(here, slot)
-        self.compute(here, slot, span)
+        self.compute(here, slot, span, masked)
         return other
 
-    def compute(self, here: Work, slot, span: SeqSpan):
-        mask = self.score_mask(span, here.kv_blk)
+    def compute(self, here: Work, slot, span: SeqSpan, masked=True):
+        mask = self.score_mask(span, here.kv_blk) if masked else None  # None: every key seen
         kv_buf = self.dma.buffer(slot)
         self.points.attend_heads(kv_buf, self.q_fold_ref, self.softmax, mask, here.kv_blk,
                                  span.kv_len, self.config, self.points.load_kv)  # fmt: skip
@@ -328,14 +330,15 @@ class OnlineSoftmax:
         self.l_ref[...] = jnp.zeros(self.l_ref.shape, jnp.float32)
         self.acc_ref[...] = jnp.zeros(self.acc_ref.shape, jnp.float32)
 
-    def scores_and_stats(self, kv_head: int, q, k, mask: ScoreMask):  # q: [rows, hd]
+    def scores_and_stats(self, kv_head: int, q, k, mask: ScoreMask | None):  # q: [rows, hd]
         """s = q k^T masked, the new m and l (stored), p = 2**(s - m), alpha = 2**(m_prev - m),
         in units of log2 (`LOG2_E`)."""
         c = self.config
         s = jnp.einsum("rd,td->rt", q, k, preferred_element_type=jnp.float32)
         s = s * (c.score_scale * LOG2_E)
         s = apply_soft_cap(s, None if c.soft_cap is None else c.soft_cap * LOG2_E)
-        s = masking.apply_mask_value(s, mask.masked, in_log2_units(c.mask_value), mask.hidden)
+        if mask is not None:
+            s = masking.apply_mask_value(s, mask.masked, in_log2_units(c.mask_value), mask.hidden)
         lanes = (s.shape[0], LANES)
         m_prev = self.m_ref[kv_head]  # [rows, LANES]
         l_prev = self.l_ref[kv_head]  # [rows, LANES]

@@ -56,8 +56,8 @@ def traced_walker(walker_class, trace: Trace):
     """`walker_class`, recording each KV block's compute once it is issued."""
 
     class TracedWalker(walker_class):
-        def compute(self, here, slot, span):
-            super().compute(here, slot, span)
+        def compute(self, here, slot, span, masked=True):
+            super().compute(here, slot, span, masked)
             trace.record(TRACE_COMPUTE, (self.heads_blk, self.q_blk), here, slot)
 
     return TracedWalker

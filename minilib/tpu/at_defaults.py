@@ -30,9 +30,10 @@ Pallas kernels):
   bundles sit in loops);
 * a Pallas kernel: each bundle x the passes, in the call, of the innermost loop around it (1
   outside loops). The passes come from the batch (`ours_trips`, `v3_trips`): the KV-block
-  loop (`COUNTING_RULE`) once per KV block visited, the loops around it once per sequence,
-  q block or grid step, v3's chunk loop once per chunk; any other loop (a table scan, v3's
-  K/V-write loop) once per pass of the loop around it. Both sides of a branch count.
+  loop (`COUNTING_RULE`) once per KV block visited (our mixed kernel's two, `kv_block_pair`,
+  each per block it walks: its open blocks', its masked one), the loops around it once per
+  sequence, q block or grid step, v3's chunk loop once per chunk; any other loop (a table
+  scan, v3's K/V-write loop) once per pass of the loop around it. Both sides of a branch count.
 
 v3 always writes the new tokens' K/V into the cache in its kernel. Ours is counted alone (no
 write: not like for like), with the write in its kernels (`ours fused`: `minilib.kernel.kv_write`)
@@ -62,18 +63,17 @@ from minilib.tpu import compile as tpu
 from minilib.tpu import suite
 from minilib.tpu.bundles import (
     COUNTING_RULE,
-    MATMUL,
-    count_ops,
-    kv_block_loop,
+    block_bundles,
+    kv_block_pair,
     loop_bodies,
     parse_bundles,
+    weighted_bundles,
 )
 from minilib.tpu.dump_reader import DUMP_FILE, NON_KERNEL_PROGRAMS
 from minilib.tpu.kernel_costs import COMPARISON_CASE, rpa_function, rpa_specs
 from minilib.tpu.suite import SUITE, Workload, ours_trips, recorded_suite, suite_table, v3_trips
 
-__all__ = ["block_bundles", "defaults_rows", "record_suite", "suite_result", "weighted_bundles",
-           "whole_program"]  # fmt: skip
+__all__ = ["defaults_rows", "record_suite", "suite_result", "whole_program"]
 
 LABEL = "static estimate from the compiled program, not a timing"
 
@@ -89,8 +89,9 @@ def on_chip(chip: str):
 
 def ours_defaults(chip: str, specs, **options) -> dict[str, dict]:
     """Our kernel's block sizes on `chip` (kernel_config, under the chip's mesh, with the
-    layer's `options`): per kernel, {"kv_tokens", "q_rows", "pages", "kv_heads"} (q rows:
-    sequences per grid step for decode; KV heads of one block)."""
+    layer's `options`): per kernel, {"kv_tokens", "q_rows", "pages", "kv_heads", "open_blocks"}
+    (q rows: sequences per grid step for decode; KV heads of one block; whether its open KV
+    blocks have a loop of their own)."""
     from minilib.kernel import kernel_config
     from minilib.kernel.levers import split_configs
 
@@ -99,7 +100,7 @@ def ours_defaults(chip: str, specs, **options) -> dict[str, dict]:
         mixed, decode = split_configs(kernel_config(q, kv_pages, page_indices, **options))
     return {name: dict(kv_tokens=c.num_kv_pages_per_block * c.page_size,
                        q_rows=c.num_queries_per_block, pages=c.num_kv_pages_per_block,
-                       kv_heads=c.num_kv_heads_per_block)
+                       kv_heads=c.num_kv_heads_per_block, open_blocks=c.open_blocks)
             for name, c in (("mixed", mixed), ("decode", decode))}  # fmt: skip
 
 
@@ -191,85 +192,6 @@ def compile_programs(fn, specs, chip: str, donate: tuple[int, ...] = ()) -> tupl
             (folder / file).unlink(missing_ok=True)
     _COMPILED[key] = tuple(programs)
     return _COMPILED[key]
-
-
-# Counting: bundles x the passes of the loop around them. ----------------------------------------
-
-
-def _size(loop):
-    return loop[1] - loop[0]
-
-
-def _inside(inner, outer) -> bool:
-    return inner != outer and outer[0] <= inner[0] and inner[1] <= outer[1]
-
-
-def compute_loop(bundles, kv) -> tuple[int, int] | None:
-    """The innermost loop inside the KV-block loop `kv` that holds all its matmuls (v3's
-    compute-chunk loop), or None."""
-    matmuls = count_ops(bundles[kv[0] : kv[1]], MATMUL)
-    holding = [loop for loop in loop_bodies(bundles) if _inside(loop, kv)
-               and count_ops(bundles[loop[0] : loop[1]], MATMUL) == matmuls]  # fmt: skip
-    return min(holding, key=_size, default=None)
-
-
-def block_bundles(bundles, chunks_per_block: int = 1) -> int:
-    """Bundles of one KV block: the KV-block loop (`COUNTING_RULE`), its compute-chunk loop
-    (if any, `compute_loop`) counted `chunks_per_block` times.
-
-    >>> from minilib.tpu.bundles import EXAMPLE_TWO_LOOPS
-    >>> bundles = parse_bundles(EXAMPLE_TWO_LOOPS)     # a KV loop of 14, a chunk loop of 7
-    >>> block_bundles(bundles), block_bundles(bundles, chunks_per_block=3)
-    (14, 28)
-    """
-    kv = kv_block_loop(bundles)
-    if kv is None:
-        raise ValueError("no KV-block loop in this kernel: nothing to count per block")
-    chunk = compute_loop(bundles, kv)
-    return _size(kv) + (chunks_per_block - 1) * (_size(chunk) if chunk else 0)
-
-
-def weighted_bundles(bundles, passes_outward: list[int], chunk_passes: int | None = None) -> int:
-    """A Pallas kernel's bundles for one call: each bundle x the passes, in the call, of the
-    innermost loop around it (1 outside every loop). `passes_outward`: the passes of the
-    KV-block loop, then of each loop around it, outward; `chunk_passes`: of the compute-chunk
-    loop inside it. Any other loop runs once per pass of the loop around it.
-
-    >>> from minilib.tpu.bundles import EXAMPLE_TWO_LOOPS
-    >>> bundles = parse_bundles(EXAMPLE_TWO_LOOPS)  # 17 bundles: 3 outside, KV loop 14 (7 chunk)
-    >>> weighted_bundles(bundles, [10], chunk_passes=20)     # 3 + 7 x 10 + 7 x 20
-    213
-    >>> weighted_bundles(bundles, [10, 2])
-    Traceback (most recent call last):
-    ...
-    ValueError: expected the KV-block loop inside 1 loop(s), found 0: the kernel's loops are not the ones its trip counts describe
-    """  # noqa: E501
-    kv = kv_block_loop(bundles)
-    if kv is None:
-        raise ValueError("no KV-block loop in this kernel: its trip counts cannot be placed")
-    loops = loop_bodies(bundles)
-    chain = [kv, *sorted((loop for loop in loops if _inside(kv, loop)), key=_size)]
-    if len(chain) != len(passes_outward):
-        raise ValueError(
-            f"expected the KV-block loop inside {len(passes_outward) - 1} loop(s), found "
-            f"{len(chain) - 1}: the kernel's loops are not the ones its trip counts describe"
-        )
-    passes = dict(zip(chain, passes_outward, strict=True))
-    chunk = compute_loop(bundles, kv)
-    if chunk is not None:
-        passes[chunk] = passes[kv] if chunk_passes is None else chunk_passes
-
-    def passes_of(loop) -> int:
-        if loop in passes:
-            return passes[loop]
-        around = [outer for outer in loops if _inside(loop, outer)]
-        return passes_of(min(around, key=_size)) if around else 1
-
-    total = 0
-    for i in range(len(bundles)):
-        holding = [loop for loop in loops if loop[0] <= i < loop[1]]
-        total += passes_of(min(holding, key=_size)) if holding else 1
-    return total
 
 
 # The calls compiled, at each kernel's own defaults. ---------------------------------------------
@@ -414,7 +336,8 @@ def kernel_result(name: str, chip: str, workload: Workload) -> dict:
     if name.startswith("ours"):
         blocks, kernels, programs = ours_kernels(chip, specs, model.sinks, name == "ours fused",
                                                  **model.options())  # fmt: skip
-        trips = ours_trips(workload, blocks["mixed"]["pages"], blocks["mixed"]["q_rows"])
+        mixed = blocks["mixed"]
+        trips = ours_trips(workload, mixed["pages"], mixed["q_rows"], mixed["open_blocks"])
         passes = {k: (trips[k], None) for k in kernels}
         loop_of = {k: dict(kv_tokens=b["kv_tokens"], kv_heads=b["kv_heads"],
                            q_tokens=1 if k == "decode" else b["q_rows"], chunks=1)
@@ -433,8 +356,17 @@ def kernel_result(name: str, chip: str, workload: Workload) -> dict:
         parts.append((program.name, weighted_bundles(program.bundles, outward, chunks), how))
         figures = dict(loop_of[kernel])
         bundles = block_bundles(program.bundles, figures.pop("chunks"))
+        pair = kv_block_pair(program.bundles)
+        if pair:  # the open KV blocks' loop (`open_blocks`), then the masked one
+            (open_start, open_end), (masked_start, masked_end) = pair
+            if open_end - open_start >= masked_end - masked_start:
+                why = "its first KV-block loop is not the shorter: not the open blocks' loop"
+                raise ValueError(f"{program.name}: {why} its passes are for")
+            opened, masked = outward[0]
+            loops.append(dict(kernel=name, program="open", bundles=open_end - open_start,
+                              **figures, passes=opened))  # fmt: skip
         loops.append(dict(kernel=name, program=kernel, bundles=bundles, **figures,
-                          passes=outward[0]))  # fmt: skip
+                          passes=masked if pair else outward[0]))  # fmt: skip
     return {"parts": parts, "loops": loops}
 
 

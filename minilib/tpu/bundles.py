@@ -17,12 +17,17 @@ __all__ = [
     "COUNTING_RULE",
     "EXAMPLE_BUNDLES",
     "EXAMPLE_TWO_LOOPS",
+    "block_bundles",
     "branch_kv_block_loops",
+    "compute_loop",
     "count_ops",
     "kv_block_loop",
+    "kv_block_loops",
+    "kv_block_pair",
     "loop_bodies",
     "loop_extents",
     "parse_bundles",
+    "weighted_bundles",
 ]
 
 # "  0x2b1 LB: >>> { ops ;; ops }": address, optional control tag, loop depth, then the bundle.
@@ -32,7 +37,8 @@ BUNDLE_LINE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:([A-Z]{2}):|:)\s*(>*)\s*\{
 # (ours, JAX's, vLLM's RPA v3), so that their figures compare. `kv_block_loop` applies it.
 COUNTING_RULE = (
     "bundles per KV block = one pass of the innermost loop that holds every matmul of the "
-    "kernel and at least one DMA start"
+    "kernel and at least one DMA start; where two such loops share them, one after the "
+    "other, the second"
 )
 # The two kinds of op the rule looks for, as libtpu 0.0.42.1 prints them on v5e, v6e and TPU7x:
 # * a matmul is one `vmatmul` op, one vector register of left-hand rows streamed through an
@@ -211,13 +217,47 @@ def kv_block_loop(bundles: list[Bundle]) -> tuple[int, int] | None:
         for s, e in loop_bodies(bundles)
         if count_ops(bundles[s:e], MATMUL) == total and count_ops(bundles[s:e], DMA_START) > 0
     ]
-    return max(holding)[2] if holding else None
+    if not holding:
+        return None
+    pair = kv_block_pair(bundles)
+    return pair[1] if pair else max(holding)[2]
+
+
+def kv_block_loops(bundles: list[Bundle]) -> list[tuple[int, int]]:
+    """The loops that hold a matmul and a DMA start, and no such loop inside, in program
+    order: a kernel's KV-block loops, one or more.
+
+    >>> kv_block_loops(parse_bundles(EXAMPLE_TWO_LOOPS))
+    [(1, 15)]
+    """
+    candidates = [
+        (s, e)
+        for s, e in loop_bodies(bundles)
+        if count_ops(bundles[s:e], MATMUL) > 0 and count_ops(bundles[s:e], DMA_START) > 0
+    ]
+    return [
+        (s, e)
+        for s, e in candidates
+        if not any(s <= s2 and e2 <= e for s2, e2 in candidates if (s2, e2) != (s, e))
+    ]
+
+
+def kv_block_pair(bundles: list[Bundle]) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """A kernel that walks its KV blocks in two loops, one after the other, that hold every
+    matmul between them (ours: the blocks that need no mask, then the rest, `open_blocks`):
+    (the first, the second). None for a kernel of one KV-block loop, or of more than two."""
+    loops = kv_block_loops(bundles)
+    if len(loops) != 2:
+        return None
+    matmuls = sum(count_ops(bundles[s:e], MATMUL) for s, e in loops)
+    return (loops[0], loops[1]) if matmuls == count_ops(bundles, MATMUL) else None
 
 
 def branch_kv_block_loops(bundles: list[Bundle]) -> list[tuple[int, int]]:
     """`COUNTING_RULE` applied to each branch of a kernel that traces its KV-block loop once
     per branch: the loops that hold a matmul and a DMA start, and no such loop inside, in
-    program order. [] for a kernel of one KV-block loop, the rule's own.
+    program order. [] for a kernel of one KV-block loop, the rule's own, or of a pair
+    (`kv_block_pair`: the rule counts its second).
 
     vLLM's RPA v3 kernel for head_dim 64 is one: under `pl.when`s on the kind of sequence it
     runs its KV-block loop for decode, prefill and mixed sequences, three copies in its
@@ -230,14 +270,96 @@ def branch_kv_block_loops(bundles: list[Bundle]) -> list[tuple[int, int]]:
     loop = kv_block_loop(bundles)
     if loop is None:
         return []
-    candidates = [
-        (s, e)
-        for s, e in loop_bodies(bundles)
-        if count_ops(bundles[s:e], MATMUL) > 0 and count_ops(bundles[s:e], DMA_START) > 0
-    ]
-    innermost = [
-        (s, e)
-        for s, e in candidates
-        if not any(s <= s2 and e2 <= e for s2, e2 in candidates if (s2, e2) != (s, e))
-    ]
-    return [] if innermost == [loop] else innermost
+    innermost = kv_block_loops(bundles)
+    return [] if loop in innermost else innermost
+
+
+# Counting: bundles x the passes of the loop around them. ----------------------------------------
+
+
+def _size(loop):
+    return loop[1] - loop[0]
+
+
+def _inside(inner, outer) -> bool:
+    return inner != outer and outer[0] <= inner[0] and inner[1] <= outer[1]
+
+
+def compute_loop(bundles, kv) -> tuple[int, int] | None:
+    """The innermost loop inside the KV-block loop `kv` that holds all its matmuls (v3's
+    compute-chunk loop), or None."""
+    matmuls = count_ops(bundles[kv[0] : kv[1]], MATMUL)
+    holding = [loop for loop in loop_bodies(bundles) if _inside(loop, kv)
+               and count_ops(bundles[loop[0] : loop[1]], MATMUL) == matmuls]  # fmt: skip
+    return min(holding, key=_size, default=None)
+
+
+def block_bundles(bundles, chunks_per_block: int = 1) -> int:
+    """Bundles of one KV block: the KV-block loop (`COUNTING_RULE`), its compute-chunk loop
+    (if any, `compute_loop`) counted `chunks_per_block` times.
+
+    >>> bundles = parse_bundles(EXAMPLE_TWO_LOOPS)     # a KV loop of 14, a chunk loop of 7
+    >>> block_bundles(bundles), block_bundles(bundles, chunks_per_block=3)
+    (14, 28)
+    """
+    kv = kv_block_loop(bundles)
+    if kv is None:
+        raise ValueError("no KV-block loop in this kernel: nothing to count per block")
+    chunk = compute_loop(bundles, kv)
+    return _size(kv) + (chunks_per_block - 1) * (_size(chunk) if chunk else 0)
+
+
+def weighted_bundles(bundles, passes_outward: list[int], chunk_passes: int | None = None) -> int:
+    """A Pallas kernel's bundles for one call: each bundle x the passes, in the call, of the
+    innermost loop around it (1 outside every loop). `passes_outward`: the passes of the
+    KV-block loop, then of each loop around it, outward; for a kernel of two KV-block loops
+    (`kv_block_pair`), the first entry is the passes of each, in program order. `chunk_passes`:
+    of the compute-chunk loop inside it. Any other loop runs once per pass of the loop around
+    it.
+
+    >>> bundles = parse_bundles(EXAMPLE_TWO_LOOPS)  # 17 bundles: 3 outside, KV loop 14 (7 chunk)
+    >>> weighted_bundles(bundles, [10], chunk_passes=20)     # 3 + 7 x 10 + 7 x 20
+    213
+    >>> weighted_bundles(bundles, [10, 2])
+    Traceback (most recent call last):
+    ...
+    ValueError: expected the KV-block loop inside 1 loop(s), found 0: the kernel's loops are not the ones its trip counts describe
+    >>> weighted_bundles(bundles, [(4, 6)])
+    Traceback (most recent call last):
+    ...
+    ValueError: passes for 2 KV-block loops, and the kernel has 1
+    """  # noqa: E501
+    kv = kv_block_loop(bundles)
+    if kv is None:
+        raise ValueError("no KV-block loop in this kernel: its trip counts cannot be placed")
+    loops = loop_bodies(bundles)
+    chain = [kv, *sorted((loop for loop in loops if _inside(kv, loop)), key=_size)]
+    if len(chain) != len(passes_outward):
+        raise ValueError(
+            f"expected the KV-block loop inside {len(passes_outward) - 1} loop(s), found "
+            f"{len(chain) - 1}: the kernel's loops are not the ones its trip counts describe"
+        )
+    kv_passes, *outward = passes_outward
+    pair = kv_block_pair(bundles)
+    per_loop = tuple(kv_passes) if isinstance(kv_passes, (tuple, list)) else (kv_passes,)
+    if len(per_loop) != (2 if pair else 1):
+        raise ValueError(f"passes for {len(per_loop)} KV-block loops, and the kernel has "
+                         f"{2 if pair else 1}")  # fmt: skip
+    passes = dict(zip(chain, [per_loop[-1], *outward], strict=True))
+    if pair:
+        passes[pair[0]] = per_loop[0]
+    chunk = compute_loop(bundles, kv)
+    if chunk is not None:
+        passes[chunk] = passes[kv] if chunk_passes is None else chunk_passes
+
+    def passes_of(loop) -> int:
+        if loop in passes:
+            return passes[loop]
+        around = [outer for outer in loops if _inside(loop, outer)]
+        return passes_of(min(around, key=_size)) if around else 1
+
+    total = 0
+    for i in range(len(bundles)):
+        holding = [loop for loop in loops if loop[0] <= i < loop[1]]
+        total += passes_of(min(holding, key=_size)) if holding else 1
+    return total

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minilib.chips import FACTS
+from minilib.masking import open_kv_blocks_end
 from minilib.tpu.kernel_costs import rpa_specs
 
 __all__ = ["MODELS", "RECORDED", "SUITE", "KVLoop", "LoopTimes", "Model", "Workload",
@@ -168,26 +169,43 @@ SUITE = {
 # Trip counts, from the batch. -------------------------------------------------------------------
 
 
-def ours_trips(workload: Workload, pages: int, queries: int) -> dict[str, list[int]]:
+def ours_trips(workload: Workload, pages: int, queries: int,
+               open_blocks: bool = False) -> dict[str, list]:  # fmt: skip
     """Per kernel of ours ("decode", "mixed"): passes of its KV-block loop, its sequence loop
     and its grid loop, read from `minilib.schedule.plan_schedule` (the kernel's own walk, the
     layer's sliding window included). A grid of one step compiles to no loop: then there is no
-    grid loop to count.
+    grid loop to count. With `open_blocks` (`minilib.kernel.open_blocks`), the mixed kernel's
+    KV-block passes are a pair: of its loop of open blocks, and of its masked loop.
 
-    >>> ours_trips(Workload("two", ((1, 40), (8, 40))), pages=1, queries=8)  # 8 rows, 1 q block
+    >>> w = Workload("two", ((1, 40), (8, 40)))
+    >>> ours_trips(w, pages=1, queries=8)  # 8 rows, 1 q block
     {'decode': [3, 1], 'mixed': [3, 1, 2]}
+    >>> ours_trips(w, pages=1, queries=8, open_blocks=True)["mixed"]  # keys 0..31 seen by all
+    [(2, 1), 1, 2]
     """
     from minilib.schedule import plan_schedule
 
     q, kv_pages, *_ = workload.specs()
+    window = workload.model.sliding_window
     s = plan_schedule(q, kv_pages, *workload.tables(), num_kv_pages_per_block=pages,
-                      num_queries_per_block=queries,
-                      sliding_window=workload.model.sliding_window)  # fmt: skip
+                      num_queries_per_block=queries, sliding_window=window)  # fmt: skip
+    kv_lens = workload.tables()[0]
+
+    def is_open(e) -> bool:
+        rows = (e.step[1] * queries, (e.step[1] + 1) * queries)
+        end = open_kv_blocks_end(rows, s.mixed_q_rows[e.seq], int(kv_lens[e.seq]),
+                                 s.kv_tokens_per_block, window)  # fmt: skip
+        return e.kv_blk < int(end)
+
     trips = {}
     for kernel, grid in (("decode", s.decode_grid), ("mixed", s.grid)):
         work = [e for e in s.computes() if e.kernel == kernel]
         steps = [math.prod(grid)] if math.prod(grid) > 1 else []
-        trips[kernel] = [len(work), len({(e.step, e.seq) for e in work}), *steps]
+        passes = len(work)
+        if kernel == "mixed" and open_blocks:
+            opened = sum(map(is_open, work))
+            passes = (opened, len(work) - opened)
+        trips[kernel] = [passes, len({(e.step, e.seq) for e in work}), *steps]
     return trips
 
 
@@ -349,7 +367,7 @@ def suite_table(record: dict) -> str:
              "into the cache: like for like with it are ours + scatter (the separate scatter, "
              "write_tokens) and ours fused (the write in our kernels); ours alone writes none. "
              "Efficiency: limit / max(copy, issue) per KV-block loop, d = decode kernel, "
-             "m = mixed kernel.",
+             "m = mixed kernel, o = its open KV blocks (no mask).",
              f"{'chip':6} {'workload':12} {'model':26} {'ours':>11} {'+ scatter':>11} "
              f"{'fused':>11} {'v3':>11} {'ours/v3':>7} {'+sc/v3':>7} {'fused/v3':>8}"
              f"  {'efficiency ours':17} {'efficiency v3':13}"]  # fmt: skip

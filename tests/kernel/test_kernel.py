@@ -121,6 +121,18 @@ KERNEL_CASES = {
         dict(num_q_heads=4, num_kv_heads=2, head_dim=256, page_size=8),
         dict(num_kv_pages_per_block=2, num_queries_per_block=8),
     ),
+    # `open_blocks`: q blocks of one sequence see the KV blocks before their first row in a
+    # loop with no mask; the q block rows of two sequences (10..15, 16..) see none there.
+    "prefill chunks with open KV blocks": (
+        [(10, 34), (22, 40), (1, 9)],
+        dict(page_size=8, pages_per_seq=6),
+        dict(num_kv_pages_per_block=1, num_queries_per_block=8),
+    ),
+    "open KV blocks, small mask value and soft cap": (
+        [(10, 34), (22, 40), (1, 9)],
+        dict(page_size=8, pages_per_seq=6),
+        dict(mask_value=-3.0, soft_cap=10.0, num_kv_pages_per_block=1, num_queries_per_block=8),
+    ),
     "fp8 KV with scales": (
         ONE_OF_EACH,
         dict(page_size=16, kv_dtype=jnp.float8_e4m3fn),

@@ -7,7 +7,7 @@ import pytest
 from compile_checks import TPU_COMPILE, require_chip
 
 from minilib import block_sizes
-from minilib.tpu.bundles import kv_block_loop
+from minilib.tpu.bundles import block_bundles, compute_loop, kv_block_loop
 from minilib.tpu.kernel_costs import COMPARISON_CASE, COMPARISON_CHIPS, rpa_specs
 from minilib.tpu.v3 import v3_available
 
@@ -63,7 +63,7 @@ def test_each_kernel_runs_at_what_its_own_heuristic_answers():
         )
     bundles = kernels["mixed"].bundles
     kv = kv_block_loop(bundles)
-    chunk = at_defaults.compute_loop(bundles, kv)
+    chunk = compute_loop(bundles, kv)
     chunks = mixed["bkv_sz"] // mixed["bkv_csz"]
     assert chunks > 1 and chunk is not None
     expected = (kv[1] - kv[0]) + (chunks - 1) * (chunk[1] - chunk[0])
@@ -114,9 +114,7 @@ def test_whole_program_follows_the_batch_as_defined():
     trips_b = suite.ours_trips(half, blocks["pages"], blocks["q_rows"])["decode"]
     assert trips_a[0] - trips_b[0] == fewer > 0 and trips_a[1:] == trips_b[1:]
     totals = {name: (sum(n for _, n, _ in a[name]), sum(n for _, n, _ in b[name])) for name in a}
-    assert totals["ours"][0] - totals["ours"][1] == fewer * at_defaults.block_bundles(
-        decode.bundles
-    )
+    assert totals["ours"][0] - totals["ours"][1] == fewer * block_bundles(decode.bundles)
     assert totals["v3"][0] == totals["v3"][1]
     assert a["ours"][0] == b["ours"][0]  # XLA's own programs: the same shapes, the same bundles
 

@@ -18,9 +18,12 @@ from minilib.tpu.bundles import (
     branch_kv_block_loops,
     count_ops,
     kv_block_loop,
+    kv_block_loops,
+    kv_block_pair,
     loop_bodies,
     loop_extents,
     parse_bundles,
+    weighted_bundles,
 )
 from minilib.tpu.dump_reader import kernel_stats, read_dump, vmem_usage
 from minilib.tpu.loop_paths import (
@@ -203,8 +206,8 @@ def test_a_kernel_without_a_dma_start_in_its_loops_has_no_kv_block_loop():
 
 
 # A grid loop that holds one KV loop per branch (as in vLLM's RPA v3 for head_dim 64, where
-# decode, prefill and mixed sequences each get a copy): a short one, then a longer one.
-TWO_BRANCHES = """\
+# decode, prefill and mixed sequences each get a copy): a short one, a longer one, a short one.
+THREE_BRANCHES = """\
 = control target key start
 LB: loop body
 = control target key end
@@ -218,21 +221,45 @@ LB: loop body
    0x6   : >> { %v8 = vmatmul.bf16.gmra.mxu0 %v7 }
    0x7   : >> { %v9 = vmatmul.bf16.gmra.mxu0 %v7 }
    0x8 PF: > { %s10 = sbr.rel %s2 }
-   0x9 PF:  { %s11 = shalt }
+   0x9 LB: >> { %v11 = vld [vmem:[#allocation2]]  ;;  %15 = dma.hbm_to_vmem [thread:$0]  %s2 }
+   0xa   : >> { %v12 = vmatmul.bf16.gmra.mxu0 %v11 }
+   0xb PF: > { %s16 = sbr.rel %s2 }
+   0xc PF:  { %s17 = shalt }
 """
 
 
 def test_a_kv_loop_per_branch_is_counted_per_branch_not_as_the_grid_loop():
-    bundles = parse_bundles(TWO_BRANCHES)
-    assert kv_block_loop(bundles) == (1, 9)  # the rule alone: the grid loop, not a KV block
-    assert branch_kv_block_loops(bundles) == [(2, 4), (5, 8)]
-    stats, notes = kernel_stats("k.1", TWO_BRANCHES, ALLOCATIONS)
+    bundles = parse_bundles(THREE_BRANCHES)
+    assert kv_block_loop(bundles) == (1, 12)  # the rule alone: the grid loop, not a KV block
+    assert branch_kv_block_loops(bundles) == [(2, 4), (5, 8), (9, 11)]
+    assert kv_block_pair(bundles) is None
+    stats, notes = kernel_stats("k.1", THREE_BRANCHES, ALLOCATIONS)
     assert stats.bundles_per_kv_block is None
     assert [(b.name, b.bundles_per_kv_block) for b in stats.branches] == [
-        ("k.1, branch 1 of 2", 2),
-        ("k.1, branch 2 of 2", 3),
+        ("k.1, branch 1 of 3", 2),
+        ("k.1, branch 2 of 3", 3),
+        ("k.1, branch 3 of 3", 2),
     ]
     assert dict(stats.branches[1].loop_op_kinds)["MXU"] == 2
+
+
+# Two KV-block loops one after the other in the sequence loop (ours with `open_blocks`: the
+# blocks that need no mask, then the masked ones, 2 and 3 bundles).
+PAIR = "\n".join(THREE_BRANCHES.splitlines()[:13] + ["   0x9 PF:  { %s11 = shalt }", ""])
+
+
+def test_two_kv_loops_in_a_row_are_a_pair_counted_at_the_second():
+    bundles = parse_bundles(PAIR)
+    assert kv_block_loops(bundles) == [(2, 4), (5, 8)]
+    assert kv_block_pair(bundles) == ((2, 4), (5, 8))
+    assert kv_block_loop(bundles) == (5, 8)
+    assert branch_kv_block_loops(bundles) == []
+    stats, _ = kernel_stats("k.1", PAIR, ALLOCATIONS)
+    assert stats.branches == () and stats.bundles_per_kv_block == 3
+    # The whole program: each loop by its own passes (10 open, 4 masked), in 2 sequences.
+    assert weighted_bundles(bundles, [(10, 4), 2]) == 2 + 3 * 2 + 2 * 10 + 3 * 4  # 2 outside
+    with pytest.raises(ValueError, match="passes for 1 KV-block loops, and the kernel has 2"):
+        weighted_bundles(bundles, [14, 2])
 
 
 def test_a_kernel_of_one_kv_loop_has_no_branches():
