@@ -156,7 +156,15 @@ def split_configs(config: KernelConfig) -> tuple[KernelConfig, KernelConfig]:
 
 def walker_class(config: KernelConfig) -> type[QBlockWalker]:
     """The walk of the grid step `config` describes: the decode kernel's, the plain one, or
-    with its open KV blocks apart (`open_blocks`)."""
+    with its open KV blocks apart (`open_blocks`).
+
+    >>> from minilib.batch import make_batch
+    >>> from minilib.kernel import kernel_config
+    >>> b = make_batch([(3, 3), (1, 9)], max_num_seqs=4)
+    >>> mixed, decode = split_configs(kernel_config(b.q, b.kv_pages, b.page_indices))
+    >>> walker_class(mixed).__name__, walker_class(decode).__name__
+    ('OpenBlocksWalker', 'DecodeWalker')
+    """
     if config.decode:
         return DecodeWalker
     return open_blocks.OpenBlocksWalker if config.open_blocks else QBlockWalker

@@ -27,7 +27,16 @@ __all__ = ["OpenBlocksWalker"]
 
 
 class OpenBlocksWalker(QBlockWalker):
-    """`QBlockWalker`, its open KV blocks first, in a loop that computes no mask."""
+    """`QBlockWalker`, its open KV blocks first, in a loop that computes no mask: the mixed
+    kernel's walk (`levers.walker_class`). Under a sliding window that loop runs no block.
+
+    >>> from minilib.batch import make_batch
+    >>> from minilib.kernel import kernel_config, split_configs
+    >>> b = make_batch([(40, 40)], page_size=8)
+    >>> mixed, _ = split_configs(kernel_config(b.q, b.kv_pages, b.page_indices))
+    >>> mixed.open_blocks
+    True
+    """
 
     def walk_kv_blocks(self, first_kv_blk, end_kv_blk, span: SeqSpan, attend, slot):
         c = self.config

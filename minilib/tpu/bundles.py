@@ -245,7 +245,11 @@ def kv_block_loops(bundles: list[Bundle]) -> list[tuple[int, int]]:
 def kv_block_pair(bundles: list[Bundle]) -> tuple[tuple[int, int], tuple[int, int]] | None:
     """A kernel that walks its KV blocks in two loops, one after the other, that hold every
     matmul between them (ours: the blocks that need no mask, then the rest, `open_blocks`):
-    (the first, the second). None for a kernel of one KV-block loop, or of more than two."""
+    (the first, the second). None for a kernel of one KV-block loop, or of more than two.
+
+    >>> kv_block_pair(parse_bundles(EXAMPLE_TWO_LOOPS)) is None   # one KV-block loop
+    True
+    """
     loops = kv_block_loops(bundles)
     if len(loops) != 2:
         return None
@@ -287,7 +291,12 @@ def _inside(inner, outer) -> bool:
 
 def compute_loop(bundles, kv) -> tuple[int, int] | None:
     """The innermost loop inside the KV-block loop `kv` that holds all its matmuls (v3's
-    compute-chunk loop), or None."""
+    compute-chunk loop), or None.
+
+    >>> bundles = parse_bundles(EXAMPLE_TWO_LOOPS)     # a KV loop of 14, a chunk loop of 7
+    >>> compute_loop(bundles, kv_block_loop(bundles))
+    (6, 13)
+    """
     matmuls = count_ops(bundles[kv[0] : kv[1]], MATMUL)
     holding = [loop for loop in loop_bodies(bundles) if _inside(loop, kv)
                and count_ops(bundles[loop[0] : loop[1]], MATMUL) == matmuls]  # fmt: skip

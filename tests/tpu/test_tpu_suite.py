@@ -4,6 +4,7 @@ Static estimates from the compiled programs, never timings."""
 
 from __future__ import annotations
 
+import ast
 import re
 
 import jax
@@ -52,24 +53,35 @@ def test_the_record_holds_every_workload_on_every_chip_by_one_rule():
 @pytest.mark.parametrize("chip, name", CELLS)
 def test_recorded_loops_pass_as_the_batch_says(chip, name):
     """Each recorded kernel's parts sum to its whole program; each KV-block loop's passes are
-    the first trip count its part names, and the trip counts follow from the batch (our
-    schedule; v3's walk at the block sizes its kernel names carry)."""
+    the first trip count its part names (our mixed kernel's a pair: its open blocks' loop,
+    then its masked one), and the trip counts follow from the batch (our schedule; v3's walk
+    at the block sizes its kernel names carry)."""
     workload, result = SUITE[name], RECORD["results"][chip][name]
     for kernel, figures in result.items():
         if "unsupported" in figures or kernel == "scatter":
             continue
         parts, loops = figures["parts"], [KVLoop(**loop) for loop in figures["loops"]]
         assert total(parts) == sum(n for _, n, _ in parts) > 0
-        assert [loop.kernel for loop in loops] == [kernel, kernel]
-        for loop, (_, bundles, how) in zip(loops, parts[1:], strict=True):
-            assert bundles > 0 and loop.bundles > 0
-            outward = [int(n) for n in how.split("outward: ")[1].split(";")[0].split(", ")]
-            assert outward[0] == loop.passes
         by_program = {loop.program: loop for loop in loops}
-        if kernel.startswith("ours"):
+        pair = kernel.startswith("ours")  # ours: the mixed kernel's open loop, then its masked
+        expected = ["decode", "open", "mixed"] if pair else ["decode", "mixed"]
+        assert [loop.program for loop in loops] == expected
+        assert {loop.kernel for loop in loops} == {kernel}
+        for program, (_, bundles, how) in zip(("decode", "mixed"), parts[1:], strict=True):
+            assert bundles > 0 and by_program[program].bundles > 0
+            outward = ast.literal_eval("[" + how.split("outward: ")[1].split(";")[0] + "]")
+            if program == "mixed" and pair:
+                opened = by_program["open"]
+                assert outward[0] == (opened.passes, by_program["mixed"].passes)
+                assert 0 < opened.bundles < by_program["mixed"].bundles
+            else:
+                assert outward[0] == by_program[program].passes
+        if pair:
             mixed = by_program["mixed"]
             trips = ours_trips(workload, mixed.kv_tokens // workload.model.page_size,
-                               mixed.q_tokens)  # fmt: skip
+                               mixed.q_tokens, open_blocks=True)  # fmt: skip
+            opened, masked = trips["mixed"][0]
+            passes = {"decode": trips["decode"][0], "open": opened, "mixed": masked}
         else:
             blocks = {}
             for part, *_ in parts[1:]:
@@ -78,8 +90,8 @@ def test_recorded_loops_pass_as_the_batch_says(chip, name):
                     bq_sz=int(bq), bq_csz=int(bq_c), bkv_sz=int(bkv), bkv_csz=int(bkv_c)
                 )
                 assert by_program["decode" if kind == "d" else "mixed"].kv_tokens == int(bkv)
-            trips = {k: outward for k, (outward, _) in v3_trips(workload, blocks).items()}
-        assert {k: t[0] for k, t in trips.items()} == {k: v.passes for k, v in by_program.items()}
+            passes = {k: outward[0] for k, (outward, _) in v3_trips(workload, blocks).items()}
+        assert passes == {k: v.passes for k, v in by_program.items()}
 
 
 def test_the_table_shows_each_ratio_and_efficiency_from_the_recorded_bundles():
