@@ -217,12 +217,18 @@ def new_kv_specs(specs) -> tuple:
     return (jax.ShapeDtypeStruct((q.shape[0], kv_pages.shape[2] // 2, q.shape[2]), q.dtype),) * 2
 
 
-def v3_whole_call(*args, sm_scale, **options):
+def v3_whole_call(q, k, v, kv_cache, *args, sm_scale, **options):
     """v3's `ragged_paged_attention` (q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens,
-    distribution) at its own block sizes and VMEM limit: (out, the cache, K/V written)."""
+    distribution) at its own block sizes and VMEM limit: (out, the cache, K/V written). The
+    new K and V come as the model makes them, in q's dtype, and are cast to the cache's first,
+    as ours casts them (`combine_kv`): v3 takes them only in the cache's dtype, and vLLM's
+    attention layer quantizes them before the call (tpu-inference's `quantize_kv`, which
+    also divides by the scale and clips)."""
     from minilib.tpu.v3 import load_v3
 
-    return load_v3().ragged_paged_attention(*args, sm_scale=sm_scale, **options)
+    k, v = k.astype(kv_cache.dtype), v.astype(kv_cache.dtype)
+    return load_v3().ragged_paged_attention(q, k, v, kv_cache, *args, sm_scale=sm_scale,
+                                            **options)  # fmt: skip
 
 
 def jax_call(*args, sm_scale, pages, queries):
@@ -248,7 +254,9 @@ def v3_kernels(chip: str, specs, **options) -> tuple[dict, dict[str, Program], t
 
     blocks = v3_defaults(chip, specs)
     call = functools.partial(v3_whole_call, sm_scale=specs[0].shape[2] ** -0.5, **options)
-    programs = compile_programs(call, v3_specs(specs), chip, donate=(3,))
+    q, k, v, *rest = v3_specs(specs)
+    model_kv = jax.ShapeDtypeStruct(k.shape, q.dtype)  # as the model makes them: see the call
+    programs = compile_programs(call, (q, model_kv, model_kv, *rest), chip, donate=(3,))
     kernels = {}
     for kernel, symbol in (("decode", "d"), ("mixed", "m")):
         b = blocks[kernel]

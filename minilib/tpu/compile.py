@@ -58,6 +58,7 @@ otherwise forbids.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -67,6 +68,7 @@ import inspect
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -384,6 +386,7 @@ def dump_folder() -> DumpFolder | None:
     if libtpu_started():
         return None
     path = Path(tempfile.mkdtemp(prefix="minilib-tpu-dump-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)  # read as each compile ends
     # Processes started from this one must not inherit the dump flags: set them only while
     # libtpu starts, which is when it reads them.
     with environment(libtpu_env(path, os.environ)):
@@ -568,12 +571,8 @@ def compile_in_subprocess(fn, specs, chip: str) -> CompileReport:
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         env.pop("LIBTPU_INIT_ARGS", None)  # the child's own dump folder; the host's flags stay
-        done = subprocess.run(
-            [sys.executable, "-m", "minilib.tpu.compile", str(request), str(response)],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
+        done = subprocess.run([sys.executable, "-m", "minilib.tpu.compile", str(request),
+                               str(response)], env=env, capture_output=True, text=True)  # fmt: skip
         if done.returncode != 0 or not response.exists():
             raise RuntimeError(
                 f"the compile process failed ({done.returncode=}):\n{first_lines(done.stderr, 30)}"

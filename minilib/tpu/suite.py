@@ -366,6 +366,7 @@ def suite_table(record: dict) -> str:
              f"(libtpu {record['libtpu']}, v3 {record['v3']}). v3 writes the new tokens' K/V "
              "into the cache: like for like with it are ours + scatter (the separate scatter, "
              "write_tokens) and ours fused (the write in our kernels); ours alone writes none. "
+             "Both are given the new K/V in bf16 and cast them to an fp8 cache's dtype. "
              "Efficiency: limit / max(copy, issue) per KV-block loop, d = decode kernel, "
              "m = mixed kernel, o = its open KV blocks (no mask).",
              f"{'chip':6} {'workload':12} {'model':26} {'ours':>11} {'+ scatter':>11} "

@@ -360,3 +360,35 @@ def test_compiles_in_a_fresh_process_when_libtpu_started_without_dump_flags():
         [sys.executable, "-c", FALLBACK_SCRIPT], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0 and "fallback ok" in done.stdout, done.stderr[-3000:]
+
+
+DUMP_SCRIPT = """
+import functools, jax, jax.numpy as jnp
+from minilib.tpu import compile as tpu_compile
+from minilib.pallas_basics import add_vectors
+x = jax.ShapeDtypeStruct((4096,), jnp.float32)
+add = functools.partial(add_vectors, block_size=1024, interpret=False)
+assert tpu_compile.compile_for_tpu(add, x, x, chip="v5e").compiled
+folder = tpu_compile.dump_folder().path
+print(folder, folder.is_dir())
+"""
+
+
+def test_the_dump_folder_is_removed_when_the_process_ends():
+    """Each process that compiles here makes a dump folder for libtpu (each compile's files
+    are removed once read); the folder itself is gone when the process ends."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, "-c", DUMP_SCRIPT], env=env, capture_output=True,
+                          text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    folder, was_there = done.stdout.split()[-2:]
+    assert was_there == "True" and folder.startswith(tempfile.gettempdir())
+    assert not Path(folder).exists(), f"{folder} is left behind"

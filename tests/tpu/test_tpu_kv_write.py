@@ -14,11 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compile_checks import TPU_COMPILE, assert_compiled, require_chip
+from compile_checks import TPU_COMPILE, require_chip
 
 from minilib.kernel import ragged_paged_attention
 from minilib.tpu import compile as tpu_compile
-from minilib.tpu.compile import compile_for_tpu
 from minilib.tpu.kernel_costs import COMPARISON_CASE, rpa_specs
 
 pytestmark = TPU_COMPILE
@@ -43,14 +42,15 @@ def writing_specs(kv_dtype):
     return (*specs, new, new)
 
 
-def compiled_text(fn, specs, chip: str, donate_argnums) -> str:
-    """The compiled program's HLO, `fn` jitted with `donate_argnums`, for `chip`. Compiled
-    here, libtpu started with the dump flags as every compile test expects; the dump of this
-    compile is removed."""
+def compiled(fn, specs, chip: str, donate_argnums) -> tuple[str, tuple]:
+    """The compiled program's HLO, `fn` jitted with `donate_argnums`, for `chip`, and the
+    KernelStats of its Pallas kernels, read from this compile's dump (then removed). Compiled
+    here, libtpu started with the dump flags as every compile test expects."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     folder = tpu_compile.dump_folder()  # starts libtpu with the dump flags if not started
-    before = set(os.listdir(folder.path)) if folder else set()
+    assert folder is not None, "libtpu started without the dump flags in this process"
+    before = set(os.listdir(folder.path))
     device = tpu_compile.topology_device(chip)
     sharding = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
     placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
@@ -58,24 +58,32 @@ def compiled_text(fn, specs, chip: str, donate_argnums) -> str:
         with jax.sharding.use_abstract_mesh(tpu_compile.abstract_mesh(device)):
             lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*placed)
         with tpu_compile.default_layouts_assumed():
-            return lowered.compile().as_text()
+            text = lowered.compile().as_text()
+        new_files = sorted(set(os.listdir(folder.path)) - before)
+        names = tpu_compile.pallas_kernel_names(lowered.as_text())
+        kernels, _ = tpu_compile.read_dump(folder.path, new_files, names)
+        return text, kernels
     finally:
-        for name in set(os.listdir(folder.path)) - before if folder else ():
+        for name in set(os.listdir(folder.path)) - before:
             (folder.path / name).unlink(missing_ok=True)
 
 
 @functools.cache
-def cache_program(chip: str, kv_dtype: str) -> str:
-    return compiled_text(writing_call, writing_specs(KV_DTYPES[kv_dtype]), chip, (1,))
+def cache_program(chip: str, kv_dtype: str) -> tuple[str, tuple]:
+    """The writing call compiled with the cache donated: (its HLO, its kernels' stats)."""
+    return compiled(writing_call, writing_specs(KV_DTYPES[kv_dtype]), chip, (1,))
 
 
 @pytest.mark.parametrize("chip", CHIPS)
 def test_kv_write_kernels_compile(chip):
-    """Both kernels, decode and mixed, each with its bundle dump: static estimates."""
+    """Both kernels, decode and mixed, each with its bundle dump (static estimates): the
+    program the no-copy test below reads."""
     require_chip(chip)
-    report = compile_for_tpu(writing_call, *writing_specs(jnp.bfloat16), chip=chip)
-    assert_compiled(report)
-    assert len(report.kernels) == 2, report
+    _, kernels = cache_program(chip, "bf16")
+    assert sorted(k.name.split(".")[0] for k in kernels) == [
+        "minilib_ragged_paged_attention", "minilib_ragged_paged_attention_decode"
+    ], kernels  # fmt: skip
+    assert all(k.total_bundles > 0 for k in kernels), kernels
 
 
 @pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
@@ -84,7 +92,7 @@ def test_kv_write_makes_no_copy_of_the_cache(chip, kv_dtype):
     """No copy (and no copy-start) of an array shaped as the cache; the program's output 1,
     the cache, aliases its parameter 1, and each kernel's output 1 its cache operand."""
     require_chip(chip)
-    text = cache_program(chip, kv_dtype)
+    text, _ = cache_program(chip, kv_dtype)
     cache = writing_specs(KV_DTYPES[kv_dtype])[1]
     shape = ",".join(map(str, cache.shape))
     copies = re.findall(rf"\[{shape}\][^ ]* copy(?:-start)?\(", text)
@@ -100,6 +108,6 @@ def test_the_no_copy_check_can_fail():
     chip = CHIPS[0]
     require_chip(chip)
     specs = writing_specs(jnp.bfloat16)
-    text = compiled_text(writing_call, specs, chip, ())
+    text, _ = compiled(writing_call, specs, chip, ())
     shape = ",".join(map(str, specs[1].shape))
     assert re.findall(rf"\[{shape}\][^ ]* copy(?:-start)?\(", text)

@@ -148,3 +148,31 @@ def test_a_workload_compiled_here_is_what_was_recorded():
             f"{kernel} on {chip}, {name}: run `{COMMAND}`"
         )
         assert fresh[kernel].get("loops") == recorded[kernel].get("loops")
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.skipif(not AVAILABLE, reason=f"no TPU compile here: {REASON}")
+def test_v3_is_given_the_models_kv_and_casts_it_to_an_fp8_cache_as_ours_does():
+    """Like for like with ours, which casts the new K and V to the cache's dtype in its program
+    (`combine_kv`): v3's program is given them in q's dtype, and casts each (traced only)."""
+    import functools
+
+    from minilib.tpu import compile as tpu_compile
+    from minilib.tpu.at_defaults import v3_whole_call
+    from minilib.tpu.v3 import v3_available, v3_specs
+
+    ok, reason = v3_available()
+    if not ok:
+        pytest.skip(reason)
+    require_chip("v6e")
+    q, k, v, cache, *rest = v3_specs(SUITE["llama fp8"].specs())
+    assert k.dtype == v.dtype == cache.dtype != q.dtype  # what v3's own call takes
+    model_kv = jax.ShapeDtypeStruct(k.shape, q.dtype)
+    device = tpu_compile.topology_device("v6e")
+    with jax.sharding.use_abstract_mesh(tpu_compile.abstract_mesh(device)):
+        call = functools.partial(v3_whole_call, sm_scale=0.1)
+        closed = jax.make_jaxpr(call)(q, model_kv, model_kv, cache, *rest)
+    new_kv = closed.jaxpr.invars[1:3]
+    casts = [e for e in closed.jaxpr.eqns if e.primitive.name == "convert_element_type"
+             and e.invars[0] in new_kv and e.params["new_dtype"] == cache.dtype]  # fmt: skip
+    assert len(casts) == 2, closed.jaxpr.eqns
