@@ -39,6 +39,8 @@ v3 always writes the new tokens' K/V into the cache in its kernel. Ours is count
 write: not like for like), with the write in its kernels (`ours fused`: `minilib.kernel.kv_write`)
 and followed by the scatter (`write_tokens`' XLA program). A written cache is donated, as in
 vLLM, so XLA copies none of it (`write_tokens` without donation copies the whole cache).
+Both are given the new K/V as the model makes them (q's dtype) and cast them to an fp8
+cache's dtype in their programs (`v3_whole_call`), as vLLM does before v3.
 The workloads, their trip counts and each loop against its chip's limit are in
 `minilib.tpu.suite` (`python -m minilib compile --workloads`).
 """
