@@ -186,10 +186,10 @@ def ours_trips(workload: Workload, pages: int, queries: int,
     from minilib.schedule import plan_schedule
 
     q, kv_pages, *_ = workload.specs()
-    window = workload.model.sliding_window
-    s = plan_schedule(q, kv_pages, *workload.tables(), num_kv_pages_per_block=pages,
+    tables, window = workload.tables(), workload.model.sliding_window
+    s = plan_schedule(q, kv_pages, *tables, num_kv_pages_per_block=pages,
                       num_queries_per_block=queries, sliding_window=window)  # fmt: skip
-    kv_lens = workload.tables()[0]
+    kv_lens = tables[0]
 
     def is_open(e) -> bool:
         rows = (e.step[1] * queries, (e.step[1] + 1) * queries)
