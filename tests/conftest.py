@@ -113,7 +113,9 @@ CASES = {
 # - bfloat16 keeps 8 significant bits: between 2 and 4 its step is 2**-6 = 0.0156, so an output
 #   there that rounds the other way than JAX's reference is off by 0.0156 (implementations
 #   round scores and probabilities at different steps). 2e-2 allows one step for outputs
-#   below 4, where standard-normal values lie, and no more.
+#   below 4, where standard-normal values lie; an output at or above 4 (a rare value of V that
+#   one key's weight carries whole, as in a window of 2) is allowed one step at its own
+#   magnitude (`bf16_step`: 0.03125 between 4 and 8), and no more.
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}
 
 # Options of the blocked implementations that JAX's reference does not take.
@@ -291,8 +293,21 @@ def assert_close(got, want, dtype) -> float:
     tolerance = TOLERANCE[jnp.dtype(dtype)]
     if one_bf16_pass():
         tolerance = max(tolerance, parity_tolerance(dtype))
-    assert error <= tolerance, f"max abs error {error} > {tolerance}"
+    allowed = tolerance
+    if jnp.dtype(dtype) == jnp.bfloat16:  # one rounding step at each output's own magnitude
+        allowed = np.maximum(tolerance, bf16_step(want))
+    over = np.abs(got - want) > allowed
+    worst = np.unravel_index(np.argmax(np.where(over, np.abs(got - want), -1)), got.shape)
+    assert not over.any(), (f"max abs error {error} > {tolerance}: got {got[worst]}, want "
+                            f"{want[worst]} at {tuple(map(int, worst))}")  # fmt: skip
     return error
+
+
+def bf16_step(values):
+    """bfloat16's rounding step at each of `values`: 2**(e - 7) for |value| in [2**e, 2**(e+1))
+    (tests/core/test_parity.py)."""
+    magnitude = np.maximum(np.abs(values), np.finfo(np.float32).tiny)
+    return np.exp2(np.floor(np.log2(magnitude)) - 7)
 
 
 def assert_matches_jax(fn, batch: RaggedBatch, **options) -> float:
