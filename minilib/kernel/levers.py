@@ -150,7 +150,9 @@ def split_configs(config: KernelConfig) -> tuple[KernelConfig, KernelConfig]:
         max_num_batched_tokens=config.max_num_seqs,  # the decode batch: one row per sequence
         padded_slot=padded_slot.padding_compiles(),
     )
-    mixed = dataclasses.replace(config, leaves_decode=True, open_blocks=True)
+    # Under a sliding window no KV block is open (`masking.open_kv_blocks_end`): no loop for them.
+    open_blocks = config.sliding_window is None
+    mixed = dataclasses.replace(config, leaves_decode=True, open_blocks=open_blocks)
     return mixed, with_head_pipeline(decode)
 
 
@@ -164,6 +166,9 @@ def walker_class(config: KernelConfig) -> type[QBlockWalker]:
     >>> mixed, decode = split_configs(kernel_config(b.q, b.kv_pages, b.page_indices))
     >>> walker_class(mixed).__name__, walker_class(decode).__name__
     ('OpenBlocksWalker', 'DecodeWalker')
+    >>> windowed = kernel_config(b.q, b.kv_pages, b.page_indices, sliding_window=4)
+    >>> walker_class(split_configs(windowed)[0]).__name__   # no KV block is open
+    'QBlockWalker'
     """
     if config.decode:
         return DecodeWalker

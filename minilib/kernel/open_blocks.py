@@ -28,7 +28,7 @@ __all__ = ["OpenBlocksWalker"]
 
 class OpenBlocksWalker(QBlockWalker):
     """`QBlockWalker`, its open KV blocks first, in a loop that computes no mask: the mixed
-    kernel's walk (`levers.walker_class`). Under a sliding window that loop runs no block.
+    kernel's walk (`levers.walker_class`) where there is no sliding window.
 
     >>> from minilib.batch import make_batch
     >>> from minilib.kernel import kernel_config, split_configs

@@ -162,6 +162,12 @@ def compile_programs(fn, specs, chip: str, donate: tuple[int, ...] = ()) -> tupl
     """Compile `fn(*specs)` for `chip` (as `minilib.tpu.compile` does) and return every
     program libtpu dumped for it. Runs in this process only: raises RuntimeError when libtpu
     started here without its dump flags."""
+    return compile_call(fn, specs, chip, donate)[1]
+
+
+def compile_call(fn, specs, chip: str, donate: tuple[int, ...] = ()) -> tuple[str, tuple]:
+    """`compile_programs`, and the compiled call's HLO text before them (what it aliases and
+    copies: tests/tpu/test_tpu_kv_write.py)."""
     tpu.require_libtpu()
     if not tpu.dump_here():
         raise RuntimeError("libtpu started here without its dump flags, so whole programs "
@@ -177,7 +183,7 @@ def compile_programs(fn, specs, chip: str, donate: tuple[int, ...] = ()) -> tupl
     before = set(os.listdir(folder))
     try:
         with tpu.default_layouts_assumed():
-            lowered.compile()
+            hlo = lowered.compile().as_text()
         kernel_names = tpu.pallas_kernel_names(lowered.as_text())
         programs = []
         for file in sorted(set(os.listdir(folder)) - before):
@@ -192,7 +198,7 @@ def compile_programs(fn, specs, chip: str, donate: tuple[int, ...] = ()) -> tupl
     finally:
         for file in set(os.listdir(folder)) - before:
             (folder / file).unlink(missing_ok=True)
-    _COMPILED[key] = tuple(programs)
+    _COMPILED[key] = hlo, tuple(programs)
     return _COMPILED[key]
 
 

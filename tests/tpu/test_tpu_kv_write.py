@@ -7,17 +7,15 @@ donated, each kernel writes into the very buffer it was given, and the program r
 from __future__ import annotations
 
 import functools
-import os
 import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from compile_checks import TPU_COMPILE, require_chip
 
 from minilib.kernel import ragged_paged_attention
-from minilib.tpu import compile as tpu_compile
+from minilib.tpu.at_defaults import compile_call
 from minilib.tpu.kernel_costs import COMPARISON_CASE, rpa_specs
 
 pytestmark = TPU_COMPILE
@@ -42,36 +40,17 @@ def writing_specs(kv_dtype):
     return (*specs, new, new)
 
 
-def compiled(fn, specs, chip: str, donate_argnums) -> tuple[str, tuple]:
-    """The compiled program's HLO, `fn` jitted with `donate_argnums`, for `chip`, and the
-    KernelStats of its Pallas kernels, read from this compile's dump (then removed). Compiled
-    here, libtpu started with the dump flags as every compile test expects."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    folder = tpu_compile.dump_folder()  # starts libtpu with the dump flags if not started
-    assert folder is not None, "libtpu started without the dump flags in this process"
-    before = set(os.listdir(folder.path))
-    device = tpu_compile.topology_device(chip)
-    sharding = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
-    placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
-    try:
-        with jax.sharding.use_abstract_mesh(tpu_compile.abstract_mesh(device)):
-            lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*placed)
-        with tpu_compile.default_layouts_assumed():
-            text = lowered.compile().as_text()
-        new_files = sorted(set(os.listdir(folder.path)) - before)
-        names = tpu_compile.pallas_kernel_names(lowered.as_text())
-        kernels, _ = tpu_compile.read_dump(folder.path, new_files, names)
-        return text, kernels
-    finally:
-        for name in set(os.listdir(folder.path)) - before:
-            (folder.path / name).unlink(missing_ok=True)
+def compiled(specs, chip: str, donate_argnums) -> tuple[str, list]:
+    """The writing call on `specs`, compiled for `chip` with `donate_argnums` donated: its
+    HLO text, and its Pallas kernels' programs (bundles read from this compile's dump)."""
+    text, programs = compile_call(writing_call, specs, chip, donate_argnums)
+    return text, [p for p in programs if p.kernel]
 
 
 @functools.cache
-def cache_program(chip: str, kv_dtype: str) -> tuple[str, tuple]:
-    """The writing call compiled with the cache donated: (its HLO, its kernels' stats)."""
-    return compiled(writing_call, writing_specs(KV_DTYPES[kv_dtype]), chip, (1,))
+def cache_program(chip: str, kv_dtype: str) -> tuple[str, list]:
+    """The writing call compiled with the cache donated: (its HLO, its kernels)."""
+    return compiled(writing_specs(KV_DTYPES[kv_dtype]), chip, (1,))
 
 
 @pytest.mark.parametrize("chip", CHIPS)
@@ -80,7 +59,7 @@ def test_kv_write_kernels_compile(chip):
     program the no-copy test below reads."""
     require_chip(chip)
     _, kernels = cache_program(chip, "bf16")  # named by jax (jax 0.7.2: after the function)
-    assert len(kernels) == 2 and all(k.total_bundles > 0 for k in kernels), kernels
+    assert len(kernels) == 2 and all(k.bundles for k in kernels), [k.name for k in kernels]
 
 
 @pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
@@ -105,6 +84,6 @@ def test_the_no_copy_check_can_fail():
     chip = CHIPS[0]
     require_chip(chip)
     specs = writing_specs(jnp.bfloat16)
-    text, _ = compiled(writing_call, specs, chip, ())
+    text, _ = compiled(specs, chip, ())
     shape = ",".join(map(str, specs[1].shape))
     assert re.findall(rf"\[{shape}\][^ ]* copy(?:-start)?\(", text)
