@@ -297,9 +297,10 @@ def assert_close(got, want, dtype) -> float:
     if jnp.dtype(dtype) == jnp.bfloat16:  # one rounding step at each output's own magnitude
         allowed = np.maximum(tolerance, bf16_step(want))
     over = np.abs(got - want) > allowed
-    worst = np.unravel_index(np.argmax(np.where(over, np.abs(got - want), -1)), got.shape)
-    assert not over.any(), (f"max abs error {error} > {tolerance}: got {got[worst]}, want "
-                            f"{want[worst]} at {tuple(map(int, worst))}")  # fmt: skip
+    if over.any():
+        worst = np.unravel_index(np.argmax(np.where(over, np.abs(got - want), -1)), got.shape)
+        raise AssertionError(f"max abs error {error} > {tolerance}: got {got[worst]}, want "
+                             f"{want[worst]} at {tuple(map(int, worst))}")  # fmt: skip
     return error
 
 

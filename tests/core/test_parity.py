@@ -75,3 +75,5 @@ def test_a_bf16_output_may_round_one_step_the_other_way_at_its_own_magnitude():
     for wrong in ([-0.0625, 0, 0], [0, 0.03, 0], [0, 0, 0.125]):  # two steps; one of 4's below 4
         with pytest.raises(AssertionError, match="max abs error"):
             assert_close(want + wrong, want, jnp.bfloat16)
+    empty = np.zeros((0, 2, 4), np.float32)  # a batch with no live rows
+    assert assert_close(empty, empty, jnp.bfloat16) == assert_close(empty, empty, jnp.float32) == 0
