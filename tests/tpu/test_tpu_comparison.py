@@ -8,6 +8,11 @@ kernel. Every figure here is a static estimate from the compiled program, never 
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import jax
 import pytest
@@ -208,18 +213,11 @@ def test_v3_loads_from_its_wheel_without_vllm_or_torch():
     only its kernel and util modules, under bare parent packages, then (with jax 0.12 or
     newer; older, it says why not) its head_dim-64 kernel (whose table of tuned block sizes
     would import vLLM and torch), with no vLLM or torch."""
-    import os
-    import subprocess
-    import sys
-
     ok, reason = v3_available()
     if not ok and "needs jax" in reason:
         pytest.skip(reason)
     assert ok, reason
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    done = subprocess.run(
-        [sys.executable, "-c", V3_ALONE_SCRIPT], env=env, capture_output=True, text=True
-    )
+    done = run_in_fresh_process(V3_ALONE_SCRIPT)
     assert done.returncode == 0 and "v3 alone ok" in done.stdout, done.stderr[-3000:]
 
 
@@ -345,20 +343,18 @@ print("fallback ok")
 """
 
 
-def test_compiles_in_a_fresh_process_when_libtpu_started_without_dump_flags():
-    """As on a TPU host, where JAX's TPU backend starts libtpu before minilib can set its
-    flags: the compile runs in a fresh process and its dump is still read."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
+def run_in_fresh_process(script: str) -> subprocess.CompletedProcess:
+    """`script` in a fresh Python, minilib importable, libtpu free to load there too."""
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    done = subprocess.run(
-        [sys.executable, "-c", FALLBACK_SCRIPT], env=env, capture_output=True, text=True
-    )
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+
+
+def test_compiles_in_a_fresh_process_when_libtpu_started_without_dump_flags():
+    """As on a TPU host, where JAX's TPU backend starts libtpu before minilib can set its
+    flags: the compile runs in a fresh process and its dump is still read."""
+    done = run_in_fresh_process(FALLBACK_SCRIPT)
     assert done.returncode == 0 and "fallback ok" in done.stdout, done.stderr[-3000:]
 
 
@@ -377,17 +373,7 @@ print(folder, folder.is_dir())
 def test_the_dump_folder_is_removed_when_the_process_ends():
     """Each process that compiles here makes a dump folder for libtpu (each compile's files
     are removed once read); the folder itself is gone when the process ends."""
-    import os
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, "-c", DUMP_SCRIPT], env=env, capture_output=True,
-                          text=True)  # fmt: skip
+    done = run_in_fresh_process(DUMP_SCRIPT)
     assert done.returncode == 0, done.stderr[-3000:]
     folder, was_there = done.stdout.split()[-2:]
     assert was_there == "True" and folder.startswith(tempfile.gettempdir())
