@@ -81,9 +81,11 @@ def test_recorded_loops_pass_as_the_batch_says(chip, name):
             mixed = by_program["mixed"]
             trips = ours_trips(workload, mixed.kv_tokens // workload.model.page_size,
                                mixed.q_tokens, open_blocks=pair)  # fmt: skip
-            passes = {"decode": trips["decode"][0], "mixed": trips["mixed"][0]}
+            passes = {"decode": trips["decode"][0]}
             if pair:
                 passes["open"], passes["mixed"] = trips["mixed"][0]
+            else:
+                passes["mixed"] = trips["mixed"][0]
         else:
             blocks = {}
             for part, *_ in parts[1:]:
