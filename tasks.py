@@ -36,6 +36,7 @@ in JupyterLab, or the classic notebook for ipywidgets 7, in headless Chromium; i
 book too), which needs Debian's `chromium` and is skipped, loudly, without it. The three
 TPU venvs' compiles run beside the CPU venvs' tests (one process, one core), each phase's
 output printed when it ends. At the end it prints a table of each phase's minutes, passed or not.
+A command still running 80 minutes after `test` began is stopped, and says where it was (run).
 
     python3 tasks.py test-colab-2026.07   # the fast tests on Colab's past runtime 2026.07
 
@@ -60,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -135,20 +137,122 @@ COLAB_TPU_TESTS = (f"({JAX_0_7_2_TPU_TESTS} or add_vectors or test_ladder or col
 WORKERS = ("-n", os.environ.get("MINILIB_TEST_WORKERS", "auto"), "--dist", "loadfile")
 
 
+# CI stops a run at 90 minutes and keeps only part of what it printed, so a command that hangs
+# outside any test's own watchdog (tests/time_limit.py: the book's build, a process left holding
+# a lane's output) would leave no trace. In `test`, a command still running DEADLINE_MINUTES
+# after it started is stopped first: each Python process under it prints where each of its
+# threads was (SIGABRT: faulthandler, which PYTHONFAULTHANDLER turns on), then every process
+# under it is killed and its phase fails by name. MINILIB_DEADLINE_MINUTES overrides it.
+DEADLINE_MINUTES = float(os.environ.get("MINILIB_DEADLINE_MINUTES", 80))
+DEADLINE: float | None = None  # set by `test`, a time.monotonic(); the course has none
+STACKS_GRACE_SECONDS = 15  # for the aborted processes to print their stacks
+# The commands running now (under a deadline, each in a session of its own, out of Ctrl-C's
+# reach: tasks.py stops them all).
+RUNNING: set[subprocess.Popen] = set()
+
+
 def run(*cmd: str | Path, env: dict | None = None, in_one_piece: bool = False,
         cwd: Path = ROOT) -> None:  # fmt: skip
-    """Run `cmd` from `cwd` (the project's root unless told); a non-zero exit raises.
-    `in_one_piece` keeps its output and prints it when it ends, so that it does not interleave
-    with a command running beside it."""
+    """Run `cmd` from `cwd` (the project's root unless told); a non-zero exit raises, as does
+    the deadline (DEADLINE). `in_one_piece` keeps its output and prints it when it
+    ends, so that it does not interleave with a command running beside it."""
     line = "+ " + " ".join(str(c) for c in cmd)
     if not in_one_piece:
         print(line, flush=True)
-        subprocess.run([str(c) for c in cmd], cwd=cwd, check=True, env=env)
-        return
-    done = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
-    print(f"{line}\n{done.stdout}", flush=True)
-    done.check_returncode()
+    env = dict(os.environ if env is None else env, PYTHONFAULTHANDLER="1")
+    pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT} if in_one_piece else {}
+    process = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, text=True,
+                               start_new_session=DEADLINE is not None, **pipe)  # fmt: skip
+    RUNNING.add(process)
+    try:
+        output, _ = process.communicate(timeout=seconds_left())
+    except subprocess.TimeoutExpired:
+        stop(process)
+        output = finish(process)
+        print(f"{line}\n{output}" if in_one_piece else "", flush=True)
+        raise DeadlinePassed(line, DEADLINE_MINUTES) from None
+    except BaseException:  # Ctrl-C, say: nothing it started is left running, in either lane
+        for running in list(RUNNING):
+            kill_tree(running, signal.SIGKILL)
+        raise
+    finally:
+        RUNNING.discard(process)
+    if in_one_piece:
+        print(f"{line}\n{output}", flush=True)
+    if process.returncode:
+        raise subprocess.CalledProcessError(process.returncode, cmd)
+
+
+class DeadlinePassed(subprocess.CalledProcessError):
+    def __init__(self, line: str, minutes: float):
+        super().__init__(124, line)
+        self.minutes = minutes
+
+    def __str__(self) -> str:
+        return (f"STOPPED: still running {self.minutes:g} minutes after `tasks.py test` started "
+                f"(tasks.DEADLINE_MINUTES), before CI's own limit: {self.cmd}\n(each of its "
+                "Python processes printed its threads' stacks above)")  # fmt: skip
+
+
+def seconds_left() -> float | None:
+    return None if DEADLINE is None else max(0.0, DEADLINE - time.monotonic())
+
+
+def processes_under(process: subprocess.Popen) -> list[int]:
+    """The living processes started from `process`: those of its session, those holding its
+    output's pipe (the ones in a session of their own, whose parent ended, hold it yet), and
+    whatever descends from them. By /proc (Linux; elsewhere, `process` alone)."""
+    if not Path("/proc/self/stat").exists():
+        return [process.pid]
+    pipe = f"pipe:[{os.fstat(process.stdout.fileno()).st_ino}]" if process.stdout else None
+    found, parents = set(), {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError):
+            stat = proc.joinpath("stat").read_text().rsplit(")")[-1].split()
+            state, parent, session = stat[0], stat[1], stat[3]
+            if state == "Z" or proc.name == str(os.getpid()):  # ended, not reaped; or this one
+                continue
+            pid = int(proc.name)
+            parents[pid] = int(parent)
+            if int(session) == process.pid or pid == process.pid:
+                found.add(pid)
+            elif pipe and any(os.readlink(fd) == pipe for fd in proc.joinpath("fd").iterdir()):
+                found.add(pid)
+    while new := {pid for pid, parent in parents.items() if parent in found} - found:
+        found |= new
+    return sorted(found)
+
+
+def kill_tree(process: subprocess.Popen, sig: int, only_python: bool = False) -> list[int]:
+    """Sends `sig` to the processes under `process` (only the Python ones if `only_python`)."""
+    signalled = []
+    for pid in processes_under(process):
+        with contextlib.suppress(OSError):
+            if only_python and "python" not in Path(f"/proc/{pid}/exe").resolve().name:
+                continue
+            os.kill(pid, sig)
+            signalled.append(pid)
+    return signalled
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Every Python process under `process` prints its stacks and ends; the rest is killed."""
+    print(f"\n{'!' * 78}\nDEADLINE: stopping process {process.pid} and those under it: "
+          f"where each Python thread was\n{'!' * 78}", flush=True)  # fmt: skip
+    aborted = set(kill_tree(process, signal.SIGABRT, only_python=True))
+    end = time.monotonic() + STACKS_GRACE_SECONDS
+    while time.monotonic() < end and aborted & set(processes_under(process)):
+        time.sleep(0.2)
+    kill_tree(process, signal.SIGKILL)
+
+
+def finish(process: subprocess.Popen) -> str:
+    """What the stopped `process` printed, if kept."""
+    try:
+        return process.communicate(timeout=10)[0] or ""
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return "(its output could not be read: a process outside its tree still holds it)"
 
 
 def venv_python(venv: Path) -> Path:
@@ -254,6 +358,8 @@ class Phases:
 
 
 def test(args: list[str]) -> None:
+    global DEADLINE
+    DEADLINE = time.monotonic() + DEADLINE_MINUTES * 60
     phases = Phases()
     try:
         run_tests(args, phases)
@@ -418,6 +524,8 @@ def main() -> None:
     try:
         commands[sys.argv[1]](sys.argv[2:])
     except subprocess.CalledProcessError as err:
+        if isinstance(err, DeadlinePassed):
+            print(err, flush=True)
         sys.exit(err.returncode or 1)
 
 

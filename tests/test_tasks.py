@@ -4,6 +4,7 @@ the workers, the compile flags and the TPU lane's output."""
 from __future__ import annotations
 
 import importlib.util
+import time
 import tomllib
 from pathlib import Path
 
@@ -81,6 +82,45 @@ def test_a_lane_command_prints_its_output_in_one_piece_and_still_fails(capsys):
     assert failure.value.returncode == 3
     out = capsys.readouterr().out
     assert out.index("+ ") < out.index("first line\nsecond line")
+
+
+GRANDCHILD = "import time; print('grandchild', flush=True); time.sleep(600)"
+WAITS = f"""
+import subprocess, sys, time
+subprocess.Popen([sys.executable, '-c', {GRANDCHILD!r}], start_new_session=True)
+def waiting_forever():
+    time.sleep(600)
+waiting_forever()
+"""
+LEAVES = f"""
+import subprocess, sys
+subprocess.Popen([sys.executable, '-c', {GRANDCHILD!r}], start_new_session=True)
+"""
+
+
+@pytest.mark.parametrize("script", [WAITS, LEAVES], ids=["hangs", "leaves its output held"])
+def test_a_command_past_the_deadline_is_stopped_with_its_stacks_and_nothing_of_it_left(
+    script, capsys, monkeypatch
+):
+    """A command that hangs, or ends leaving a process (in a session of its own) that holds the
+    lane's output, is stopped at tasks.py's deadline: every Python process under it prints
+    where it was, none is left running, and the phase fails by name."""
+    import sys
+
+    tasks = load_tasks()
+    monkeypatch.setattr(tasks, "DEADLINE", time.monotonic() + 4)
+    before = {int(proc.name) for proc in Path("/proc").glob("[0-9]*")}
+    with pytest.raises(tasks.DeadlinePassed) as stopped:
+        tasks.run(sys.executable, "-c", script, in_one_piece=True)
+    out = capsys.readouterr().out
+    assert "DEADLINE: stopping process" in out and "grandchild" in out
+    assert 'File "<string>", line' in out  # a stack, from faulthandler
+    if script == WAITS:
+        assert "in waiting_forever" in out  # the command's own stack
+    for proc in Path("/proc").glob("[0-9]*"):  # nothing of it left running
+        if int(proc.name) not in before and "600" in proc.joinpath("cmdline").read_text():
+            assert proc.joinpath("stat").read_text().rsplit(")")[-1].split()[0] == "Z"
+    assert "STOPPED: still running" in str(stopped.value) and sys.executable in str(stopped.value)
 
 
 def test_without_node_the_book_is_skipped_loudly_and_no_old_book_is_left(
