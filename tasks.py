@@ -36,7 +36,7 @@ in JupyterLab, or the classic notebook for ipywidgets 7, in headless Chromium; i
 book too), which needs Debian's `chromium` and is skipped, loudly, without it. The three
 TPU venvs' compiles run beside the CPU venvs' tests (one process, one core), each phase's
 output printed when it ends. At the end it prints a table of each phase's minutes, passed or not.
-A command still running 80 minutes after `test` began is stopped, and says where it was (run).
+A command still running 85 minutes after `test` began is stopped, and says where it was (run).
 
     python3 tasks.py test-colab-2026.07   # the fast tests on Colab's past runtime 2026.07
 
@@ -143,7 +143,7 @@ WORKERS = ("-n", os.environ.get("MINILIB_TEST_WORKERS", "auto"), "--dist", "load
 # after it started is stopped first: each Python process under it prints where each of its
 # threads was (SIGABRT: faulthandler, which PYTHONFAULTHANDLER turns on), then every process
 # under it is killed and its phase fails by name. MINILIB_DEADLINE_MINUTES overrides it.
-DEADLINE_MINUTES = float(os.environ.get("MINILIB_DEADLINE_MINUTES", 80))
+DEADLINE_MINUTES = float(os.environ.get("MINILIB_DEADLINE_MINUTES", 85))
 DEADLINE: float | None = None  # set by `test`, a time.monotonic(); the course has none
 STACKS_GRACE_SECONDS = 15  # for the aborted processes to print their stacks
 # The commands running now (under a deadline, each in a session of its own, out of Ctrl-C's
