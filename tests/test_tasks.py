@@ -98,6 +98,7 @@ subprocess.Popen([sys.executable, '-c', {GRANDCHILD!r}], start_new_session=True)
 """
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="tasks.py finds them in /proc")
 @pytest.mark.parametrize("script", [WAITS, LEAVES], ids=["hangs", "leaves its output held"])
 def test_a_command_past_the_deadline_is_stopped_with_its_stacks_and_nothing_of_it_left(
     script, capsys, monkeypatch
