@@ -92,6 +92,23 @@ def test_under_xdist_a_hung_test_fails_by_name_and_the_rest_run(pytester, monkey
     result.stdout.fnmatch_lines(["*crashed while running*::test_hangs*"])
 
 
+QUICK = "def test_1():\n    pass\n\ndef test_2():\n    pass\n"
+
+
+def test_as_ci_runs_them_a_hung_test_fails_by_name_and_every_other_file_runs(pytester, monkeypatch):
+    """Two workers, each given whole files (`--dist loadfile`): the worker with the hung test
+    ends; the test fails by name, is not run again, and its file's last test and every other
+    file run, on a new worker. (pytest-xdist's own loadfile scheduler waited forever here.)"""
+    monkeypatch.setenv("MINILIB_TEST_HANG_SECONDS", "1")
+    monkeypatch.setenv("PYTHONPATH", str(Path(time_limit.__file__).parent))  # the plugin
+    pytester.makepyfile(**{f"test_{name}": QUICK for name in "abcdef"}, test_c_hangs=HANGS)
+    result = pytester.runpytest_subprocess(
+        "-p", "time_limit", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile", timeout=120
+    )
+    result.assert_outcomes(passed=14, failed=1)  # run again, it would fail again
+    result.stdout.fnmatch_lines(["*crashed while running*test_c_hangs.py::test_hangs*"])
+
+
 def test_the_hang_limit_is_twice_the_time_limit_but_for_the_exempt(monkeypatch):
     monkeypatch.delenv("MINILIB_TEST_HANG_SECONDS", raising=False)
     monkeypatch.setenv("MINILIB_TEST_SECONDS_LIMIT", "50")

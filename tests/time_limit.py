@@ -18,6 +18,12 @@ loop never returns to Python for an exception to reach it. Under pytest-xdist th
 end fails that test by name ("worker 'gw0' crashed while running ...") and a new worker runs
 the rest; in a plain run the run ends there, with a non-zero exit.
 
+CI runs the tests with `--dist loadfile`, whose scheduler in pytest-xdist 3.8.0 (the newest)
+mishandles a worker's end: it queues again every file the worker had, the ones it finished and
+the test it ended on included, and can give the new worker a single test, which a worker never
+starts until a second one comes. The run then waits forever (pytest-xdist issues 1323, 1327,
+1371, 1378). `CrashSafeLoadFile` is that scheduler, mended in those two places.
+
 MINILIB_TEST_SECONDS_LIMIT overrides the limit (in seconds), for a slower machine, and
 MINILIB_TEST_HANG_SECONDS the hang limit; both are read once, when the run starts.
 """
@@ -30,6 +36,7 @@ import sys
 import threading
 
 import pytest
+from xdist.scheduler import LoadFileScheduling
 
 CI_BUDGET_SECONDS = 30 * 60
 SHARE = 1 / 15  # 120 s
@@ -104,3 +111,38 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         watchdog.cancel()
         watchdog.join()  # gone before the next test starts: tests count the threads they leave
+
+
+class CrashSafeLoadFile(LoadFileScheduling):
+    """pytest-xdist's `--dist loadfile` scheduler, but a worker's end queues again only the tests
+    it had not run, less the one it ended on, and a worker never waits with a single test."""
+
+    def remove_node(self, node):
+        workload = self.assigned_work.pop(node)
+        unfinished = {file: tests for file, tests in workload.items() if not all(tests.values())}
+        if not unfinished:
+            return None
+        ended_on = next(test for tests in unfinished.values() for test, done in tests.items()
+                        if not done)  # fmt: skip
+        unfinished[self._split_scope(ended_on)][ended_on] = True  # failed by name, not run again
+        self.workqueue.update({file: tests for file, tests in unfinished.items()
+                               if not all(tests.values())})  # fmt: skip
+        for other in self.assigned_work:
+            self._reschedule(other)
+        return ended_on
+
+    def _reschedule(self, node):
+        if node.shutting_down:
+            return
+        # More than two tests queued (a worker runs one only once it holds the next), or all.
+        while self.workqueue and self._pending_of(self.assigned_work[node]) <= 2:
+            self._assign_work_unit(node)
+        if not self.workqueue:
+            node.shutdown()
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without it (-p no:xdist), unused
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadfile":
+        return CrashSafeLoadFile(config, log)
+    return None
