@@ -514,9 +514,16 @@ def jupyter_config_path() -> list[str]:
     return [str(JUPYTER_CONFIG), *filter(None, extra.split(os.pathsep))]
 
 
+def stop_all_on_sigterm() -> None:
+    """Stopped from outside (CI's limit), as by Ctrl-C: what `run` started, in sessions of their
+    own, is stopped too (run's `except BaseException`)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def main() -> None:
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     os.environ["PYTHONPYCACHEPREFIX"] = str(BYTECODE)  # for every command run from here
+    stop_all_on_sigterm()
     commands = {"test": test, "test-colab-2026.07": test_colab_2026_07, "course": course,
                 "book": book}  # fmt: skip
     if len(sys.argv) < 2 or sys.argv[1] not in commands:

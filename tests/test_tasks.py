@@ -86,12 +86,13 @@ def test_a_lane_command_prints_its_output_in_one_piece_and_still_fails(capsys):
     assert out.index("+ ") < out.index("first line\nsecond line")
 
 
-GRANDCHILD = "import time; print('grandchild', flush=True); time.sleep(600)"
+SLEEP = "time.sleep(593.25)"  # in the command line of each process these tests start, alone
+GRANDCHILD = f"import time; print('grandchild', flush=True); {SLEEP}"
 WAITS = f"""
 import subprocess, sys, time
 subprocess.Popen([sys.executable, '-c', {GRANDCHILD!r}], start_new_session=True)
 def waiting_forever():
-    time.sleep(600)
+    {SLEEP}
 waiting_forever()
 """
 LEAVES = f"""
@@ -121,9 +122,49 @@ def test_a_command_past_the_deadline_is_stopped_with_its_stacks_and_nothing_of_i
     if script == WAITS:
         assert "in waiting_forever" in out  # the command's own stack
     for proc in Path("/proc").glob("[0-9]*"):  # nothing of it left running
-        if int(proc.name) not in before and "600" in proc.joinpath("cmdline").read_text():
-            assert proc.joinpath("stat").read_text().rsplit(")")[-1].split()[0] == "Z"
+        if int(proc.name) not in before:
+            assert not alive_sleeper(proc)
     assert "STOPPED: still running" in str(stopped.value) and sys.executable in str(stopped.value)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="tasks.py finds them in /proc")
+def test_stopped_from_outside_a_test_run_leaves_nothing_it_started(tmp_path):
+    """CI's limit stops `tasks.py test` with SIGTERM; its commands run in sessions of their own,
+    which that does not reach: tasks.py stops them, and what they started."""
+    import signal
+    import subprocess
+    import sys
+
+    child = f"subprocess.Popen([sys.executable, '-c', {GRANDCHILD!r}])"
+    command = "; ".join(["import subprocess, sys, time", child, SLEEP])
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        f"import sys, time\nsys.path.insert(0, {str(ROOT)!r})\nimport tasks\n"
+        "tasks.stop_all_on_sigterm()\ntasks.DEADLINE = time.monotonic() + 600\n"
+        f"tasks.run(sys.executable, '-c', {command!r}, in_one_piece=True)\n"
+    )
+    before = set(Path("/proc").glob("[0-9]*"))
+    tasks = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
+    under = []
+    for _ in range(100):  # until the grandchild runs
+        time.sleep(0.1)
+        under = [p for p in set(Path("/proc").glob("[0-9]*")) - before if alive_sleeper(p)]
+        if len(under) == 2:
+            break
+    assert len(under) == 2, "the command and its child did not start"
+    tasks.send_signal(signal.SIGTERM)
+    assert tasks.wait(timeout=30) == 128 + signal.SIGTERM
+    time.sleep(0.5)
+    assert not [proc for proc in under if alive_sleeper(proc)]
+
+
+def alive_sleeper(proc: Path) -> bool:
+    """Whether `proc` is one of this file's sleepers (SLEEP), living."""
+    try:
+        state = proc.joinpath("stat").read_text().rsplit(")")[-1].split()[0]
+        return state != "Z" and SLEEP in proc.joinpath("cmdline").read_text()
+    except OSError:
+        return False
 
 
 def test_without_node_the_book_is_skipped_loudly_and_no_old_book_is_left(
