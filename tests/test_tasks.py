@@ -3,6 +3,7 @@ the workers, the compile flags and the TPU lane's output."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import time
 import tomllib
@@ -113,7 +114,7 @@ def test_a_command_past_the_deadline_is_stopped_with_its_stacks_and_nothing_of_i
 
     tasks = load_tasks()
     monkeypatch.setattr(tasks, "DEADLINE", time.monotonic() + 4)
-    before = {int(proc.name) for proc in Path("/proc").glob("[0-9]*")}
+    before = sleepers()
     with pytest.raises(tasks.DeadlinePassed) as stopped:
         tasks.run(sys.executable, "-c", script, in_one_piece=True)
     out = capsys.readouterr().out
@@ -121,9 +122,7 @@ def test_a_command_past_the_deadline_is_stopped_with_its_stacks_and_nothing_of_i
     assert 'File "<string>", line' in out  # a stack, from faulthandler
     if script == WAITS:
         assert "in waiting_forever" in out  # the command's own stack
-    for proc in Path("/proc").glob("[0-9]*"):  # nothing of it left running
-        if int(proc.name) not in before:
-            assert not alive_sleeper(proc)
+    assert not sleepers() - before  # nothing of it left running
     assert "STOPPED: still running" in str(stopped.value) and sys.executable in str(stopped.value)
 
 
@@ -143,28 +142,30 @@ def test_stopped_from_outside_a_test_run_leaves_nothing_it_started(tmp_path):
         "tasks.stop_all_on_sigterm()\ntasks.DEADLINE = time.monotonic() + 600\n"
         f"tasks.run(sys.executable, '-c', {command!r}, in_one_piece=True)\n"
     )
-    before = set(Path("/proc").glob("[0-9]*"))
+    before = sleepers()
     tasks = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
-    under = []
+    under = set()
     for _ in range(100):  # until the grandchild runs
         time.sleep(0.1)
-        under = [p for p in set(Path("/proc").glob("[0-9]*")) - before if alive_sleeper(p)]
+        under = sleepers() - before
         if len(under) == 2:
             break
     assert len(under) == 2, "the command and its child did not start"
     tasks.send_signal(signal.SIGTERM)
     assert tasks.wait(timeout=30) == 128 + signal.SIGTERM
     time.sleep(0.5)
-    assert not [proc for proc in under if alive_sleeper(proc)]
+    assert not sleepers() & under
 
 
-def alive_sleeper(proc: Path) -> bool:
-    """Whether `proc` is one of this file's sleepers (SLEEP), living."""
-    try:
-        state = proc.joinpath("stat").read_text().rsplit(")")[-1].split()[0]
-        return state != "Z" and SLEEP in proc.joinpath("cmdline").read_text()
-    except OSError:
-        return False
+def sleepers() -> set[Path]:
+    """This file's sleepers (SLEEP) that are living, as their /proc folders."""
+    found = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            state = proc.joinpath("stat").read_text().rsplit(")")[-1].split()[0]
+            if state != "Z" and SLEEP in proc.joinpath("cmdline").read_text():
+                found.add(proc)
+    return found
 
 
 def test_without_node_the_book_is_skipped_loudly_and_no_old_book_is_left(
