@@ -42,8 +42,8 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The notebooks' times (tests/test_notebooks.py), each with its slowest cells, and their
-    sum: the notebooks' budget is 300 s for all eleven, top to bottom."""
+    """The notebooks' times (tests/test_notebooks.py), each with its cost (what its budget
+    counts) and its slowest cells, and their sum."""
     times = sorted(
         value
         for report in terminalreporter.stats.get("passed", [])
@@ -51,10 +51,11 @@ def pytest_terminal_summary(terminalreporter):
         if name == "notebook_time"
     )
     if times:
-        total = sum(seconds for _, seconds, _ in times)
+        total = sum(seconds for _, seconds, _, _ in times)
         terminalreporter.write_sep("-", f"notebooks: {total:.0f} s in all")
-        for notebook, seconds, slowest in times:
-            terminalreporter.write_line(f"{notebook}: {seconds} s (slowest: {slowest})")
+        for notebook, seconds, cost, slowest in times:
+            line = f"{notebook}: {seconds} s, cost {cost} s (slowest: {slowest})"
+            terminalreporter.write_line(line)
 
 
 # The five attention functions, in course order; all take JAX's arguments.

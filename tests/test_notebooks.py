@@ -25,14 +25,17 @@ import time
 from pathlib import Path
 
 import pytest
+from time_limit import Cost
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
-# A notebook must run in under two minutes. On a 2-core machine under CI load the slowest took
-# about a minute, so this leaves room for noisy shared machines and still fails a notebook
-# that got twice as slow.
-SECONDS_LIMIT = 120
+# A notebook must cost under four minutes, top to bottom, cost as tests/time_limit.py counts it:
+# the smaller of its wall-clock and CPU seconds (the kernel's, reaped), so that a machine busy
+# or slow that day does not fail it. On an idle 2-core machine notebook 10, the longest, took
+# 94-99 s (123-131 CPU s), the others 11-57 s; under CI's load on a slow day notebook 10 took
+# 225 s of wall time. This fails a notebook 10 that costs 2.5 times as much.
+SECONDS_LIMIT = 240
 KERNEL_NAME = "minilib-tests"
 # Each executed notebook, outputs included, is kept in build/executed/<venv>/ (git-ignored):
 # the book (`python3 tasks.py book`) is built from the newest stack's, build/executed/venv/.
@@ -275,25 +278,26 @@ def test_notebook_runs(path, kernel_manager_factory, record_property):
         resources={"metadata": {"path": str(NOTEBOOK_DIR)}},  # run from notebooks/, as Jupyter
     )
     (EXECUTED_DIR / path.name).unlink(missing_ok=True)  # no stale copy if this run fails
-    start = time.perf_counter()
+    start, cost = time.perf_counter(), Cost()
     try:
         client.execute(env=learner_env())
     finally:  # nbclient leaves a kernel it was given running: each held 300-600 MB to the end
         if km.has_kernel:
-            km.shutdown_kernel(now=True)
-    seconds = time.perf_counter() - start
+            km.shutdown_kernel(now=True)  # and waits for it: its CPU seconds count
+    seconds, cost = time.perf_counter() - start, cost.seconds()
     EXECUTED_DIR.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, EXECUTED_DIR / path.name)
     slowest = ", ".join(f"cell {i} {s:.1f} s" for s, i in slowest_cells(nb)[:3])
     record_property("seconds", round(seconds, 1))
-    record_property("notebook_time", (path.name, round(seconds, 1), slowest))
-    print(f"{path.name}: {seconds:.1f} s (slowest: {slowest})")
+    record_property("notebook_time", (path.name, round(seconds, 1), round(cost, 1), slowest))
+    print(f"{path.name}: {seconds:.1f} s, cost {cost:.1f} s (slowest: {slowest})")
     unrecorded = unrecorded_fallbacks(nb.cells)
     assert not unrecorded, (
         f"{path.name}: a cell says its result is not computed here without showing the "
         "recorded one beside it (labelled 'Recorded on <date> with jax X', e.g. by "
         "minilib.tpu.recorded.recorded_result):\n" + "\n".join(unrecorded)
     )
-    assert seconds < SECONDS_LIMIT, (
-        f"{path.name} took {seconds:.0f} s; the budget is {SECONDS_LIMIT} s"
+    assert cost < SECONDS_LIMIT, (
+        f"{path.name} cost {cost:.0f} s (the smaller of its wall and CPU seconds; {seconds:.0f} s "
+        f"wall); the budget is {SECONDS_LIMIT} s"
     )

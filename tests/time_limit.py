@@ -2,21 +2,25 @@
 hangs.
 
 CI (`.ci/run`, that is `python3 tasks.py test`) aims at 30 minutes on a 2-core machine; a
-single test may take at most SHARE of that, timed around its body (fixtures apart), on the
-test's own worker while the other core runs other tests. A test over it fails with its time
-and the limit, when it ends. The notebooks have their own, tighter limit
-(tests/test_notebooks.py). Two kinds of test are exempt: the `tpu_compile` tests, which share
-each chip's compiles through a cache, so the first test that asks for a chip pays for all of
-them; and the `slow` sweeps, which CI does not run (`pytest -m slow`).
+single test may cost at most SHARE of that, counted around its body (fixtures apart), on the
+test's own worker while the other core runs other tests. A test over it fails with its cost
+and the limit, when it ends. What a test costs is the smaller of its wall-clock seconds and its
+CPU seconds (its process's, every thread, and those of the processes it started and waited
+for): on a machine busy with other work, or slow that day, a test's wall time grows and its CPU
+time hardly does (CI's run of 2026-12-06 took three times its usual wall time); with several
+threads, its CPU time grows and its wall time does not. A test that does twice the work costs
+twice as much either way. The notebooks have their own limit (tests/test_notebooks.py). Three
+kinds of test are exempt: the `tpu_compile` tests, which share each chip's compiles through a
+cache, so the first test that asks for a chip pays for all of them; the `slow` sweeps, which CI
+does not run (`pytest -m slow`); and the `notebooks`, with their limit.
 
 A test that never ends would never reach that check: CI would stall until its own 90-minute
-limit. So a watchdog thread stops any test, fixtures included, still running HANG_FACTOR times
-its limit after it started (for the exempt tests, 10 minutes for a `tpu_compile` test and 30
-for a `slow` sweep): it prints the test's name and
-every thread's stack, then ends the process (`os._exit`), since a kernel stuck in a compiled
-loop never returns to Python for an exception to reach it. Under pytest-xdist the worker's
-end fails that test by name ("worker 'gw0' crashed while running ...") and a new worker runs
-the rest; in a plain run the run ends there, with a non-zero exit.
+limit. So a watchdog thread stops any test, fixtures included, still running HANG_SECONDS
+(ten minutes; 30 for a `slow` sweep) after it started, however slow the machine: it prints the
+test's name and every thread's stack, then ends the process (`os._exit`), since a kernel stuck
+in a compiled loop never returns to Python for an exception to reach it. Under pytest-xdist the
+worker's end fails that test by name ("worker 'gw0' crashed while running ...") and a new worker
+runs the rest; in a plain run the run ends there, with a non-zero exit.
 
 CI runs the tests with `--dist loadfile`, whose scheduler in pytest-xdist 3.8.0 (the newest)
 mishandles a worker's end: it queues again every file the worker had, the ones it finished and
@@ -34,16 +38,17 @@ import faulthandler
 import os
 import sys
 import threading
+import time
 
 import pytest
 from xdist.scheduler import LoadFileScheduling
 
 CI_BUDGET_SECONDS = 30 * 60
 SHARE = 1 / 15  # 120 s
-HANG_FACTOR = 2  # a test still running at twice its limit is stopped: 240 s
-TPU_COMPILE_HANG_SECONDS = 10 * 60
+HANG_SECONDS = 10 * 60
 SLOW_HANG_SECONDS = CI_BUDGET_SECONDS
 HUNG_EXIT_CODE = 70
+EXEMPT = ("tpu_compile", "slow", "notebooks")
 
 
 def seconds_limit() -> float:
@@ -54,12 +59,28 @@ def hang_seconds(marks: set[str]) -> float:
     """How long a test with these marks may run before it is stopped as hung."""
     if "MINILIB_TEST_HANG_SECONDS" in os.environ:
         return float(os.environ["MINILIB_TEST_HANG_SECONDS"])
-    if "tpu_compile" in marks:
-        return TPU_COMPILE_HANG_SECONDS
-    return SLOW_HANG_SECONDS if "slow" in marks else HANG_FACTOR * seconds_limit()
+    return SLOW_HANG_SECONDS if "slow" in marks else HANG_SECONDS
+
+
+def cpu_seconds() -> float:
+    """The CPU seconds of this process (every thread) and of the children it has waited for."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+class Cost:
+    """What the code run since this was made costs: `seconds()`, the smaller of its wall-clock
+    and CPU seconds."""
+
+    def __init__(self):
+        self.wall, self.cpu = time.perf_counter(), cpu_seconds()
+
+    def seconds(self) -> float:
+        return min(time.perf_counter() - self.wall, cpu_seconds() - self.cpu)
 
 
 LIMIT = pytest.StashKey[float]()
+COST = pytest.StashKey[float]()
 
 
 def pytest_configure(config):
@@ -67,8 +88,16 @@ def pytest_configure(config):
 
 
 def exempt_marks(item) -> set[str]:
-    """The marks of `item` that exempt it from the time limit: `tpu_compile`, `slow`."""
-    return {mark for mark in ("tpu_compile", "slow") if item.get_closest_marker(mark)}
+    """The marks of `item` that exempt it from the time limit: `tpu_compile`, `slow`,
+    `notebooks`."""
+    return {mark for mark in EXEMPT if item.get_closest_marker(mark)}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    cost = Cost()
+    yield
+    item.stash[COST] = cost.seconds()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -76,12 +105,16 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     limit = item.config.stash[LIMIT]
-    if call.when == "call" and report.passed and call.duration > limit and not exempt_marks(item):
+    if call.when != "call" or not report.passed or exempt_marks(item):
+        return
+    cost = item.stash[COST]
+    if cost > limit:
         report.outcome = "failed"
         report.longrepr = (
-            f"{item.nodeid} passed but took {call.duration:.3g} s, over the time limit of "
-            f"{limit:.3g} s per test ({SHARE:.0%} of CI's {CI_BUDGET_SECONDS // 60}-minute "
-            f"budget, tests/time_limit.py). Make it faster, or mark its larger cases `slow`."
+            f"{item.nodeid} passed but cost {cost:.3g} s (the smaller of its wall and CPU "
+            f"seconds; {call.duration:.3g} s wall), over the time limit of {limit:.3g} s per "
+            f"test ({SHARE:.0%} of CI's {CI_BUDGET_SECONDS // 60}-minute budget, "
+            f"tests/time_limit.py). Make it faster, or mark its larger cases `slow`."
         )
 
 
