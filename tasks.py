@@ -30,8 +30,8 @@ pinned by a file of constraints/ (README: "Supported stacks"):
                   two fixes for this pair, and each fix is checked to be still needed;
   * .venv-tpu-jax-0.7.2  jax 0.7.2 with the libtpu its `jax[tpu]` pins (tpu-jax-0.7.2.txt):
                   a few of those compiles (JAX_0_7_2_TPU_TESTS);
-then the course's book (`book`, below) from the notebooks .venv executed, and the browser
-test in .venv and .venv-oldest, side by side (tests/browser: the explorers
+then the course's book (`book`, below) from the notebooks .venv executed, and, beside the
+suites that follow it, the browser test in .venv and .venv-oldest (tests/browser: the explorers
 in JupyterLab, or the classic notebook for ipywidgets 7, in headless Chromium; in .venv, the
 book too), which needs Debian's `chromium` and is skipped, loudly, without it. The three
 TPU venvs' compiles run beside the CPU venvs' tests (one process, one core), each phase's
@@ -405,16 +405,28 @@ def run_cpu_suites(args: list[str], phases: Phases, python: Path, oldest: Path,
         pytest(python, *WORKERS, *args, fast_cpu_compiles=True)
     with phases(".venv-book: the book, from the executed notebooks"):
         build_book(python, book)
-    with phases(".venv-oldest: the tests (one case per matrix path) and the notebooks as on a TPU"):
-        pytest(oldest, *WORKERS, "-m", "not slow and not browser and not matrix",
-               "-p", "no:cacheprovider", fast_cpu_compiles=True,
-               notebooks_as_on_tpu=True)  # fmt: skip
-    with phases(".venv: the kernels' parity under TPU numerics (MINILIB_TPU_NUMERICS=1)"):
-        pytest(python, *WORKERS, "-m", "not slow and not matrix", "-p", "no:cacheprovider",
-               *KERNEL_PARITY_TESTS, fast_cpu_compiles=True, tpu_numerics=True)  # fmt: skip
-    # The two browser tests side by side: each mostly waits for its Jupyter server and browser.
-    # (Beside .venv-oldest's tests as well, notebook 08's took 123 s, over its 120 s limit.)
-    with phases(".venv and .venv-oldest: the browser tests, side by side"):
+    # The browser tests mostly wait for their Jupyter servers and browsers (their notebooks'
+    # Run All allows 600 s, the slowest took 79 s): beside the suites that follow, not after.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        browser_lane = pool.submit(browser_tests, phases, python, oldest)
+        try:
+            with phases(".venv-oldest: the tests (one case per matrix path) and the notebooks "
+                        "as on a TPU"):  # fmt: skip
+                pytest(oldest, *WORKERS, "-m", "not slow and not browser and not matrix",
+                       "-p", "no:cacheprovider", fast_cpu_compiles=True,
+                       notebooks_as_on_tpu=True)  # fmt: skip
+            with phases(".venv: the kernels' parity under TPU numerics (MINILIB_TPU_NUMERICS=1)"):
+                pytest(python, *WORKERS, "-m", "not slow and not matrix", "-p", "no:cacheprovider",
+                       *KERNEL_PARITY_TESTS, fast_cpu_compiles=True, tpu_numerics=True)  # fmt: skip
+        finally:
+            wait([browser_lane])
+    browser_lane.result()
+
+
+def browser_tests(phases: Phases, python: Path, oldest: Path) -> None:
+    """The two browser tests side by side: each mostly waits for its Jupyter server and
+    browser; .venv's checks the book as well."""
+    with phases("beside them, .venv and .venv-oldest: the browser tests, side by side"):
         with ThreadPoolExecutor() as pool:
             tests = [pool.submit(browser_test, env, book=env == python) for env in (python, oldest)]
             for done in tests:
