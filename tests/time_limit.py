@@ -7,7 +7,7 @@ test's own worker while the other core runs other tests. A test over it fails wi
 and the limit, when it ends. What a test costs is the smaller of its wall-clock seconds and its
 CPU seconds (its process's, every thread, and those of the processes it started and waited
 for): on a machine busy with other work, or slow that day, a test's wall time grows and its CPU
-time hardly does (CI's run of 2026-12-06 took three times its usual wall time); with several
+time hardly does (one CI run took three times its usual wall time); with several
 threads, its CPU time grows and its wall time does not. A test that does twice the work costs
 twice as much either way. The notebooks have their own limit (tests/test_notebooks.py). Three
 kinds of test are exempt: the `tpu_compile` tests, which share each chip's compiles through a
@@ -75,8 +75,11 @@ class Cost:
     def __init__(self):
         self.wall, self.cpu = time.perf_counter(), cpu_seconds()
 
+    def wall_seconds(self) -> float:
+        return time.perf_counter() - self.wall
+
     def seconds(self) -> float:
-        return min(time.perf_counter() - self.wall, cpu_seconds() - self.cpu)
+        return min(self.wall_seconds(), cpu_seconds() - self.cpu)
 
 
 LIMIT = pytest.StashKey[float]()
