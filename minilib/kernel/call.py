@@ -27,6 +27,7 @@ from jax.experimental.pallas import tpu as pltpu
 from minilib.block_sizes import (
     default_block_sizes,
     default_decode_seqs_per_block,
+    default_vmem_limit,
     num_kv_heads_per_block,
 )
 from minilib.chips import current_chip
@@ -91,15 +92,12 @@ def ragged_paged_attention(
       None: compile for the chip when `jax.default_backend() == "tpu"`, else interpret;
       False: compile; True or a `pltpu.InterpretParams`: interpret (True means the defaults).
 
-    Returns an array shaped like `q`; rows past `cu_q_lens[num_seqs]` are zeros.
-    `num_kv_pages_per_block` and `num_queries_per_block` default to `default_block_sizes`.
-    An fp8 `kv_pages` without `k_scale` and `v_scale` is taken as scale 1, with no error or
+    Returns an array shaped like `q`; rows past `cu_q_lens[num_seqs]` are zeros. The block
+    sizes default to `default_block_sizes`, `vmem_limit_bytes` to `default_vmem_limit`. An
+    fp8 `kv_pages` without `k_scale` and `v_scale` is taken as scale 1, with no error or
     warning (as in JAX's kernel): pass the scales the cache was quantized with.
-    `attention_sink` (f32[num_q_heads], or None, the default): one more softmax logit per q
-    head, with no value, as in `ref_ragged_paged_attention` (JAX's kernel has none; vLLM's
-    head_dim-64 kernel takes the same argument). It goes to both kernels as a small VMEM
-    input and joins the denominator once per output row (`plain.OnlineSoftmax.sink_term`);
-    without it the kernels are compiled exactly as before.
+    `attention_sink` (f32[num_q_heads], or None): one more softmax logit per q head, with no
+    value, as in `ref_ragged_paged_attention`, in the denominator of each output row.
 
     `new_keys` and `new_values` (both, or neither, the default): this step's new tokens, row
     i the K and V of q row i. Sequence s's rows cu_q_lens[s]..cu_q_lens[s+1] go to positions
@@ -108,9 +106,8 @@ def ragged_paged_attention(
     returns (out, the updated kv_pages), and `kv_pages` is donated: the update is made in
     its buffer, which must not be used after the call (pass a copy to keep the old cache).
 
-    Called eagerly, it first checks the values of the inputs (`dynamic_validate_inputs`);
-    `validate=False` skips that. Under `jax.jit` only the static checks can run: validate the
-    batch outside jit, as JAX does.
+    Called eagerly, it checks the inputs' values first (`dynamic_validate_inputs`; not with
+    `validate=False`); under `jax.jit` only the static checks run: validate outside, as JAX.
 
     >>> from minilib.batch import make_batch
     >>> batch = make_batch([(3, 3), (1, 9)])
@@ -201,11 +198,14 @@ def kernel_config(
         head_dim=head_dim,
         num_q_heads_per_block=kv_heads_per_block * (num_q_heads // num_kv_heads),
         q_itemsize=q.dtype.itemsize,
+        vmem_limit_bytes=options.vmem_limit_bytes,
     )
+    asked = default_vmem_limit(options.num_kv_pages_per_block, options.num_queries_per_block)
     options = dataclasses.replace(
         options,
         num_queries_per_block=options.num_queries_per_block or default_queries,
         num_kv_pages_per_block=options.num_kv_pages_per_block or default_pages,
+        vmem_limit_bytes=options.vmem_limit_bytes or asked,
     )
     q_heads_per_block = kv_heads_per_block * (num_q_heads // num_kv_heads)
     bytes_per_q_row = q_heads_per_block * head_dim * q.dtype.itemsize  # of one heads block

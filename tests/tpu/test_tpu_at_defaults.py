@@ -139,3 +139,35 @@ def test_defaults_and_workloads_refuse_flags_they_do_not_use(flags, named, capsy
     err = capsys.readouterr().err
     only = "--chip goes" if "--defaults" in flags else "--chip and --record go"
     assert named in err and f"only {only} with it" in err
+
+
+def test_on_v5e_a_kernel_at_its_defaults_asks_for_the_vmem_they_are_sized_for():
+    """v5e's default q block is sized for the 32 MiB of scoped VMEM our kernels ask for there
+    (`block_sizes.KERNEL_VMEM_LIMIT_BYTES`), twice libtpu's default: a kernel left to a default
+    block size asks for it; given both block sizes, it asks for nothing (libtpu's default), and
+    a limit given is kept."""
+    from minilib.kernel import kernel_config
+    from minilib.tpu import at_defaults
+    from minilib.tpu.memory import DEFAULT_SCOPED_VMEM_BYTES
+
+    chip = "v5e"
+    require_chip(chip)
+    q, kv_pages, _, page_indices, _, _ = rpa_specs(
+        **COMPARISON_CASE | dict(max_num_batched_tokens=512)
+    )
+    with at_defaults.on_chip(chip):
+        defaults = kernel_config(q, kv_pages, page_indices)
+        one_given = kernel_config(q, kv_pages, page_indices, num_kv_pages_per_block=8)
+        both_given = kernel_config(q, kv_pages, page_indices, num_kv_pages_per_block=8,
+                                   num_queries_per_block=32)  # fmt: skip
+        limit_given = kernel_config(q, kv_pages, page_indices, vmem_limit_bytes=20 << 20)
+    asked = block_sizes.KERNEL_VMEM_LIMIT_BYTES[chip]
+    assert asked > DEFAULT_SCOPED_VMEM_BYTES[chip]
+    assert (defaults.vmem_limit_bytes, one_given.vmem_limit_bytes) == (asked, asked)
+    assert (both_given.vmem_limit_bytes, limit_given.vmem_limit_bytes) == (None, 20 << 20)
+    within_the_default = block_sizes.default_block_sizes(
+        page_size=16, pages_per_seq=page_indices.shape[1], max_num_batched_tokens=512,
+        bytes_per_page=16 * 2 * 8 * 128 * 2, chip=chip, num_q_heads_per_block=32,
+        vmem_limit_bytes=DEFAULT_SCOPED_VMEM_BYTES[chip],
+    )  # fmt: skip
+    assert defaults.num_queries_per_block == 2 * within_the_default[1] == 128

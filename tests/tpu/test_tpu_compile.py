@@ -69,11 +69,12 @@ from minilib.tpu.memory import DEFAULT_SCOPED_VMEM_BYTES
 pytestmark = TPU_COMPILE
 
 
-# Every default must leave a tenth of its chip's default scoped VMEM free: the share
-# `block_sizes` chooses the q block within, by notebook 09's sum (v5e: 14.4 of 16 MiB; v6e and
-# TPU7x: 28.8 of 32 MiB).
+# Every default must leave a tenth of the scoped VMEM its kernel has free: the share
+# `block_sizes` chooses the q block within, by notebook 09's sum (v5e, v6e and TPU7x: 28.8 of
+# 32 MiB, v5e asking for 32 MiB of its 128; v4 and v5p: 14.4 of their default 16 MiB).
 VMEM_HEADROOM_LIMIT = {
-    chip: block_sizes.VMEM_SHARE * limit for chip, limit in DEFAULT_SCOPED_VMEM_BYTES.items()
+    chip: block_sizes.VMEM_SHARE * block_sizes.kernel_vmem_limit(chip)
+    for chip in DEFAULT_SCOPED_VMEM_BYTES
 }
 
 # A small batch on a large cache: a cache of a few MiB (fp8's 128 pages are 4 MiB) is placed
