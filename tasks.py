@@ -15,10 +15,11 @@ pinned by a file of constraints/ (README: "Supported stacks"):
   * .venv-oldest  Colab's TPU runtime, package for package (oldest.txt, made from the
                   package list Colab publishes, constraints/colab/tpu/, by
                   constraints/colab_freeze.py) on Python 3.13 when this machine has it:
-                  the fast tests and the notebooks (these with a TPU's matmul numerics,
-                  as on Colab's TPU: one bfloat16 pass, minilib.tpu.numerics), with each
-                  interpret-mode matrix cut to one case per path (the tests marked `matrix`
-                  run on .venv alone);
+                  the fast tests and the notebooks (these, and the kernels' parity
+                  tests, with a TPU's matmul numerics, as on Colab's TPU: one bfloat16
+                  pass, minilib.tpu.numerics), with each interpret-mode matrix and each
+                  sweep shared by every checker or field cut to one case per path (the
+                  tests marked `matrix` run on .venv alone);
   * .venv-tpu     the newest jax with its libtpu, pinned (tpu.txt), on Python 3.13 as
                   .venv: the `tpu_compile`
                   tests, which compile every kernel for five TPU chips here, without a TPU,
@@ -105,9 +106,11 @@ TPU_JAX_0_7_2 = (ROOT / ".venv-tpu-jax-0.7.2", ROOT / "constraints" / "tpu-jax-0
 # Set for .venv-oldest's run: the notebooks' kernels get a TPU's matmul numerics (one bfloat16
 # pass, minilib.tpu.numerics), as on Colab's TPU runtime; tests/test_notebooks.py reads it.
 NOTEBOOKS_AS_ON_TPU = "MINILIB_NOTEBOOKS_AS_ON_TPU"
+# The TPU lane's marker expression: `-m` replaces pyproject's "not slow", so it is said again.
+TPU_COMPILE = "tpu_compile and not slow"
 # The test files holding `tpu_compile` tests (the TPU venvs lack the course's packages, so
 # only these are collected there).
-# The kernels against JAX's reference, run again as a TPU rounds its matmuls.
+# The kernels against JAX's reference: on .venv-oldest, as a TPU rounds its matmuls.
 KERNEL_PARITY_TESTS = ("tests/kernel/test_kernel.py", "tests/kernel/test_kv_write.py",
                        "tests/kernel/test_plain_kernel.py")  # fmt: skip
 TPU_COMPILE_TESTS = (
@@ -413,10 +416,13 @@ def run_cpu_suites(args: list[str], phases: Phases, python: Path, oldest: Path,
             with phases(".venv-oldest: the tests (one case per matrix path) and the notebooks "
                         "as on a TPU"):  # fmt: skip
                 pytest(oldest, *WORKERS, "-m", "not slow and not browser and not matrix",
-                       "-p", "no:cacheprovider", fast_cpu_compiles=True,
-                       notebooks_as_on_tpu=True)  # fmt: skip
-            with phases(".venv: the kernels' parity under TPU numerics (MINILIB_TPU_NUMERICS=1)"):
-                pytest(python, *WORKERS, "-m", "not slow and not matrix", "-p", "no:cacheprovider",
+                       "-p", "no:cacheprovider", *(f"--ignore={t}" for t in KERNEL_PARITY_TESTS),
+                       fast_cpu_compiles=True, notebooks_as_on_tpu=True)  # fmt: skip
+            # Colab's stack runs the kernels as its TPU does: their parity there is checked
+            # under TPU numerics (in .venv, with float32 matmuls as they are).
+            with phases(".venv-oldest: the kernels' parity under TPU numerics "
+                        "(MINILIB_TPU_NUMERICS=1)"):  # fmt: skip
+                pytest(oldest, *WORKERS, "-m", "not slow and not matrix", "-p", "no:cacheprovider",
                        *KERNEL_PARITY_TESTS, fast_cpu_compiles=True, tpu_numerics=True)  # fmt: skip
         finally:
             wait([browser_lane])
@@ -435,17 +441,17 @@ def browser_tests(phases: Phases, python: Path, oldest: Path) -> None:
 
 def run_tpu_compiles(phases: Phases, tpu: Path, tpu_oldest: Path, tpu_jax: Path) -> None:
     with phases("beside them, .venv-tpu: the tpu_compile tests"):
-        pytest(tpu, "-m", "tpu_compile", "-p", "no:cacheprovider", *TPU_COMPILE_TESTS,
+        pytest(tpu, "-m", TPU_COMPILE, "-p", "no:cacheprovider", *TPU_COMPILE_TESTS,
                in_one_piece=True)  # fmt: skip
     # On Colab's pair: the jax 0.7.2 compiles, every ladder rung, and the pair's own tests.
     with phases("beside them, .venv-tpu-oldest: Colab's pair"):
-        pytest(tpu_oldest, "-m", "tpu_compile", "-k", COLAB_TPU_TESTS,
+        pytest(tpu_oldest, "-m", TPU_COMPILE, "-k", COLAB_TPU_TESTS,
                "-p", "no:cacheprovider", "-rs", "tests/tpu/test_tpu_compile.py",
                "tests/tpu/test_tpu_comparison.py", "tests/ladder/test_ladder.py",
                "tests/tpu/test_tpu_colab_pair.py", "tests/tpu/test_tpu_kv_write.py",
                in_one_piece=True)  # fmt: skip
     with phases("beside them, .venv-tpu-jax-0.7.2: a few compiles"):
-        pytest(tpu_jax, "-m", "tpu_compile", "-k", JAX_0_7_2_TPU_TESTS,
+        pytest(tpu_jax, "-m", TPU_COMPILE, "-k", JAX_0_7_2_TPU_TESTS,
                "-p", "no:cacheprovider", "tests/tpu/test_tpu_compile.py",
                "tests/tpu/test_tpu_comparison.py", in_one_piece=True)  # fmt: skip
 

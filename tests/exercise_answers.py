@@ -10,6 +10,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from conftest import one_case_per_path
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from ladder_wrong_answers import flash_call, rung6, rung7
@@ -507,3 +509,12 @@ KERNEL_CHECKERS = {
 }
 ALL_EXERCISES = EXERCISES + [(checker, *rest) for checker, *rest, _ in MORE_EXERCISES]
 ALL_IDS = [checker.__name__.removeprefix("check_") for checker, *_ in ALL_EXERCISES]
+
+
+def first_and_first_kernel(exercises, ids):
+    """The exercises as pytest params for a sweep that every checker shares: the first
+    exercise and the first kernel exercise run on every stack, the others once, in .venv
+    (marked `matrix`, conftest's `one_case_per_path`)."""
+    params = [pytest.param(*exercise, id=id_) for exercise, id_ in zip(exercises, ids, strict=True)]
+    first_kernel = next(p.id for p in params if p.values[0] in KERNEL_CHECKERS)
+    return one_case_per_path(params, ids[0], first_kernel)

@@ -159,7 +159,7 @@ def test_kernel_strided_loads_and_heads_in_flight_match_the_dense_formula(name):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", RUN)
+@pytest.mark.parametrize("name", one_case_per_path(RUN, "jnp"))  # one path: the exp underflows
 def test_a_very_negative_sink_is_no_sink(name):
     """exp(-1e30 - m) is 0: the sink's share of every denominator vanishes."""
     batch = mixed_batch()

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BLOCK_SIZES, INTERPRET, jax_reference_jitted
+from conftest import BLOCK_SIZES, INTERPRET, jax_reference_jitted, one_case_per_path
 from jax.experimental.pallas import tpu as pltpu
 
 from minilib.batch import RaggedBatch, make_batch
@@ -96,7 +96,10 @@ def case(name: str):
     return batch, new_kv(batch), kernel_options
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(
+    "name",
+    one_case_per_path(CASES, "float32", "fp8 cache"),  # float32: where numerics differ
+)
 def test_the_fused_write_is_the_separate_scatter_then_attention(name):
     batch, (k, v), options = case(name)
     after = scattered(batch, k, v)
