@@ -140,16 +140,18 @@ NOTEBOOK_BLOCKS = {
 }  # fmt: skip
 
 
-# The whole matrix on the chips of Colab's runtimes (v5e, v6e); on the others (v4, v5p and
-# TPU7x), one case per way of loading K and V: strided bf16, fp8 four to a word, 128-lane
-# blocks (hd 256), rows of 64 lanes (hd 64). TPU7x's headline configs, bf16 and fp8, are
-# compiled again by the comparison tests below, against v3.
+# The whole matrix on v5e, Colab's first chip; on the others, one case per way of loading K
+# and V: strided bf16, fp8 four to a word, 128-lane blocks (hd 256), rows of 64 lanes (hd 64);
+# on v6e, Colab's second chip, float32 and fp8 e5m2 too (each its own matmul and conversion;
+# the other options change the kernel the same way on every chip). TPU7x's headline configs,
+# bf16 and fp8, are compiled again by the comparison tests below, against v3.
 OTHER_CHIPS_CASES = ("gqa-bf16", "gqa-fp8kv", "gqa-hd256", "gqa-hd64")
+V6E_CASES = (*OTHER_CHIPS_CASES, "gqa-f32", "gqa-fp8e5m2kv-scales")
 KERNEL_CASES = [
     (case, chip)
     for case in MATRIX
     for chip in CHIPS
-    if chip in ("v5e", "v6e") or case in OTHER_CHIPS_CASES
+    if chip == "v5e" or case in (V6E_CASES if chip == "v6e" else OTHER_CHIPS_CASES)
 ]
 
 
