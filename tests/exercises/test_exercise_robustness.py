@@ -27,9 +27,9 @@ import minilib.exercises as ex
 # numbers":
 #   NUMPY_NOT_APPLICABLE: why the exercise cannot be solved in NumPy;
 #   WRONG_TYPE: a wrong-type answer, for exercises whose answer is not a returned value.
-# The checking they test is shared by every checker: on every stack the first exercise and the
-# first kernel exercise, the others once, in .venv.
-ON_EVERY_STACK = first_and_first_kernel(ALL_EXERCISES, ALL_IDS)
+# The checking they test is shared by every checker: every exercise runs in .venv; on the other
+# stacks the first exercise and the first kernel exercise.
+EXERCISE_CASES = first_and_first_kernel(ALL_EXERCISES, ALL_IDS)
 
 
 NUMPY_NOT_APPLICABLE = {
@@ -141,7 +141,7 @@ def wrong_type_answers(checker, module, name):
     return [returns_a_string, as_strings(good), as_one_element_arrays(good)]
 
 
-@pytest.mark.parametrize("checker, module, name, wrong", ON_EVERY_STACK)
+@pytest.mark.parametrize("checker, module, name, wrong", EXERCISE_CASES)
 def test_numpy_solution_passes(checker, module, name, wrong):
     if checker in NUMPY_NOT_APPLICABLE:
         pytest.skip(NUMPY_NOT_APPLICABLE[checker])
@@ -150,7 +150,7 @@ def test_numpy_solution_passes(checker, module, name, wrong):
     assert result.passed, result.report
 
 
-@pytest.mark.parametrize("checker, module, name, wrong", ON_EVERY_STACK)
+@pytest.mark.parametrize("checker, module, name, wrong", EXERCISE_CASES)
 def test_wrong_type_answers_fail_with_a_message(checker, module, name, wrong):
     for answer in wrong_type_answers(checker, module, name):
         result = checker(answer, verbose=False)
@@ -160,7 +160,7 @@ def test_wrong_type_answers_fail_with_a_message(checker, module, name, wrong):
 
 
 @pytest.mark.parametrize("error", [SystemExit, KeyboardInterrupt, RecursionError, MemoryError])
-@pytest.mark.parametrize("checker, module, name, wrong", ON_EVERY_STACK)
+@pytest.mark.parametrize("checker, module, name, wrong", EXERCISE_CASES)
 def test_any_exception_is_reported_not_raised(checker, module, name, wrong, error):
     def raising(*args, **kwargs):
         raise error("from the learner")
@@ -171,7 +171,7 @@ def test_any_exception_is_reported_not_raised(checker, module, name, wrong, erro
     assert 'raise error("from the learner")' in result.report  # the learner's line
 
 
-@pytest.mark.parametrize("checker, module, name, wrong", ON_EVERY_STACK)
+@pytest.mark.parametrize("checker, module, name, wrong", EXERCISE_CASES)
 def test_endless_loop_is_stopped_in_time(checker, module, name, wrong, monkeypatch):
     from minilib.exercises import checking, kernel_run
 

@@ -220,12 +220,13 @@ ZERO_IS_VALID = {
     (kernel_schedule_explorer, "q_lens"),
     (page_table_explorer, "kv_lens"),
 }
-TYPED_FIELDS = [
-    (make, name)
+# (explorer, field) -> its box: a number box (IntText) or a text box (Text).
+TYPED_FIELDS = {
+    (make, name): type(control)
     for make in EXPLORERS
     for name, control in make().controls.items()
     if isinstance(control, widgets.IntText | widgets.Text)
-]
+}
 
 
 def typed(ex, name: str, value) -> object:
@@ -239,19 +240,23 @@ def typed(ex, name: str, value) -> object:
 
 
 # On every stack, each explorer's first number box and first text box take every bad input;
-# the other fields once, in .venv (`matrix`).
-FIRST_OF_EACH_KIND = {
-    (make, type(make().controls[name])): name for make, name in reversed(TYPED_FIELDS)
-}
+# the other fields once, in .venv (`matrix`). Reversed, so that the first of each box wins.
+FIRST_OF_EACH_BOX = {(make, box): name for (make, name), box in reversed(TYPED_FIELDS.items())}
+
+
+def typed_case_id(make, name: str, kind: str) -> str:
+    return f"{make.__name__}-{name}-{kind}"
+
+
 TYPED_CASES = one_case_per_path(
     [
-        pytest.param(make, name, kind, id=f"{make.__name__}-{name}-{kind}")
+        pytest.param(make, name, kind, id=typed_case_id(make, name, kind))
         for make, name in TYPED_FIELDS
         for kind in BAD_INPUTS
     ],
     *(
-        f"{make.__name__}-{name}-{kind}"
-        for (make, _), name in FIRST_OF_EACH_KIND.items()
+        typed_case_id(make, name, kind)
+        for (make, _), name in FIRST_OF_EACH_BOX.items()
         for kind in BAD_INPUTS
     ),
 )
