@@ -66,6 +66,7 @@ An `Event` (frozen dataclass) has:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -334,6 +335,13 @@ def _seq_blocks(table: _Table, config: kernel.KernelConfig, num_q_blocks=None):
     ]
 
 
+@functools.partial(jax.jit, static_argnames="config")
+def _mixed_cu_q_lens(cu_q_lens, num_seqs, config):
+    """`kernel.mixed_layout`'s cu_q_lens, one program per shape and config (op by op, each of
+    its ops would compile for each new shape)."""
+    return kernel.mixed_layout(cu_q_lens, num_seqs, config).cu_q_lens
+
+
 class _Table:
     """The batch description as Python ints, with the questions the schedule asks of it. Its
     q rows are the batch's, or the mixed kernel's (`in_mixed_layout`)."""
@@ -350,8 +358,8 @@ class _Table:
         """This batch as the mixed kernel sees it: its sequences' rows in the mixed kernel's q
         (`kernel.mixed_layout`: one-token sequences none, the others on q-block boundaries
         while the padding fits)."""
-        layout = kernel.mixed_layout(self.cu_q_lens, np.array([self.num_seqs]), config)
-        return _Table(self.kv_lens, self.page_indices, np.asarray(layout.cu_q_lens),
+        cu_q_lens = _mixed_cu_q_lens(self.cu_q_lens, np.array([self.num_seqs]), config)
+        return _Table(self.kv_lens, self.page_indices, np.asarray(cu_q_lens),
                       [self.num_seqs], batch_cu_q_lens=self.cu_q_lens)  # fmt: skip
 
     def q_rows(self, seq) -> tuple[int, int]:
