@@ -139,6 +139,22 @@ COLAB_TPU_TESTS = (f"({JAX_0_7_2_TPU_TESTS} or add_vectors or test_ladder or col
 # spread over two workers, 195 s with loadfile. Not for the tpu_compile runs: their tests share
 # each chip's compiles through a per-process cache, which every worker would fill again.
 WORKERS = ("-n", os.environ.get("MINILIB_TEST_WORKERS", "auto"), "--dist", "loadfile")
+# XLA's CPU compiles of the CPU suites, kept between runs on this machine (JAX's persistent
+# compilation cache, as uv keeps its downloads in ~/.cache/uv): half the time of a kernel test
+# is XLA compiling it (tests/kernel/test_kernel.py -k strided_kv_loads: 56 of 96 s), and a
+# compile found there takes a tenth of that (tests/exercises/test_ladder_checkers.py: 300 ->
+# 188 s, its 235 compiles 136 -> 29 s). A compile is found only for the same program, jaxlib
+# and XLA flags, so what a test checks is unchanged; a run's first compiles are as slow as
+# before. Not for the notebooks (tests/test_notebooks.py: they time this machine as a
+# learner's first run does) nor the TPU compiles (their tests read libtpu's dumps, which a
+# compile found in a cache does not write). A folder per venv; it is emptied when a run did
+# not finish (a file cut short by a kill) or it outgrew COMPILE_CACHE_MAX_BYTES.
+# MINILIB_COMPILE_CACHE=off runs without it.
+COMPILE_CACHE = os.environ.get("MINILIB_COMPILE_CACHE",
+                               str(Path.home() / ".cache" / "minilib" / "jax-cpu"))  # fmt: skip
+COMPILE_CACHE_MAX_BYTES = 4 << 30
+COMPILE_CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")  # fmt: skip
 
 
 # CI stops a run at 90 minutes and keeps only part of what it printed, so a command that hangs
@@ -322,14 +338,53 @@ def colab_python() -> str:
 FAST_CPU_COMPILES = "--xla_backend_optimization_level=0"
 
 
+def compile_cache_env(python: Path, cache: str = COMPILE_CACHE) -> dict[str, str]:
+    """The variables that give `python`'s tests JAX's persistent compilation cache: a folder
+    of `cache` per venv, every compile kept (however short or small). None with `off`."""
+    if cache == "off" or not Path(cache).is_dir():  # not made: see open_compile_cache
+        return {}
+    folder = Path(cache) / python.parent.parent.name  # .venv/bin/python: .venv
+    return dict(zip(COMPILE_CACHE_ENV, (str(folder), "0", "0"), strict=True))
+
+
+def open_compile_cache(cache: str = COMPILE_CACHE) -> Path | None:
+    """Empty `cache` if the run that used it last did not finish or it holds more than
+    COMPILE_CACHE_MAX_BYTES, and mark it in use; returns the mark (None with `off`), which
+    `close_compile_cache` removes at the end of a run."""
+    if cache == "off":
+        return None
+    folder = Path(cache)
+    mark = folder / "a run is using this cache"
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.exists() else 0
+    try:
+        if mark.exists() or size > COMPILE_CACHE_MAX_BYTES:
+            print(f"emptying {folder}: " + ("its last run did not finish" if mark.exists() else
+                  f"{size / 2**30:.1f} GiB"), flush=True)  # fmt: skip
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        mark.touch()
+    except OSError as err:  # a home one cannot write: the run goes on without the cache
+        print(f"no compile cache in {folder}: {err}", flush=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+    return mark
+
+
+def close_compile_cache(mark: Path | None) -> None:
+    if mark is not None:
+        mark.unlink(missing_ok=True)
+
+
 def pytest(python: Path, *args: str, fast_cpu_compiles: bool = False,
            notebooks_as_on_tpu: bool = False, tpu_numerics: bool = False,
-           **run_options) -> None:  # fmt: skip
+           compile_cache: bool = False, **run_options) -> None:  # fmt: skip
     # pytest exits 5 when it collected no tests: that is a failure here, as any non-zero code.
     # --durations: the slowest tests of each run, where CI's time goes.
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     if fast_cpu_compiles:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_CPU_COMPILES}".strip()
+    if compile_cache:
+        env.update(compile_cache_env(python))
     if notebooks_as_on_tpu:
         env[NOTEBOOKS_AS_ON_TPU] = "1"
     if tpu_numerics:  # every float32 matmul at default precision one bfloat16 pass, as on a TPU
@@ -397,7 +452,9 @@ def run_tests(args: list[str], phases: Phases) -> None:
     with ThreadPoolExecutor(max_workers=1) as pool:
         tpu_lane = pool.submit(run_tpu_compiles, phases, tpu, tpu_oldest, tpu_jax)
         try:
+            mark = open_compile_cache()
             run_cpu_suites(args, phases, python, oldest, book)
+            close_compile_cache(mark)  # not after a failure: it may have been a kill
         finally:
             wait([tpu_lane])
     tpu_lane.result()
@@ -406,7 +463,7 @@ def run_tests(args: list[str], phases: Phases) -> None:
 def run_cpu_suites(args: list[str], phases: Phases, python: Path, oldest: Path,
                    book: Path) -> None:  # fmt: skip
     with phases(".venv: the tests and the notebooks"):
-        pytest(python, *WORKERS, *args, fast_cpu_compiles=True)
+        pytest(python, *WORKERS, *args, fast_cpu_compiles=True, compile_cache=True)
     with phases(".venv-book: the book, from the executed notebooks"):
         build_book(python, book)
     # The browser tests mostly wait for their Jupyter servers and browsers (their notebooks'
@@ -418,13 +475,15 @@ def run_cpu_suites(args: list[str], phases: Phases, python: Path, oldest: Path,
                         "as on a TPU"):  # fmt: skip
                 pytest(oldest, *WORKERS, "-m", "not slow and not browser and not matrix",
                        "-p", "no:cacheprovider", *(f"--ignore={t}" for t in KERNEL_PARITY_TESTS),
-                       fast_cpu_compiles=True, notebooks_as_on_tpu=True)  # fmt: skip
+                       fast_cpu_compiles=True, notebooks_as_on_tpu=True,
+                       compile_cache=True)  # fmt: skip
             # Colab's stack runs the kernels as its TPU does: their parity there is checked
             # under TPU numerics (in .venv, with float32 matmuls as they are).
             with phases(".venv-oldest: the kernels' parity under TPU numerics "
                         "(MINILIB_TPU_NUMERICS=1)"):  # fmt: skip
                 pytest(oldest, *WORKERS, "-m", "not slow and not matrix", "-p", "no:cacheprovider",
-                       *KERNEL_PARITY_TESTS, fast_cpu_compiles=True, tpu_numerics=True)  # fmt: skip
+                       *KERNEL_PARITY_TESTS, fast_cpu_compiles=True, tpu_numerics=True,
+                       compile_cache=True)  # fmt: skip
         finally:
             wait([browser_lane])
     browser_lane.result()

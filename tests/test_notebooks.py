@@ -47,15 +47,22 @@ OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
 AS_ON_TPU = "MINILIB_NOTEBOOKS_AS_ON_TPU"
 
 
+# What tasks.py sets for JAX's persistent compilation cache (its COMPILE_CACHE_ENV).
+COMPILE_CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")  # fmt: skip
+
+
 def learner_env(environ=os.environ) -> dict[str, str]:
     """The notebooks' kernels get this environment as a learner's would: without the test
     suite's headless matplotlib backend (figures render as a learner sees them) and without
     the CPU test runs' unoptimised XLA compiles (tasks.py's FAST_CPU_COMPILES), which would
-    slow the notebooks' jnp code and skew the machine figures notebook 09 measures. With
-    AS_ON_TPU=1, with a TPU's matmul numerics."""
+    slow the notebooks' jnp code and skew the machine figures notebook 09 measures, nor
+    their persistent compilation cache (tasks.py's COMPILE_CACHE_ENV): a notebook's time is
+    a learner's first run's. With AS_ON_TPU=1, with a TPU's matmul numerics."""
     from minilib.tpu.numerics import ENV_VAR
 
-    env = {k: v for k, v in environ.items() if k not in ("MPLBACKEND", AS_ON_TPU)}
+    dropped = ("MPLBACKEND", AS_ON_TPU, *COMPILE_CACHE_ENV)
+    env = {k: v for k, v in environ.items() if k not in dropped}
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(OPT_LEVEL_FLAG)]
     env["XLA_FLAGS"] = " ".join(flags)
     if environ.get(AS_ON_TPU) == "1":

@@ -59,6 +59,45 @@ def test_the_notebooks_run_without_the_cpu_test_runs_unoptimised_compiles():
     assert learner_env(environ) == {"XLA_FLAGS": devices, "A": "1"}
 
 
+def test_the_cpu_suites_keep_their_compiles_and_the_notebooks_do_not(tmp_path):
+    """Each CPU venv's tests get a folder of JAX's persistent compilation cache; the
+    notebooks' kernels get none of its variables (a learner's first run), and `off` sets
+    none."""
+    from test_notebooks import COMPILE_CACHE_ENV, learner_env
+
+    tasks = load_tasks()
+    assert tasks.COMPILE_CACHE_ENV == COMPILE_CACHE_ENV
+    env = tasks.compile_cache_env(tmp_path / ".venv-oldest" / "bin" / "python", str(tmp_path))
+    assert env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / ".venv-oldest")
+    assert set(env) == set(COMPILE_CACHE_ENV)
+    assert tasks.compile_cache_env(tmp_path / ".venv" / "bin" / "python", "off") == {}
+    # a cache that could not be made (see open_compile_cache): none
+    assert tasks.compile_cache_env(tmp_path / ".venv" / "bin" / "python", str(tmp_path / "x")) == {}
+    assert learner_env({**env, "A": "1"}) == {"XLA_FLAGS": "", "A": "1"}
+
+
+def test_the_compile_cache_is_emptied_after_a_run_that_did_not_finish(tmp_path, monkeypatch):
+    """A run stopped midway may leave a file cut short: the next run starts from an empty
+    cache. One that finished leaves its compiles for the next; so does one too large, once
+    emptied."""
+    tasks = load_tasks()
+    cache = tmp_path / "cache"
+    mark = tasks.open_compile_cache(str(cache))
+    (cache / ".venv").mkdir()
+    (cache / ".venv" / "entry").write_bytes(b"x" * 100)
+    tasks.close_compile_cache(mark)
+    tasks.open_compile_cache(str(cache))  # the last run finished: kept
+    assert (cache / ".venv" / "entry").exists()
+    mark = tasks.open_compile_cache(str(cache))  # the last run did not: emptied
+    assert not (cache / ".venv").exists() and mark.exists()
+    (cache / "entry").write_bytes(b"x" * 100)
+    tasks.close_compile_cache(mark)
+    monkeypatch.setattr(tasks, "COMPILE_CACHE_MAX_BYTES", 99)
+    tasks.open_compile_cache(str(cache))  # too large: emptied
+    assert not (cache / "entry").exists()
+    assert tasks.open_compile_cache("off") is None
+
+
 def test_colabs_stack_runs_the_notebooks_with_a_tpus_numerics_and_only_them():
     """tasks.py asks test_notebooks for a TPU's matmul numerics by name; the notebooks'
     kernels get the emulation's switch, the test process does not."""
