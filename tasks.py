@@ -142,7 +142,7 @@ WORKERS = ("-n", os.environ.get("MINILIB_TEST_WORKERS", "auto"), "--dist", "load
 # XLA's CPU compiles of the CPU suites, kept between runs on this machine (JAX's persistent
 # compilation cache, as uv keeps its downloads in ~/.cache/uv): half the time of a kernel test
 # is XLA compiling it (tests/kernel/test_kernel.py -k strided_kv_loads: 56 of 96 s), and a
-# compile found there takes a tenth of that (tests/exercises/test_ladder_checkers.py: 300 ->
+# compile found there takes a fifth of that (tests/exercises/test_ladder_checkers.py: 300 ->
 # 188 s, its 235 compiles 136 -> 29 s). A compile is found only for the same program, jaxlib
 # and XLA flags, so what a test checks is unchanged; a run's first compiles are as slow as
 # before. Not for the notebooks (tests/test_notebooks.py: they time this machine as a
