@@ -124,6 +124,7 @@ TPU_COMPILE_TESTS = (
     "tests/tpu/test_tpu_listing.py",
     "tests/tpu/test_tpu_recorded.py",
     "tests/tpu/test_tpu_kv_write.py",
+    "tests/tpu/test_tpu_dump_cache.py",
 )
 # With jax 0.7.2, one kernel configuration per chip, the comparison with JAX's kernel and
 # the harness's own failure tests: the whole matrix runs once, on the newest stack.
@@ -152,6 +153,14 @@ WORKERS = ("-n", os.environ.get("MINILIB_TEST_WORKERS", "auto"), "--dist", "load
 # MINILIB_COMPILE_CACHE=off runs without it.
 COMPILE_CACHE = os.environ.get("MINILIB_COMPILE_CACHE",
                                str(Path.home() / ".cache" / "minilib" / "jax-cpu"))  # fmt: skip
+# libtpu's dumps of the TPU lanes' compiles, kept the same way (minilib.tpu.dump_cache): a
+# compile for a compile-only device is most of those tests' time, and libtpu's own files are
+# what they read, so JAX's cache cannot serve. An entry is found only by the same program,
+# chip, jax, jaxlib, libtpu and flags, and holds every file that compile dumped: a test reads
+# what a fresh compile gives. MINILIB_TPU_COMPILE_CACHE=off runs without it.
+TPU_COMPILE_CACHE = os.environ.get("MINILIB_TPU_COMPILE_CACHE",
+                                   str(Path.home() / ".cache" / "minilib" / "libtpu"))  # fmt: skip
+TPU_COMPILE_CACHE_ENV = "MINILIB_TPU_DUMP_CACHE"  # minilib.tpu.dump_cache.CACHE_ENV
 COMPILE_CACHE_MAX_BYTES = 4 << 30
 COMPILE_CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
                      "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")  # fmt: skip
@@ -347,6 +356,14 @@ def compile_cache_env(python: Path, cache: str = COMPILE_CACHE) -> dict[str, str
     return dict(zip(COMPILE_CACHE_ENV, (str(folder), "0", "0"), strict=True))
 
 
+def tpu_compile_cache_env(python: Path, cache: str = TPU_COMPILE_CACHE) -> dict[str, str]:
+    """The variable that keeps the libtpu dumps of `python`'s compiles in a folder of `cache`
+    per venv (minilib.tpu.dump_cache). None with `off`."""
+    if cache == "off" or not Path(cache).is_dir():  # not made: see open_compile_cache
+        return {}
+    return {TPU_COMPILE_CACHE_ENV: str(Path(cache) / python.parent.parent.name)}
+
+
 def open_compile_cache(cache: str = COMPILE_CACHE) -> Path | None:
     """Empty `cache` if the run that used it last did not finish or it holds more than
     COMPILE_CACHE_MAX_BYTES, and mark it in use; returns the mark (None with `off`), which
@@ -377,7 +394,8 @@ def close_compile_cache(mark: Path | None) -> None:
 
 def pytest(python: Path, *args: str, fast_cpu_compiles: bool = False,
            notebooks_as_on_tpu: bool = False, tpu_numerics: bool = False,
-           compile_cache: bool = False, **run_options) -> None:  # fmt: skip
+           compile_cache: bool = False, tpu_compile_cache: bool = False,
+           **run_options) -> None:  # fmt: skip
     # pytest exits 5 when it collected no tests: that is a failure here, as any non-zero code.
     # --durations: the slowest tests of each run, where CI's time goes.
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
@@ -385,6 +403,8 @@ def pytest(python: Path, *args: str, fast_cpu_compiles: bool = False,
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_CPU_COMPILES}".strip()
     if compile_cache:
         env.update(compile_cache_env(python))
+    if tpu_compile_cache:
+        env.update(tpu_compile_cache_env(python))
     if notebooks_as_on_tpu:
         env[NOTEBOOKS_AS_ON_TPU] = "1"
     if tpu_numerics:  # every float32 matmul at default precision one bfloat16 pass, as on a TPU
@@ -500,20 +520,23 @@ def browser_tests(phases: Phases, python: Path, oldest: Path) -> None:
 
 
 def run_tpu_compiles(phases: Phases, tpu: Path, tpu_oldest: Path, tpu_jax: Path) -> None:
+    mark = open_compile_cache(TPU_COMPILE_CACHE)
     with phases("beside them, .venv-tpu: the tpu_compile tests"):
         pytest(tpu, "-m", TPU_COMPILE, "-p", "no:cacheprovider", *TPU_COMPILE_TESTS,
-               in_one_piece=True)  # fmt: skip
+               in_one_piece=True, tpu_compile_cache=True)  # fmt: skip
     # On Colab's pair: the jax 0.7.2 compiles, every ladder rung, and the pair's own tests.
     with phases("beside them, .venv-tpu-oldest: Colab's pair"):
         pytest(tpu_oldest, "-m", TPU_COMPILE, "-k", COLAB_TPU_TESTS,
                "-p", "no:cacheprovider", "-rs", "tests/tpu/test_tpu_compile.py",
                "tests/tpu/test_tpu_comparison.py", "tests/ladder/test_ladder.py",
                "tests/tpu/test_tpu_colab_pair.py", "tests/tpu/test_tpu_kv_write.py",
-               in_one_piece=True)  # fmt: skip
+               in_one_piece=True, tpu_compile_cache=True)  # fmt: skip
     with phases("beside them, .venv-tpu-jax-0.7.2: a few compiles"):
         pytest(tpu_jax, "-m", TPU_COMPILE, "-k", JAX_0_7_2_TPU_TESTS,
                "-p", "no:cacheprovider", "tests/tpu/test_tpu_compile.py",
-               "tests/tpu/test_tpu_comparison.py", in_one_piece=True)  # fmt: skip
+               "tests/tpu/test_tpu_comparison.py", in_one_piece=True,
+               tpu_compile_cache=True)  # fmt: skip
+    close_compile_cache(mark)  # not after a failure: it may have been a kill
 
 
 def test_colab_2026_07(args: list[str]) -> None:

@@ -76,6 +76,19 @@ def test_the_cpu_suites_keep_their_compiles_and_the_notebooks_do_not(tmp_path):
     assert learner_env({**env, "A": "1"}) == {"XLA_FLAGS": "", "A": "1"}
 
 
+def test_the_tpu_lanes_keep_libtpus_dumps(tmp_path):
+    """Each TPU venv's tests get a folder of `minilib.tpu.dump_cache` (the variable it
+    reads); `off`, or a cache that could not be made, sets none."""
+    from minilib.tpu import dump_cache
+
+    tasks = load_tasks()
+    env = tasks.tpu_compile_cache_env(tmp_path / ".venv-tpu" / "bin" / "python", str(tmp_path))
+    assert env == {dump_cache.CACHE_ENV: str(tmp_path / ".venv-tpu")}
+    assert tasks.tpu_compile_cache_env(tmp_path / ".venv-tpu" / "bin" / "python", "off") == {}
+    missing = str(tmp_path / "x")
+    assert tasks.tpu_compile_cache_env(tmp_path / ".venv-tpu" / "bin" / "python", missing) == {}
+
+
 def test_the_compile_cache_is_emptied_after_a_run_that_did_not_finish(tmp_path, monkeypatch):
     """A run stopped midway may leave a file cut short: the next run starts from an empty
     cache. One that finished leaves its compiles for the next; so does one too large, once

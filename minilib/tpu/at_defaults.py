@@ -62,7 +62,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from minilib.tpu import compile as tpu
-from minilib.tpu import suite
+from minilib.tpu import dump_cache, suite
 from minilib.tpu.bundles import (
     COUNTING_RULE,
     block_bundles,
@@ -176,17 +176,18 @@ def compile_call(fn, specs, chip: str, donate: tuple[int, ...] = ()) -> tuple[st
     structs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
     with on_chip(chip):
         lowered = jax.jit(fn, donate_argnums=donate).lower(*structs)
-    key = (chip, hashlib.sha256(lowered.as_text().encode()).hexdigest())
+    text = lowered.as_text()
+    key = (chip, hashlib.sha256(text.encode()).hexdigest())
     if key in _COMPILED:  # JAX reuses its executable: libtpu writes no new dump
         return _COMPILED[key]
     folder = tpu.dump_folder().path
     before = set(os.listdir(folder))
     try:
         with tpu.default_layouts_assumed():
-            hlo = lowered.compile().as_text()
-        kernel_names = tpu.pallas_kernel_names(lowered.as_text())
+            hlo, files = dump_cache.compiled(chip, text, folder, lowered.compile)
+        kernel_names = tpu.pallas_kernel_names(text)
         programs = []
-        for file in sorted(set(os.listdir(folder)) - before):
+        for file in files:
             m = DUMP_FILE.match(file)
             if m and m.group(2) == "final_bundles":
                 text = (folder / file).read_text(errors="replace")

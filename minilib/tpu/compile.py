@@ -40,15 +40,16 @@ process, and never again. Two cases:
   or in a notebook that used JAX only on the CPU (`JAX_PLATFORMS=cpu`, or no libtpu at the
   time). Then the first compile sets the flags, with one dump folder for the whole process,
   and starts libtpu; every compile reads the files that appeared in that folder and deletes
-  them. This costs nothing beyond the compile itself (`CompileReport.seconds`).
+  them. This costs nothing beyond the compile itself (`CompileReport.seconds`); a compile
+  an earlier run kept (`MINILIB_TPU_DUMP_CACHE`, `minilib.tpu.dump_cache`) is read back.
 * libtpu already started without these flags (on a TPU host, where JAX's TPU backend starts it
   at the first JAX call). Then each compile runs in a fresh Python process (`python -m
   minilib.tpu.compile`), which adds to every compile the start of Python, of JAX and of
   libtpu (`CompileReport.seconds` counts the compile alone). `fn` must then be picklable: a
   module-level function, or a `functools.partial` of one.
 
-A subprocess for every compile would have been simpler, but would add those starts to each of
-the hundred compiles of the test matrix, and would not work for the lambdas a learner writes.
+(A subprocess for every compile would add those starts to each compile of the test matrix,
+and could not take the lambdas a learner writes.)
 
 libtpu also logs a few lines about host discovery; `TPU_ACCELERATOR_TYPE` and
 `TPU_WORKER_HOSTNAMES` (set only when unset) quiet them. `ALLOW_MULTIPLE_LIBTPU_LOAD=1` lets
@@ -79,6 +80,7 @@ import jax
 import numpy as np
 
 from minilib.chips import CHIPS, FACTS
+from minilib.tpu import dump_cache
 from minilib.tpu.dump_reader import (
     CHECKED_LIBTPU,
     DUMP_FLAGS,
@@ -502,17 +504,16 @@ def compile_here(fn, specs, chip: str) -> CompileReport:
             lowered = jax.jit(fn).lower(*structs)
     except Exception as err:  # a kernel Mosaic's lowering rejects: the message is the result
         return report(compiled=False, error=error_text(err), seconds=time.perf_counter() - start)
-    folder = dump_folder()
-    key = (chip, hashlib.sha256(lowered.as_text().encode()).hexdigest())
+    folder, text = dump_folder(), lowered.as_text()
+    key = (chip, hashlib.sha256(text.encode()).hexdigest())
     if key in folder.reports:  # JAX reuses its compiled executable: libtpu writes no new dump
         return folder.reports[key]
     before = set(os.listdir(folder.path))
     try:
         with default_layouts_assumed():
-            lowered.compile()
+            _, new_files = dump_cache.compiled(chip, text, folder.path, lowered.compile)
         seconds = time.perf_counter() - start
-        new_files = sorted(set(os.listdir(folder.path)) - before)
-        kernels, notes = read_dump(folder.path, new_files, pallas_kernel_names(lowered.as_text()))
+        kernels, notes = read_dump(folder.path, new_files, pallas_kernel_names(text))
     except Exception as err:
         return report(compiled=False, error=error_text(err), seconds=time.perf_counter() - start)
     finally:  # the dump of each compile is read once, then removed

@@ -128,6 +128,7 @@ def _final_bundles(fn, specs, chip: str, kernel: str) -> str:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+    from minilib.tpu import dump_cache
     from minilib.tpu.compile import (
         abstract_mesh,
         default_layouts_assumed,
@@ -149,8 +150,7 @@ def _final_bundles(fn, specs, chip: str, kernel: str) -> str:
         with jax.sharding.use_abstract_mesh(abstract_mesh(device)):
             lowered = jax.jit(fn).lower(*structs)
         with default_layouts_assumed():
-            lowered.compile()
-        new = sorted(set(os.listdir(folder.path)) - before)
+            _, new = dump_cache.compiled(chip, lowered.as_text(), folder.path, lowered.compile)
         mine = [n for n in new if f"-{kernel}" in n and n.endswith("-final_bundles.txt")]
         mine = [n for n in mine if "schedule-analysis" not in n]
         if not mine:
