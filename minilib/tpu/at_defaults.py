@@ -184,7 +184,7 @@ def compile_call(fn, specs, chip: str, donate: tuple[int, ...] = ()) -> tuple[st
     before = set(os.listdir(folder))
     try:
         with tpu.default_layouts_assumed():
-            hlo, files = dump_cache.compiled(chip, text, folder, lowered.compile)
+            hlo, files = dump_cache.compiled(chip, lowered, folder)
         kernel_names = tpu.pallas_kernel_names(text)
         programs = []
         for file in files:

@@ -511,7 +511,7 @@ def compile_here(fn, specs, chip: str) -> CompileReport:
     before = set(os.listdir(folder.path))
     try:
         with default_layouts_assumed():
-            _, new_files = dump_cache.compiled(chip, text, folder.path, lowered.compile)
+            _, new_files = dump_cache.compiled(chip, lowered, folder.path)
         seconds = time.perf_counter() - start
         kernels, notes = read_dump(folder.path, new_files, pallas_kernel_names(text))
     except Exception as err:

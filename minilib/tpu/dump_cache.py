@@ -4,11 +4,15 @@ reads them back instead of compiling. Off unless `MINILIB_TPU_DUMP_CACHE` names 
 Compiling for a compile-only device is most of the TPU tests' time (a few seconds for a small
 kernel, half a minute for a whole program), and a test run compiles the same few hundred
 programs as the run before it. What a compile gives depends on what it is given: the program
-(its lowered text, kernels included), the chip, jax, jaxlib, libtpu, and the flags of libtpu
-and XLA. `entry_key` hashes all of them, so an entry is found only by the same compile. An
-entry holds what that compile left: the compiled program's HLO text and every file libtpu
-dumped for it. `compiled` writes a found entry's files back into the dump folder, where they
-are read as a fresh compile's are: a figure read from the cache is the one libtpu gave.
+with its debug information (each op's source line and call stack, which libtpu writes into
+its dumps), the chip, jax, jaxlib, libtpu, and the flags of libtpu and XLA. `entry_key`
+hashes all of them, so an entry is found only by the same compile. An entry holds what that
+compile left: the compiled program's HLO text and every file libtpu dumped for it.
+`compiled` writes a found entry's files back into the dump folder, where they are read as a
+fresh compile's are: a figure read from the cache is the one libtpu gave.
+
+The source paths are part of the debug information, so a checkout in another folder keeps
+entries of its own: it reads none of this one's.
 
 JAX's own persistent compilation cache cannot serve here: a compile it finds writes no dumps.
 `tasks.py test` turns this on for its TPU lanes (a folder per venv under
@@ -108,15 +112,15 @@ def read_back(key: str, folder: Path) -> tuple[str, list[str]] | None:
     return kept["hlo"], sorted(kept["files"])
 
 
-def compiled(chip: str, program_text: str, folder: Path, compile) -> tuple[str, list[str]]:
-    """`compile()` (a `jax.stages.Lowered`'s `.compile`, of the program `program_text`, for
-    `chip`): the compiled program's HLO text and the names of the files libtpu dumped for it
-    into `folder`. Read back instead when an earlier run kept this compile; kept when not.
-    Needs libtpu: tests/tpu/test_tpu_dump_cache.py."""
-    key, before = entry_key(chip, program_text), set(os.listdir(folder))
+def compiled(chip: str, lowered, folder: Path) -> tuple[str, list[str]]:
+    """Compile `lowered` (a `jax.stages.Lowered` for `chip`): the compiled program's HLO text
+    and the names of the files libtpu dumped for it into `folder`. Read back instead when an
+    earlier run kept this compile; kept when not. Needs libtpu: tests/tpu/test_tpu_dump_cache.py.
+    """
+    key, before = entry_key(chip, lowered.as_text(debug_info=True)), set(os.listdir(folder))
     if (kept := read_back(key, folder)) is not None:
         return kept
-    hlo = compile().as_text()
+    hlo = lowered.compile().as_text()
     names = sorted(set(os.listdir(folder)) - before)
     keep(key, hlo, folder, names)
     return hlo, names

@@ -150,7 +150,7 @@ def _final_bundles(fn, specs, chip: str, kernel: str) -> str:
         with jax.sharding.use_abstract_mesh(abstract_mesh(device)):
             lowered = jax.jit(fn).lower(*structs)
         with default_layouts_assumed():
-            _, new = dump_cache.compiled(chip, lowered.as_text(), folder.path, lowered.compile)
+            _, new = dump_cache.compiled(chip, lowered, folder.path)
         mine = [n for n in new if f"-{kernel}" in n and n.endswith("-final_bundles.txt")]
         mine = [n for n in mine if "schedule-analysis" not in n]
         if not mine:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ import pytest
 from compile_checks import AVAILABLE, REASON
 
 from minilib.tpu import dump_cache
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # A kernel alone (`compile_for_tpu`, its figures) and a whole call (`compile_call`, every
 # program libtpu dumped, and the compiled HLO); how many programs the backend compiled.
@@ -37,14 +40,15 @@ print(json.dumps({"read": [repr(report.kernels), report.notes, hlo, repr(program
 """
 
 
-def run(cache: Path | None) -> dict:
-    root = str(Path(__file__).resolve().parents[2])
+def run(cache: Path | None, root: Path = ROOT) -> dict:
+    """SCRIPT in a fresh process, with the minilib of `root` and the cache folder `cache`."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
     env.pop(dump_cache.CACHE_ENV, None)
     if cache is not None:
         env[dump_cache.CACHE_ENV] = str(cache)
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                          text=True, cwd=root)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -80,3 +84,17 @@ def test_an_entry_is_found_only_by_the_same_compile(monkeypatch):
             env.setenv(flags, os.environ.get(flags, "") + " --xla_dump_hlo_as_text")
             assert dump_cache.entry_key("v5e", "module @add {}") != key, flags
     assert dump_cache.entry_key("v5e", "module @add {}") == key
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.skipif(not AVAILABLE, reason=f"no TPU compile here: {REASON}")
+def test_a_checkout_elsewhere_reads_none_of_this_ones_compiles(tmp_path):
+    """libtpu writes the source paths into its dumps (and the compiled program), so another
+    checkout's compile, of the same code, is not this one's: it compiles afresh."""
+    for checkout in ("a", "b"):
+        ignore = shutil.ignore_patterns("__pycache__")
+        shutil.copytree(ROOT / "minilib", tmp_path / checkout / "minilib", ignore=ignore)
+    fresh = run(None, tmp_path / "b")
+    assert str(tmp_path / "b") in fresh["read"][2]  # the compiled program's source paths
+    run(tmp_path / "cache", tmp_path / "a")
+    assert run(tmp_path / "cache", tmp_path / "b") == fresh
