@@ -48,9 +48,8 @@ LAYERS = [
     #    their comparisons, the figures' style and the explorers' words, which know nothing of
     #    attention, and the parity check with its tolerances).
     ("errors", "masking", "kernel_trace", "chips", "jax_patches", "jax_patches.*",
-     "tpu.bundles", "tpu.loop_paths", "tpu.dump_reader", "tpu.dump_cache", "tpu.labels", "tpu.memory",
-     "tpu.compile",
-     "tpu.numerics", "parity",
+     "tpu.bundles", "tpu.loop_paths", "tpu.dump_reader", "tpu.dump_cache", "tpu.labels",
+     "tpu.memory", "tpu.compile", "tpu.numerics", "parity",
      "tpu.v3", "perf.roofline",
      "exercises.checking", "exercises.comparisons",
      "ladder.interpret", "explore.style", "explore.text"),
