@@ -39,11 +39,15 @@ CACHE_ENV = "MINILIB_TPU_DUMP_CACHE"
 
 
 def cache_folder() -> Path | None:
-    """The folder `CACHE_ENV` names, made if missing; None when it is unset or empty."""
+    """The folder `CACHE_ENV` names, made if missing; None when it is unset or empty, or
+    cannot be made (then nothing is kept: a cache is never why a compile fails)."""
     folder = os.environ.get(CACHE_ENV, "")
     if not folder:
         return None
-    Path(folder).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
     return Path(folder)
 
 
@@ -86,6 +90,8 @@ def keep(key: str, hlo: str, folder: Path, names: list[str]) -> None:
     try:
         tmp.write_bytes(gzip.compress(json.dumps({"hlo": hlo, "files": files}).encode(), 3))
         os.replace(tmp, entry)
+    except OSError:  # a full disk, say: the compile stands, unkept
+        pass
     finally:
         tmp.unlink(missing_ok=True)
 

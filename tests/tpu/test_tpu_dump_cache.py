@@ -98,3 +98,18 @@ def test_a_checkout_elsewhere_reads_none_of_this_ones_compiles(tmp_path):
     assert str(tmp_path / "b") in fresh["read"][2]  # the compiled program's source paths
     run(tmp_path / "cache", tmp_path / "a")
     assert run(tmp_path / "cache", tmp_path / "b") == fresh
+
+
+def test_a_cache_that_cannot_be_written_keeps_nothing_and_fails_nothing(tmp_path, monkeypatch):
+    """A folder that cannot be made (here under a file): no entry, no error, no read back."""
+    (tmp_path / "a file").write_text("")
+    (tmp_path / "0001-add.1-00-final_bundles.txt").write_text("bundles")
+    monkeypatch.setenv(dump_cache.CACHE_ENV, str(tmp_path / "a file" / "cache"))
+    key = dump_cache.entry_key("v5e", "module @add {}")
+    dump_cache.keep(key, "HloModule add", tmp_path, ["0001-add.1-00-final_bundles.txt"])
+    assert dump_cache.read_back(key, tmp_path) is None
+    monkeypatch.setenv(dump_cache.CACHE_ENV, str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / f"{key}.json.gz").mkdir()  # the entry's name taken: not written
+    dump_cache.keep(key, "HloModule add", tmp_path, ["0001-add.1-00-final_bundles.txt"])
+    assert dump_cache.read_back(key, tmp_path) is None
