@@ -150,12 +150,9 @@ WORKERS = ("-n", os.environ.get("MINILIB_TEST_WORKERS", "auto"), "--dist", "load
 # learner's first run does) nor the TPU compiles (their tests read libtpu's dumps, which a
 # compile found in a cache does not write). A folder per venv; it is emptied when a run did
 # not finish (a file cut short by a kill) or it outgrew COMPILE_CACHE_MAX_BYTES.
-# Off unless MINILIB_COMPILE_CACHE names its folder (~/.cache/minilib/jax-cpu, say): in one of
-# the two whole runs that read it, a pytest worker died of a segfault inside jaxlib while it
-# loaded a compile from it (jax 0.12.0.1, `compilation_cache.get_executable_and_time` ->
-# `backend.deserialize_executable`; the entries are zlib streams, so not a file cut short), and
-# a run that fails by chance is worse than a slow one.
-COMPILE_CACHE = os.environ.get("MINILIB_COMPILE_CACHE", "off")
+# MINILIB_COMPILE_CACHE=off runs without it.
+COMPILE_CACHE = os.environ.get("MINILIB_COMPILE_CACHE",
+                               str(Path.home() / ".cache" / "minilib" / "jax-cpu"))  # fmt: skip
 # libtpu's dumps of the TPU lanes' compiles, kept the same way (minilib.tpu.dump_cache): a
 # compile for a compile-only device is most of those tests' time, and libtpu's own files are
 # what they read, so JAX's cache cannot serve. An entry is found only by the same program,
