@@ -3,8 +3,10 @@ attention function with JAX's own reference."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +41,47 @@ def pytest_collection_modifyitems(items):
     order collected), and tests/test_notebooks.py is the longest (about four minutes): started
     last, as its name sorts, it kept one worker busy while the other had nothing left to do."""
     items.sort(key=lambda item: item.path.name != "test_notebooks.py")  # a stable sort
+
+
+# XLA:CPU maps the code of each program it compiles into the process (about three memory maps
+# a program), and JAX keeps every program it compiled. A pytest worker that compiles for half an
+# hour passes Linux's limit on a process's maps (vm.max_map_count, 65,530; tests/kernel/
+# test_kernel.py adds about 3,600 a minute), and XLA's JIT then dies of a segfault loading the
+# next program (two whole runs lost a worker so, in `backend_compile_and_load` and in
+# `deserialize_executable`). Past half the limit, JAX's caches are emptied after a test file:
+# the programs are unmapped, and later files compile what they need again.
+MAX_MAPS_PATH, MAPS_PATH = "/proc/sys/vm/max_map_count", "/proc/self/maps"
+
+
+def memory_maps() -> int | None:
+    """This process's memory maps (None where /proc does not say)."""
+    try:
+        with open(MAPS_PATH) as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return None
+
+
+def release_compiled_programs(limit: int | None = None) -> bool:
+    """Empty JAX's caches when this process holds over half of `limit` memory maps (by default
+    the system's limit); whether it did."""
+    if limit is None:
+        try:
+            limit = int(Path(MAX_MAPS_PATH).read_text())
+        except (OSError, ValueError):
+            return False
+    maps = memory_maps()
+    if maps is None or maps <= limit // 2:
+        return False
+    jax.clear_caches()
+    gc.collect()
+    return True
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _programs_released_past_half_the_map_limit():
+    yield
+    release_compiled_programs()
 
 
 def pytest_terminal_summary(terminalreporter):
