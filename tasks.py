@@ -347,21 +347,26 @@ def colab_python() -> str:
 FAST_CPU_COMPILES = "--xla_backend_optimization_level=0"
 
 
+def venv_cache_folder(python: Path, cache: str) -> str | None:
+    """`python`'s venv's folder of `cache`; None with `off`, or when `cache` was not made (see
+    open_compile_cache)."""
+    if cache == "off" or not Path(cache).is_dir():
+        return None
+    return str(Path(cache) / python.parent.parent.name)  # .venv/bin/python: .venv
+
+
 def compile_cache_env(python: Path, cache: str = COMPILE_CACHE) -> dict[str, str]:
     """The variables that give `python`'s tests JAX's persistent compilation cache: a folder
     of `cache` per venv, every compile kept (however short or small). None with `off`."""
-    if cache == "off" or not Path(cache).is_dir():  # not made: see open_compile_cache
-        return {}
-    folder = Path(cache) / python.parent.parent.name  # .venv/bin/python: .venv
-    return dict(zip(COMPILE_CACHE_ENV, (str(folder), "0", "0"), strict=True))
+    folder = venv_cache_folder(python, cache)
+    return {} if folder is None else dict(zip(COMPILE_CACHE_ENV, (folder, "0", "0"), strict=True))
 
 
 def tpu_compile_cache_env(python: Path, cache: str = TPU_COMPILE_CACHE) -> dict[str, str]:
     """The variable that keeps the libtpu dumps of `python`'s compiles in a folder of `cache`
     per venv (minilib.tpu.dump_cache). None with `off`."""
-    if cache == "off" or not Path(cache).is_dir():  # not made: see open_compile_cache
-        return {}
-    return {TPU_COMPILE_CACHE_ENV: str(Path(cache) / python.parent.parent.name)}
+    folder = venv_cache_folder(python, cache)
+    return {} if folder is None else {TPU_COMPILE_CACHE_ENV: folder}
 
 
 def open_compile_cache(cache: str = COMPILE_CACHE) -> Path | None:

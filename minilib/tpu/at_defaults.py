@@ -176,8 +176,8 @@ def compile_call(fn, specs, chip: str, donate: tuple[int, ...] = ()) -> tuple[st
     structs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
     with on_chip(chip):
         lowered = jax.jit(fn, donate_argnums=donate).lower(*structs)
-    text = lowered.as_text()
-    key = (chip, hashlib.sha256(text.encode()).hexdigest())
+    program = lowered.as_text()
+    key = (chip, hashlib.sha256(program.encode()).hexdigest())
     if key in _COMPILED:  # JAX reuses its executable: libtpu writes no new dump
         return _COMPILED[key]
     folder = tpu.dump_folder().path
@@ -185,7 +185,7 @@ def compile_call(fn, specs, chip: str, donate: tuple[int, ...] = ()) -> tuple[st
     try:
         with tpu.default_layouts_assumed():
             hlo, files = dump_cache.compiled(chip, lowered, folder)
-        kernel_names = tpu.pallas_kernel_names(text)
+        kernel_names = tpu.pallas_kernel_names(program)
         programs = []
         for file in files:
             m = DUMP_FILE.match(file)
