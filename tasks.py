@@ -59,6 +59,7 @@ environment, e.g. `python3 tasks.py test -m slow`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import shutil
@@ -369,15 +370,32 @@ def tpu_compile_cache_env(python: Path, cache: str = TPU_COMPILE_CACHE) -> dict[
     return {} if folder is None else {TPU_COMPILE_CACHE_ENV: folder}
 
 
+def cache_contents(folder: Path) -> tuple[dict[str, int], int]:
+    """The files in each venv's folder of the cache `folder`, and their bytes in all."""
+    files = [f for f in folder.rglob("*") if f.is_file()] if folder.exists() else []
+    venvs = (f.relative_to(folder).parts[0] for f in files if f.parent != folder)
+    counts = collections.Counter(venvs)
+    return dict(sorted(counts.items())), sum(f.stat().st_size for f in files)
+
+
+def describe_cache(folder: Path, when: str) -> str:
+    """One line for the run's log: what `folder` holds `when`, so that a phase's minutes can be
+    read as a warm or a cold run's."""
+    counts, size = cache_contents(folder)
+    held = ", ".join(f"{venv} {n:,} file{'s' * (n != 1)}" for venv, n in counts.items())
+    held = held or "nothing"
+    return f"compile cache {folder} {when}: {held} ({size / 2**20:,.0f} MiB)"
+
+
 def open_compile_cache(cache: str = COMPILE_CACHE) -> Path | None:
     """Empty `cache` if the run that used it last did not finish or it holds more than
     COMPILE_CACHE_MAX_BYTES, and mark it in use; returns the mark (None with `off`), which
-    `close_compile_cache` removes at the end of a run."""
+    `close_compile_cache` removes at the end of a run. Prints what it holds."""
     if cache == "off":
         return None
     folder = Path(cache)
     mark = folder / "a run is using this cache"
-    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.exists() else 0
+    _, size = cache_contents(folder)
     try:
         if mark.exists() or size > COMPILE_CACHE_MAX_BYTES:
             print(f"emptying {folder}: " + ("its last run did not finish" if mark.exists() else
@@ -385,6 +403,7 @@ def open_compile_cache(cache: str = COMPILE_CACHE) -> Path | None:
             shutil.rmtree(folder)
         folder.mkdir(parents=True, exist_ok=True)
         mark.touch()
+        print(describe_cache(folder, "at the start of this run"), flush=True)
     except OSError as err:  # a home one cannot write: the run goes on without the cache
         print(f"no compile cache in {folder}: {err}", flush=True)
         shutil.rmtree(folder, ignore_errors=True)
@@ -395,6 +414,7 @@ def open_compile_cache(cache: str = COMPILE_CACHE) -> Path | None:
 def close_compile_cache(mark: Path | None) -> None:
     if mark is not None:
         mark.unlink(missing_ok=True)
+        print(describe_cache(mark.parent, "at the end of this run"), flush=True)
 
 
 def pytest(python: Path, *args: str, fast_cpu_compiles: bool = False,

@@ -111,6 +111,22 @@ def test_the_compile_cache_is_emptied_after_a_run_that_did_not_finish(tmp_path, 
     assert tasks.open_compile_cache("off") is None
 
 
+def test_a_run_says_what_each_cache_held_when_it_began_and_ended(tmp_path, capsys):
+    """The log tells a warm run from a cold one: each venv's files and the bytes in all."""
+    tasks = load_tasks()
+    cache = tmp_path / "cache"
+    mark = tasks.open_compile_cache(str(cache))
+    assert "at the start of this run: nothing (0 MiB)" in capsys.readouterr().out
+    for venv, files in ((".venv-tpu", 3), (".venv-tpu-oldest", 1)):
+        (cache / venv).mkdir()
+        for n in range(files):
+            (cache / venv / f"entry{n}").write_bytes(b"x" * (1 << 20))
+    tasks.close_compile_cache(mark)
+    said = capsys.readouterr().out
+    assert f"compile cache {cache} at the end of this run: .venv-tpu 3 files, " in said
+    assert ".venv-tpu-oldest 1 file (4 MiB)" in said
+
+
 def test_colabs_stack_runs_the_notebooks_with_a_tpus_numerics_and_only_them():
     """tasks.py asks test_notebooks for a TPU's matmul numerics by name; the notebooks'
     kernels get the emulation's switch, the test process does not."""
