@@ -378,10 +378,10 @@ def cache_contents(folder: Path) -> tuple[dict[str, int], int]:
     return dict(sorted(counts.items())), sum(f.stat().st_size for f in files)
 
 
-def describe_cache(folder: Path, when: str) -> str:
-    """One line for the run's log: what `folder` holds `when`, so that a phase's minutes can be
-    read as a warm or a cold run's."""
-    counts, size = cache_contents(folder)
+def describe_cache(folder: Path, when: str, contents: tuple[dict[str, int], int]) -> str:
+    """One line for the run's log: what `folder` holds `when` (its `cache_contents`), so that a
+    phase's minutes can be read as a warm or a cold run's."""
+    counts, size = contents
     held = ", ".join(f"{venv} {n:,} file{'s' * (n != 1)}" for venv, n in counts.items())
     held = held or "nothing"
     return f"compile cache {folder} {when}: {held} ({size / 2**20:,.0f} MiB)"
@@ -395,15 +395,17 @@ def open_compile_cache(cache: str = COMPILE_CACHE) -> Path | None:
         return None
     folder = Path(cache)
     mark = folder / "a run is using this cache"
-    _, size = cache_contents(folder)
+    contents = cache_contents(folder)
+    size = contents[1]
     try:
         if mark.exists() or size > COMPILE_CACHE_MAX_BYTES:
             print(f"emptying {folder}: " + ("its last run did not finish" if mark.exists() else
                   f"{size / 2**30:.1f} GiB"), flush=True)  # fmt: skip
             shutil.rmtree(folder)
+            contents = {}, 0
         folder.mkdir(parents=True, exist_ok=True)
         mark.touch()
-        print(describe_cache(folder, "at the start of this run"), flush=True)
+        print(describe_cache(folder, "at the start of this run", contents), flush=True)
     except OSError as err:  # a home one cannot write: the run goes on without the cache
         print(f"no compile cache in {folder}: {err}", flush=True)
         shutil.rmtree(folder, ignore_errors=True)
@@ -414,7 +416,8 @@ def open_compile_cache(cache: str = COMPILE_CACHE) -> Path | None:
 def close_compile_cache(mark: Path | None) -> None:
     if mark is not None:
         mark.unlink(missing_ok=True)
-        print(describe_cache(mark.parent, "at the end of this run"), flush=True)
+        contents = cache_contents(mark.parent)
+        print(describe_cache(mark.parent, "at the end of this run", contents), flush=True)
 
 
 def pytest(python: Path, *args: str, fast_cpu_compiles: bool = False,
