@@ -50,6 +50,7 @@ them once per configuration; benchmarks/LEVERS.md records what each saves, and o
     padded_slot      a bf16 slot with a spare row per token, so each strided load is whole
     fp8              an fp8 cache to the MXU as stored, four values to a word, scales moved
     lane_blocks      head_dim in blocks of 128 lanes, so head_dim 256 is read strided too
+                     (on v6e and TPU7x whole in the padded slot's rows: a copy per page)
     narrow_rows      head_dim 64 read strided in rows of 64 lanes
     heads_in_flight  the KV heads software-pipelined on the MXU (heads_in_flight, reload_v)
     open_blocks      the KV blocks every row sees whole walked first, in a loop with no mask

@@ -1,9 +1,10 @@
 """What the kernel knows at compile time: `KernelConfig`, one static argument of the jit.
 
 The attention options (`minilib.options`), with the block sizes filled in, the shapes they were
-chosen for, and which speed levers are on: `strided_kv_loads`, `padded_slot`, `narrow_rows`,
-`heads_in_flight` (and `reload_v`), the decode kernel's `decode` and `leaves_decode`; `lane_blocks`
-and an fp8 cache's load follow from head_dim and the cache's dtype (`levers.choose_points`).
+chosen for, and which speed levers are on: `strided_kv_loads`, `padded_slot`, `whole_rows`,
+`narrow_rows`, `heads_in_flight` (and `reload_v`), the decode kernel's `decode` and
+`leaves_decode`; `lane_blocks` and an fp8 cache's load follow from head_dim and the cache's
+dtype (`levers.choose_points`).
 Frozen and hashable, so a change of any of them is a new compile. `call.kernel_config` builds it.
 """
 
@@ -70,6 +71,10 @@ class KernelConfig(AttentionOptions):
     # A bf16 slot held as words with a spare row per token (`padded_slot`), set by
     # `kernel_config` (`levers.slot_levers`).
     padded_slot: bool = False
+    # A padded slot holding head_dim 256 whole in each token's rows, one copy per page, read
+    # per block of 128 lanes (`lane_blocks.WholeRows`), set by `kernel_config`
+    # (`levers.slot_levers`).
+    whole_rows: bool = False
     # head_dim 64 read by the strided load in rows of 64 lanes (`narrow_rows`), set by
     # `kernel_config` at head_dim 64.
     narrow_rows: bool = False

@@ -1,6 +1,12 @@
 """Lever: head_dim held in blocks of 128 lanes, in place of one block of head_dim lanes in the
 plain slot, so that head_dim 256 takes the strided load too (rows of exactly 128 lanes), and
 the output is written 128 lanes at a time, without spills (benchmarks/LEVERS.md).
+
+Two ways to hold the blocks: a slot per lane block (`LaneBlocks`, around the plain or the
+padded slot), a copy per page and block; or, on the chips of `WHOLE_ROWS_CHIPS`, the padded
+slot with head_dim whole in each token's rows (`WholeRows`), one copy per page, each row of
+words seen as `lane_blocks` rows of 128 lanes (`lane_rows`). Mosaic's strided load reads
+only from rows of exactly 128 lanes: both give it those.
 """
 
 from __future__ import annotations
@@ -9,9 +15,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from minilib.kernel.config import KernelConfig
+from minilib.kernel.config import LANES, KernelConfig
+from minilib.kernel.padded_slot import PaddedSlot
 
-__all__: list[str] = []  # the kernel body's own: see `LaneBlocks`, `each_lane_block`
+__all__: list[str] = []  # the kernel body's own: see `LaneBlocks`, `WholeRows`
+
+# Where `kernel_config` sets `KernelConfig.whole_rows`: a page's copy into the padded slot is a
+# `dma.general` whose descriptor the scalar core stores word by word, about 12 bundles each,
+# before any vector op of the block. At head_dim 256 one copy per page, not two, takes Gemma's
+# decode loop (256 KV tokens) from 980 to 942 bundles on v6e, 970 to 941 on TPU7x; on v5e it
+# grows, 1,061 to 1,159 (libtpu 0.0.50.1; benchmarks/LEVERS.md).
+WHOLE_ROWS_CHIPS = ("v6e", "tpu7x")
 
 
 class LaneBlocks:
@@ -58,3 +72,32 @@ def side_by_side(blocks):  # [(k, v): [kv_tokens_per_block, width]] -> k, v: [to
     k = jnp.concatenate([k for k, _ in blocks], axis=1)
     v = jnp.concatenate([v for _, v in blocks], axis=1)
     return k, v
+
+
+class WholeRows(PaddedSlot):
+    """The padded slot (`padded_slot.PaddedSlot`) with head_dim whole, one copy per page, for
+    the strided load per lane block (`lane_rows`); the output 128 lanes at a time."""
+
+    def output_lanes(self, config: KernelConfig) -> tuple[slice, ...]:
+        return config.lane_slices
+
+
+def lane_rows(kv_lanes, config: KernelConfig):  # [pages, page_size, kvh + 1, 1, hd] words
+    """`padded_slot.word_rows` of a `WholeRows` slot: [tokens * (kvh + 1) * lane_blocks, 128]
+    words (the same bytes), and the rows per token. Lane block f of KV head h is row
+    h * lane_blocks + f of its token (`each_lane_row`)."""
+    rows_per_token = (config.num_kv_heads_per_block + 1) * config.lane_blocks
+    return kv_lanes.reshape(config.kv_tokens_per_block * rows_per_token, LANES), rows_per_token
+
+
+def each_lane_row(read):
+    """`read` (the strided load of one row of each token, through `lane_rows`) on each lane
+    block of a KV head, the results side by side as head_dim."""
+
+    def read_lane_rows(kv_buf, kv_head: int, kv_blk, kv_len, config: KernelConfig):
+        first = kv_head * config.lane_blocks
+        blocks = [read(kv_buf, first + f, kv_blk, kv_len, config)
+                  for f in range(config.lane_blocks)]  # fmt: skip
+        return side_by_side(blocks)
+
+    return read_lane_rows

@@ -51,13 +51,17 @@ def choose_points(config: KernelConfig) -> Points:
     pads = padded_slot.pads_slot(config)
     slot = padded_slot.PaddedSlot() if pads else Points.slot
     fp8_cache = config.kv_itemsize == 1
+    whole_rows = pads and config.whole_rows and config.lane_blocks > 1
     if config.strided_kv_loads:
         word_rows = padded_slot.word_rows if pads else None
+        word_rows = lane_blocks.lane_rows if whole_rows else word_rows
         read = functools.partial(strided.read_kv_head, word_rows=word_rows)
         read = fp8.read_kv_words if fp8_cache else read
     else:
         read = read_kv_head
-    if config.lane_blocks > 1:
+    if whole_rows:
+        slot, read = lane_blocks.WholeRows(), lane_blocks.each_lane_row(read)
+    elif config.lane_blocks > 1:
         slot, read = lane_blocks.LaneBlocks(slot), lane_blocks.each_lane_block(read)
     load = load_kv
     if fp8_cache:
@@ -97,14 +101,20 @@ def slot_levers(head_dim: int, chip: str | None) -> dict[str, bool]:
     """The slot's lever flags of `KernelConfig`: `narrow_rows` at head_dim 64, `padded_slot` on
     the chips of `padded_slot.PADDED_SLOT_CHIPS` or at head_dim 64; neither where the installed
     libtpu refuses them (`padded_slot.padding_compiles`: there head_dim 64 takes the plain load).
+    `whole_rows` on the chips of `lane_blocks.WHOLE_ROWS_CHIPS` (it acts only on a padded slot
+    of several lane blocks: `choose_points`).
 
-    >>> slot_levers(64, "v4"), slot_levers(128, "v4")["padded_slot"]  # no libtpu, or new
-    ({'narrow_rows': True, 'padded_slot': True}, False)
+    >>> slot_levers(64, "v4")  # no libtpu, or new
+    {'narrow_rows': True, 'padded_slot': True, 'whole_rows': False}
+    >>> slot_levers(256, "v6e")
+    {'narrow_rows': False, 'padded_slot': True, 'whole_rows': True}
     """
     narrow = head_dim == narrow_rows.NARROW_HEAD_DIM
     compiles = padded_slot.padding_compiles()
     padded = narrow or chip in padded_slot.PADDED_SLOT_CHIPS
-    return {"narrow_rows": narrow and compiles, "padded_slot": padded and compiles}
+    whole = chip in lane_blocks.WHOLE_ROWS_CHIPS
+    return {"narrow_rows": narrow and compiles, "padded_slot": padded and compiles,
+            "whole_rows": whole}  # fmt: skip
 
 
 def with_head_pipeline(config: KernelConfig) -> KernelConfig:

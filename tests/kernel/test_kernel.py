@@ -54,6 +54,7 @@ from minilib.errors import RPAInputError
 from minilib.kernel import (
     KVBlockCopier,
     can_load_kv_strided,
+    choose_points,
     decode_batch,
     kernel_config,
     ragged_paged_attention,
@@ -62,6 +63,7 @@ from minilib.kernel import (
     rpa_pallas_call,
     split_configs,
 )
+from minilib.kernel.lane_blocks import WholeRows
 from minilib.kernel.narrow_rows import reads_narrow_rows
 from minilib.kernel.padded_slot import pads_slot
 from minilib.ladder.interpret import detecting_races, strict_interpret_params
@@ -252,6 +254,20 @@ def test_padded_slot_matches_jax_reference(name):
     batch, options, config = strided_case(name)
     config = dataclasses.replace(config, padded_slot=True)
     assert pads_slot(config, strided=can_load_kv_strided(config, interpret=True))
+    out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
+    assert_output_matches_jax(out, batch, **options)
+
+
+def test_whole_rows_match_jax_reference():
+    """The padded slot of v6e and TPU7x with head_dim 256 whole in each token's rows
+    (`lane_blocks.WholeRows`: one copy per page, read per 128-lane block), forced here (a CPU
+    is neither), in both kernels, run by plain `interpret=True`."""
+    batch, options, config = strided_case("bfloat16, head_dim 256 (a strided load per lane block)")
+    config = dataclasses.replace(config, padded_slot=True, whole_rows=True)
+    for kernel in split_configs(config):  # the strided load on, as `rpa_pallas_call` sets it
+        strided = can_load_kv_strided(kernel, interpret=True)
+        points = choose_points(dataclasses.replace(kernel, strided_kv_loads=strided))
+        assert isinstance(points.slot, WholeRows), kernel
     out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 
