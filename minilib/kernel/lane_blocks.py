@@ -16,7 +16,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from minilib.kernel.config import LANES, KernelConfig
-from minilib.kernel.padded_slot import PaddedSlot
 
 __all__: list[str] = []  # the kernel body's own: see `LaneBlocks`, `WholeRows`
 
@@ -74,9 +73,22 @@ def side_by_side(blocks):  # [(k, v): [kv_tokens_per_block, width]] -> k, v: [to
     return k, v
 
 
-class WholeRows(PaddedSlot):
-    """The padded slot (`padded_slot.PaddedSlot`) with head_dim whole, one copy per page, for
-    the strided load per lane block (`lane_rows`); the output 128 lanes at a time."""
+class WholeRows:
+    """`inner`, the padded slot (`padded_slot.PaddedSlot`), with head_dim whole: one copy per
+    page, read by the strided load per lane block (`lane_rows`); the output written 128 lanes
+    at a time."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def scratch(self, config: KernelConfig, kv_dtype):
+        return self.inner.scratch(config, kv_dtype)
+
+    def page_copies(self, kv_pages_hbm_ref, page, heads, slot_buf, i: int, config: KernelConfig):
+        return self.inner.page_copies(kv_pages_hbm_ref, page, heads, slot_buf, i, config)
+
+    def copied(self, slot_buf, config: KernelConfig):
+        return self.inner.copied(slot_buf, config)
 
     def output_lanes(self, config: KernelConfig) -> tuple[slice, ...]:
         return config.lane_slices

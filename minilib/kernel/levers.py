@@ -60,7 +60,7 @@ def choose_points(config: KernelConfig) -> Points:
     else:
         read = read_kv_head
     if whole_rows:
-        slot, read = lane_blocks.WholeRows(), lane_blocks.each_lane_row(read)
+        slot, read = lane_blocks.WholeRows(slot), lane_blocks.each_lane_row(read)
     elif config.lane_blocks > 1:
         slot, read = lane_blocks.LaneBlocks(slot), lane_blocks.each_lane_block(read)
     load = load_kv
