@@ -68,7 +68,7 @@ def every_lever_off(batch, **options):
     plain kernel's own."""
     config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
     config = dataclasses.replace(config, heads_in_flight=0, reload_v=False, padded_slot=False,
-                                 narrow_rows=False)  # fmt: skip
+                                 whole_rows=False, narrow_rows=False)  # fmt: skip
     assert not config.decode and not config.leaves_decode and config.lane_blocks == 1
     assert choose_points(config) == Points()
     return config
