@@ -79,7 +79,7 @@ class KernelConfig(AttentionOptions):
     # `kernel_config` at head_dim 64.
     narrow_rows: bool = False
     # The KV blocks no row needs masked walked apart, without the mask (`open_blocks`), set
-    # for the mixed kernel by `levers.split_configs`.
+    # for both kernels by `levers.split_configs`.
     open_blocks: bool = False
 
     @property

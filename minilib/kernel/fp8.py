@@ -46,7 +46,8 @@ def load_kv_from_words(kv_buf, kv_head: int, kv_blk, kv_len, dtype, config: Kern
 def load_kv_as_stored(kv_buf, kv_head: int, kv_blk, kv_len, dtype, config: KernelConfig, read):
     """K as stored; V cast before it is zeroed (a cast back to fp8 is slow)."""
     k, v = read(kv_buf, kv_head, kv_blk, kv_len, config)
-    v = zero_tokens_past_kv_len(v.astype(dtype), kv_blk, kv_len, config)
+    v = v.astype(dtype)
+    v = v if kv_len is None else zero_tokens_past_kv_len(v, kv_blk, kv_len, config)
     return for_the_mxu(k, dtype), v
 
 
@@ -69,7 +70,9 @@ def read_kv_words(
     word = words[pl.ds(kv_head // KV_HEADS_PER_WORD, tokens, stride=stride), :]  # [tokens, width]
     k_shift = 16 * (kv_head % KV_HEADS_PER_WORD)  # K's lowest bit in the word; V's is 8 above
     k = byte_as_fp8(word, k_shift, kv_lanes.dtype)
-    v = byte_as_fp8(zero_words_past_kv_len(word, kv_blk, kv_len, c), k_shift + 8, kv_lanes.dtype)
+    if kv_len is not None:  # None: an open block, no token past kv_len (`open_blocks`)
+        word = zero_words_past_kv_len(word, kv_blk, kv_len, c)
+    v = byte_as_fp8(word, k_shift + 8, kv_lanes.dtype)
     return k, v
 
 

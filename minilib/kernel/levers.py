@@ -19,6 +19,7 @@ import functools
 
 from jax.experimental.pallas import tpu as pltpu
 
+from minilib import masking
 from minilib.block_sizes import default_head_pipeline, packing_of_size
 from minilib.kernel import (
     fp8,
@@ -31,9 +32,15 @@ from minilib.kernel import (
 )
 from minilib.kernel.config import KernelConfig
 from minilib.kernel.decode import DecodeWalker
-from minilib.kernel.plain import Points, QBlockWalker, attend_heads, load_kv, read_kv_head
+from minilib.kernel.plain import Points, QBlockWalker, SeqSpan, attend_heads, load_kv, read_kv_head
 
-__all__ = ["can_load_kv_strided", "choose_points", "split_configs", "walker_class"]
+__all__ = [
+    "DecodeOpenBlocksWalker",
+    "can_load_kv_strided",
+    "choose_points",
+    "split_configs",
+    "walker_class",
+]
 
 
 def choose_points(config: KernelConfig) -> Points:
@@ -141,7 +148,8 @@ def split_configs(config: KernelConfig) -> tuple[KernelConfig, KernelConfig]:
     holds `decode_seqs_per_block` sequences, walked one after another in one grid step. Its
     slot is padded on every chip where libtpu can (`padded_slot`): its loop is mostly the
     strided loads of K and V, and its slots are small, so the VMEM that keeps the mixed
-    kernel's slot plain on v5e is not short here.
+    kernel's slot plain on v5e is not short here. Both walk their open KV blocks first, in a
+    loop of their own (`open_blocks`), where there is no sliding window.
 
     >>> from minilib.batch import make_batch
     >>> from minilib.kernel import kernel_config
@@ -153,15 +161,16 @@ def split_configs(config: KernelConfig) -> tuple[KernelConfig, KernelConfig]:
     >>> mixed.padded_slot, decode.padded_slot   # head_dim 128 on a CPU: the mixed slot is plain
     (False, True)
     """
+    # Under a sliding window no KV block is open (`masking.open_kv_blocks_end`): no loop for them.
+    open_blocks = config.sliding_window is None
     decode = dataclasses.replace(
         config,
         decode=True,
         num_queries_per_block=config.decode_seqs_per_block,
         max_num_batched_tokens=config.max_num_seqs,  # the decode batch: one row per sequence
         padded_slot=padded_slot.padding_compiles(),
+        open_blocks=open_blocks,
     )
-    # Under a sliding window no KV block is open (`masking.open_kv_blocks_end`): no loop for them.
-    open_blocks = config.sliding_window is None
     mixed = dataclasses.replace(config, leaves_decode=True, open_blocks=open_blocks)
     return mixed, with_head_pipeline(decode)
 
@@ -175,11 +184,24 @@ def walker_class(config: KernelConfig) -> type[QBlockWalker]:
     >>> b = make_batch([(3, 3), (1, 9)], max_num_seqs=4)
     >>> mixed, decode = split_configs(kernel_config(b.q, b.kv_pages, b.page_indices))
     >>> walker_class(mixed).__name__, walker_class(decode).__name__
-    ('OpenBlocksWalker', 'DecodeWalker')
+    ('OpenBlocksWalker', 'DecodeOpenBlocksWalker')
     >>> windowed = kernel_config(b.q, b.kv_pages, b.page_indices, sliding_window=4)
-    >>> walker_class(split_configs(windowed)[0]).__name__   # no KV block is open
-    'QBlockWalker'
+    >>> [walker_class(c).__name__ for c in split_configs(windowed)]   # no KV block is open
+    ['QBlockWalker', 'DecodeWalker']
     """
     if config.decode:
-        return DecodeWalker
+        return DecodeOpenBlocksWalker if config.open_blocks else DecodeWalker
     return open_blocks.OpenBlocksWalker if config.open_blocks else QBlockWalker
+
+
+class DecodeOpenBlocksWalker(DecodeWalker):
+    """The decode kernel's walk (`decode`) with its open KV blocks first (`open_blocks`): a
+    sequence's one row sits at kv_len - 1, so it sees every key of each block that ends by
+    kv_len, with no mask and no V zeroed."""
+
+    def walk_kv_blocks(self, first_kv_blk, end_kv_blk, span: SeqSpan, attend, slot):
+        c = self.config
+        own_row = (span.q_start, span.q_end)  # the decode batch's: one row, its sequence's
+        open_end = masking.open_kv_blocks_end(own_row, own_row, span.kv_len,
+                                              c.kv_tokens_per_block, c.sliding_window)  # fmt: skip
+        return open_blocks.walk_open_blocks_first(first_kv_blk, open_end, end_kv_blk, attend, slot)

@@ -147,8 +147,9 @@ class QBlockWalker:
     def compute(self, here: Work, slot, span: SeqSpan, masked=True):
         mask = self.score_mask(span, here.kv_blk) if masked else None  # None: every key seen
         kv_buf = self.dma.buffer(slot)
-        self.points.attend_heads(kv_buf, self.q_fold_ref, self.softmax, mask, here.kv_blk,
-                                 span.kv_len, self.config, self.points.load_kv)  # fmt: skip
+        kv_len = span.kv_len if masked else None  # None: no token of the block is past kv_len
+        self.points.attend_heads(kv_buf, self.q_fold_ref, self.softmax, mask, here.kv_blk, kv_len,
+                                 self.config, self.points.load_kv)  # fmt: skip
 
     def score_mask(self, span: SeqSpan, kv_blk) -> ScoreMask:
         return score_mask(span, self.q_blk, kv_blk, self.config)
@@ -238,7 +239,7 @@ def read_kv_head(kv_buf, kv_head: int, kv_blk, kv_len, config: KernelConfig):
 
 def load_kv(kv_buf, kv_head: int, kv_blk, kv_len, dtype, config: KernelConfig, read=read_kv_head):
     k, v = read(kv_buf, kv_head, kv_blk, kv_len, config)
-    v = zero_tokens_past_kv_len(v, kv_blk, kv_len, config)
+    v = v if kv_len is None else zero_tokens_past_kv_len(v, kv_blk, kv_len, config)
     return k.astype(dtype), v.astype(dtype)
 
 

@@ -380,7 +380,8 @@ def kernel_result(name: str, chip: str, workload: Workload) -> dict:
                 why = "its first KV-block loop is not the shorter: not the open blocks' loop"
                 raise ValueError(f"{program.name}: {why} its passes are for")
             opened, masked = outward[0]
-            loops.append(dict(kernel=name, program="open", bundles=open_end - open_start,
+            program = "open" if kernel == "mixed" else f"{kernel} open"
+            loops.append(dict(kernel=name, program=program, bundles=open_end - open_start,
                               **figures, passes=opened))  # fmt: skip
         loops.append(dict(kernel=name, program=kernel, bundles=bundles, **figures,
                           passes=masked if pair else outward[0]))  # fmt: skip

@@ -44,7 +44,7 @@ from minilib.masking import open_kv_blocks_end
 from minilib.tpu.kernel_costs import rpa_specs
 
 __all__ = ["MODELS", "RECORDED", "SUITE", "KVLoop", "LoopTimes", "Model", "Workload",
-           "loop_times", "ours_trips", "recorded_suite", "suite_table", "v3_trips",
+           "loop_label", "loop_times", "ours_trips", "recorded_suite", "suite_table", "v3_trips",
            "whole_programs"]  # fmt: skip
 
 RECORDED = Path(__file__).with_name("recorded_suite.json")
@@ -174,14 +174,14 @@ def ours_trips(workload: Workload, pages: int, queries: int,
     """Per kernel of ours ("decode", "mixed"): passes of its KV-block loop, its sequence loop
     and its grid loop, read from `minilib.schedule.plan_schedule` (the kernel's own walk, the
     layer's sliding window included). A grid of one step compiles to no loop: then there is no
-    grid loop to count. With `open_blocks` (`minilib.kernel.open_blocks`), the mixed kernel's
+    grid loop to count. With `open_blocks` (`minilib.kernel.open_blocks`), each kernel's
     KV-block passes are a pair: of its loop of open blocks, and of its masked loop.
 
     >>> w = Workload("two", ((1, 40), (8, 40)))
     >>> ours_trips(w, pages=1, queries=8)  # 8 rows, 1 q block
     {'decode': [3, 1], 'mixed': [3, 1, 2]}
-    >>> ours_trips(w, pages=1, queries=8, open_blocks=True)["mixed"]  # keys 0..31 seen by all
-    [(2, 1), 1, 2]
+    >>> ours_trips(w, pages=1, queries=8, open_blocks=True)  # keys 0..31 seen by all rows
+    {'decode': [(2, 1), 1], 'mixed': [(2, 1), 1, 2]}
     """
     from minilib.schedule import plan_schedule
 
@@ -192,9 +192,13 @@ def ours_trips(workload: Workload, pages: int, queries: int,
     kv_lens = tables[0]
 
     def is_open(e) -> bool:
-        rows = (e.step[1] * queries, (e.step[1] + 1) * queries)
-        end = open_kv_blocks_end(rows, s.mixed_q_rows[e.seq], int(kv_lens[e.seq]),
-                                 s.kv_tokens_per_block, window)  # fmt: skip
+        if e.kernel == "decode":  # its one row, the sequence's own
+            rows = seq_rows = (0, 1)
+        else:
+            rows = (e.step[1] * queries, (e.step[1] + 1) * queries)
+            seq_rows = s.mixed_q_rows[e.seq]
+        end = open_kv_blocks_end(rows, seq_rows, int(kv_lens[e.seq]), s.kv_tokens_per_block,
+                                 window)  # fmt: skip
         return e.kv_blk < int(end)
 
     trips = {}
@@ -202,7 +206,7 @@ def ours_trips(workload: Workload, pages: int, queries: int,
         work = [e for e in s.computes() if e.kernel == kernel]
         steps = [math.prod(grid)] if math.prod(grid) > 1 else []
         passes = len(work)
-        if kernel == "mixed" and open_blocks:
+        if open_blocks:
             opened = sum(map(is_open, work))
             passes = (opened, len(work) - opened)
         trips[kernel] = [passes, len({(e.step, e.seq) for e in work}), *steps]
@@ -255,7 +259,7 @@ class KVLoop:
     """
 
     kernel: str  # "ours" or "v3"
-    program: str  # "decode" or "mixed"
+    program: str  # "decode" or "mixed", or their open KV blocks' loops: "decode open", "open"
     bundles: int
     kv_tokens: int
     kv_heads: int
@@ -353,6 +357,15 @@ def whole_programs(result: dict) -> dict[str, int | None]:
             "v3": total(result["v3"]["parts"]) if "parts" in result["v3"] else None}  # fmt: skip
 
 
+def loop_label(program: str) -> str:
+    """A KV-block loop's name in the table: the initials of its program's.
+
+    >>> [loop_label(p) for p in ("decode", "decode open", "open", "mixed")]
+    ['d', 'do', 'o', 'm']
+    """
+    return "".join(word[0] for word in program.split())
+
+
 def suite_table(record: dict) -> str:
     """The suite's results (`record_suite`'s, or live ones shaped alike) as a table: per chip
     and workload, whole-program bundles of ours (alone, + the separate scatter, with the write
@@ -368,7 +381,7 @@ def suite_table(record: dict) -> str:
              "write_tokens) and ours fused (the write in our kernels); ours alone writes none. "
              "Both are given the new K/V in bf16 and cast them to an fp8 cache's dtype. "
              "Efficiency: limit / max(copy, issue) per KV-block loop, d = decode kernel, "
-             "m = mixed kernel, o = its open KV blocks (no mask).",
+             "do = its open KV blocks (no mask), m = mixed kernel, o = its open KV blocks.",
              f"{'chip':6} {'workload':12} {'model':26} {'ours':>11} {'+ scatter':>11} "
              f"{'fused':>11} {'v3':>11} {'ours/v3':>7} {'+sc/v3':>7} {'fused/v3':>8}"
              f"  {'efficiency ours':17} {'efficiency v3':13}"]  # fmt: skip
@@ -387,7 +400,7 @@ def suite_table(record: dict) -> str:
                     cells.append("-")
                     continue
                 found = efficiencies(result, kernel, model, chip)
-                cells.append(" ".join(f"{p[0]} {e:.0%}" for p, e in found))
+                cells.append(" ".join(f"{loop_label(p)} {e:.0%}" for p, e in found))
             lines.append(f"{chip:6} {name:12} {model.name:26} {counts} {ratios}"
                          f"  {cells[0]:17} {cells[1]:13}".rstrip())  # fmt: skip
     notes = {result["v3"]["unsupported"] for results in record["results"].values()

@@ -64,6 +64,7 @@ from minilib.kernel import (
     split_configs,
 )
 from minilib.kernel.lane_blocks import WholeRows
+from minilib.kernel.levers import DecodeOpenBlocksWalker, walker_class
 from minilib.kernel.narrow_rows import reads_narrow_rows
 from minilib.kernel.padded_slot import pads_slot
 from minilib.ladder.interpret import detecting_races, strict_interpret_params
@@ -465,6 +466,24 @@ def test_the_decode_kernel_pads_its_slot_on_every_chip():
     mixed, decode = split_configs(config)
     strided = can_load_kv_strided(decode, interpret=True)
     assert strided and not pads_slot(mixed, strided) and pads_slot(decode, strided)
+    out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
+    assert_output_matches_jax(out, batch, **options)
+
+
+@pytest.mark.parametrize("name", ["bfloat16, 8 KV heads", "fp8 e4m3fn KV with scales, 8 KV heads"])
+def test_the_decode_kernel_walks_its_open_blocks_first(name):
+    """A decode row sits at kv_len - 1, so every KV block that ends by kv_len is open: no mask,
+    no V zeroed (`open_blocks`, `levers.DecodeOpenBlocksWalker`). kv_len a whole number of
+    blocks (every block open), one token more (one masked block after them), shorter than a
+    block (none open): both kernels, the strided loads run by plain `interpret=True`, NaN in
+    the unused slots and pages."""
+    batch_options, options = STRIDED_CASES[name]
+    batch = make_batch([(1, 32), (1, 33), (4, 20), (1, 7), (1, 16)], num_q_heads=16,
+                       page_size=8, **batch_options)  # fmt: skip
+    options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8, **options)
+    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
+    _, decode = split_configs(config)
+    assert walker_class(decode) is DecodeOpenBlocksWalker and decode.kv_tokens_per_block == 16
     out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 

@@ -17,6 +17,7 @@ from minilib.tpu.suite import (
     EFFICIENCY_CHIPS,
     SUITE,
     KVLoop,
+    loop_label,
     loop_times,
     ours_trips,
     recorded_suite,
@@ -54,8 +55,8 @@ def test_the_record_holds_every_workload_on_every_chip_by_one_rule():
 def test_recorded_loops_pass_as_the_batch_says(chip, name):
     """Each recorded kernel's parts sum to its whole program; each KV-block loop's passes are
     the first trip count its part names (our mixed kernel's a pair: its open blocks' loop,
-    then its masked one), and the trip counts follow from the batch (our schedule; v3's walk
-    at the block sizes its kernel names carry)."""
+    then its masked one, and so our decode kernel's), and the trip counts follow from the
+    batch (our schedule; v3's walk at the block sizes its kernel names carry)."""
     workload, result = SUITE[name], RECORD["results"][chip][name]
     for kernel, figures in result.items():
         if "unsupported" in figures or kernel == "scatter":
@@ -63,29 +64,31 @@ def test_recorded_loops_pass_as_the_batch_says(chip, name):
         parts, loops = figures["parts"], [KVLoop(**loop) for loop in figures["loops"]]
         assert total(parts) == sum(n for _, n, _ in parts) > 0
         by_program = {loop.program: loop for loop in loops}
-        # ours: the mixed kernel's open loop, then its masked one; one loop under a window
+        # ours: each kernel's open loop, then its masked one; one loop each under a window
         pair = kernel.startswith("ours") and workload.model.sliding_window is None
-        expected = ["decode", "open", "mixed"] if pair else ["decode", "mixed"]
+        open_loop = {"decode": "decode open", "mixed": "open"}
+        expected = ["decode open", "decode", "open", "mixed"] if pair else ["decode", "mixed"]
         assert [loop.program for loop in loops] == expected
         assert {loop.kernel for loop in loops} == {kernel}
         for program, (_, bundles, how) in zip(("decode", "mixed"), parts[1:], strict=True):
             assert bundles > 0 and by_program[program].bundles > 0
             outward = ast.literal_eval("[" + how.split("outward: ")[1].split(";")[0] + "]")
-            if program == "mixed" and pair:
-                opened = by_program["open"]
-                assert outward[0] == (opened.passes, by_program["mixed"].passes)
-                assert 0 < opened.bundles < by_program["mixed"].bundles
+            if pair:
+                opened = by_program[open_loop[program]]
+                assert outward[0] == (opened.passes, by_program[program].passes)
+                assert 0 < opened.bundles < by_program[program].bundles
             else:
                 assert outward[0] == by_program[program].passes
         if kernel.startswith("ours"):
             mixed = by_program["mixed"]
             trips = ours_trips(workload, mixed.kv_tokens // workload.model.page_size,
                                mixed.q_tokens, open_blocks=pair)  # fmt: skip
-            passes = {"decode": trips["decode"][0]}
-            if pair:
-                passes["open"], passes["mixed"] = trips["mixed"][0]
-            else:
-                passes["mixed"] = trips["mixed"][0]
+            passes = {}
+            for program in ("decode", "mixed"):
+                if pair:
+                    passes[open_loop[program]], passes[program] = trips[program][0]
+                else:
+                    passes[program] = trips[program][0]
         else:
             blocks = {}
             for part, *_ in parts[1:]:
@@ -119,7 +122,7 @@ def test_the_table_shows_each_ratio_and_efficiency_from_the_recorded_bundles():
             assert all(f"{n / v3:.2f}" in shown for n in (ours, ours + scatter, fused))
         for loop in [KVLoop(**d) for d in result["ours"]["loops"]]:
             t = loop_times(loop, model, chip)
-            shown = f"{loop.program[0]} {t.efficiency:.0%}" if t.efficiency is not None else ""
+            shown = f"{loop_label(loop.program)} {t.efficiency:.0%}" if t.efficiency else ""
             if loop.passes and chip in EFFICIENCY_CHIPS:
                 assert shown in line
                 # 100% exactly when the bundles issue within the copy's (or matmuls') time
