@@ -54,6 +54,7 @@ them once per configuration; benchmarks/LEVERS.md records what each saves, and o
     narrow_rows      head_dim 64 read strided in rows of 64 lanes
     heads_in_flight  the KV heads software-pipelined on the MXU (heads_in_flight, reload_v)
     open_blocks      the KV blocks every row sees whole walked first, in a loop with no mask
+                     (and no V zeroed), in both kernels
 
 And two wrappers the kernel body never mentions:
 
