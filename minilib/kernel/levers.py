@@ -197,7 +197,16 @@ def walker_class(config: KernelConfig) -> type[QBlockWalker]:
 class DecodeOpenBlocksWalker(DecodeWalker):
     """The decode kernel's walk (`decode`) with its open KV blocks first (`open_blocks`): a
     sequence's one row sits at kv_len - 1, so it sees every key of each block that ends by
-    kv_len, with no mask and no V zeroed."""
+    kv_len, with no mask and no V zeroed.
+
+    >>> from minilib.batch import make_batch
+    >>> from minilib.kernel import kernel_config
+    >>> b = make_batch([(1, 32)], page_size=8)   # 32 tokens: two open blocks of 16
+    >>> _, decode = split_configs(kernel_config(b.q, b.kv_pages, b.page_indices,
+    ...                                         num_kv_pages_per_block=2))
+    >>> walker_class(decode) is DecodeOpenBlocksWalker, decode.kv_tokens_per_block
+    (True, 16)
+    """
 
     def walk_kv_blocks(self, first_kv_blk, end_kv_blk, span: SeqSpan, attend, slot):
         c = self.config

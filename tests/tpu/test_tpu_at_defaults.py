@@ -7,7 +7,7 @@ import pytest
 from compile_checks import TPU_COMPILE, require_chip
 
 from minilib import block_sizes
-from minilib.tpu.bundles import block_bundles, compute_loop, kv_block_loop
+from minilib.tpu.bundles import compute_loop, kv_block_loop, kv_block_pair
 from minilib.tpu.kernel_costs import COMPARISON_CASE, COMPARISON_CHIPS, rpa_specs
 from minilib.tpu.v3 import v3_available
 
@@ -93,9 +93,9 @@ def test_our_decode_at_its_own_blocks_issues_no_more_per_kv_token_than_v3s_at_it
 def test_whole_program_follows_the_batch_as_defined():
     """Two batches of the same shapes (8 decode sequences, 1024-token slots): in the second,
     four sequences hold 512 tokens. Our decode kernel visits fewer KV blocks (of its default
-    size), so its whole program is that many KV-block passes smaller and nothing else changes;
-    v3's decode block is the whole 1024-token slot (its default): one pass per sequence in
-    both."""
+    size), all open (each sequence holds whole blocks: `open_blocks`), so its whole program is
+    that many passes of its open KV-block loop smaller and nothing else changes; v3's decode
+    block is the whole 1024-token slot (its default): one pass per sequence in both."""
     from minilib.tpu import at_defaults, suite
 
     chip = "v5e"
@@ -110,11 +110,14 @@ def test_whole_program_follows_the_batch_as_defined():
 
     blocks = at_defaults.ours_defaults(chip, full.specs())["mixed"]
     fewer = 4 * (math.ceil(1024 / blocks["kv_tokens"]) - math.ceil(512 / blocks["kv_tokens"]))
-    trips_a = suite.ours_trips(full, blocks["pages"], blocks["q_rows"])["decode"]
-    trips_b = suite.ours_trips(half, blocks["pages"], blocks["q_rows"])["decode"]
-    assert trips_a[0] - trips_b[0] == fewer > 0 and trips_a[1:] == trips_b[1:]
+    trips_a = suite.ours_trips(full, blocks["pages"], blocks["q_rows"], open_blocks=True)
+    trips_b = suite.ours_trips(half, blocks["pages"], blocks["q_rows"], open_blocks=True)
+    (open_a, masked_a), (open_b, masked_b) = trips_a["decode"][0], trips_b["decode"][0]
+    assert open_a - open_b == fewer > 0 and masked_a == masked_b == 0
+    assert trips_a["decode"][1:] == trips_b["decode"][1:]
     totals = {name: (sum(n for _, n, _ in a[name]), sum(n for _, n, _ in b[name])) for name in a}
-    assert totals["ours"][0] - totals["ours"][1] == fewer * block_bundles(decode.bundles)
+    (open_start, open_end), _ = kv_block_pair(decode.bundles)
+    assert totals["ours"][0] - totals["ours"][1] == fewer * (open_end - open_start)
     assert totals["v3"][0] == totals["v3"][1]
     assert a["ours"][0] == b["ours"][0]  # XLA's own programs: the same shapes, the same bundles
 
