@@ -47,6 +47,7 @@ them once per configuration; benchmarks/LEVERS.md records what each saves, and o
     levers           which levers a configuration turns on, and the points they fill
     decode           one-token sequences in a kernel of their own, each attended alone
     strided          each KV head read with one strided load, K and V from 32-bit words
+    strided_fold     q folded by strided loads of 32-bit words, two q heads to a word
     padded_slot      a bf16 slot with a spare row per token, so each strided load is whole
     fp8              an fp8 cache to the MXU as stored, four values to a word, scales moved
     lane_blocks      head_dim in blocks of 128 lanes, so head_dim 256 is read strided too

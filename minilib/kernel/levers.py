@@ -7,6 +7,7 @@ picks, once per configuration, the plain kernel's `Points` or a lever's in their
     slot          how a KV slot is laid out and filled  plain, padded_slot, lane_blocks
     load_kv       how K and V reach the MXU             plain, strided, fp8, lane_blocks
     attend_heads  the order of the heads                plain, heads_in_flight
+    fold_q        how q's heads are folded              plain, strided_fold
 
 Levers meet only here: a lever that needs another's piece is handed it (`strided` the padded
 slot's words, `lane_blocks` the load or slot it repeats per block of lanes).
@@ -29,6 +30,7 @@ from minilib.kernel import (
     open_blocks,
     padded_slot,
     strided,
+    strided_fold,
 )
 from minilib.kernel.config import KernelConfig
 from minilib.kernel.decode import DecodeWalker
@@ -76,7 +78,8 @@ def choose_points(config: KernelConfig) -> Points:
     if load is not load_kv or read is not read_kv_head:
         load = functools.partial(load, read=read)
     heads = heads_in_flight.attend_kv_heads if config.heads_in_flight else attend_heads
-    return Points(slot=slot, load_kv=load, attend_heads=heads)
+    fold = strided_fold.fold_q_heads if strided_fold.folds_q_strided(config) else Points.fold_q
+    return Points(slot=slot, load_kv=load, attend_heads=heads, fold_q=fold)
 
 
 def can_load_kv_strided(config: KernelConfig, interpret=False) -> bool:

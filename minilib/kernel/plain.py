@@ -9,8 +9,8 @@ takes a block of q rows and a block of heads, and walks the sequences that own t
             wait for this KV block
             for each KV head: K and V, then the online softmax of its q heads
 
-The levers plug in at three `Points`, chosen once per configuration (`levers.choose_points`):
-how a KV slot is laid out and filled, how K and V reach the MXU, the order of the heads.
+The levers plug in at four `Points`, chosen once per configuration (`levers.choose_points`):
+how a KV slot is laid out and filled, how K and V reach the MXU, the order of the heads, q's fold.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class QBlockWalker:
 
         @pl.when(self.q_blk_start < self.batch.total_q_len())
         def _attend_this_q_block():
-            fold_q_heads(self.q_ref, self.q_fold_ref, self.config)
+            self.points.fold_q(self.q_ref, self.q_fold_ref, self.config)
             slot_ref[0] = self.run(slot_ref[0])
 
         self.softmax.write_output(self.o_ref)
@@ -263,6 +263,7 @@ class Points:
     slot: PlainSlot = PlainSlot()  # how a KV slot is laid out and filled
     load_kv: Callable = load_kv  # how K and V of one KV head reach the MXU
     attend_heads: Callable = attend_heads  # the order of the KV heads' Q·K and P·V
+    fold_q: Callable = fold_q_heads  # how q's heads are folded into each KV head's rows
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,6 +62,7 @@ from minilib.kernel import (
     rpa_jit,
     rpa_pallas_call,
     split_configs,
+    strided_fold,
 )
 from minilib.kernel.lane_blocks import WholeRows
 from minilib.kernel.levers import DecodeOpenBlocksWalker, walker_class
@@ -255,6 +256,33 @@ def test_padded_slot_matches_jax_reference(name):
     batch, options, config = strided_case(name)
     config = dataclasses.replace(config, padded_slot=True)
     assert pads_slot(config, strided=can_load_kv_strided(config, interpret=True))
+    out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
+    assert_output_matches_jax(out, batch, **options)
+
+
+@pytest.mark.parametrize(
+    "batch_options, options",
+    [
+        pytest.param(dict(num_q_heads=16, num_kv_heads=8), {}, id="bf16, a group of 2: a word"),
+        pytest.param(dict(num_q_heads=32, num_kv_heads=8), {}, id="bf16, a group of 4: 2 words"),
+        pytest.param(
+            dict(num_q_heads=16, num_kv_heads=4, dtype=jnp.float32),
+            dict(sliding_window=9, soft_cap=20.0),
+            id="f32, a group of 4: a head a word, sliding window, soft cap",
+        ),
+    ],
+)
+def test_strided_fold_matches_jax_reference(batch_options, options):
+    """q folded by strided loads of words (`strided_fold`), in the mixed kernel, run by plain
+    `interpret=True` (where refs can be viewed, as on the chip), on a batch with a prefill, a
+    decode, an idle sequence and a chunk, NaN in its unused slots and pages."""
+    batch_options = {"head_dim": 128, "dtype": jnp.bfloat16, **batch_options}
+    batch = make_batch(ONE_OF_EACH, page_size=8, **batch_options)
+    options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8, **options)
+    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
+    mixed, _ = split_configs(config)
+    viewed = dataclasses.replace(mixed, strided_kv_loads=can_load_kv_strided(mixed, True))
+    assert choose_points(viewed).fold_q is strided_fold.fold_q_heads
     out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 

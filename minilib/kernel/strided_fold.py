@@ -1,0 +1,60 @@
+"""Lever: q folded by strided loads of 32-bit words, in place of the plain fold
+(`plain.fold_q_heads`, which moves q between (16, 128) tiles of bf16 row by row), in the mixed
+kernel at head_dim 128 (benchmarks/LEVERS.md). Not in TPU interpret mode.
+
+q's block is [q rows, q heads, 128]: seen flat as words, a bf16 word holds two neighbouring q
+heads of one row, and a row's heads are heads / 2 words in a row. The fold wants, for each KV
+head, row r * group + g to be q row r, head g: seen as words, group / 2 words per q row, the
+same neighbours paired. So word k of KV head h's group is one strided load from the flat q
+(start h * group / 2 + k, a stride of one q row's words), stored with a stride of group / 2
+words into the folded q: no value is unpacked, no row moves within a word.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from minilib.chips import packing_of_size
+from minilib.kernel.config import LANES, KernelConfig
+
+__all__: list[str] = []  # the kernel body's own: see `fold_q_heads`
+
+
+def folds_q_strided(config: KernelConfig) -> bool:
+    """Whether `fold_q_heads` applies: refs can be viewed (`config.strided_kv_loads`, set
+    where the strided load is: not in TPU interpret mode), the mixed kernel (the decode kernel
+    folds one row per sequence), head_dim of one 128-lane row (the strided load reads rows of
+    exactly 128 lanes), and q's heads pair into whole words and whole tiles of words.
+
+    >>> import dataclasses
+    >>> from minilib.batch import make_batch
+    >>> from minilib.kernel import kernel_config
+    >>> b = make_batch([(3, 3)], num_q_heads=32, num_kv_heads=8, head_dim=128)
+    >>> config = kernel_config(b.q, b.kv_pages, b.page_indices)
+    >>> viewed = dataclasses.replace(config, strided_kv_loads=True)
+    >>> folds_q_strided(viewed), folds_q_strided(config)
+    (True, False)
+    """
+    c = config
+    per_word = packing_of_size(c.q_itemsize)
+    whole_tiles = c.num_q_heads_per_block % (8 * per_word) == 0
+    group_words = c.num_q_heads_per_kv_head % per_word == 0
+    folded_tiles = c.rows_per_kv_head % (8 * per_word) == 0
+    return (c.strided_kv_loads and not c.decode and c.head_dim == LANES and whole_tiles
+            and group_words and folded_tiles)  # fmt: skip
+
+
+def fold_q_heads(q_ref, q_fold_ref, config: KernelConfig):
+    """`plain.fold_q_heads`, a word at a time: row r * group + g of q_fold_ref[kv_head] is q
+    row r, head g (see the module docstring)."""
+    c = config
+    rows, heads, head_dim = q_ref.shape
+    per_word = packing_of_size(c.q_itemsize)
+    row_words, group_words = heads // per_word, c.num_q_heads_per_kv_head // per_word
+    q_words = q_ref.reshape(rows * heads, head_dim).bitcast(jnp.uint32)  # [rows * row_words, hd]
+    for kv_head in range(c.num_kv_heads_per_block):
+        folded = q_fold_ref.at[kv_head].bitcast(jnp.uint32)  # [rows * group_words, hd]
+        for k in range(group_words):
+            word = q_words[pl.ds(kv_head * group_words + k, rows, stride=row_words), :]
+            folded[pl.ds(k, rows, stride=group_words), :] = word
