@@ -8,6 +8,7 @@ picks, once per configuration, the plain kernel's `Points` or a lever's in their
     load_kv       how K and V reach the MXU             plain, strided, fp8, lane_blocks
     attend_heads  the order of the heads                plain, heads_in_flight
     fold_q        how q's heads are folded              plain, strided_fold
+    write_output  ... and the output unfolded           plain, strided_fold
 
 Levers meet only here: a lever that needs another's piece is handed it (`strided` the padded
 slot's words, `lane_blocks` the load or slot it repeats per block of lanes).
@@ -78,8 +79,11 @@ def choose_points(config: KernelConfig) -> Points:
     if load is not load_kv or read is not read_kv_head:
         load = functools.partial(load, read=read)
     heads = heads_in_flight.attend_kv_heads if config.heads_in_flight else attend_heads
-    fold = strided_fold.fold_q_heads if strided_fold.folds_q_strided(config) else Points.fold_q
-    return Points(slot=slot, load_kv=load, attend_heads=heads, fold_q=fold)
+    if strided_fold.folds_q_strided(config):
+        fold, unfold = strided_fold.fold_q_heads, strided_fold.write_output
+    else:
+        fold, unfold = Points.fold_q, Points.write_output
+    return Points(slot=slot, load_kv=load, attend_heads=heads, fold_q=fold, write_output=unfold)
 
 
 def can_load_kv_strided(config: KernelConfig, interpret=False) -> bool:

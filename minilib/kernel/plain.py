@@ -9,8 +9,8 @@ takes a block of q rows and a block of heads, and walks the sequences that own t
             wait for this KV block
             for each KV head: K and V, then the online softmax of its q heads
 
-The levers plug in at four `Points`, chosen once per configuration (`levers.choose_points`):
-how a KV slot is laid out and filled, how K and V reach the MXU, the order of the heads, q's fold.
+The levers plug in at its `Points`, chosen once per configuration (`levers.choose_points`): the
+KV slot's layout, K and V's way to the MXU, the heads' order, q's fold and the output's unfold.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class QBlockWalker:
             self.points.fold_q(self.q_ref, self.q_fold_ref, self.config)
             slot_ref[0] = self.run(slot_ref[0])
 
-        self.softmax.write_output(self.o_ref)
+        self.points.write_output(self.softmax, self.o_ref, self.q_fold_ref)
 
     def run(self, slot):
         _, slot = lax.while_loop(self.has_rows_here, self.attend_seq, (self.first_seq(), slot))
@@ -163,6 +163,16 @@ def fold_q_heads(q_ref, q_fold_ref, config: KernelConfig):
     for kv_head in range(c.num_kv_heads_per_block):
         q = q_ref[:, kv_head * group : (kv_head + 1) * group, :]  # [num_queries, group, hd]
         q_fold_ref[kv_head] = q.reshape(c.rows_per_kv_head, c.head_dim)
+
+
+def write_output(softmax, o_ref, q_fold_ref):  # q_fold_ref, free now: a lever's scratch
+    c, group = softmax.config, softmax.config.num_q_heads_per_kv_head  # unfolded as q was folded
+    for kv_head in range(c.num_kv_heads_per_block):
+        heads = slice(kv_head * group, (kv_head + 1) * group)
+        for lanes in softmax.output_lanes:
+            out = softmax.normalized(kv_head, lanes)  # [rows, width]
+            out = out.reshape(c.num_queries_per_block, group, out.shape[1])
+            o_ref[:, heads, lanes] = out.astype(o_ref.dtype)
 
 
 def in_log2_units(mask_value: float) -> float:  # one that vanishes stays as it is
@@ -264,6 +274,7 @@ class Points:
     load_kv: Callable = load_kv  # how K and V of one KV head reach the MXU
     attend_heads: Callable = attend_heads  # the order of the KV heads' Q·K and P·V
     fold_q: Callable = fold_q_heads  # how q's heads are folded into each KV head's rows
+    write_output: Callable = write_output  # ... and the output unfolded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,16 +385,6 @@ class OnlineSoftmax:
         q_rows = c.rows_per_kv_head // c.num_q_heads_per_kv_head
         rows = jnp.concatenate([sinks] * q_rows, axis=0) if q_rows > 1 else sinks
         return jnp.exp2(rows[:, :1] * LOG2_E - self.m_ref[kv_head][:, :1])
-
-    def write_output(self, o_ref):  # o_ref: [num_queries_per_block, num_q_heads_per_block, hd]
-        c = self.config
-        group = c.num_q_heads_per_kv_head
-        for kv_head in range(c.num_kv_heads_per_block):
-            heads = slice(kv_head * group, (kv_head + 1) * group)
-            for lanes in self.output_lanes:
-                out = self.normalized(kv_head, lanes)  # [rows, width]
-                out = out.reshape(c.num_queries_per_block, group, out.shape[1])
-                o_ref[:, heads, lanes] = out.astype(o_ref.dtype)
 
 
 class SeqTable:

@@ -1,13 +1,16 @@
 """Lever: q folded by strided loads of 32-bit words, in place of the plain fold
-(`plain.fold_q_heads`, which moves q between (16, 128) tiles of bf16 row by row), in the mixed
-kernel at head_dim 128 (benchmarks/LEVERS.md). Not in TPU interpret mode.
+(`plain.fold_q_heads`, which moves q between (16, 128) tiles of bf16 row by row), and the
+output unfolded the same way (`plain.write_output`), in the mixed kernel at head_dim 128
+(benchmarks/LEVERS.md). Not in TPU interpret mode.
 
 q's block is [q rows, q heads, 128]: seen flat as words, a bf16 word holds two neighbouring q
 heads of one row, and a row's heads are heads / 2 words in a row. The fold wants, for each KV
 head, row r * group + g to be q row r, head g: seen as words, group / 2 words per q row, the
 same neighbours paired. So word k of KV head h's group is one strided load from the flat q
 (start h * group / 2 + k, a stride of one q row's words), stored with a stride of group / 2
-words into the folded q: no value is unpacked, no row moves within a word.
+words into the folded q: no value is unpacked, no row moves within a word. The output goes
+back the same way: each KV head's rows normalized into the folded q's buffer (free by then),
+then each word strided from there into the output block.
 """
 
 from __future__ import annotations
@@ -48,13 +51,32 @@ def folds_q_strided(config: KernelConfig) -> bool:
 def fold_q_heads(q_ref, q_fold_ref, config: KernelConfig):
     """`plain.fold_q_heads`, a word at a time: row r * group + g of q_fold_ref[kv_head] is q
     row r, head g (see the module docstring)."""
+    for _, _, block, block_rows, folded, folded_rows in each_word(q_ref, q_fold_ref, config):
+        folded[folded_rows, :] = block[block_rows, :]
+
+
+def write_output(softmax, o_ref, q_fold_ref):
+    """`plain.write_output`, a word at a time: each KV head's normalized rows into its folded
+    q's buffer, then into the output block as `fold_q_heads` took q out of it."""
+    words = each_word(o_ref, q_fold_ref, softmax.config)
+    for kv_head, k, block, block_rows, folded, folded_rows in words:
+        if k == 0:
+            q_fold_ref[kv_head] = softmax.normalized(kv_head).astype(q_fold_ref.dtype)
+        block[block_rows, :] = folded[folded_rows, :]
+
+
+def each_word(block_ref, q_fold_ref, config: KernelConfig):
+    """For word k of each KV head's group of q heads: (kv_head, k, the q or output block seen
+    as words, word k's rows there, the KV head's folded rows seen as words, its rows there)."""
     c = config
-    rows, heads, head_dim = q_ref.shape
+    rows, heads, head_dim = block_ref.shape
     per_word = packing_of_size(c.q_itemsize)
     row_words, group_words = heads // per_word, c.num_q_heads_per_kv_head // per_word
-    q_words = q_ref.reshape(rows * heads, head_dim).bitcast(jnp.uint32)  # [rows * row_words, hd]
+    # [rows * row_words, 128]; through a leading axis of 1: JAX reshapes a ref whose array has
+    # a sharding (an input's, under an abstract mesh) only to as many axes as it had
+    block = block_ref.reshape(1, rows * heads, head_dim).bitcast(jnp.uint32).at[0]
     for kv_head in range(c.num_kv_heads_per_block):
-        folded = q_fold_ref.at[kv_head].bitcast(jnp.uint32)  # [rows * group_words, hd]
+        folded = q_fold_ref.at[kv_head].bitcast(jnp.uint32)  # [rows * group_words, 128]
         for k in range(group_words):
-            word = q_words[pl.ds(kv_head * group_words + k, rows, stride=row_words), :]
-            folded[pl.ds(k, rows, stride=group_words), :] = word
+            block_rows = pl.ds(kv_head * group_words + k, rows, stride=row_words)
+            yield kv_head, k, block, block_rows, folded, pl.ds(k, rows, stride=group_words)
