@@ -222,7 +222,7 @@ def kernel_config(
         q_itemsize=q.dtype.itemsize,
         kv_itemsize=kv_pages.dtype.itemsize,
         decode_seqs_per_block=default_decode_seqs_per_block(max_num_seqs, bytes_per_q_row),
-        **slot_levers(head_dim, current_chip()),  # padded_slot, narrow_rows
+        **slot_levers(head_dim, current_chip()),  # padded_slot, narrow_rows, ...
     )
     return with_head_pipeline(config)
 

@@ -3,8 +3,8 @@
 The attention options (`minilib.options`), with the block sizes filled in, the shapes they were
 chosen for, and which speed levers are on: `strided_kv_loads`, `padded_slot`, `whole_rows`,
 `narrow_rows`, `heads_in_flight` (and `reload_v`), the decode kernel's `decode` and
-`leaves_decode`; `lane_blocks` and an fp8 cache's load follow from head_dim and the cache's
-dtype (`levers.choose_points`).
+`leaves_decode`, `open_blocks`, `newton_reciprocal`; `lane_blocks` and an fp8 cache's load
+follow from head_dim and the cache's dtype (`levers.choose_points`).
 Frozen and hashable, so a change of any of them is a new compile. `call.kernel_config` builds it.
 """
 
@@ -81,6 +81,9 @@ class KernelConfig(AttentionOptions):
     # The KV blocks no row needs masked walked apart, without the mask (`open_blocks`), set
     # for both kernels by `levers.split_configs`.
     open_blocks: bool = False
+    # The output divided by a refined reciprocal (`reciprocal`), set by `kernel_config`
+    # (`levers.slot_levers`).
+    newton_reciprocal: bool = False
 
     @property
     def score_scale(self) -> float:

@@ -9,6 +9,7 @@ picks, once per configuration, the plain kernel's `Points` or a lever's in their
     attend_heads  the order of the heads                plain, heads_in_flight
     fold_q        how q's heads are folded              plain, strided_fold
     write_output  ... and the output unfolded           plain, strided_fold
+    divide        the output's acc / l                  plain, reciprocal
 
 Levers meet only here: a lever that needs another's piece is handed it (`strided` the padded
 slot's words, `lane_blocks` the load or slot it repeats per block of lanes).
@@ -30,6 +31,7 @@ from minilib.kernel import (
     narrow_rows,
     open_blocks,
     padded_slot,
+    reciprocal,
     strided,
     strided_fold,
 )
@@ -83,7 +85,9 @@ def choose_points(config: KernelConfig) -> Points:
         fold, unfold = strided_fold.fold_q_heads, strided_fold.write_output
     else:
         fold, unfold = Points.fold_q, Points.write_output
-    return Points(slot=slot, load_kv=load, attend_heads=heads, fold_q=fold, write_output=unfold)
+    divide = reciprocal.divide if config.newton_reciprocal else Points.divide
+    return Points(slot=slot, load_kv=load, attend_heads=heads, fold_q=fold, write_output=unfold,
+                  divide=divide)  # fmt: skip
 
 
 def can_load_kv_strided(config: KernelConfig, interpret=False) -> bool:
@@ -112,23 +116,26 @@ def can_load_kv_strided(config: KernelConfig, interpret=False) -> bool:
 
 
 def slot_levers(head_dim: int, chip: str | None) -> dict[str, bool]:
-    """The slot's lever flags of `KernelConfig`: `narrow_rows` at head_dim 64, `padded_slot` on
-    the chips of `padded_slot.PADDED_SLOT_CHIPS` or at head_dim 64; neither where the installed
-    libtpu refuses them (`padded_slot.padding_compiles`: there head_dim 64 takes the plain load).
-    `whole_rows` on the chips of `lane_blocks.WHOLE_ROWS_CHIPS` (it acts only on a padded slot
-    of several lane blocks: `choose_points`).
+    """The lever flags of `KernelConfig` set per chip and head_dim: `narrow_rows` at head_dim
+    64, `padded_slot` on the chips of `padded_slot.PADDED_SLOT_CHIPS` or at head_dim 64; neither
+    where the installed libtpu refuses them (`padded_slot.padding_compiles`: there head_dim 64
+    takes the plain load). `whole_rows` on the chips of `lane_blocks.WHOLE_ROWS_CHIPS` (it acts
+    only on a padded slot of several lane blocks: `choose_points`), `newton_reciprocal` on those
+    of `reciprocal.NEWTON_CHIPS`.
 
     >>> slot_levers(64, "v4")  # no libtpu, or new
-    {'narrow_rows': True, 'padded_slot': True, 'whole_rows': False}
+    {'narrow_rows': True, 'padded_slot': True, 'whole_rows': False, 'newton_reciprocal': False}
     >>> slot_levers(256, "v6e")
-    {'narrow_rows': False, 'padded_slot': True, 'whole_rows': True}
+    {'narrow_rows': False, 'padded_slot': True, 'whole_rows': True, 'newton_reciprocal': False}
+    >>> slot_levers(128, "v5e")["newton_reciprocal"]
+    True
     """
     narrow = head_dim == narrow_rows.NARROW_HEAD_DIM
     compiles = padded_slot.padding_compiles()
     padded = narrow or chip in padded_slot.PADDED_SLOT_CHIPS
     whole = chip in lane_blocks.WHOLE_ROWS_CHIPS
     return {"narrow_rows": narrow and compiles, "padded_slot": padded and compiles,
-            "whole_rows": whole}  # fmt: skip
+            "whole_rows": whole, "newton_reciprocal": chip in reciprocal.NEWTON_CHIPS}  # fmt: skip
 
 
 def with_head_pipeline(config: KernelConfig) -> KernelConfig:

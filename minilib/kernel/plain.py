@@ -9,8 +9,8 @@ takes a block of q rows and a block of heads, and walks the sequences that own t
             wait for this KV block
             for each KV head: K and V, then the online softmax of its q heads
 
-The levers plug in at its `Points`, chosen once per configuration (`levers.choose_points`): the
-KV slot's layout, K and V's way to the MXU, the heads' order, q's fold and the output's unfold.
+The levers plug in at its `Points`, chosen per configuration (`levers.choose_points`): the KV
+slot, K and V's way to the MXU, the heads' order, q's fold, the output's unfold and division.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def rpa_kernel(
     batch = SeqTable(kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref, config)
     dma = copier_class(kv_pages_hbm_ref, kv_bufs, sems, batch, points.slot)
     lanes = points.slot.output_lanes(config)
-    softmax = OnlineSoftmax(m_ref, l_ref, acc_ref, config, q_fold_ref.dtype, sink_ref, lanes)
+    softmax = OnlineSoftmax(m_ref, l_ref, acc_ref, config, q_fold_ref.dtype, sink_ref, lanes,
+                            points.divide)  # fmt: skip
     step = (pl.program_id(0), pl.program_id(1))  # (heads_blk, q_blk)
 
     @pl.when((step[0] == 0) & (step[1] == 0))
@@ -96,8 +97,7 @@ class QBlockWalker:
         self.first_live = next_live_seq(batch, 0)  # where the next heads block starts
 
     def attend_grid_step(self, slot_ref):
-        """Reset the softmax once per q block (no masked stores needed), fold q once, walk,
-        write the output."""
+        """Reset the softmax once per q block (no masked stores), fold q, walk, write out."""
         self.softmax.init()
 
         @pl.when(self.q_blk_start < self.batch.total_q_len())
@@ -275,6 +275,7 @@ class Points:
     attend_heads: Callable = attend_heads  # the order of the KV heads' Q·K and P·V
     fold_q: Callable = fold_q_heads  # how q's heads are folded into each KV head's rows
     write_output: Callable = write_output  # ... and the output unfolded
+    divide: Callable = jnp.divide  # the output's acc / l
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,12 +332,12 @@ class OnlineSoftmax:
     wide: m as a row's value must sit to meet s (every lane the same: never broadcast across
     lanes), l as lane sums (`lane_sums`), a row's sum the sum of its lanes."""
 
-    def __init__(self, m_ref, l_ref, acc_ref, config, dtype, sink_ref=None, lanes=(slice(None),)):
+    def __init__(self, m_ref, l_ref, acc_ref, config, dtype, sink_ref, lanes, divide):
         self.m_ref, self.l_ref, self.acc_ref = m_ref, l_ref, acc_ref
         self.config: KernelConfig = config
         self.dtype = dtype  # the compute dtype, q's: p is rounded to it for P·V
         self.sink_ref = sink_ref  # f32[kvh_per_blk, group, LANES], or None
-        self.output_lanes = lanes  # the columns of head_dim the output is written in
+        self.output_lanes, self.divide = lanes, divide  # the output's columns; its acc / l
 
     def init(self):
         self.m_ref[...] = jnp.full(self.m_ref.shape, M_START, jnp.float32)
@@ -344,8 +345,7 @@ class OnlineSoftmax:
         self.acc_ref[...] = jnp.zeros(self.acc_ref.shape, jnp.float32)
 
     def scores_and_stats(self, kv_head: int, q, k, mask: ScoreMask | None):  # q: [rows, hd]
-        """s = q k^T masked, the new m and l (stored), p = 2**(s - m), alpha = 2**(m_prev - m),
-        in units of log2 (`LOG2_E`)."""
+        """s = q k^T masked, m and l updated, p = 2**(s - m), alpha = 2**(m_prev - m) (log2)."""
         c = self.config
         s = jnp.einsum("rd,td->rt", q, k, preferred_element_type=jnp.float32)
         s = s * (c.score_scale * LOG2_E)
@@ -374,7 +374,7 @@ class OnlineSoftmax:
         total = self.l_ref[kv_head].sum(axis=1, keepdims=True)  # [rows, 1]
         if self.sink_ref is not None:
             total = total + self.sink_term(kv_head)
-        out = self.acc_ref[kv_head, :, lanes] / jnp.where(total == 0.0, 1.0, total)
+        out = self.divide(self.acc_ref[kv_head, :, lanes], jnp.where(total == 0.0, 1.0, total))
         return out if self.config.v_scale is None else out * self.config.v_scale
 
     def sink_term(self, kv_head: int):  # -> f32[rows_per_kv_head, 1]

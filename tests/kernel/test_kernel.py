@@ -58,6 +58,7 @@ from minilib.kernel import (
     decode_batch,
     kernel_config,
     ragged_paged_attention,
+    reciprocal,
     resolve_interpret,
     rpa_jit,
     rpa_pallas_call,
@@ -284,6 +285,20 @@ def test_strided_fold_matches_jax_reference(batch_options, options):
     viewed = dataclasses.replace(mixed, strided_kv_loads=can_load_kv_strided(mixed, True))
     assert choose_points(viewed).fold_q is strided_fold.fold_q_heads
     out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
+    assert_output_matches_jax(out, batch, **options)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_newton_reciprocal_matches_jax_reference(dtype):
+    """The output divided by the refined reciprocal of v5e (`reciprocal`), forced here, in both
+    kernels, in TPU interpret mode; with float32 outputs too, where the division shows most."""
+    batch = make_batch(ONE_OF_EACH, page_size=8, max_num_seqs=6, dtype=dtype)
+    options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8)
+    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
+    config = dataclasses.replace(config, newton_reciprocal=True)
+    for kernel in split_configs(config):
+        assert choose_points(kernel).divide is reciprocal.divide, kernel
+    out, _ = rpa_jit(*batch.args(), config=config, interpret=INTERPRET, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 
 

@@ -22,7 +22,7 @@ from minilib.kernel import Points, choose_points, kernel_config, rpa_pallas_call
 KERNEL = pathlib.Path(minilib.kernel.__file__).parent
 PLAIN_MODULES = ("plain",)
 LEVERS = ("strided", "strided_fold", "padded_slot", "fp8", "lane_blocks", "narrow_rows",
-          "heads_in_flight", "decode", "levers")  # fmt: skip
+          "heads_in_flight", "reciprocal", "decode", "levers")  # fmt: skip
 MAX_PLAIN_LINES = 400
 
 
