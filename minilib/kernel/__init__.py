@@ -47,7 +47,7 @@ them once per configuration; benchmarks/LEVERS.md records what each saves, and o
     levers           which levers a configuration turns on, and the points they fill
     decode           one-token sequences in a kernel of their own, each attended alone
     strided          each KV head read with one strided load, K and V from 32-bit words
-    strided_fold     q folded by strided loads of 32-bit words, two q heads to a word
+    strided_fold     q folded and the output unfolded by strided copies of 32-bit words
     padded_slot      a bf16 slot with a spare row per token, so each strided load is whole
     fp8              an fp8 cache to the MXU as stored, four values to a word, scales moved
     lane_blocks      head_dim in blocks of 128 lanes, so head_dim 256 is read strided too
@@ -56,6 +56,7 @@ them once per configuration; benchmarks/LEVERS.md records what each saves, and o
     heads_in_flight  the KV heads software-pipelined on the MXU (heads_in_flight, reload_v)
     open_blocks      the KV blocks every row sees whole walked first, in a loop with no mask
                      (and no V zeroed), in both kernels
+    reciprocal       on v5e the output divided by a reciprocal refined by Newton's method
 
 And two wrappers the kernel body never mentions:
 

@@ -1,7 +1,7 @@
 """Lever: q folded by strided loads of 32-bit words, in place of the plain fold
 (`plain.fold_q_heads`, which moves q between (16, 128) tiles of bf16 row by row), and the
-output unfolded the same way (`plain.write_output`), in the mixed kernel at head_dim 128
-(benchmarks/LEVERS.md). Not in TPU interpret mode.
+output unfolded the same way (`plain.write_output`), in the mixed kernel at head_dim 128, and
+above it for a group of two q heads a KV head (benchmarks/LEVERS.md). Not in TPU interpret mode.
 
 q's block is [q rows, q heads, 128]: seen flat as words, a bf16 word holds two neighbouring q
 heads of one row, and a row's heads are heads / 2 words in a row. The fold wants, for each KV
@@ -27,8 +27,10 @@ __all__: list[str] = []  # the kernel body's own: see `fold_q_heads`
 def folds_q_strided(config: KernelConfig) -> bool:
     """Whether `fold_q_heads` applies: refs can be viewed (`config.strided_kv_loads`, set
     where the strided load is: not in TPU interpret mode), the mixed kernel (the decode kernel
-    folds one row per sequence), head_dim of one 128-lane row (the strided load reads rows of
-    exactly 128 lanes), and q's heads pair into whole words and whole tiles of words.
+    folds one row per sequence), q's heads pair into whole words and whole tiles of words, and
+    head_dim is one 128-lane row (the strided load reads rows of exactly 128 lanes) or whole
+    rows of 128 lanes with a group of one word (Gemma's 2 q heads a KV head in bf16): then the
+    word of each q row is indexed on the q block's axis of words, and stored whole.
 
     >>> import dataclasses
     >>> from minilib.batch import make_batch
@@ -44,15 +46,17 @@ def folds_q_strided(config: KernelConfig) -> bool:
     whole_tiles = c.num_q_heads_per_block % (8 * per_word) == 0
     group_words = c.num_q_heads_per_kv_head % per_word == 0
     folded_tiles = c.rows_per_kv_head % (8 * per_word) == 0
-    return (c.strided_kv_loads and not c.decode and c.head_dim == LANES and whole_tiles
-            and group_words and folded_tiles)  # fmt: skip
+    one_word = c.num_q_heads_per_kv_head == per_word
+    rows_fit = c.head_dim == LANES or (c.head_dim % LANES == 0 and one_word)
+    return (c.strided_kv_loads and not c.decode and rows_fit and whole_tiles and group_words
+            and folded_tiles)  # fmt: skip
 
 
 def fold_q_heads(q_ref, q_fold_ref, config: KernelConfig):
     """`plain.fold_q_heads`, a word at a time: row r * group + g of q_fold_ref[kv_head] is q
     row r, head g (see the module docstring)."""
     for _, _, block, block_rows, folded, folded_rows in each_word(q_ref, q_fold_ref, config):
-        folded[folded_rows, :] = block[block_rows, :]
+        folded[folded_rows] = block[block_rows]
 
 
 def write_output(softmax, o_ref, q_fold_ref):
@@ -62,7 +66,7 @@ def write_output(softmax, o_ref, q_fold_ref):
     for kv_head, k, block, block_rows, folded, folded_rows in words:
         if k == 0:
             q_fold_ref[kv_head] = softmax.normalized(kv_head).astype(q_fold_ref.dtype)
-        block[block_rows, :] = folded[folded_rows, :]
+        block[block_rows] = folded[folded_rows]
 
 
 def each_word(block_ref, q_fold_ref, config: KernelConfig):
@@ -72,11 +76,16 @@ def each_word(block_ref, q_fold_ref, config: KernelConfig):
     rows, heads, head_dim = block_ref.shape
     per_word = packing_of_size(c.q_itemsize)
     row_words, group_words = heads // per_word, c.num_q_heads_per_kv_head // per_word
-    # [rows * row_words, 128]; through a leading axis of 1: JAX reshapes a ref whose array has
-    # a sharding (an input's, under an abstract mesh) only to as many axes as it had
-    block = block_ref.reshape(1, rows * heads, head_dim).bitcast(jnp.uint32).at[0]
+    flat = head_dim == LANES
+    if flat:  # [rows * row_words, 128], through a leading axis of 1: JAX reshapes a ref whose
+        # array has a sharding (an input's, under an abstract mesh) only to as many axes
+        block = block_ref.reshape(1, rows * heads, head_dim).bitcast(jnp.uint32).at[0]
+    else:  # [rows, row_words, head_dim]: wider rows are indexed, a word of each q row
+        block = block_ref.bitcast(jnp.uint32)
     for kv_head in range(c.num_kv_heads_per_block):
-        folded = q_fold_ref.at[kv_head].bitcast(jnp.uint32)  # [rows * group_words, 128]
+        folded = q_fold_ref.at[kv_head].bitcast(jnp.uint32)  # [rows * group_words, head_dim]
         for k in range(group_words):
-            block_rows = pl.ds(kv_head * group_words + k, rows, stride=row_words)
-            yield kv_head, k, block, block_rows, folded, pl.ds(k, rows, stride=group_words)
+            word = kv_head * group_words + k
+            words = (pl.ds(word, rows, stride=row_words),) if flat else (slice(None), word)
+            folded_rows = pl.ds(k, rows, stride=group_words) if group_words > 1 else slice(None)
+            yield kv_head, k, block, (*words, slice(None)), folded, (folded_rows, slice(None))

@@ -267,6 +267,9 @@ def test_padded_slot_matches_jax_reference(name):
         pytest.param(dict(num_q_heads=16, num_kv_heads=8), {}, id="bf16, a group of 2: a word"),
         pytest.param(dict(num_q_heads=32, num_kv_heads=8), {}, id="bf16, a group of 4: 2 words"),
         pytest.param(
+            dict(num_q_heads=16, num_kv_heads=8, head_dim=256), {}, id="bf16, head_dim 256: indexed"
+        ),
+        pytest.param(
             dict(num_q_heads=16, num_kv_heads=4, dtype=jnp.float32),
             dict(sliding_window=9, soft_cap=20.0),
             id="f32, a group of 4: a head a word, sliding window, soft cap",
