@@ -36,7 +36,7 @@ def folds_q_strided(config: KernelConfig) -> bool:
     >>> from minilib.batch import make_batch
     >>> from minilib.kernel import kernel_config
     >>> b = make_batch([(3, 3)], num_q_heads=32, num_kv_heads=8, head_dim=128)
-    >>> config = kernel_config(b.q, b.kv_pages, b.page_indices)
+    >>> config = kernel_config(b.q, b.kv_pages, b.page_indices, num_queries_per_block=8)
     >>> viewed = dataclasses.replace(config, strided_kv_loads=True)
     >>> folds_q_strided(viewed), folds_q_strided(config)
     (True, False)
