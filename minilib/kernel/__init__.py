@@ -120,6 +120,7 @@ from minilib.kernel.decode import (
 )
 from minilib.kernel.heads_in_flight import attend_kv_heads
 from minilib.kernel.levers import (
+    can_fold_q_strided,
     can_load_kv_strided,
     choose_points,
     slot_levers,

@@ -36,6 +36,7 @@ from minilib.kernel.config import KERNEL_NAMES, LANES, KernelConfig
 from minilib.kernel.decode import decode_batch
 from minilib.kernel.kv_write import with_kv_write
 from minilib.kernel.levers import (
+    can_fold_q_strided,
     can_load_kv_strided,
     choose_points,
     slot_levers,
@@ -375,6 +376,7 @@ def rpa_pallas_call(
     """
     max_num_batched_tokens, _, head_dim = q.shape
     c = dataclasses.replace(config, strided_kv_loads=can_load_kv_strided(config, interpret))
+    c = dataclasses.replace(c, strided_fold=can_fold_q_strided(c, interpret))
     points = choose_points(c)
     num_q_blocks = pl.cdiv(max_num_batched_tokens, c.num_queries_per_block)
     q_block = (c.num_queries_per_block, c.num_q_heads_per_block, head_dim)

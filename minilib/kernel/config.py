@@ -58,6 +58,9 @@ class KernelConfig(AttentionOptions):
     # Each KV head read with one strided load (`strided`); set by `rpa_pallas_call` where refs
     # can be viewed (not in TPU interpret mode).
     strided_kv_loads: bool = False
+    # q folded and the output unfolded by strided word copies (`strided_fold`); set by
+    # `rpa_pallas_call` where refs can be viewed and stored through a view.
+    strided_fold: bool = False
     # The two kernels of `ragged_paged_attention` (`split_configs`): the decode kernel serves
     # one-token sequences, one q row each (`DecodeWalker`); the mixed kernel leaves them to it
     # (treats them as idle). With both False, one kernel serves every sequence.

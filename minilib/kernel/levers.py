@@ -41,6 +41,7 @@ from minilib.kernel.plain import Points, QBlockWalker, SeqSpan, attend_heads, lo
 
 __all__ = [
     "DecodeOpenBlocksWalker",
+    "can_fold_q_strided",
     "can_load_kv_strided",
     "choose_points",
     "split_configs",
@@ -81,7 +82,7 @@ def choose_points(config: KernelConfig) -> Points:
     if load is not load_kv or read is not read_kv_head:
         load = functools.partial(load, read=read)
     heads = heads_in_flight.attend_kv_heads if config.heads_in_flight else attend_heads
-    if strided_fold.folds_q_strided(config):
+    if config.strided_fold:
         fold, unfold = strided_fold.fold_q_heads, strided_fold.write_output
     else:
         fold, unfold = Points.fold_q, Points.write_output
@@ -113,6 +114,23 @@ def can_load_kv_strided(config: KernelConfig, interpret=False) -> bool:
         return config.num_kv_heads_per_block % fp8.KV_HEADS_PER_WORD == 0
     tiles_whole = (2 * config.num_kv_heads_per_block) % (8 * kv_packing) == 0
     return kv_packing in (1, 2) and tiles_whole
+
+
+def can_fold_q_strided(config: KernelConfig, interpret=False) -> bool:
+    """Whether `strided_fold` applies: q's shapes (`strided_fold.folds_q_strided`, refs viewed
+    as for the strided load), compiled, or in plain interpret mode with a jax that stores
+    through a view of a ref (`strided_fold.interpret_stores_through_views`: not jax 0.7.2's).
+
+    >>> from minilib.batch import make_batch
+    >>> from minilib.kernel import kernel_config
+    >>> b = make_batch([(3, 3)], num_q_heads=32, num_kv_heads=8, head_dim=128)
+    >>> config = kernel_config(b.q, b.kv_pages, b.page_indices, num_queries_per_block=8)
+    >>> can_fold_q_strided(dataclasses.replace(config, strided_kv_loads=True))
+    True
+    """
+    if not strided_fold.folds_q_strided(config):
+        return False
+    return interpret is False or strided_fold.interpret_stores_through_views()
 
 
 def slot_levers(head_dim: int, chip: str | None) -> dict[str, bool]:

@@ -15,6 +15,9 @@ then each word strided from there into the output block.
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -89,3 +92,19 @@ def each_word(block_ref, q_fold_ref, config: KernelConfig):
             words = (pl.ds(word, rows, stride=row_words),) if flat else (slice(None), word)
             folded_rows = pl.ds(k, rows, stride=group_words) if group_words > 1 else slice(None)
             yield kv_head, k, block, (*words, slice(None)), folded, (folded_rows, slice(None))
+
+
+@functools.cache
+def interpret_stores_through_views() -> bool:
+    """Whether plain interpret mode stores through a bitcast view of a ref, as the fold does
+    (jax 0.7.2 cannot: "Unsupported transform: RefBitcaster"). Tried once, on a tiny kernel."""
+
+    def kernel(words_ref, out_ref):
+        out_ref.bitcast(jnp.uint32)[...] = words_ref[...]
+
+    call = pl.pallas_call(kernel, jax.ShapeDtypeStruct((16, 128), jnp.bfloat16), interpret=True)
+    try:  # lowered, not run: called while a kernel is traced, a run would only be traced too
+        jax.jit(call).lower(jax.ShapeDtypeStruct((8, 128), jnp.uint32))
+    except NotImplementedError:
+        return False
+    return True

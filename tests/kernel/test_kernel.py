@@ -53,6 +53,7 @@ from minilib.batch import make_batch
 from minilib.errors import RPAInputError
 from minilib.kernel import (
     KVBlockCopier,
+    can_fold_q_strided,
     can_load_kv_strided,
     choose_points,
     decode_batch,
@@ -286,7 +287,11 @@ def test_strided_fold_matches_jax_reference(batch_options, options):
     config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
     mixed, _ = split_configs(config)
     viewed = dataclasses.replace(mixed, strided_kv_loads=can_load_kv_strided(mixed, True))
-    assert choose_points(viewed).fold_q is strided_fold.fold_q_heads
+    if not can_fold_q_strided(viewed, interpret=True):  # jax 0.7.2: not in plain interpret mode
+        assert not strided_fold.interpret_stores_through_views()
+        pytest.skip("this jax's interpret mode stores through no view of a ref")
+    folding = dataclasses.replace(viewed, strided_fold=True)
+    assert choose_points(folding).fold_q is strided_fold.fold_q_heads
     out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 
