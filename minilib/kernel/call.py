@@ -241,8 +241,7 @@ def rpa_jit(
     The batch tables are clamped here, once (`clamp_tables`): under `jit` nothing has
     validated them, and the kernels read them as they are.
 
-    `attention_sink` (f32[num_q_heads] or None) goes to both kernels lane-replicated,
-    [num_kv_heads, group, LANES] (`sink_input`).
+    `attention_sink` (f32[num_q_heads] or None) goes to both kernels as `sink_input` makes it.
 
     >>> from minilib.batch import make_batch
     >>> batch = make_batch([(3, 3), (1, 9)])
@@ -300,8 +299,7 @@ def run_kernels(q, kv_pages, tables, attention_sink, new_kv, *, config, interpre
         q_decode, kv_pages, config=decode_config, interpret=interpret,
         trace_capacity=trace_capacity, attention_sink=bool(sink), write_kv=write,
     )  # fmt: skip
-    # Each kernel writes the tokens of the sequences it attends, as the batch packs their rows
-    # (`writes`: new K/V and the rows' table), whatever q layout its walk reads.
+    # Each kernel writes its sequences' tokens as the batch packs them, whatever q it reads.
     writes = (
         (jnp.take(new_kv, decode.rows, axis=0, mode="clip"), decode.tables()[2]) if write else ()
     )
@@ -375,8 +373,8 @@ def rpa_pallas_call(
     True
     """
     max_num_batched_tokens, _, head_dim = q.shape
-    c = dataclasses.replace(config, strided_kv_loads=can_load_kv_strided(config, interpret))
-    c = dataclasses.replace(c, strided_fold=can_fold_q_strided(c, interpret))
+    viewed = dataclasses.replace(config, strided_kv_loads=can_load_kv_strided(config, interpret))
+    c = dataclasses.replace(viewed, strided_fold=can_fold_q_strided(viewed, interpret))
     points = choose_points(c)
     num_q_blocks = pl.cdiv(max_num_batched_tokens, c.num_queries_per_block)
     q_block = (c.num_queries_per_block, c.num_q_heads_per_block, head_dim)
