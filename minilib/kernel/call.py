@@ -36,6 +36,7 @@ from minilib.kernel.config import KERNEL_NAMES, LANES, KernelConfig
 from minilib.kernel.decode import decode_batch
 from minilib.kernel.kv_write import with_kv_write
 from minilib.kernel.levers import (
+    bounded_scores,
     can_fold_q_strided,
     can_load_kv_strided,
     choose_points,
@@ -120,16 +121,10 @@ def ragged_paged_attention(
     [1.0, 1.0, 1.0]
     """
     options = AttentionOptions(
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        mask_value=mask_value,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        num_kv_pages_per_block=num_kv_pages_per_block,
-        num_queries_per_block=num_queries_per_block,
-        vmem_limit_bytes=vmem_limit_bytes,
-    )
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, mask_value=mask_value,
+        k_scale=k_scale, v_scale=v_scale, num_kv_pages_per_block=num_kv_pages_per_block,
+        num_queries_per_block=num_queries_per_block, vmem_limit_bytes=vmem_limit_bytes,
+    )  # fmt: skip
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     validate_inputs(*args, options, validate=validate, attention_sink=attention_sink)
     config = kernel_config(q, kv_pages, page_indices, options)
@@ -224,6 +219,7 @@ def kernel_config(
         kv_itemsize=kv_pages.dtype.itemsize,
         decode_seqs_per_block=default_decode_seqs_per_block(max_num_seqs, bytes_per_q_row),
         **slot_levers(head_dim, current_chip()),  # padded_slot, narrow_rows, ...
+        bounded_scores=bounded_scores(options.soft_cap, options.mask_value),
     )
     return with_head_pipeline(config)
 

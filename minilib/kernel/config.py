@@ -3,8 +3,8 @@
 The attention options (`minilib.options`), with the block sizes filled in, the shapes they were
 chosen for, and which speed levers are on: `strided_kv_loads`, `padded_slot`, `whole_rows`,
 `narrow_rows`, `heads_in_flight` (and `reload_v`), the decode kernel's `decode` and
-`leaves_decode`, `open_blocks`, `newton_reciprocal`; `lane_blocks` and an fp8 cache's load
-follow from head_dim and the cache's dtype (`levers.choose_points`).
+`leaves_decode`, `open_blocks`, `newton_reciprocal`, `bounded_scores`; `lane_blocks` and an fp8
+cache's load follow from head_dim and the cache's dtype (`levers.choose_points`).
 Frozen and hashable, so a change of any of them is a new compile. `call.kernel_config` builds it.
 """
 
@@ -87,6 +87,9 @@ class KernelConfig(AttentionOptions):
     # The output divided by a refined reciprocal (`reciprocal`), set by `kernel_config`
     # (`levers.slot_levers`).
     newton_reciprocal: bool = False
+    # p kept in range by one fixed max where a soft cap bounds the scores (`fixed_max`), set by
+    # `kernel_config` (`levers.bounded_scores`).
+    bounded_scores: bool = False
 
     @property
     def score_scale(self) -> float:

@@ -10,6 +10,7 @@ picks, once per configuration, the plain kernel's `Points` or a lever's in their
     fold_q        how q's heads are folded              plain, strided_fold
     write_output  ... and the output unfolded           plain, strided_fold
     divide        the output's acc / l                  plain, reciprocal
+    softmax       how p is kept in range                plain (a running max), fixed_max
 
 Levers meet only here: a lever that needs another's piece is handed it (`strided` the padded
 slot's words, `lane_blocks` the load or slot it repeats per block of lanes).
@@ -25,6 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 from minilib import masking
 from minilib.block_sizes import default_head_pipeline, packing_of_size
 from minilib.kernel import (
+    fixed_max,
     fp8,
     heads_in_flight,
     lane_blocks,
@@ -41,6 +43,7 @@ from minilib.kernel.plain import Points, QBlockWalker, SeqSpan, attend_heads, lo
 
 __all__ = [
     "DecodeOpenBlocksWalker",
+    "bounded_scores",
     "can_fold_q_strided",
     "can_load_kv_strided",
     "choose_points",
@@ -87,8 +90,19 @@ def choose_points(config: KernelConfig) -> Points:
     else:
         fold, unfold = Points.fold_q, Points.write_output
     divide = reciprocal.divide if config.newton_reciprocal else Points.divide
+    softmax = fixed_max.FixedMaxSoftmax if config.bounded_scores else Points.softmax
     return Points(slot=slot, load_kv=load, attend_heads=heads, fold_q=fold, write_output=unfold,
-                  divide=divide)  # fmt: skip
+                  divide=divide, softmax=softmax)  # fmt: skip
+
+
+def bounded_scores(soft_cap: float | None, mask_value: float) -> bool:
+    """Whether a soft cap bounds the scores enough for one fixed max (`fixed_max`): the flag
+    `KernelConfig.bounded_scores`, which `kernel_config` sets.
+
+    >>> bounded_scores(50.0, -1e38), bounded_scores(None, -1e38)   # Gemma-2's cap; none
+    (True, False)
+    """
+    return fixed_max.fixed_max(soft_cap, mask_value) is not None
 
 
 def can_load_kv_strided(config: KernelConfig, interpret=False) -> bool:

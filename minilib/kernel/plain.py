@@ -10,7 +10,7 @@ takes a block of q rows and a block of heads, and walks the sequences that own t
             for each KV head: K and V, then the online softmax of its q heads
 
 The levers plug in at its `Points`, chosen per configuration (`levers.choose_points`): the KV
-slot, K and V's way to the MXU, the heads' order, q's fold, the output's unfold and division.
+slot, K and V to the MXU, the heads' order, q's fold, the output's unfold and division, p's max.
 """
 
 from __future__ import annotations
@@ -63,9 +63,8 @@ def rpa_kernel(
 ):
     batch = SeqTable(kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref, config)
     dma = copier_class(kv_pages_hbm_ref, kv_bufs, sems, batch, points.slot)
-    lanes = points.slot.output_lanes(config)
-    softmax = OnlineSoftmax(m_ref, l_ref, acc_ref, config, q_fold_ref.dtype, sink_ref, lanes,
-                            points.divide)  # fmt: skip
+    softmax = points.softmax(m_ref, l_ref, acc_ref, config, q_fold_ref.dtype, sink_ref,
+                             points.slot.output_lanes(config), points.divide)  # fmt: skip
     step = (pl.program_id(0), pl.program_id(1))  # (heads_blk, q_blk)
 
     @pl.when((step[0] == 0) & (step[1] == 0))
@@ -88,10 +87,7 @@ class QBlockWalker:
         self.heads_blk, self.q_blk = step
         self.q_ref, self.q_fold_ref, self.o_ref = q_ref, q_fold_ref, o_ref
         self.softmax: OnlineSoftmax = softmax
-        self.batch: SeqTable = batch
-        self.dma: KVBlockCopier = dma
-        self.config: KernelConfig = config
-        self.points: Points = points
+        self.batch, self.dma, self.config, self.points = batch, dma, config, points
         self.q_blk_start = self.q_blk * config.num_queries_per_block
         self.q_blk_end = self.q_blk_start + config.num_queries_per_block
         self.first_live = next_live_seq(batch, 0)  # where the next heads block starts
@@ -269,16 +265,6 @@ def attend_heads(kv_buf, q_fold_ref, softmax, mask, kv_blk, kv_len, config, load
 
 
 @dataclasses.dataclass(frozen=True)
-class Points:
-    slot: PlainSlot = PlainSlot()  # how a KV slot is laid out and filled
-    load_kv: Callable = load_kv  # how K and V of one KV head reach the MXU
-    attend_heads: Callable = attend_heads  # the order of the KV heads' Q·K and P·V
-    fold_q: Callable = fold_q_heads  # how q's heads are folded into each KV head's rows
-    write_output: Callable = write_output  # ... and the output unfolded
-    divide: Callable = jnp.divide  # the output's acc / l
-
-
-@dataclasses.dataclass(frozen=True)
 class SeqSpan:  # one sequence's rows [q_start, q_end) and kv_len, read once per sequence
     q_start: jax.Array
     q_end: jax.Array
@@ -346,12 +332,7 @@ class OnlineSoftmax:
 
     def scores_and_stats(self, kv_head: int, q, k, mask: ScoreMask | None):  # q: [rows, hd]
         """s = q k^T masked, m and l updated, p = 2**(s - m), alpha = 2**(m_prev - m) (log2)."""
-        c = self.config
-        s = jnp.einsum("rd,td->rt", q, k, preferred_element_type=jnp.float32)
-        s = s * (c.score_scale * LOG2_E)
-        s = apply_soft_cap(s, None if c.soft_cap is None else c.soft_cap * LOG2_E)
-        if mask is not None:
-            s = masking.apply_mask_value(s, mask.masked, in_log2_units(c.mask_value), mask.hidden)
+        s = self.scores(q, k, mask)
         lanes = (s.shape[0], LANES)
         m_prev = self.m_ref[kv_head]  # [rows, LANES]
         l_prev = self.l_ref[kv_head]  # [rows, LANES]
@@ -362,6 +343,15 @@ class OnlineSoftmax:
         self.m_ref[kv_head] = m_next
         self.l_ref[kv_head] = l_next
         return p, alpha
+
+    def scores(self, q, k, mask: ScoreMask | None):  # -> f32[rows, kv_tokens], in log2 units
+        c = self.config
+        s = jnp.einsum("rd,td->rt", q, k, preferred_element_type=jnp.float32)
+        s = s * (c.score_scale * LOG2_E)
+        s = apply_soft_cap(s, None if c.soft_cap is None else c.soft_cap * LOG2_E)
+        if mask is None:
+            return s
+        return masking.apply_mask_value(s, mask.masked, in_log2_units(c.mask_value), mask.hidden)
 
     def accumulate(self, kv_head: int, v, p, alpha, mask: ScoreMask):  # v: [kv_tokens, hd]
         acc_prev = self.acc_ref[kv_head]  # [rows, head_dim]
@@ -385,6 +375,17 @@ class OnlineSoftmax:
         q_rows = c.rows_per_kv_head // c.num_q_heads_per_kv_head
         rows = jnp.concatenate([sinks] * q_rows, axis=0) if q_rows > 1 else sinks
         return jnp.exp2(rows[:, :1] * LOG2_E - self.m_ref[kv_head][:, :1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Points:
+    slot: PlainSlot = PlainSlot()  # how a KV slot is laid out and filled
+    load_kv: Callable = load_kv  # how K and V of one KV head reach the MXU
+    attend_heads: Callable = attend_heads  # the order of the KV heads' Q·K and P·V
+    fold_q: Callable = fold_q_heads  # how q's heads are folded into each KV head's rows
+    write_output: Callable = write_output  # ... and the output unfolded
+    divide: Callable = jnp.divide  # the output's acc / l
+    softmax: type[OnlineSoftmax] = OnlineSoftmax  # how p is kept in range: the running max
 
 
 class SeqTable:

@@ -65,7 +65,9 @@ from minilib.tpu import compile as tpu
 from minilib.tpu import dump_cache, suite
 from minilib.tpu.bundles import (
     COUNTING_RULE,
+    VECTOR_COMPARE,
     block_bundles,
+    count_ops,
     kv_block_pair,
     loop_bodies,
     parse_bundles,
@@ -375,9 +377,10 @@ def kernel_result(name: str, chip: str, workload: Workload) -> dict:
         bundles = block_bundles(program.bundles, figures.pop("chunks"))
         pair = kv_block_pair(program.bundles)
         if pair:  # the open KV blocks' loop (`open_blocks`), then the masked one
-            (open_start, open_end), (masked_start, masked_end) = pair
-            if open_end - open_start >= masked_end - masked_start:
-                why = "its first KV-block loop is not the shorter: not the open blocks' loop"
+            (open_start, open_end), _ = pair
+            compares = [count_ops(program.bundles[s:e], VECTOR_COMPARE) for s, e in pair]
+            if compares[0] or not compares[1]:  # the open loop builds no mask, the other does
+                why = "its first KV-block loop builds a mask, or its second none: not the open loop"
                 raise ValueError(f"{program.name}: {why} its passes are for")
             opened, masked = outward[0]
             program = "open" if kernel == "mixed" else f"{kernel} open"

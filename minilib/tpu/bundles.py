@@ -16,6 +16,7 @@ import re
 
 __all__ = [
     "COUNTING_RULE",
+    "VECTOR_COMPARE",
     "EXAMPLE_BUNDLES",
     "EXAMPLE_TWO_LOOPS",
     "block_bundles",
@@ -50,6 +51,9 @@ COUNTING_RULE = (
 #   `dma.hbm_to_smem`. Its wait, `dma.done.wait`, is not a start.
 MATMUL = re.compile(r"=\s*vmatmul\.")
 DMA_START = re.compile(r"=\s*dma\.(?!done\.)")
+# A vector compare, `vcmp.<condition>...`: a score mask is built of them (key positions against
+# the row's, or kv_len); the loop of the open KV blocks (`minilib.kernel.open_blocks`) has none.
+VECTOR_COMPARE = re.compile(r"=\s*vcmp\.")
 # Comments are cut before ops are matched: a bounds check's comment quotes the DMA it guards
 # ("... for %14572 = dma.hbm_to_vmem ..."), which is not a DMA start of its own.
 COMMENT = re.compile(r"/\*.*?\*/", re.S)

@@ -22,7 +22,7 @@ from minilib.kernel import Points, choose_points, kernel_config, rpa_pallas_call
 KERNEL = pathlib.Path(minilib.kernel.__file__).parent
 PLAIN_MODULES = ("plain",)
 LEVERS = ("strided", "strided_fold", "padded_slot", "fp8", "lane_blocks", "narrow_rows",
-          "heads_in_flight", "reciprocal", "decode", "levers")  # fmt: skip
+          "heads_in_flight", "reciprocal", "fixed_max", "decode", "levers")  # fmt: skip
 MAX_PLAIN_LINES = 400
 
 
@@ -68,7 +68,8 @@ def every_lever_off(batch, **options):
     plain kernel's own."""
     config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
     config = dataclasses.replace(config, heads_in_flight=0, reload_v=False, padded_slot=False,
-                                 whole_rows=False, narrow_rows=False)  # fmt: skip
+                                 whole_rows=False, narrow_rows=False,
+                                 bounded_scores=False)  # fmt: skip
     assert not config.decode and not config.leaves_decode and config.lane_blocks == 1
     assert choose_points(config) == Points()
     return config
