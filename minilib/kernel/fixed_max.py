@@ -4,11 +4,12 @@ no m to load and store per KV block (benchmarks/LEVERS.md).
 
 The running max is there to keep p in float32's range: p = 2**(s - m) <= 1. A soft cap does
 that already: every score lies in [-C, C], C = soft_cap * LOG2_E (log2 units), so with
-M = max(C - 64, 0) every p lies in [2**(-C - M), 2**64]: l stays below 2**84 for a million
-keys, and acc too while |V| stays below 2**44. The answer is the same: p differs from the
-running max's by a factor 2**(m - M) per row, which acc / l divides out. So it applies where C + M <= 100 (the smallest p at least 2**-100, far
-from float32's smallest normal, 2**-126): soft caps up to 56.8 (Gemma-2's is 50), with a
-mask value that vanishes (masked keys weigh exactly 0, as every p of a masked key must).
+M = max(C - 64, 0) every p lies in [2**(-C - M), 2**64]: over a million keys l stays below
+2**84, and acc within float32 while |V| stays below 2**44. The answer is the same: p differs
+from the running max's by a factor 2**(m - M) per row, which acc / l divides out. So it
+applies where C + M <= 100 (the smallest p at least 2**-100, far from float32's smallest
+normal, 2**-126): soft caps up to 56.8 (Gemma-2's is 50), with a mask value that vanishes
+(masked keys weigh exactly 0, as every p of a masked key must).
 """
 
 from __future__ import annotations
