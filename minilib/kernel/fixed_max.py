@@ -46,16 +46,18 @@ class FixedMaxSoftmax(OnlineSoftmax):
     """`OnlineSoftmax` with m fixed at `fixed_max`: l and acc only add up. m is still written
     once per reset, for an attention sink's share of l (`sink_term`), taken against it."""
 
+    @property
+    def shift(self) -> float:  # M
+        return fixed_max(self.config.soft_cap, self.config.mask_value)
+
     def init(self):
-        shift = fixed_max(self.config.soft_cap, self.config.mask_value)
-        self.m_ref[...] = jnp.full(self.m_ref.shape, shift, jnp.float32)
+        self.m_ref[...] = jnp.full(self.m_ref.shape, self.shift, jnp.float32)
         self.l_ref[...] = jnp.zeros(self.l_ref.shape, jnp.float32)
         self.acc_ref[...] = jnp.zeros(self.acc_ref.shape, jnp.float32)
 
     def scores_and_stats(self, kv_head: int, q, k, mask: ScoreMask | None):
         """p = 2**(s - M), l updated; alpha is None: nothing to rescale."""
-        shift = fixed_max(self.config.soft_cap, self.config.mask_value)
-        p = jnp.exp2(self.scores(q, k, mask) - shift)  # [rows, kv_tokens]
+        p = jnp.exp2(self.scores(q, k, mask) - self.shift)  # [rows, kv_tokens]
         self.l_ref[kv_head] = self.l_ref[kv_head] + lane_sums(p)
         return p, None
 
