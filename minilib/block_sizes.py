@@ -139,6 +139,7 @@ def default_block_sizes(
     num_q_heads_per_block: int | None = None,
     q_itemsize: int = 2,
     vmem_limit_bytes: int | None = None,
+    sliding_window: int | None = None,
 ) -> tuple[int, int]:  # (num_kv_pages_per_block, num_queries_per_block)
     """Default block sizes for `chip` ("v4", "v5e", "v5p", "v6e", "tpu7x"; None:
     `current_chip()`, and chip-independent sizes when that is unknown).
@@ -161,6 +162,12 @@ def default_block_sizes(
     4.1 MiB of it spills; 8 pages leave a quarter free, as `tests/tpu/test_tpu_compile.py`
     asks.)
 
+    Under a `sliding_window`, a row sees at most that many keys: the KV block's target is at
+    most the window rounded up to a power of two, and at least one register's 128 lanes. A
+    block of 512 tokens under gpt-oss's window of 128 copies and computes four times the keys
+    a decode row sees: at 128 tokens its whole program per call is a fifth shorter
+    (benchmarks/LEVERS.md).
+
     >>> default_block_sizes(page_size=16, pages_per_seq=64, max_num_batched_tokens=512,
     ...                     bytes_per_page=16 * 16 * 128 * 2)   # chip unknown
     (16, 32)
@@ -176,6 +183,10 @@ def default_block_sizes(
     ...                     bytes_per_page=16 * 16 * 128 * 2, chip="v6e",
     ...                     num_q_heads_per_block=32)
     (32, 128)
+    >>> default_block_sizes(page_size=16, pages_per_seq=64, max_num_batched_tokens=512,
+    ...                     bytes_per_page=16 * 16 * 128 * 2, chip="v6e",
+    ...                     num_q_heads_per_block=32, sliding_window=128)   # 128 tokens
+    (8, 128)
     """
     chip = current_chip() if chip is None else chip
     if chip is not None and chip not in FACTS:
@@ -191,6 +202,9 @@ def default_block_sizes(
     )
     budget = budget * min(1, 128 / head_dim)
     target_tokens = int(target_tokens * min(1, 128 / head_dim))
+    if sliding_window is not None:  # no more than the window needs, in whole registers
+        window_tokens = 1 << (sliding_window - 1).bit_length()  # a power of two
+        target_tokens = min(target_tokens, lane_width(window_tokens))
     pages = max(1, min(target_tokens // page_size, max_pages))
     pages = min(pages, pages_per_seq)
     while pages > 1 and 2 * pages * bytes_per_page > budget:

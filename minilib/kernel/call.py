@@ -195,6 +195,7 @@ def kernel_config(
         num_q_heads_per_block=kv_heads_per_block * (num_q_heads // num_kv_heads),
         q_itemsize=q.dtype.itemsize,
         vmem_limit_bytes=options.vmem_limit_bytes,
+        sliding_window=options.sliding_window,
     )
     asked = default_vmem_limit(options.num_kv_pages_per_block, options.num_queries_per_block)
     options = dataclasses.replace(

@@ -25,6 +25,32 @@ def test_default_block_sizes():
     assert default_block_sizes(page_size=16, pages_per_seq=64, **kw) == (2, 8)
 
 
+def test_a_sliding_window_bounds_the_kv_block():
+    """A row sees at most `sliding_window` keys: the KV block is that, rounded up to a power of
+    two, at least 128 tokens (a register's lanes), and never more than without a window."""
+    kw = dict(page_size=16, pages_per_seq=64, max_num_batched_tokens=512,
+              bytes_per_page=16 * 16 * 128 * 2, chip="v6e", num_q_heads_per_block=32)  # fmt: skip
+    assert default_block_sizes(**kw) == (32, 128)
+    for window, pages in ((1, 8), (100, 8), (128, 8), (129, 16), (256, 16), (300, 32), (4096, 32)):
+        assert default_block_sizes(**kw, sliding_window=window)[0] == pages, window
+    big_pages = kw | dict(page_size=128, bytes_per_page=128 * 16 * 128 * 2)
+    assert default_block_sizes(**big_pages, sliding_window=128)[0] == 1
+
+
+def test_the_kernels_config_takes_the_windows_kv_block():
+    from minilib.batch import make_batch
+    from minilib.kernel.call import kernel_config
+
+    batch = make_batch([(5, 600)], num_q_heads=8, num_kv_heads=2, page_size=16)
+    pages = {window: kernel_config(batch.q, batch.kv_pages, batch.page_indices,
+                                   sliding_window=window).num_kv_pages_per_block
+             for window in (None, 128, 4096)}  # fmt: skip
+    assert pages[128] == 8 and pages[4096] == pages[None] > 8
+    asked = kernel_config(batch.q, batch.kv_pages, batch.page_indices, sliding_window=128,
+                          num_kv_pages_per_block=16)  # fmt: skip
+    assert asked.num_kv_pages_per_block == 16  # a block size asked for is kept
+
+
 def test_heads_blocks_are_tile_aligned():
     assert num_kv_heads_per_block(32, 8, jnp.bfloat16, jnp.bfloat16) == 8  # 16 K/V slots
     assert num_kv_heads_per_block(32, 16, jnp.bfloat16, jnp.bfloat16) == 8
