@@ -47,8 +47,8 @@ from minilib.masking import open_kv_blocks_end
 from minilib.tpu.kernel_costs import rpa_specs
 
 __all__ = ["MODELS", "RECORDED", "SUITE", "KVLoop", "LoopTimes", "Model", "Workload",
-           "loop_label", "loop_times", "modelled_seconds", "ours_trips", "recorded_suite",
-           "suite_table", "v3_trips", "whole_programs"]  # fmt: skip
+           "loop_label", "loop_times", "modelled_ratio", "modelled_seconds", "ours_trips",
+           "recorded_suite", "suite_table", "v3_trips", "whole_programs"]  # fmt: skip
 
 RECORDED = Path(__file__).with_name("recorded_suite.json")
 COMMAND = "python -m minilib compile --workloads --record"
@@ -395,12 +395,16 @@ def loop_label(program: str) -> str:
     return "".join(word[0] for word in program.split())
 
 
-def modelled_ratio(result: dict, model: Model, chip: str) -> str | None:
-    """Ours fused / v3 in `modelled_seconds`, as the table shows it; None without both."""
+def modelled_ratio(result: dict, model: Model, chip: str) -> float | None:
+    """Ours fused / v3 in `modelled_seconds` (the table's time/v3); None without both.
+
+    >>> round(modelled_ratio(recorded_suite()["results"]["v6e"]["prefill"], LLAMA, "v6e"), 2)
+    0.75
+    """
     if chip not in EFFICIENCY_CHIPS or "parts" not in result["v3"]:
         return None
     fused, v3 = (modelled_seconds(result[k], model, chip) for k in ("ours fused", "v3"))
-    return f"{fused / v3:.2f}"
+    return fused / v3
 
 
 def suite_table(record: dict) -> str:
@@ -434,7 +438,8 @@ def suite_table(record: dict) -> str:
             ratios = " ".join(f"{figures[k] / v3:{w}.2f}" if v3 and figures[k] else f"{'-':>{w}}"
                               for k, w in (("ours", 7), ("ours + scatter", 7),
                                            ("ours fused", 8)))  # fmt: skip
-            ratios += f" {modelled_ratio(result, model, chip) or '-':>7}"
+            timed = modelled_ratio(result, model, chip)
+            ratios += f" {timed:7.2f}" if timed else f" {'-':>7}"
             cells = []
             for kernel in ("ours", "v3"):
                 if chip not in EFFICIENCY_CHIPS or "loops" not in result[kernel]:
