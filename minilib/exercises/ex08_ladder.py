@@ -37,7 +37,12 @@ from minilib.batch import make_batch
 from minilib.exercises.checking import Case, CheckResult
 from minilib.exercises.decode_mistakes import _locate, _page_namer, _pattern, decode_mistakes
 from minilib.exercises.kernel_checking import TableRead, check_kernel, index_map_read_outside
-from minilib.exercises.kernel_failures import Names, copies_never_overlap, first_page_not_prefetched
+from minilib.exercises.kernel_failures import (
+    Names,
+    copies_never_overlap,
+    first_page_not_prefetched,
+    smem_read_outside,
+)
 from minilib.kv_cache import pages_needed
 from minilib.ladder.scalar_prefetch import paged_decode_reference
 
@@ -169,17 +174,19 @@ def _names(buffer: str, semaphores: tuple[str, ...]) -> Callable[[Case], Names]:
     return names
 
 
-def _table_read_problem(read: TableRead, case: Case) -> str:
-    """An index map's read outside kv_lens or page_indices, with its likely cause."""
+def _table_read_problem(read: TableRead, case: Case, stopped: bool = False) -> str:
+    """An index map's read outside kv_lens or page_indices, with its likely cause. `stopped`:
+    the interpreter stopped on it; otherwise the run went on (a negative index wraps around
+    in interpret mode before jax 0.12.1)."""
     _, _, kv_lens, _ = case.args
     lens = [int(n) for n in np.asarray(kv_lens)]
     name = ("kv_lens", "page_indices")[read.table] if read.table < 2 else "a table"
     step = ", ".join(map(str, read.step))
+    went_on = "" if stopped else "This jax's interpret mode wraps it around, and the run goes on. "
     what = (
         f"an index map read {name}[{', '.join(map(str, read.index))}] at grid step ({step}), "
-        f"outside the table (shape {read.shape}). Interpret mode does not bounds-check an "
-        "index map's reads (it clamps or wraps them, and the run goes on); a TPU reads SMEM "
-        "unchecked: another sequence's entry, or whatever lies next to the table."
+        f"outside the table (shape {read.shape}). {went_on}A TPU reads SMEM unchecked: another "
+        "sequence's entry, or whatever lies next to the table."
     )
     seq, *rest = read.index
     if read.table == 1 and rest and rest[0] < 0 and 0 <= seq < len(lens) and lens[seq] == 0:
@@ -202,6 +209,19 @@ def _table_read_problem(read: TableRead, case: Case) -> str:
     else:
         cause = "an index into kv_lens or page_indices that is not clamped to the table."
     return f"{what} Likely cause: {cause}"
+
+
+def _read_that_stopped(fn: Callable) -> Callable:
+    """When the interpreter stopped on a read outside a table (jax 0.12.1 and later stop on a
+    negative index too): the index map's read outside it, named with its likely cause."""
+
+    def check(run, case: Case) -> str | None:
+        if smem_read_outside(run) is None:
+            return None
+        read = index_map_read_outside(fn, case)
+        return None if read is None else _table_read_problem(read, case, stopped=True)
+
+    return check
 
 
 def _block_cause_of(fn: Callable) -> Callable:
@@ -426,6 +446,7 @@ def _check_decode_kernel(
         advice=_advice(rung),
         record_grid=prefetching,
         ledger_check=_ledger_check(rung, fn),
+        error_ledger_check=_read_that_stopped(fn),
         block_cause=_block_cause_of(fn),
         pattern=_pattern,
     )

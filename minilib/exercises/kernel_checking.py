@@ -341,10 +341,11 @@ def index_map_read_outside(fn: Callable, case: Case) -> TableRead | None:
     `page_indices`), over every grid step of `fn`'s pallas_call on `case`; None if there is
     none, or if it cannot be checked.
 
-    TPU interpret mode evaluates an index map on the tables as arrays: a read past an end is
-    clamped (or, at a negative index, wraps), and nothing fails. On a chip an index map reads
+    TPU interpret mode stops on a read past a table's end, but before jax 0.12.1 a negative
+    index wraps around to the axis's end, and the run goes on; on a chip an index map reads
     SMEM unchecked: another row, another array, or whatever lies beyond. So the index maps are
-    evaluated here, step by step, with every read of a table checked against its shape.
+    evaluated here, step by step, with every read of a table checked against its shape, which
+    also names the read that stopped the interpreter, whichever it met first.
 
     >>> from minilib.ladder.scalar_prefetch import paged_decode_attention
     >>> from minilib.batch import make_batch

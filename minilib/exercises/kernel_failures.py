@@ -42,6 +42,7 @@ __all__ = [
     "interpreter_error",
     "likely_cause",
     "race_report",
+    "smem_read_outside",
 ]
 
 DETAILS_HINT = "(JAX's own output: run the check again with details=True.)"
@@ -317,6 +318,24 @@ def interpreter_error(
         "a ref indexed with a shape or dtype it does not have, or a value read from a ref "
         f"outside the kernel's grid step. {DETAILS_HINT}"
     )
+
+
+def smem_read_outside(run: KernelRun) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(index, shape) of the out-of-bounds SMEM read that stopped `run`, or None. Every
+    supported jax stops on a read past an end; on a negative index only jax 0.12.1 and later
+    do (before, the read wraps around to the end of the axis, and the run goes on).
+
+    >>> run = KernelRun(out=None, error="IndexError: Out-of-bounds read of (0 0 smem 104): "
+    ...                 "reading [(4, -1)] but buffer has shape (6, 5).")
+    >>> smem_read_outside(run)
+    ((4, -1), (6, 5))
+    """
+    access = _OOB_ACCESS.search(run.error or "")
+    if access is None or access.group(1) != "read" or access.group(4) != "smem":
+        return None
+    if "slice" in access.group(6):  # a slice of a table, not one entry: not named
+        return None
+    return _ints(access.group(6)), _ints(access.group(7))
 
 
 def _ints(text: str) -> tuple[int, ...]:

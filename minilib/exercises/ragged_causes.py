@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from minilib.exercises.checking import Case
+from minilib.exercises.kernel_failures import smem_read_outside
 from minilib.kv_cache import pages_needed
 from minilib.ladder.prefill_chunk import kv_block_pages, prefill_copy_plan
 from minilib.ladder.ragged import ragged_copy_plan
@@ -39,6 +40,10 @@ IDLE = (
     "a sequence with q_len 0 (idle: cu_q_lens[s + 1] == cu_q_lens[s]) has no rows and no "
     "work: skip it, in the walk and in next_work (`next_seq_with_rows(seq + 1, "
     "cu_q_lens[seq + 1], ...)` skips it)."
+)
+LAST_WORK = (
+    "the very last work has no next: after the last KV block of the last sequence of the last "
+    "q block, start nothing."
 )
 SPANNING = (
     "the q block ended mid-sequence: a sequence whose rows run past end_row is also the first "
@@ -191,10 +196,15 @@ def _ragged_problem(run, copies, case: Case, partial: bool) -> str | None:
              min(len(want), len(have)))  # fmt: skip
     if k == len(want) == len(have) and not partial:
         return _ragged_timing(run, copies, plan, per_block)
-    if partial and k >= len(have):
-        return None  # the copies agree until the run stopped
-    got = block_of(k) if k < len(have) else None
     due = work[k] if k < len(work) else None
+    prev = work[k - 1] if k > 0 else None
+    first_of_blk = due is not None and due[0] > 0 and (prev is None or prev[0] < due[0])
+    if partial and k >= len(have):  # the copies agree until the run stopped: on a read?
+        read = smem_read_outside(run)
+        if read is None or read[1] != table.shape:
+            return None
+        return _stopped_reading(read[0], k, len(want), due, prev, first_of_blk, cu, n)
+    got = block_of(k) if k < len(have) else None
     what = (f"copy {k} (of {len(want)} planned) differs: the plan has "
             + (f"KV block {due[2]} of sequence {due[1]} for q block {due[0]}" if due
                else "no more copies")
@@ -202,8 +212,6 @@ def _ragged_problem(run, copies, case: Case, partial: bool) -> str | None:
                else f", the kernel copied pages {[x[0] for x in have[k:k + per_block]]}"
                if k < len(have) else ", the kernel copied nothing more")
             + ". Likely cause: ")  # fmt: skip
-    prev = work[k - 1] if k > 0 else None
-    first_of_blk = due is not None and due[0] > 0 and (prev is None or prev[0] < due[0])
     if first_of_blk and k < len(have) and have[k][0] == want[k][0]:
         copy = copies[k][3]
         step = run.grid[copy.step][0][0] if 0 <= copy.step < len(run.grid) else None
@@ -215,8 +223,7 @@ def _ragged_problem(run, copies, case: Case, partial: bool) -> str | None:
     if got is not None and got[0] < n and cu[got[0] + 1] == cu[got[0]]:
         return what + IDLE
     if got is not None and got[0] >= n:
-        return what + (f"sequence slot {got[0]} is past num_seqs ({n}): the walk and next_work "
-                       "stop at num_seqs = num_seqs_ref[0], not the tables' length.")  # fmt: skip
+        return what + _past_num_seqs(got[0], n)
     if got is not None and prev is not None and got == (prev[1], prev[2]):
         return what + "the same KV block was copied twice in a row: " + IDLE
     if got is not None and prev is not None and got[0] == prev[1] and got[1] > prev[2]:
@@ -224,18 +231,53 @@ def _ragged_problem(run, copies, case: Case, partial: bool) -> str | None:
     if first_of_blk and prev is not None and due[1] == prev[1] and k < len(have):
         return what + SPANNING
     if due is None and k < len(have):
-        return what + ("the very last work has no next: after the last KV block of the last "
-                       "sequence of the last q block, start nothing.")  # fmt: skip
+        return what + LAST_WORK
     if got is not None and due is not None and got[0] != due[1]:
-        return what + (
-            f"sequence {got[0]} has no row in q block {due[0]}: a grid step walks only the "
-            "sequences with rows in its q block, from `next_seq_with_rows(0, first_row, ...)` "
-            "while cu_q_lens[seq] < end_row, and next_work chooses among those."
-        )
+        return what + _no_row(got[0], due[0])
     if k >= len(have):
         return what + TOO_FEW
     cause = _difference(want[k:], have[k:], case, table, due[1], lens[due[1]], carried=True)
     return what + (cause or TOO_FEW)
+
+
+def _stopped_reading(index: tuple, k: int, planned: int, due, prev, first_of_blk: bool,
+                     cu: list, n: int) -> str:  # fmt: skip
+    """The run stopped reading page_indices at `index`, outside it, for the copy after the `k`
+    that agree with the plan: jax 0.12.1 and later stop on a negative index (before, it wraps
+    around, and the copy of a garbage page is what `_ragged_problem` names)."""
+    seq, page = index
+    what = (f"copy {k} (of {planned} planned): the plan has "
+            + (f"KV block {due[2]} of sequence {due[1]} for q block {due[0]}" if due
+               else "no more copies")
+            + f", the kernel read page_indices[{seq}, {page}] for its next copy, outside the "
+            "table. Likely cause: ")  # fmt: skip
+    if due is None:
+        return what + LAST_WORK
+    if first_of_blk and prev is not None and due[1] == prev[1] and seq != due[1]:
+        return what + SPANNING
+    if seq >= n:
+        return what + _past_num_seqs(seq, n)
+    if cu[seq + 1] == cu[seq]:
+        return what + IDLE
+    if seq != due[1]:
+        return what + _no_row(seq, due[0])
+    return what + (
+        f"page {page} is outside sequence {seq}'s row: clamp the page index to its last page, "
+        "`jnp.minimum(b * pages_per_block + p, cdiv(kv_len, page_size) - 1)`."
+    )
+
+
+def _past_num_seqs(seq: int, n: int) -> str:
+    return (f"sequence slot {seq} is past num_seqs ({n}): the walk and next_work stop at "
+            "num_seqs = num_seqs_ref[0], not the tables' length.")  # fmt: skip
+
+
+def _no_row(seq: int, blk: int) -> str:
+    return (
+        f"sequence {seq} has no row in q block {blk}: a grid step walks only the sequences "
+        "with rows in its q block, from `next_seq_with_rows(0, first_row, ...)` while "
+        "cu_q_lens[seq] < end_row, and next_work chooses among those."
+    )
 
 
 def _ragged_timing(run, copies, plan, per_block) -> str | None:
