@@ -20,8 +20,8 @@ pinned by a file of constraints/ (README: "Supported stacks"):
                   pass, minilib.tpu.numerics), with each interpret-mode matrix and each
                   sweep shared by every checker or field cut to one case per path (the
                   tests marked `matrix` run on .venv alone);
-  * .venv-tpu     the newest jax with its libtpu, pinned (tpu.txt), on Python 3.13 as
-                  .venv: the `tpu_compile`
+  * .venv-tpu     the newest jax whose libtpu the package index has, with it, pinned
+                  (tpu.txt), on Python 3.13 as .venv: the `tpu_compile`
                   tests, which compile every kernel for five TPU chips here, without a TPU,
                   and print our kernel against JAX's and vLLM's RPA v3 (whose wheel,
                   tpu-inference 0.32.0, is fetched alone into .venv-tpu/minilib-v3, not
