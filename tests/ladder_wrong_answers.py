@@ -2,7 +2,9 @@
 
 Each `WrongAnswer` names its rung, the checker, how to build the learner's function, and words
 its report must contain (the named cause). `tests/exercises/test_ladder_checkers.py` runs them
-all in .venv, and one per rung (`fast=True`) on the other stacks.
+all in .venv, and on the other stacks those marked `fast=True`: one per rung, and two whose
+cause is found another way where the interpreter lets a negative SMEM index wrap around (jax
+before 0.12.1, as .venv-oldest's 0.7.2) than where it stops on it (.venv's).
 
 The kernels start from the solutions (solutions/ex07_flash.py, ex08_ladder.py) and change one
 thing, the `variant`; each variant is commented with the mistake it makes.
@@ -457,7 +459,7 @@ WRONG_ANSWERS = [
       lambda: rung2("head_dim_scale"), "1 / sqrt(head_dim), not by the sm_scale"),
     W("2", "clamp to -1 on an empty slot, guarded", ex.check_paged_decode_attention,
       lambda: rung2("clamp_to_minus_one"), "read page_indices[2, -1]", "outside the table",
-      "jnp.maximum(num_pages - 1, 0)"),
+      "jnp.maximum(num_pages - 1, 0)", fast=True),  # reads column -1
     W("2", "clamp to -1 on an empty slot", ex.check_paged_decode_attention,
       lambda: rung2("clamp_to_minus_one_unguarded"), "out-of-bounds", "kv_len 0",
       "jnp.maximum(num_pages - 1, 0)"),
@@ -561,7 +563,7 @@ WRONG_ANSWERS = [
     W("7", "next_work does not skip q_len 0", ex.check_ragged_paged_attention,
       lambda: rung7("next_no_skip_idle"), "q_len 0"),
     W("7", "next q block from seq + 1", ex.check_ragged_paged_attention,
-      lambda: rung7("next_block_skips_seq"), "ended mid-sequence"),
+      lambda: rung7("next_block_skips_seq"), "ended mid-sequence", fast=True),  # reads column -1
     W("7", "no prefetch across grid steps", ex.check_ragged_paged_attention,
       lambda: rung7("no_prefetch_across_steps"), "in its own grid step"),
     W("7", "slot not carried", ex.check_ragged_paged_attention,

@@ -1,8 +1,8 @@
 """The ladder's checkers against plausible wrong answers, and how they behave.
 
 Every wrong answer of `ladder_wrong_answers` must fail its checker with its named cause: all
-of them in .venv's run, one per rung on the other stacks (the rest are marked `matrix`). The
-checks must also behave: a deadlock is reported at once, nothing outlives a check (no thread,
+of them in .venv's run, those marked fast on the other stacks (the rest are marked `matrix`).
+The checks must also behave: a deadlock is reported at once, nothing outlives a check (no thread,
 no later output, no fatal error at exit), an out-of-bounds read is one paragraph, a race
 report is short with the detector's output on request, and a kernel that never ends is
 stopped.
