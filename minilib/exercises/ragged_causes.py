@@ -205,9 +205,7 @@ def _ragged_problem(run, copies, case: Case, partial: bool) -> str | None:
             return None
         return _stopped_reading(read[0], k, len(want), due, prev, first_of_blk, cu, n)
     got = block_of(k) if k < len(have) else None
-    what = (f"copy {k} (of {len(want)} planned) differs: the plan has "
-            + (f"KV block {due[2]} of sequence {due[1]} for q block {due[0]}" if due
-               else "no more copies")
+    what = (f"copy {k} (of {len(want)} planned) differs: the plan has {_planned(due)}"
             + (f", the kernel copied KV block {got[1]} of sequence {got[0]}" if got
                else f", the kernel copied pages {[x[0] for x in have[k:k + per_block]]}"
                if k < len(have) else ", the kernel copied nothing more")
@@ -246,11 +244,10 @@ def _stopped_reading(index: tuple, k: int, planned: int, due, prev, first_of_blk
     that agree with the plan: jax 0.12.1 and later stop on a negative index (before, it wraps
     around, and the copy of a garbage page is what `_ragged_problem` names)."""
     seq, page = index
-    what = (f"copy {k} (of {planned} planned): the plan has "
-            + (f"KV block {due[2]} of sequence {due[1]} for q block {due[0]}" if due
-               else "no more copies")
-            + f", the kernel read page_indices[{seq}, {page}] for its next copy, outside the "
-            "table. Likely cause: ")  # fmt: skip
+    what = (
+        f"copy {k} (of {planned} planned): the plan has {_planned(due)}, the kernel read "
+        f"page_indices[{seq}, {page}] for its next copy, outside the table. Likely cause: "
+    )
     if due is None:
         return what + LAST_WORK
     if first_of_blk and prev is not None and due[1] == prev[1] and seq != due[1]:
@@ -264,6 +261,12 @@ def _stopped_reading(index: tuple, k: int, planned: int, due, prev, first_of_blk
     return what + (
         f"page {page} is outside sequence {seq}'s row: clamp the page index to its last page, "
         "`jnp.minimum(b * pages_per_block + p, cdiv(kv_len, page_size) - 1)`."
+    )
+
+
+def _planned(due) -> str:
+    return (
+        f"KV block {due[2]} of sequence {due[1]} for q block {due[0]}" if due else "no more copies"
     )
 
 
