@@ -242,12 +242,21 @@ def _stopped_reading(index: tuple, k: int, planned: int, due, prev, first_of_blk
                      cu: list, n: int) -> str:  # fmt: skip
     """The run stopped reading page_indices at `index`, outside it, for the copy after the `k`
     that agree with the plan: jax 0.12.1 and later stop on a negative index (before, it wraps
-    around, and the copy of a garbage page is what `_ragged_problem` names)."""
+    around, and the copy of a garbage page is what `_ragged_problem` names).
+
+    >>> print(_stopped_reading((-1, 0), 3, 8, (1, 0, 0), (0, 1, 1), True, [0, 5, 9], 2))
+    copy 3 (of 8 planned): the plan has KV block 0 of sequence 0 for q block 1, the kernel \
+read page_indices[-1, 0] for its next copy, outside the table. Likely cause: sequence index -1 \
+is below 0: the walk and next_work start at sequence 0, and clamp every index they read.
+    """
     seq, page = index
     what = (
         f"copy {k} (of {planned} planned): the plan has {_planned(due)}, the kernel read "
         f"page_indices[{seq}, {page}] for its next copy, outside the table. Likely cause: "
     )
+    if seq < 0:  # before any rule that indexes cu_q_lens with it
+        return what + (f"sequence index {seq} is below 0: the walk and next_work start at "
+                       "sequence 0, and clamp every index they read.")  # fmt: skip
     if due is None:
         return what + LAST_WORK
     if first_of_blk and prev is not None and due[1] == prev[1] and seq != due[1]:
