@@ -27,6 +27,7 @@ from minilib import (
     ref_ragged_paged_attention,
 )
 from minilib.batch import RaggedBatch, make_batch
+from minilib.ladder.deadlock import fail_fast_on_deadlock
 from minilib.parity import parity_tolerance
 from minilib.tpu.numerics import one_bf16_pass
 
@@ -82,6 +83,23 @@ def release_compiled_programs(limit: int | None = None) -> bool:
 def _programs_released_past_half_the_map_limit():
     yield
     release_compiled_programs()
+
+
+# The folders whose tests run the course's own kernels. The checkers' tests (exercises/,
+# ladder/) are left as a learner meets them: the checkers watch their kernels themselves.
+KERNEL_FOLDERS = ("core", "engine", "kernel", "perf")
+
+
+@pytest.fixture(autouse=True)
+def _deadlocks_fail_fast(request):
+    """A kernel's wait that nothing will end raises within seconds, naming its semaphore
+    (`minilib.ladder.deadlock`), instead of hanging to the ten-minute watchdog: a copy that
+    moves fewer bytes than its wait takes back fails its test, not the run's deadline."""
+    if request.node.path.parent.name not in KERNEL_FOLDERS:
+        yield
+        return
+    with fail_fast_on_deadlock():
+        yield
 
 
 def pytest_terminal_summary(terminalreporter):

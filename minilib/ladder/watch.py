@@ -201,6 +201,22 @@ def _copies_pending(sem, core: int, parts: _Parts) -> int:
     return len(memory.dmas_by_sem.get(sem.id, ()))
 
 
+def _num_cores(parts: _Parts) -> int:
+    try:
+        return int(parts.modules[0]._get_shared_memory().num_cores)
+    except Exception:
+        return 2  # unknown: assume another core might signal
+
+
+def never_signalled(sem, value: int, core: int, is_dma: bool, parts: _Parts) -> bool:
+    """Whether a wait for `value` on `sem` can never end: its count is too low, no copy is
+    queued to signal it, and no other core could (a DMA semaphore, or a kernel on one core).
+    In interpret mode nothing else runs while the wait waits, so it would wait for ever."""
+    alone = is_dma or _num_cores(parts) == 1
+    too_low = _count(sem, core) < value
+    return too_low and _copies_pending(sem, core, parts) == 0 and alone
+
+
 def _index(indexers) -> tuple:
     """A transform of the interpreter (NDIndexers) as a tuple: int, (start, stop) or ":"."""
     if not indexers:
@@ -369,11 +385,15 @@ class Watch:
             if self.shared is None and len(places) > 1:
                 self.shared = in_flight
                 self.found["shared"] = len(self.copies)
-            count = _count(sem, core)
-            alone = is_dma or self._num_cores() == 1  # no other core could signal it
-            if count < value and _copies_pending(sem, core, self.parts) == 0 and alone:
-                self.deadlock = dict(semaphore=sem.id, core=core, wanted=value, count=count,
-                                     copies=mine)  # fmt: skip
+            if never_signalled(sem, value, core, is_dma, self.parts):
+                count = _count(sem, core)
+                self.deadlock = dict(
+                    semaphore=sem.id,
+                    core=core,
+                    wanted=value,
+                    count=count,
+                    copies=mine,
+                )
                 self.found["deadlock"] = len(self.copies)
                 raise KernelDeadlock(
                     f"a wait on semaphore {sem.id} for {value} bytes, which has {count}, and "
@@ -390,12 +410,6 @@ class Watch:
                     taken = min(value, c.outstanding)
                     c.waited += taken
                     value -= taken
-
-    def _num_cores(self) -> int:
-        try:
-            return int(self.parts.modules[0]._get_shared_memory().num_cores)
-        except Exception:
-            return 2  # unknown: assume another core might signal
 
     def _remember_semaphores(self) -> None:
         try:

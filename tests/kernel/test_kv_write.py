@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -167,6 +168,27 @@ def test_a_kernel_that_does_not_wait_for_its_writes_is_caught(monkeypatch):
     finally:
         rpa_write_jit.clear_cache()  # no later call may reuse the kernel without the wait
     assert not np.array_equal(np.asarray(out), np.asarray(expected), equal_nan=True)
+
+
+def test_a_write_whose_wait_wants_a_row_more_fails_in_seconds(monkeypatch):
+    """A copy/wait byte mismatch (a write of `kv_len // page_size` pages leaves its wait
+    short the same way) fails in seconds, naming the write's wait, under the guard of every
+    kernel test (tests/conftest.py), instead of hanging to the ten-minute watchdog."""
+    wait = kv_write.wait_for_the_writes
+    monkeypatch.setattr(
+        kv_write, "wait_for_the_writes", lambda ref, rows, sem: wait(ref, rows + 1, sem)
+    )
+    batch, (k, v), _ = case("float32")
+    options = dict(num_kv_pages_per_block=1, num_queries_per_block=16)
+    start = time.monotonic()
+    try:
+        with pytest.raises(Exception, match="deadlock: a wait on DMA semaphore") as raised:
+            fused(batch, k, v, interpret=INTERPRET, **options)
+    finally:
+        rpa_write_jit.clear_cache()  # no later call may reuse the kernel with the longer wait
+    assert time.monotonic() - start < 60
+    if jax.__version_info__ >= (0, 8):  # JAX gives the wait's line from 0.8 on
+        assert "wait_for_the_writes" in str(raised.value)
 
 
 def test_under_jit_the_cache_comes_back_updated():
