@@ -3,11 +3,14 @@ tolerance follows where the matmuls run."""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_close, bf16_step
 
+import minilib.parity
 from minilib.parity import (
     BF16_PASS_TOLERANCE,
     BFLOAT16_TOLERANCE,
@@ -15,7 +18,7 @@ from minilib.parity import (
     parity_error,
     parity_tolerance,
 )
-from minilib.tpu.numerics import emulate_tpu_matmul_precision, one_bf16_pass
+from minilib.tpu.numerics import emulate_tpu_matmul_precision, emulating, one_bf16_pass, switch
 
 
 def test_a_right_answer_passes_and_its_error_is_returned():
@@ -77,3 +80,55 @@ def test_a_bf16_output_may_round_one_step_the_other_way_at_its_own_magnitude():
             assert_close(want + wrong, want, jnp.bfloat16)
     empty = np.zeros((0, 2, 4), np.float32)  # a batch with no live rows
     assert assert_close(empty, empty, jnp.bfloat16) == assert_close(empty, empty, jnp.float32) == 0
+
+
+@contextlib.contextmanager
+def exact_float32_matmuls():
+    """A CPU's exact float32 matmuls, also where the tests run under the emulation of a TPU's
+    (`MINILIB_TPU_NUMERICS=1`, .venv-oldest's lane)."""
+    was_on = emulating()
+    switch(False)
+    try:
+        assert not one_bf16_pass(), "float32 matmuls are one bfloat16 pass on this backend"
+        yield
+    finally:
+        switch(was_on)
+
+
+# What the docs state, as they state it (minilib/parity.py's docstring; notebook 04): these
+# pin the tolerances by behaviour, so that a constant changed in the code alone fails here.
+STATED = {"FLOAT32_TOLERANCE": 1e-4, "BF16_PASS_TOLERANCE": 2e-2, "BFLOAT16_TOLERANCE": 2e-2}
+
+
+@pytest.mark.parametrize("name", STATED)
+def test_each_tolerance_is_the_one_the_docs_state(name):
+    """The docstring names each tolerance with its value; an answer a tenth further off fails
+    at it, a tenth less far passes. Checked with the documented number, not the
+    constant, so that neither can move without the other."""
+    value = STATED[name]
+    assert f"`{name}`, {value:.0e}".replace("e-0", "e-") in minilib.parity.__doc__
+    tolerance = {
+        "FLOAT32_TOLERANCE": parity_tolerance(jnp.float32),
+        "BF16_PASS_TOLERANCE": BF16_PASS_TOLERANCE,
+        "BFLOAT16_TOLERANCE": parity_tolerance(jnp.bfloat16),
+    }[name]
+    if name == "FLOAT32_TOLERANCE":
+        with exact_float32_matmuls():
+            tolerance = parity_tolerance(jnp.float32)
+    expected = np.linspace(-1.0, 1.0, 12)
+    near, far = expected.copy(), expected.copy()
+    near[5] += 0.9 * value
+    far[5] += 1.1 * value
+    assert parity_error(near, expected, tolerance=tolerance) == pytest.approx(0.9 * value)
+    with pytest.raises(AssertionError, match="a wrong answer, not rounding"):
+        parity_error(far, expected, tolerance=tolerance)
+
+
+def test_a_float32_answer_3e_4_off_fails_and_5e_5_passes_on_a_cpu():
+    """The issue's own numbers, with exact float32 matmuls (a CPU)."""
+    with exact_float32_matmuls():
+        tolerance = parity_tolerance()
+    expected = np.zeros((2, 3))
+    assert parity_error(expected + 5e-5, expected, tolerance=tolerance) == pytest.approx(5e-5)
+    with pytest.raises(AssertionError, match="3.0e-04 > tolerance 1e-04"):
+        parity_error(expected + 3e-4, expected, tolerance=tolerance)
