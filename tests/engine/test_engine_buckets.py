@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from minilib.engine import Engine, EngineError, ModelConfig, SamplingParams, init_params
 from minilib.engine.buckets import (
@@ -46,6 +48,54 @@ def test_reachable_shapes_are_every_shape_a_step_can_take():
         for t in range(s, 17)
     }
     assert shapes == seen
+
+
+def shapes_steps_take(token_buckets, seq_buckets, max_num_seqs) -> set[tuple[int, int]]:
+    """By brute force: every step of n sequences (1 to max_num_seqs) and t tokens (at least
+    one a sequence, at most the last token bucket), padded to its buckets."""
+    return {
+        (bucket_for(t, token_buckets), bucket_for(n, seq_buckets))
+        for n in range(1, max_num_seqs + 1)
+        for t in range(n, token_buckets[-1] + 1)
+    }
+
+
+def increasing(values):
+    return st.lists(values, min_size=1, max_size=4, unique=True).map(sorted)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    token_buckets=increasing(st.integers(1, 24)),
+    seq_buckets=increasing(st.integers(1, 8)),
+    max_num_seqs=st.integers(1, 8),
+)
+def test_reachable_shapes_are_the_shapes_steps_take(token_buckets, seq_buckets, max_num_seqs):
+    """Against the brute force, on small bucket lists, edges included (a bucket equal to the
+    fewest sequences it holds, max_num_seqs equal to a token bucket)."""
+    assume(seq_buckets[-1] >= max_num_seqs)  # check_buckets refuses the others
+    shapes = reachable_shapes(token_buckets, seq_buckets, max_num_seqs)
+    assert len(shapes) == len(set(shapes))
+    assert set(shapes) == shapes_steps_take(token_buckets, seq_buckets, max_num_seqs)
+
+
+def test_the_brute_force_catches_a_shape_dropped_at_the_edge():
+    """The check above can fail: a rule with `<` where `<=` belongs drops the shapes whose
+    token bucket holds exactly the fewest sequences of their sequence bucket, and the
+    engine would compile three times after `warm_up()`."""
+
+    def reachable_with_less_than(token_buckets, seq_buckets, max_num_seqs):
+        return {
+            (t, s)
+            for t in token_buckets
+            for i, s in enumerate(seq_buckets)
+            if (seq_buckets[i - 1] + 1 if i else 1) < min(t, max_num_seqs)
+        }
+
+    wrong = reachable_with_less_than([1, 2, 4], [1, 2], max_num_seqs=2)
+    missed = shapes_steps_take([1, 2, 4], [1, 2], max_num_seqs=2) - wrong
+    assert missed == {(1, 1), (2, 2), (4, 2)}
+    assert set(reachable_shapes([1, 2, 4], [1, 2], max_num_seqs=2)) >= missed
 
 
 def stream(rng: np.random.Generator) -> list[tuple[list[int], SamplingParams]]:

@@ -31,6 +31,8 @@ from minilib.parity import parity_error, parity_tolerance
 SEQ_LENS = [(1, 9), (5, 20), (0, 4), (1, 17), (12, 40), (3, 3), (1, 1)]
 BATCH_OPTIONS = dict(page_size=8, max_num_seqs=9, max_num_batched_tokens=32, pages_per_seq=6)
 BLOCKS = dict(num_kv_pages_per_block=2, num_queries_per_block=8)
+# One decode sequence among a chunk, a prefill and an idle one.
+LONE_DECODE = [(5, 20), (0, 4), (1, 9), (12, 40)]
 
 CASES = {
     # name: (make_batch options, kernel options)
@@ -41,6 +43,8 @@ CASES = {
         dict(num_q_heads=16, num_kv_heads=8, head_dim=32),
         {},
     ),
+    # The decode kernel writes one row in all: its wait is for that row alone.
+    "a lone decode sequence": (dict(seq_lens=LONE_DECODE), BLOCKS),
 }
 
 
@@ -93,13 +97,16 @@ def assert_bit_identical(actual, expected, what: str):
 @functools.cache
 def case(name: str):
     batch_options, kernel_options = CASES[name]
-    batch = make_batch(SEQ_LENS, **BATCH_OPTIONS, **batch_options)
+    batch_options = dict(batch_options)
+    seq_lens = batch_options.pop("seq_lens", SEQ_LENS)
+    batch = make_batch(seq_lens, **BATCH_OPTIONS, **batch_options)
     return batch, new_kv(batch), kernel_options
 
 
 @pytest.mark.parametrize(
     "name",
-    one_case_per_path(CASES, "float32", "fp8 cache"),  # float32: where numerics differ
+    # float32: where numerics differ; a lone decode: the wait for a single row
+    one_case_per_path(CASES, "float32", "fp8 cache", "a lone decode sequence"),
 )
 def test_the_fused_write_is_the_separate_scatter_then_attention(name):
     batch, (k, v), options = case(name)

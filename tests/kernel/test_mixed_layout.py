@@ -7,6 +7,9 @@ the (q block, sequence) passes it saves.
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -109,3 +112,70 @@ def test_chunks_after_decodes_take_their_own_q_blocks():
     mixed = {(e.step, e.seq) for e in plan.computes() if e.kernel == "mixed"}
     assert sorted(mixed) == [((0, 0), 4), ((0, 1), 4), ((0, 2), 5), ((0, 3), 5)]
     assert plan.mixed_q_rows[4:6] == ((0, 16), (16, 32))
+
+
+def padded_starts(q_lens, num_seqs: int, bq: int, max_num_batched_tokens: int) -> list[int]:
+    """The mixed q's cu_q_lens by the rule `mixed_layout`'s docstring states, sequence by
+    sequence: the one-token and idle sequences (and the slots past num_seqs) take no rows; the
+    others take their rows, padded to a multiple of bq while their padding and that of all
+    before them fit in the rows left free, less the last row."""
+    mixed_rows = -(-max_num_batched_tokens // bq) * bq
+    mixed = [s < num_seqs and q > 1 for s, q in enumerate(q_lens)]
+    free = mixed_rows - sum(q for q, m in zip(q_lens, mixed, strict=True) if m)
+    starts, padding_so_far = [0], 0
+    for q, m in zip(q_lens, mixed, strict=True):
+        rows = 0
+        if m:
+            padding = -q % bq
+            padding_so_far += padding
+            rows = q + (padding if padding_so_far <= free - 1 else 0)
+        starts.append(starts[-1] + rows)
+    return starts
+
+
+@functools.cache
+def jitted_mixed_starts(bq: int, max_num_batched_tokens: int, max_num_seqs: int):
+    q = jax.ShapeDtypeStruct((max_num_batched_tokens, 4, 64), jnp.float32)
+    kv_pages = jax.ShapeDtypeStruct((8, 8, 4, 64), jnp.float32)
+    page_indices = jax.ShapeDtypeStruct((max_num_seqs, 4), jnp.int32)
+    config = kernel_config(q, kv_pages, page_indices, num_queries_per_block=bq)
+    return jax.jit(lambda cu_q_lens, num_seqs: mixed_layout(cu_q_lens, num_seqs, config).cu_q_lens)
+
+
+def test_the_padding_stops_where_it_would_take_the_last_row():
+    """The edge: 3 + 8 rows of 12 in q blocks of 4 leave one row free, the last, which no
+    sequence may take: the chunk of 3 is not padded. 3 + 7 leave two: it is."""
+    for q_lens, want in (([3, 8], [0, 3, 11]), ([3, 7], [0, 4, 11])):
+        cu_q_lens = jnp.asarray(np.cumsum([0, *q_lens]), jnp.int32)
+        starts = jitted_mixed_starts(4, 12, 2)(cu_q_lens, jnp.asarray([2], jnp.int32))
+        assert np.asarray(starts).tolist() == want == padded_starts(q_lens, 2, 4, 12)
+
+
+@pytest.mark.parametrize(
+    "bq, max_num_batched_tokens, max_num_seqs", [(4, 12, 4), (3, 10, 5), (8, 16, 4)]
+)
+def test_the_layout_is_the_stated_rule_on_small_random_batches(
+    bq, max_num_batched_tokens, max_num_seqs
+):
+    """Against the rule written out, on 200 random batches per shape (one compile each):
+    every edge of `padding <= free - 1` is met many times at these sizes."""
+    rng = np.random.default_rng(bq)
+    mixed_starts = jitted_mixed_starts(bq, max_num_batched_tokens, max_num_seqs)
+    at_the_edge = 0
+    for _ in range(200):
+        num_seqs = int(rng.integers(1, max_num_seqs + 1))
+        q_lens = rng.multinomial(
+            int(rng.integers(0, max_num_batched_tokens + 1)), [1 / num_seqs] * num_seqs
+        )
+        cu = np.cumsum([0, *q_lens])
+        garbage = rng.integers(-50, 50, max_num_seqs - num_seqs)  # slots past num_seqs
+        cu_q_lens = jnp.asarray(np.concatenate([cu, garbage]), jnp.int32)
+        got = np.asarray(mixed_starts(cu_q_lens, jnp.asarray([num_seqs], jnp.int32)))
+        want = padded_starts(
+            list(q_lens) + [0] * (max_num_seqs - num_seqs), num_seqs, bq, max_num_batched_tokens
+        )
+        assert got.tolist() == want, (q_lens.tolist(), num_seqs)
+        mixed_rows = -(-max_num_batched_tokens // bq) * bq
+        free = mixed_rows - sum(q for q in q_lens if q > 1)
+        at_the_edge += any(np.cumsum([-q % bq for q in q_lens if q > 1]) == free)
+    assert at_the_edge >= 5  # the draw reaches the edge, where `<` and `<=` part
