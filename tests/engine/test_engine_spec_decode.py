@@ -191,13 +191,34 @@ def test_a_proposers_bad_drafts_are_refused_and_change_nothing(drafts, words):
 TINY = ModelConfig(vocab_size=4, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8)
 TINY_PARAMS = jax.tree.map(lambda w: w / 4, init_params(TINY, seed=3))  # logits of spread ~1
 TINY_PROMPT = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
-TEMPERATURE = 1.0
+# (temperature, top_k, top_p): plain sampling, where the processed logits are the raw ones,
+# and every setting away from its neutral value, where a draft's probability taken from the
+# raw logits (not the processed ones) keeps drafts at the wrong rate.
+SETTINGS = {"plain": (1.0, 0, 1.0), "temperature 0.7, top_k 3, top_p 0.9": (0.7, 3, 0.9)}
 COUNTED = 3  # the first three tokens: 64 outcomes
 NUM_REQUESTS = 1500
 SIGNIFICANCE = 1e-4  # the correct sampler's fixed-seed p-value must be above it
 
 
-def exact_distribution() -> dict[tuple[int, ...], float]:
+def processed_probs(logits, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The distribution a draw comes from, by the rule `SamplingParams` states, in float64:
+    logits / temperature; the top_k most likely (0: all); of those, the fewest most likely
+    whose probability reaches top_p."""
+    scaled = np.asarray(logits, np.float64) / temperature
+    order = np.argsort(-scaled, kind="stable")
+    kept = np.zeros(len(scaled), bool)
+    kept[order[: top_k or len(scaled)]] = True
+    probs = np.where(kept, np.exp(scaled - scaled.max()), 0.0)
+    probs /= probs.sum()
+    reached = np.cumsum(probs[order]) >= top_p
+    fewest = int(np.argmax(reached)) + 1 if reached.any() else len(scaled)
+    kept[:] = False
+    kept[order[:fewest]] = True
+    probs = np.where(kept, probs, 0.0)
+    return probs / probs.sum()
+
+
+def exact_distribution(temperature, top_k, top_p) -> dict[tuple[int, ...], float]:
     """P(first COUNTED tokens) from the dense model's logits, path by path."""
     cache = jnp.zeros((TINY.num_layers, 64, TINY.num_kv_heads, TINY.head_dim))
     probs = {}
@@ -207,20 +228,22 @@ def exact_distribution() -> dict[tuple[int, ...], float]:
         tokens = np.zeros(64, np.int32)
         tokens[: len(TINY_PROMPT) + len(path)] = TINY_PROMPT + list(path)
         logits, _, _ = dense_forward(TINY_PARAMS, TINY, tokens, 0, cache, cache)
-        last = logits[len(TINY_PROMPT) + len(path) - 1] / TEMPERATURE
-        probs[path] = np.asarray(jax.nn.softmax(last), np.float64)
+        last = logits[len(TINY_PROMPT) + len(path) - 1]
+        probs[path] = processed_probs(last, temperature, top_k, top_p)
     return {
         path: float(np.prod([probs[path[:i]][t] for i, t in enumerate(path)]))
         for path in itertools.product(range(4), repeat=COUNTED)
     }
 
 
-def sampled_counts(num_speculative_tokens: int) -> tuple[dict, Engine]:
+def sampled_counts(num_speculative_tokens: int, settings) -> tuple[dict, Engine]:
+    temperature, top_k, top_p = settings
     eng = Engine(TINY_PARAMS, TINY, num_pages=512, page_size=4, max_num_batched_tokens=256,
                  max_num_seqs=64, num_speculative_tokens=num_speculative_tokens)  # fmt: skip
     ids = [
         eng.add_request(TINY_PROMPT, sampling_params=SamplingParams(
-            max_tokens=COUNTED + 1, temperature=TEMPERATURE, seed=seed))
+            max_tokens=COUNTED + 1, temperature=temperature, top_k=top_k, top_p=top_p,
+            seed=seed))
         for seed in range(NUM_REQUESTS)
     ]  # fmt: skip
     while eng.has_unfinished:
@@ -251,20 +274,21 @@ def chi_square_p_value(counts: dict, exact: dict) -> float:
     )
 
 
-@pytest.fixture(scope="module")
-def exact():
-    distribution = exact_distribution()
+@functools.cache
+def exact(name: str) -> dict[tuple[int, ...], float]:
+    distribution = exact_distribution(*SETTINGS[name])
     assert abs(sum(distribution.values()) - 1) < 1e-5
     assert max(distribution.values()) < 0.2, "too peaked to test the sampler"
     return distribution
 
 
-def test_sampled_speculation_keeps_the_output_distribution(exact):
-    counts, eng = sampled_counts(num_speculative_tokens=2)
+@pytest.mark.parametrize("name", SETTINGS)
+def test_sampled_speculation_keeps_the_output_distribution(name):
+    counts, eng = sampled_counts(num_speculative_tokens=2, settings=SETTINGS[name])
     proposed = sum(s.num_draft_tokens for s in eng.stats)
     accepted = sum(s.num_accepted_tokens for s in eng.stats)
     assert proposed >= NUM_REQUESTS and 0.1 * proposed < accepted < 0.9 * proposed
-    assert chi_square_p_value(counts, exact) > SIGNIFICANCE
+    assert chi_square_p_value(counts, exact(name)) > SIGNIFICANCE
 
 
 def too_willing(uniform, p_draft):
@@ -272,11 +296,11 @@ def too_willing(uniform, p_draft):
     return uniform < jnp.sqrt(p_draft)
 
 
-def test_the_distribution_test_fails_a_wrong_acceptance_rule(exact, monkeypatch):
+def test_the_distribution_test_fails_a_wrong_acceptance_rule(monkeypatch):
     wrong = functools.partial(rejection_sample, keep=too_willing)
     monkeypatch.setattr(engine_module, "rejection_sample", wrong)
-    counts, _ = sampled_counts(num_speculative_tokens=2)
-    assert chi_square_p_value(counts, exact) < SIGNIFICANCE
+    counts, _ = sampled_counts(num_speculative_tokens=2, settings=SETTINGS["plain"])
+    assert chi_square_p_value(counts, exact("plain")) < SIGNIFICANCE
 
 
 def test_rejection_sample_draws_the_first_token_from_p_whatever_the_draft():
@@ -295,3 +319,36 @@ def test_rejection_sample_draws_the_first_token_from_p_whatever_the_draft():
         assert scipy_stats.chisquare(first, p * n).pvalue > SIGNIFICANCE
         kept = np.asarray(accepted) == 1
         assert abs(kept.mean() - p[draft]) < 4 * np.sqrt(p[draft] / n)  # kept w.p. p(draft)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 3, 1.0), (0.7, 3, 0.8), (1.5, 0, 0.6)],
+    ids=["plain", "temperature", "top_k", "top_k and top_p", "top_p"],
+)
+def test_a_draft_is_kept_with_its_probability_after_temperature_top_k_and_top_p(settings):
+    """The sampler alone, many seeds at once: a draft is kept with its probability under the
+    request's temperature, top_k and top_p (computed here by the stated rule), and the first
+    token's frequencies are that distribution's, zero where top-k or top-p drop a token."""
+    temperature, top_k, top_p = settings
+    n = 20000
+    raw = np.log([0.4, 0.3, 0.2, 0.1])
+    p = processed_probs(raw, temperature, top_k, top_p)
+    logits = jnp.broadcast_to(jnp.asarray(raw, jnp.float32), (n, 2, 4))
+    keys = jnp.stack([jnp.zeros(n, jnp.uint32), jnp.arange(n, dtype=jnp.uint32)], axis=1)
+    for draft in (0, 1):
+        tokens, accepted = rejection_sample(
+            logits,
+            jnp.full((n, 1), draft),
+            jnp.ones(n, jnp.int32),
+            keys,
+            jnp.zeros(n, jnp.int32),
+            jnp.full(n, temperature, jnp.float32),
+            jnp.full(n, top_k, jnp.int32),
+            jnp.full(n, top_p, jnp.float32),
+        )
+        kept = np.asarray(accepted) == 1
+        assert abs(kept.mean() - p[draft]) < 4 * np.sqrt(p[draft] * (1 - p[draft]) / n) + 1e-9
+        first = np.bincount(np.asarray(tokens[:, 0]), minlength=4)
+        assert np.all(first[p == 0] == 0)
+        assert scipy_stats.chisquare(first[p > 0], p[p > 0] * n).pvalue > SIGNIFICANCE
