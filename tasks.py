@@ -126,6 +126,7 @@ TPU_COMPILE_TESTS = (
     "tests/tpu/test_tpu_recorded.py",
     "tests/tpu/test_tpu_kv_write.py",
     "tests/tpu/test_tpu_dump_cache.py",
+    "tests/exercises/test_kernel_constructs.py",
 )
 # With jax 0.7.2, one kernel configuration per chip, the comparison with JAX's kernel and
 # the harness's own failure tests: the whole matrix runs once, on the newest stack.

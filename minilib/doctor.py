@@ -457,7 +457,7 @@ def ladder_checks(rungs=None) -> list[tuple[str, bool]]:
     <BLANKLINE>
     ladder solutions, each by its checker:
       PASS  rung 5 paged_decode_attention_prefetch: Passed: prefetching_decode matches ...
-            It lowers for TPU (bf16, 8 sequences, ...)
+            It lowers for v5e (bf16, 8 sequences, ...)
     [('rung 5 (paged_decode_attention_prefetch)', True)]
     """
     print("\nladder solutions, each by its checker:")

@@ -1,7 +1,9 @@
 """The wrong kernels of the ladder's last rungs, as a learner writes them: rung 5 (prefetching
 across grid steps), 5a (`next_work` in Python), 6 (a prefill chunk) and 7 (the ragged batch).
 Each maker starts from the solution and changes one thing, the `variant`, commented with the
-mistake it makes; `ladder_wrong_answers.WRONG_ANSWERS` lists them with their checkers.
+mistake it makes; `ladder_wrong_answers.WRONG_ANSWERS` lists them with their checkers. One
+variant of rung 6 is right: "floor_division" counts pages and KV blocks with `//` on traced
+integers where the solution has `pl.cdiv` (tests/exercises/test_kernel_constructs.py).
 """
 
 from __future__ import annotations
@@ -123,6 +125,8 @@ def next_work_variant(variant: str) -> Callable:
 def kv_block(page_indices_ref, kv_hbm_ref, bufs, sems, seq, kv_len, b, slot, variant=""):
     page_size = kv_hbm_ref.shape[1]
     per_block, last = bufs.shape[1] // page_size, pl.cdiv(kv_len, page_size) - 1
+    if variant == "floor_division":  # right: the same last page, `//` on a traced integer
+        last = (kv_len + page_size - 1) // page_size - 1
     first = b + 0 if variant == "page_b_plus_p" else b * per_block  # b + p: blocks overlap
     pages = [
         page_indices_ref[
@@ -181,6 +185,8 @@ def rung6(variant: str) -> Callable:
         if variant == "blocks_from_first_row":  # the first row's diagonal, not the last's
             last_row = first_row
         num_kv_blocks = pl.cdiv(kv_len - q_len + last_row + 1, block_kv)
+        if variant == "floor_division":  # right: the same count, `//` on traced integers
+            num_kv_blocks = (kv_len - q_len + last_row + block_kv) // block_kv
         if variant == "no_diagonal_skip":  # every KV block up to kv_len
             num_kv_blocks = pl.cdiv(kv_len, block_kv)
         if variant != "dead_q_block_not_skipped":  # a q block with no live row: nothing

@@ -17,7 +17,10 @@ checker (`checking.run_check`), with more:
   mistake the output matches (`mistakes`), or what NaN in it usually means;
 * when every case passes and libtpu is installed, the kernel is compiled for a real chip (v5e)
   with Mosaic (`minilib.tpu.compile.compile_for_tpu`): "will it compile on a TPU?" on a laptop.
-  Without libtpu, JAX's own lowering for TPU checks the block shapes. A kernel refused fails.
+  Without libtpu (a Mac, Windows, or a Linux host without it), JAX's own lowering for TPU,
+  told the chip, checks the block shapes (`lower_for_tpu`). A kernel refused fails; but where
+  that lowering stops only to ask which TPU it lowers for, which this machine cannot say, the
+  check passes on the interpret-mode result, and says in one line what was not checked.
 
 Nothing outlives a check: a deadlocked or runaway kernel is stopped inside the interpreter, so
 no thread is left waiting, and nothing it printed reaches a later cell.
@@ -30,7 +33,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import traceback
+import types
 from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -53,7 +60,7 @@ from minilib.ladder.interpret import MISSING_OPTIONS
 from minilib.tpu.numerics import BF16_PASS_TOLERANCE, one_bf16_pass
 
 # `check_kernel` is what the checkers of notebooks 07 and 08 call, and `compare_kernel_output`
-# its comparison. `compile_on_tpu` and the two functions after it, its last step, are left out:
+# its comparison. `compile_on_tpu` and the functions after it, its last step, are left out:
 # what they do depends on whether libtpu is installed, and check_kernel's example runs them.
 __all__ = ["TableRead", "check_kernel", "compare_kernel_output", "index_map_read_outside"]
 
@@ -268,19 +275,93 @@ def compile_on_tpu(name: str, fn: Callable, case: Case) -> tuple[str, str]:
     return FAILED, f"Mosaic's message, {where}:\n{shown}{more}"
 
 
-def lower_for_tpu(fn: Callable, case: Case, reason: str) -> tuple[str, str]:
-    """Without libtpu: JAX's own lowering of the kernel for a TPU (`jax.export`), which already
-    checks the block shapes against the (8, 128) tiles; Mosaic's compile passes need libtpu."""
+def lower_for_tpu(
+    fn: Callable, case: Case, reason: str, chip: str | None = COMPILE_CHIP
+) -> tuple[str, str]:
+    """(status, note) without libtpu: JAX's own lowering of the kernel for a TPU
+    (`jax.export`), told it lowers for `chip` (`described_chip`), which checks the block
+    shapes against the (8, 128) tiles. Mosaic's compile passes need libtpu. `chip=None`
+    lowers as `jax.export` alone does, for this machine's own device.
+
+    A refusal fails the check, except when the lowering stopped to ask JAX which TPU it lowers
+    for and this machine has none to name (`asked_which_tpu`): that says nothing of the
+    kernel, so the check passes on its interpret-mode result, and the note says what was not
+    checked and how to check it. (Not told the chip, jax 0.12 cannot lower `//` on a traced
+    integer: its lowering of the sign asks for the chip's generation.)
+
+    >>> import jax.numpy as jnp
+    >>> from jax.experimental import pallas as pl
+    >>> from jax.experimental.pallas import tpu as pltpu
+    >>> def kernel(n_ref, o_ref):   # [1] int32 -> [1] int32: n // 8, n a traced integer
+    ...     o_ref[0] = n_ref[0] // 8
+    >>> smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    >>> out_shape = jax.ShapeDtypeStruct((1,), jnp.int32)
+    >>> fn = pl.pallas_call(kernel, out_shape=out_shape, in_specs=[smem], out_specs=smem)
+    >>> status, note = lower_for_tpu(fn, Case("n = 17", (jnp.array([17], jnp.int32),)), "")
+    >>> status, note.split(";")[0]
+    ('passed', 'It lowers for v5e (n = 17)')
+    """
     from jax import export
 
+    told = jax.sharding.use_abstract_mesh(described_chip(chip)) if chip else nullcontext()
+    where = f"for {chip or 'a TPU not named'} ({case.description})"
     try:
-        export.export(jax.jit(fn), platforms=["tpu"])(*case.args)
+        with told, frames_kept():
+            export.export(jax.jit(fn), platforms=["tpu"])(*case.args)
     except Exception as err:
+        if asked_which_tpu(err):
+            return PASSED, (
+                f"The TPU compile was not checked here ({case.description}): JAX's lowering "
+                "asked which TPU it compiles for, which it cannot know here without libtpu. "
+                f"{reason} (libtpu is for Linux on x86-64; elsewhere, run the check on "
+                "Colab's TPU runtime.)"
+            )
         message = f"{type(err).__name__}: {err}".split("See details")[0].strip()
-        return FAILED, f"JAX's lowering for TPU refuses it ({case.description}):\n  {message}"
-    return PASSED, (
-        f"It lowers for TPU ({case.description}); Mosaic's own compile was not run: {reason}"
-    )
+        return FAILED, f"JAX's lowering for TPU refuses it {where}:\n  {message}"
+    return PASSED, f"It lowers {where}; Mosaic's own compile was not run: {reason}"
+
+
+def described_chip(chip: str):
+    """A one-device abstract mesh of `chip` (a key of `minilib.chips.FACTS`), described by its
+    device kind alone: no libtpu needed. Inside `jax.sharding.use_abstract_mesh(...)` of it,
+    JAX's TPU lowering lowers for that chip, not for this machine's own device.
+
+    >>> described_chip("v5e").abstract_device.device_kind
+    'TPU v5 lite'
+    """
+    from minilib.chips import DEVICE_KINDS, FACTS
+    from minilib.tpu.compile import abstract_mesh
+
+    kinds = [kind for kind, name in DEVICE_KINDS.items() if name == chip]
+    if not kinds:
+        raise ValueError(f"{chip=} is not a chip of minilib.chips; use one of {list(FACTS)}")
+    return abstract_mesh(types.SimpleNamespace(device_kind=kinds[0]))
+
+
+def asked_which_tpu(err: BaseException) -> bool:
+    """Whether `err` is JAX's TPU lowering asking which TPU it lowers for and finding none:
+    raised where JAX describes the TPU it lowers for (`get_tpu_info`, read from the device
+    kind), on a machine whose JAX backend is not a TPU. (Only with the traceback's JAX frames
+    kept: `frames_kept`.)
+
+    >>> asked_which_tpu(ValueError("Unsupported TPU device kind: cpu"))  # raised here
+    False
+    """
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return False
+    raised_in = frames[-1]
+    in_tpu_info = Path(raised_in.filename).name == "tpu_info.py"
+    asked = in_tpu_info and raised_in.name == "get_tpu_info"
+    return asked and jax.default_backend() != "tpu"
+
+
+def frames_kept():
+    """JAX's own frames kept in the traceback of an error inside the block (JAX removes them
+    by default), for `asked_which_tpu` to see where the error was raised."""
+    from jax._src import config as jax_config
+
+    return jax_config.traceback_filtering("off")
 
 
 def compile_in_this_process(fn: Callable, args: tuple, chip: str) -> tuple[bool, str | None]:
@@ -289,15 +370,19 @@ def compile_in_this_process(fn: Callable, args: tuple, chip: str) -> tuple[bool,
     from jax.experimental import topologies
     from jax.sharding import SingleDeviceSharding
 
-    from minilib.tpu.compile import default_layouts_assumed
+    from minilib.tpu.compile import abstract_mesh, default_layouts_assumed
 
     try:
         topology = topologies.get_topology_desc(
             topology_name=f"{chip}:1x1", platform="tpu", chips_per_host_bounds=(1, 1, 1)
         )
-        sharding = SingleDeviceSharding(topology.devices[0])
+        device = topology.devices[0]
+        sharding = SingleDeviceSharding(device)
         structs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
-        lowered = jax.jit(fn).lower(*structs)
+        # The lowering asks which chip it lowers for (jax 0.12's `//` on a traced integer
+        # does); off a TPU, this process's device is a CPU: tell it the chip.
+        with jax.sharding.use_abstract_mesh(abstract_mesh(device)):
+            lowered = jax.jit(fn).lower(*structs)
         with default_layouts_assumed():  # Colab's libtpu 0.0.21.1 crashes jax's layout query
             lowered.compile()
     except Exception as err:  # Mosaic's (or XLA's) refusal is the result
