@@ -13,10 +13,10 @@ which stack in one line (`course --check` prints only that). `test` and `book` n
 Every environment is made by `uv` (from the package index, into .venv-uv the first time:
 it installs a venv in seconds where pip takes minutes, and shares one download cache among
 all of them). `test` runs in five environments (and builds the book in a sixth), each
-pinned by a file of constraints/ (README: "Supported stacks"):
+pinned by a file of constraints/ (docs/testing.md: "The environments"):
   * .venv         the newest supported jax (newest.txt) on Python 3.13 when this machine
                   has it (jax 0.12 needs 3.12 or newer): lint, then every test (notebooks
-                  included; the slow sweeps stay opt-in, see README), on both cores
+                  included; the slow sweeps stay opt-in, see docs/testing.md), on both cores
                   (pytest-xdist);
   * .venv-oldest  Colab's TPU runtime, package for package (oldest.txt, made from the
                   package list Colab publishes, constraints/colab/tpu/, by
