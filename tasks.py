@@ -4,13 +4,19 @@
     python3 tasks.py test     # make the venvs, install, lint, run every test
     python3 tasks.py book     # build the course as a book, build/book/html (--serve: serve it)
 
+`course` makes .venv with this machine's python3.13 (else its python3.12, else the Python
+running tasks.py) on the newest stack (newest.txt); where that Python is 3.11, on the newest
+jax for 3.11 instead, 0.10.2 (python3.11.txt: not one of the stacks `test` runs). It prints
+which stack in one line (`course --check` prints only that). `test` and `book` need Python
+3.12 or newer, and stop at once without it, saying how to get it.
+
 Every environment is made by `uv` (from the package index, into .venv-uv the first time:
 it installs a venv in seconds where pip takes minutes, and shares one download cache among
 all of them). `test` runs in five environments (and builds the book in a sixth), each
-pinned by a file of constraints/ (README: "Supported stacks"):
+pinned by a file of constraints/ (docs/testing.md: "The environments"):
   * .venv         the newest supported jax (newest.txt) on Python 3.13 when this machine
                   has it (jax 0.12 needs 3.12 or newer): lint, then every test (notebooks
-                  included; the slow sweeps stay opt-in, see README), on both cores
+                  included; the slow sweeps stay opt-in, see docs/testing.md), on both cores
                   (pytest-xdist);
   * .venv-oldest  Colab's TPU runtime, package for package (oldest.txt, made from the
                   package list Colab publishes, constraints/colab/tpu/, by
@@ -82,8 +88,13 @@ UV_VENV, UV_VERSION = ROOT / ".venv-uv", "0.13.9"
 BYTECODE = ROOT / ".venv-bytecode"
 NEWEST = (ROOT / ".venv", ROOT / "constraints" / "newest.txt")
 # The newest stack's Python, for .venv and .venv-tpu: jax 0.12 needs 3.12 or newer, whatever
-# Python runs tasks.py.
+# Python runs tasks.py. Where this machine has no python3.13, its python3.12 does.
 NEWEST_PYTHON = "3.13"
+NEWEST_NEEDS = (3, 12)
+# The course on Python 3.11, where this machine has no Python 3.12 or newer: the newest jax
+# for 3.11, 0.10.2 (jax 0.12 needs 3.12), with the rest newest, as newest.txt has it.
+# Not one of the tested stacks of `tasks.py test`.
+PYTHON_3_11 = ROOT / "constraints" / "python3.11.txt"
 # Colab's TPU runtime and its past runtime 2026.07, pinned from the package lists Colab
 # publishes (constraints/colab/, made into constraint files by constraints/colab_freeze.py),
 # each with the Python it has (os-info-tpu.txt).
@@ -318,16 +329,25 @@ def python_version(python: str | Path) -> str:
     return subprocess.run(command, capture_output=True, text=True).stdout.strip()
 
 
-def python_for(version: str) -> str:
+def find_python(version: str) -> str | None:
     """A python`version` of this machine (say 3.13, Colab's), on PATH or installed by pyenv;
-    else this Python, with a note. Prints which one."""
+    None if it has none."""
     pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
     candidates = [shutil.which(f"python{version}")]  # a pyenv shim may not run: check
     candidates += sorted(pyenv.glob(f"{version}.*/bin/python{version}"), reverse=True)
     for candidate in filter(None, candidates):
         if python_version(candidate).startswith(f"{version}."):
-            print(f"Python {version}: {candidate} ({python_version(candidate)})", flush=True)
             return str(candidate)
+    return None
+
+
+def python_for(version: str) -> str:
+    """A python`version` of this machine (find_python); else this Python, with a note.
+    Prints which one."""
+    found = find_python(version)
+    if found is not None:
+        print(f"Python {version}: {found} ({python_version(found)})", flush=True)
+        return found
     print(
         f"NOTE: no python{version} on this machine: using {sys.executable} "
         f"({python_version(sys.executable)}) instead.",
@@ -339,6 +359,69 @@ def python_for(version: str) -> str:
 def colab_python() -> str:
     """The Python of Colab's TPU runtime (COLAB_PYTHON), or the nearest this machine has."""
     return python_for(COLAB_PYTHON)
+
+
+def newest_python() -> str:
+    """This machine's python3.13 (NEWEST_PYTHON), else its python3.12, else the Python running
+    tasks.py, whatever its version."""
+    for version in (NEWEST_PYTHON, "3.12"):
+        found = find_python(version)
+        if found is not None:
+            return found
+    return sys.executable
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    """A version's major and minor numbers: "3.11.7" gives (3, 11)."""
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def needs_python(command: str, python: str, needs: tuple[int, int]) -> str:
+    """One plain line: the Python `tasks.py command` needs, the one found, and how to get it."""
+    need = ".".join(str(part) for part in needs)
+    return (f"tasks.py {command} needs Python {need} or newer; this machine has Python "
+            f"{python_version(python)} ({python}) and no python3.13 or python3.12 (on PATH or "
+            "in pyenv). Install Python 3.13 (python.org, your system's packages, or `pyenv "
+            f"install 3.13`), then run `python3.13 tasks.py {command}`.")  # fmt: skip
+
+
+def newest_python_for(command: str) -> str:
+    """newest_python(), for `tasks.py command` (test, book), which needs the newest stack:
+    stops at once, with needs_python's line, if it is older than NEWEST_NEEDS."""
+    python = newest_python()
+    version = python_version(python)
+    if version_tuple(version) < NEWEST_NEEDS:
+        sys.exit(needs_python(command, python, NEWEST_NEEDS))
+    print(f"Python for the newest stack: {python} ({version})", flush=True)
+    return python
+
+
+def pinned(constraints: Path, package: str) -> str:
+    """The version that `constraints` pins `package` to: "jax==0.12.1" gives "0.12.1"."""
+    for line in constraints.read_text().splitlines():
+        if line.startswith(f"{package}=="):
+            return line.removeprefix(f"{package}==").strip()
+    raise ValueError(f"{constraints} does not pin {package=}: add a line {package}==<version>")
+
+
+def course_stack() -> tuple[str, Path, str]:
+    """The Python and the constraint file of `tasks.py course`, and one line that names them:
+    the newest stack (newest.txt) on newest_python() if it is 3.12 or newer; on Python 3.11,
+    jax 0.10.2 (PYTHON_3_11); older, it stops at once with needs_python's line."""
+    python = newest_python()
+    version = python_version(python)
+    if version_tuple(version) >= NEWEST_NEEDS:
+        constraints, why = NEWEST[1], "the newest stack"
+    elif version_tuple(version) >= (3, 11):
+        constraints = PYTHON_3_11
+        why = "the newest jax for Python 3.11 (jax 0.12 needs 3.12, which this machine lacks)"
+    else:
+        sys.exit(needs_python("course", python, (3, 11)))
+    jax = pinned(constraints, "jax")
+    where = constraints.relative_to(ROOT)
+    line = f"The course's stack: jax {jax} ({where}), {why}, on Python {version} ({python})"
+    return python, constraints, line
 
 
 # The CPU test runs have XLA compile for the CPU without optimising (-O0). Their time goes
@@ -467,17 +550,18 @@ class Phases:
 
 def test(args: list[str]) -> None:
     global DEADLINE
+    newest = newest_python_for("test")  # before anything else: it may stop the run at once
     DEADLINE = time.monotonic() + DEADLINE_MINUTES * 60
     phases = Phases()
     try:
-        run_tests(args, phases)
+        run_tests(args, phases, newest)
     finally:
         print(f"\nEach phase of `tasks.py test`:\n{phases.table()}", flush=True)
 
 
-def run_tests(args: list[str], phases: Phases) -> None:
+def run_tests(args: list[str], phases: Phases, newest: str) -> None:
+    """Every suite, in its venv: .venv and .venv-tpu on `newest` (newest_python_for)."""
     colab = colab_python()
-    newest = colab if NEWEST_PYTHON == COLAB_PYTHON else python_for(NEWEST_PYTHON)
     with phases("make the six venvs (uv, in parallel)"):
         uv()
         with ThreadPoolExecutor() as pool:
@@ -613,7 +697,7 @@ def build_book(python: Path, book_python: Path) -> None:
 def book(args: list[str]) -> None:
     """Builds the book (executing the notebooks first if no test run has); `--serve` serves
     it on localhost."""
-    python = make_venv(*NEWEST, extra="dev,browser", base_python=python_for(NEWEST_PYTHON))
+    python = make_venv(*NEWEST, extra="dev,browser", base_python=newest_python_for("book"))
     if not list(EXECUTED.glob("*.ipynb")):
         # A notebook over the tests' time limit is kept all the same; one that raised is not,
         # and docs/book.py says which are missing.
@@ -629,8 +713,13 @@ def book(args: list[str]) -> None:
 
 
 def course(args: list[str]) -> None:
-    """JupyterLab on notebooks/ (`course notebook`: Notebook 7 instead)."""
-    python = make_venv(*NEWEST, extra="course", base_python=python_for(NEWEST_PYTHON))
+    """JupyterLab on notebooks/ (`course notebook`: Notebook 7 instead), in .venv, on the stack
+    that course_stack() chooses and names (`course --check`: only that)."""
+    base_python, constraints, stack = course_stack()
+    print(stack, flush=True)
+    if args[:1] == ["--check"]:
+        return
+    python = make_venv(NEWEST[0], constraints, extra="course", base_python=base_python)
     app, args = (args[0], args[1:]) if args[:1] == ["notebook"] else ("lab", args)
     # Jupyter refuses to start as root (containers, some cloud VMs) unless told it may.
     as_root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []

@@ -30,7 +30,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # The README's sections that the landing page shows, in this order, after its opening.
-LANDING_SECTIONS = ["Two commands", "Supported stacks", "On Colab", "On a TPU VM", "The course"]
+LANDING_SECTIONS = [
+    "Two commands",
+    "On Colab",
+    "Notebook 7, and the course as a book",
+    "The course",
+    "Supported stacks",
+    "On a TPU VM",
+]
 LIVE_NOTE = (
     "A static figure of the explorer: when you run the notebook (locally, on Colab or on a "
     "TPU VM) its controls are live."

@@ -254,3 +254,82 @@ def test_the_book_reads_the_notebooks_that_the_newest_venv_executed():
     """tests/test_notebooks.py keeps them in build/executed/<its venv's name, no dot>."""
     tasks = load_tasks()
     assert tasks.EXECUTED == ROOT / "build" / "executed" / tasks.NEWEST[0].name.lstrip(".")
+
+
+def alone(tmp_path: Path) -> dict[str, str]:
+    """An environment in which tasks.py finds no other Python: nothing on PATH, no pyenv."""
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    return {"PATH": str(tmp_path / "bin"), "HOME": str(tmp_path), "PYENV_ROOT": str(tmp_path)}
+
+
+def real_python_3_11() -> str:
+    """This machine's Python 3.11, found as tasks.py finds one, by its own path (a pyenv shim
+    runs only with pyenv on PATH). CI's machine has one."""
+    import subprocess
+
+    found = load_tasks().find_python("3.11")
+    if found is None:
+        pytest.skip("no python3.11 on this machine (on PATH or in pyenv)")
+    command = [found, "-c", "import sys; print(sys.executable)"]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def run_alone(python: str, tmp_path: Path, *args: str) -> tuple[object, float]:
+    """`python tasks.py args` where it is the only Python, and its seconds."""
+    import subprocess
+
+    start = time.monotonic()
+    done = subprocess.run([python, str(ROOT / "tasks.py"), *args], env=alone(tmp_path),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    return done, time.monotonic() - start
+
+
+def test_on_python_3_11_alone_the_course_takes_the_newest_jax_for_3_11_and_says_which(tmp_path):
+    """jax 0.12 needs Python 3.12: with only 3.11, `course` takes constraints/python3.11.txt and
+    names it in one line, within a second or two (`--check` stops there)."""
+    tasks = load_tasks()
+    done, seconds = run_alone(real_python_3_11(), tmp_path, "course", "--check")
+    assert done.returncode == 0, done.stdout + done.stderr
+    jax = tasks.pinned(tasks.PYTHON_3_11, "jax")
+    assert done.stdout.startswith(f"The course's stack: jax {jax} (constraints/python3.11.txt)")
+    assert "on Python 3.11." in done.stdout and len(done.stdout.splitlines()) == 1
+    assert seconds < 2, f"it took {seconds:.1f} s to choose"
+
+
+def test_on_python_3_12_or_newer_the_course_takes_the_newest_stack(tmp_path):
+    import sys
+
+    if sys.version_info < (3, 12):
+        pytest.skip("this Python is older than 3.12")
+    tasks = load_tasks()
+    done, _ = run_alone(sys.executable, tmp_path, "course", "--check")
+    assert done.returncode == 0, done.stdout + done.stderr
+    jax = tasks.pinned(tasks.NEWEST[1], "jax")
+    assert done.stdout.startswith(f"The course's stack: jax {jax} (constraints/newest.txt)")
+
+
+def test_on_python_3_11_alone_the_test_run_stops_at_once_saying_what_it_needs(tmp_path):
+    """`tasks.py test` (and `book`) need the newest stack: on 3.11 alone, one plain line naming
+    the Python found and the one to install, before any venv is made. Run as a function, so
+    that a broken check cannot start a whole test run here."""
+    import subprocess
+
+    script = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import tasks; "
+    script += "tasks.newest_python_for('test')"
+    start = time.monotonic()
+    done = subprocess.run([real_python_3_11(), "-c", script], env=alone(tmp_path),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    seconds = time.monotonic() - start
+    assert done.returncode == 1 and done.stdout == ""
+    line = done.stderr.strip()
+    assert line.startswith(
+        "tasks.py test needs Python 3.12 or newer; this machine has Python 3.11."
+    )
+    assert "pyenv install 3.13" in line and len(line.splitlines()) == 1
+    assert seconds < 2, f"it took {seconds:.1f} s to stop"
+
+
+def test_a_constraint_file_without_the_pin_is_named():
+    tasks = load_tasks()
+    with pytest.raises(ValueError, match="does not pin package='ipywidgets'"):
+        tasks.pinned(tasks.NEWEST[1], "ipywidgets")

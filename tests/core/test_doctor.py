@@ -42,7 +42,7 @@ def test_doctor_command_reports_and_passes():
 
 def test_install_hint_names_the_pair_of_each_tpu_environment():
     """doctor's advice for Colab's jax 0.7.2 is Colab's libtpu and .venv-tpu-oldest, for the
-    newest jax its jax[tpu] and .venv-tpu: the pins of constraints/, as in the README's table."""
+    newest jax its jax[tpu] and .venv-tpu: the pins of constraints/, as in docs/testing.md."""
     constraints = pathlib.Path(__file__).parents[2] / "constraints"
     for jax_version, (_, libtpu, _, venv) in LIBTPU_FOR_JAX.items():
         pins = (constraints / f"{venv.removeprefix('.venv-')}.txt").read_text().splitlines()
