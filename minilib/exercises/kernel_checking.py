@@ -201,9 +201,10 @@ def check_kernel(
         compare = _then(compare, extra_check)
     # The kernel run has its own time limit and stops the kernel at it; the check's own
     # limit only backs it up. The answer is a KernelRun, whose type `compare` checks.
+    watched = run_in_strict_interpret_mode(fn, record_grid=record_grid)
     result = run_check(
         name,
-        run_in_strict_interpret_mode(fn, record_grid=record_grid),
+        watched,
         reference,
         cases,
         compare,
@@ -226,7 +227,21 @@ def check_kernel(
     report = "\n".join([report, *notes])
     if verbose:
         print(report)
-    return CheckResult(name=name, status=status, report=report, cases_run=result.cases_run)
+    run = functools.partial(_run_kernel_again, watched, reference)
+    return CheckResult(name, status, report, result.cases_run, case=result.case, run=run)
+
+
+def _run_kernel_again(watched: Callable, reference: Callable, case: Case) -> tuple:
+    """(expected, got) for `CheckResult.rerun`: the kernel run again in strict interpret
+    mode, watched; a run that stopped (an error of the interpreter, a deadlock, its time
+    limit) raises RuntimeError with what stopped it."""
+    expected = reference(*case.args, **case.kwargs)
+    run = watched(*case.args, **case.kwargs)
+    if run.hung:
+        raise RuntimeError(f"the kernel was stopped after {run.stopped_after:.0f} s")
+    if run.error is not None:
+        raise RuntimeError(f"the kernel stopped with an error:\n{run.error}")
+    return expected, run.out
 
 
 def _then(compare, extra_check):
