@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from exercise_answers import solution
 from ladder_wrong_answers import rung2
 
 import minilib.exercises as ex
@@ -55,7 +56,9 @@ def test_a_failed_result_says_rerun_exists():
 
 
 def test_a_passed_result_has_no_case_and_says_so():
-    result = ex.check_grouped_query_attention(_gqa_attention, verbose=False)
+    result = ex.check_grouped_query_attention(
+        solution("ex01_heads", "grouped_query_attention"), verbose=False
+    )
     assert result.passed and result.case is None
     assert "rerun" not in repr(result) and RERUN_HINT not in result.report
     with pytest.raises(ValueError, match="no failing case to rerun"):

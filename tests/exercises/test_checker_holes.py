@@ -1,0 +1,85 @@
+"""Holes of the checkers closed by class (issue 67): each wrong answer that passed now fails
+with the cause it makes, a right answer still passes, and a different wrong answer does not
+get that cause."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from exercise_answers import solution
+
+import minilib.exercises as ex
+
+# --- exercise 1.1: no copy of K or V per q head ---------------------------------------------
+
+
+def _causal_mha(q, k, v, sm_scale):
+    n = q.shape[0]
+    scores = jnp.einsum("qhd,khd->hqk", q, k) * sm_scale
+    scores = jnp.where(jnp.arange(n)[None, :] > jnp.arange(n)[:, None], -jnp.inf, scores)
+    return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def gqa_by_repeat(q, k, v, *, sm_scale):
+    group = q.shape[1] // k.shape[1]
+    k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+    return _causal_mha(q, k, v, sm_scale)
+
+
+def gqa_by_broadcast_to(q, k, v, *, sm_scale):
+    n, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    shape = (n, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    k = jnp.broadcast_to(k[:, :, None], shape).reshape(n, num_q_heads, head_dim)
+    v = jnp.broadcast_to(v[:, :, None], shape).reshape(n, num_q_heads, head_dim)
+    return _causal_mha(q, k, v, sm_scale)
+
+
+def gqa_repeating_v_only(q, k, v, *, sm_scale):
+    num_tokens, num_q_heads, head_dim = q.shape
+    group = num_q_heads // k.shape[1]
+    q_grouped = q.reshape(num_tokens, k.shape[1], group, head_dim)
+    scores = jnp.einsum("qhgd,khd->hgqk", q_grouped, k) * sm_scale
+    future = jnp.arange(num_tokens)[None, :] > jnp.arange(num_tokens)[:, None]
+    probs = jax.nn.softmax(jnp.where(future, -jnp.inf, scores), axis=-1)
+    probs = probs.reshape(num_q_heads, num_tokens, num_tokens)
+    return jnp.einsum("hqk,khd->qhd", probs, jnp.repeat(v, group, axis=1))
+
+
+GQA_RULE = "The rule of this exercise: no copy of K or V per q head"
+
+
+@pytest.mark.parametrize(
+    "answer, which",
+    [
+        (gqa_by_repeat, "K is copied"),
+        (gqa_by_broadcast_to, "K is copied"),
+        (jax.jit(gqa_by_repeat, static_argnames="sm_scale"), "K is copied"),
+        (gqa_repeating_v_only, "V is copied"),
+    ],
+    ids=["repeat", "broadcast_to", "jitted_repeat", "repeat_v_only"],
+)
+def test_a_gqa_that_copies_k_or_v_per_q_head_fails_with_the_rule(answer, which):
+    result = ex.check_grouped_query_attention(answer, verbose=False)
+    assert result.status == "failed", result.report
+    assert "the numbers are right" in result.report and which in result.report, result.report
+    assert GQA_RULE in result.report, result.report
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+def test_a_grouped_gqa_passes(jitted):
+    answer = solution("ex01_heads", "grouped_query_attention")
+    if jitted:
+        answer = jax.jit(answer, static_argnames="sm_scale")
+    result = ex.check_grouped_query_attention(answer, verbose=False)
+    assert result.passed, result.report
+
+
+def test_a_gqa_with_wrong_numbers_is_named_for_its_numbers_not_the_rule():
+    def repeat_and_no_scale(q, k, v, *, sm_scale):
+        return gqa_by_repeat(q, k, v, sm_scale=1.0)
+
+    result = ex.check_grouped_query_attention(repeat_and_no_scale, verbose=False)
+    assert "not multiplied by sm_scale" in result.report, result.report
+    assert GQA_RULE not in result.report
