@@ -83,3 +83,48 @@ def test_a_gqa_with_wrong_numbers_is_named_for_its_numbers_not_the_rule():
     result = ex.check_grouped_query_attention(repeat_and_no_scale, verbose=False)
     assert "not multiplied by sm_scale" in result.report, result.report
     assert GQA_RULE not in result.report
+
+
+# --- exercise 2.2: a gather that ignores the page table --------------------------------------
+
+
+def gather_in_pool_order(kv_pages, pages, kv_len):
+    _, _, combined, head_dim = kv_pages.shape
+    tokens = kv_pages.reshape(-1, combined, head_dim)[:kv_len]
+    return tokens[:, 0::2], tokens[:, 1::2]
+
+
+def gather_first_pages_of_the_pool(kv_pages, pages, kv_len):
+    _, _, combined, head_dim = kv_pages.shape
+    tokens = kv_pages[: len(pages)].reshape(-1, combined, head_dim)[:kv_len]
+    return tokens[:, 0::2], tokens[:, 1::2]
+
+
+def gather_pages_reversed(kv_pages, pages, kv_len):
+    # Another wrong order: the page table read backwards. It reads the page table, so the
+    # cause "ignores the page table" must not be named.
+    _, page_size, combined, head_dim = kv_pages.shape
+    used = jnp.asarray(pages)[: -(-kv_len // page_size)][::-1]
+    tokens = kv_pages[used].reshape(-1, combined, head_dim)[:kv_len]
+    return tokens[:, 0::2], tokens[:, 1::2]
+
+
+IGNORES_TABLE = "the gather ignores the page table"
+
+
+@pytest.mark.parametrize("answer", [gather_in_pool_order, gather_first_pages_of_the_pool])
+def test_a_gather_that_ignores_the_page_table_is_named(answer):
+    result = ex.check_gather_kv(answer, verbose=False)
+    assert result.status == "failed", result.report
+    assert f"Likely cause: {IGNORES_TABLE}" in result.report, result.report
+
+
+def test_another_wrong_gather_is_not_said_to_ignore_the_page_table():
+    result = ex.check_gather_kv(gather_pages_reversed, verbose=False)
+    assert result.status == "failed", result.report
+    assert IGNORES_TABLE not in result.report, result.report
+
+
+def test_the_right_gather_passes():
+    result = ex.check_gather_kv(solution("ex02_paged_cache", "gather_kv"), verbose=False)
+    assert result.passed, result.report
