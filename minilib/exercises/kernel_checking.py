@@ -38,6 +38,7 @@ import numpy as np
 from minilib.exercises.checking import FAILED, PASSED, Case, CheckResult, run_check
 from minilib.exercises.comparisons import Mismatch, compare_arrays, indent
 from minilib.exercises.kernel_failures import (
+    REQUIRED,
     Names,
     dma_problem,
     interpreter_error,
@@ -122,7 +123,8 @@ def compare_kernel_output(
         if problem is None and got.raced:
             problem = race_report(got, named)
         if problem is not None:
-            raise Mismatch(problem + _output_too(expected, got, case, atol, rtol, locate) + raw)
+            output = _output_too(expected, got, case, atol, rtol, locate, problem)
+            raise Mismatch(problem + output + raw)
         try:
             compare_arrays(expected, got.out, "output", atol=atol, rtol=rtol)
         except Mismatch as diff:
@@ -135,7 +137,10 @@ def compare_kernel_output(
     return compare
 
 
-def _output_too(expected, got: KernelRun, case: Case, atol, rtol, locate) -> str:
+def _output_too(expected, got: KernelRun, case: Case, atol, rtol, locate, problem: str) -> str:
+    """What the output says besides `problem`: wrong too, or right (checked here). A right
+    output with a schedule problem (no overlap) is a right kernel that skips what the rung
+    is about: said so, with what the rung requires."""
     try:
         compare_arrays(expected, got.out, "output", atol=atol, rtol=rtol)
     except Mismatch:
@@ -143,6 +148,12 @@ def _output_too(expected, got: KernelRun, case: Case, atol, rtol, locate) -> str
         return f"\n(The output is wrong too{': ' + where if where else '.'})"
     except Exception:
         return ""
+    for words, required in REQUIRED.items():
+        if words in problem:
+            return (
+                "\n(Your kernel's output is right on this case, checked against the reference: "
+                f"the numbers are not the problem; {required}.)"
+            )
     return "\n(The output happens to be right on this case; on a chip it need not be.)"
 
 

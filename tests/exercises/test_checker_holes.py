@@ -128,3 +128,22 @@ def test_another_wrong_gather_is_not_said_to_ignore_the_page_table():
 def test_the_right_gather_passes():
     result = ex.check_gather_kv(solution("ex02_paged_cache", "gather_kv"), verbose=False)
     assert result.passed, result.report
+
+
+# --- rung 4: a single-buffered kernel ---------------------------------------------------------
+
+
+def test_a_single_buffered_kernel_with_a_wrong_output_is_not_said_to_be_right():
+    """The rung's requirement is said only when the output was checked right: with a wrong
+    sm_scale as well, the report says the output is wrong too."""
+    from ladder_wrong_answers import rung4
+
+    single = rung4("single_buffered")
+
+    def single_and_wrong_scale(*args, sm_scale, **kwargs):
+        return single(*args, sm_scale=2 * sm_scale, **kwargs)
+
+    result = ex.check_double_buffered_decode(single_and_wrong_scale, verbose=False)
+    assert "no copy overlaps a compute" in result.report, result.report
+    assert "The output is wrong too" in result.report, result.report
+    assert "requires double buffering" not in result.report, result.report
