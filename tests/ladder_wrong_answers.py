@@ -592,4 +592,7 @@ WRONG_ANSWERS = [
       lambda: rung7("next_into_same_slot"), "1 - slot"),
     W("7", "<= for <", ex.check_ragged_paged_attention, lambda: rung7("le_for_lt"),
       "not `<=`"),
+    W("7", "mask_value ignored", ex.check_ragged_paged_attention,
+      lambda: rung7("ignores_mask_value"), "mask_value=-3.0", "mask_value is ignored",
+      "attend_rows(..., sm_scale, mask_value)"),
 ]  # fmt: skip
