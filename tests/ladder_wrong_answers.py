@@ -331,6 +331,12 @@ def rung4(variant: str) -> Callable:
 
         def body(i, _):
             slot = i % 2
+            if variant == "single_buffered":  # rung 3's loop: start, wait, compute, in slot 0
+                page_copy(i, 0).start()
+                page_copy(i, 0).wait()
+                attend_kv_block(bufs.at[0], q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len,
+                                sm_scale)  # fmt: skip
+                return
             if variant == "no_overlap":  # page i started here, after page i - 1's wait
                 page_copy(i, slot).start()
             elif variant == "unguarded_next":  # starts page i + 1 even after the last page
@@ -355,7 +361,7 @@ def rung4(variant: str) -> Callable:
         init_online_softmax(m_ref, l_ref, acc_ref)
         if variant == "first_copy_unguarded":  # page 0 even for an empty slot
             page_copy(0, 0).start()
-        elif variant != "no_overlap":
+        elif variant not in ("no_overlap", "single_buffered"):
             pl.when(num_pages > 0)(lambda: page_copy(0, 0).start())
         lax.fori_loop(0, num_pages, body, None)
         write_output(o_ref, l_ref, acc_ref)
@@ -490,6 +496,10 @@ WRONG_ANSWERS = [
       lambda: rung4("compute_before_wait"), "DMA race on bufs"),
     W("4", "no copy overlaps a compute", ex.check_double_buffered_decode,
       lambda: rung4("no_overlap"), "no copy overlaps a compute", "*before* waiting"),
+    W("4", "single-buffered, right output", ex.check_double_buffered_decode,
+      lambda: rung4("single_buffered"), "no copy overlaps a compute",
+      "Your kernel's output is right on this case, checked against the reference",
+      "this rung requires double buffering"),
     # rung 5
     W("5", "first page started every step", ex.check_prefetching_decode,
       lambda: rung5("first_copy_every_step"), "overwrote",
@@ -582,4 +592,7 @@ WRONG_ANSWERS = [
       lambda: rung7("next_into_same_slot"), "1 - slot"),
     W("7", "<= for <", ex.check_ragged_paged_attention, lambda: rung7("le_for_lt"),
       "not `<=`"),
+    W("7", "mask_value ignored", ex.check_ragged_paged_attention,
+      lambda: rung7("ignores_mask_value"), "mask_value=-3.0", "mask_value is ignored",
+      "attend_rows(..., sm_scale, mask_value)"),
 ]  # fmt: skip

@@ -312,7 +312,8 @@ def rung7(variant: str) -> Callable:
                     q_pos,
                     kv_len,
                     sm_scale,
-                    mask_value,
+                    # ignores mask_value: attend_rows' default, whatever the call was given
+                    *(() if variant == "ignores_mask_value" else (mask_value,)),
                 )
                 return 1 - slot
 

@@ -15,7 +15,10 @@ version on cases the notebook never showed:
 A checker prints "Passed", "Not attempted yet", or "FAILED" with the case, the output that
 differs, expected versus got, and, when your output matches a common mistake, its likely cause.
 It never raises. It returns a `CheckResult`: truthy only when every case passed, with
-`.status` ("passed", "failed", "not attempted") and `.report` (the printed text).
+`.status` ("passed", "failed", "not attempted") and `.report` (the printed text). A failure
+keeps its case, `.case` (`.case.inputs()`: the arrays your function was given), and
+`.rerun()` runs your function and the reference on it again: both outputs, and where they
+differ most.
 
 Every checker takes `fn` and two keywords: `seed` (another set of random cases) and `verbose`
 (False: print nothing, just return the result). Worked solutions are in the repository's

@@ -18,7 +18,9 @@ It never lets an exception escape and never hangs:
 
 NumPy answers are as good as JAX ones. Each checker returns a `CheckResult`, which is truthy
 only when it passed, so tests can `assert check_causal_mask(solution)`; in a notebook it shows
-nothing more than the report already printed.
+nothing more than the report already printed. A failure keeps the case it failed on
+(`result.case`), and `result.rerun()` runs the learner's function and the reference on it
+again (a `Rerun`: both outputs, and where they differ most).
 
 The comparisons a checker passes to `run_check`, and the words they say a difference in, are
 `minilib.exercises.comparisons`.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -52,6 +55,7 @@ __all__ = [
     "TIME_LIMIT_SECONDS",
     "Case",
     "CheckResult",
+    "Rerun",
     "call_with_time_limit",
     "diagnose",
     "random_attention_case",
@@ -72,6 +76,12 @@ STOP_GRACE_SECONDS = 5.0  # how long a stopped function may take to wind down
 
 # The likely cause every checker of a function taking sm_scale names; each one's cases use an
 # sm_scale other than head_dim ** -0.5 (the usual choice), so that this mistake shows.
+# The last line of a failure's report, when the check kept its case.
+RERUN_HINT = (
+    "  Run this case again: `result.rerun()` (result: what this check returned) gives both "
+    "outputs and where they differ most; `result.case.inputs()` gives its inputs."
+)
+
 SM_SCALE_IGNORED = (
     "the scores are scaled by 1 / sqrt(head_dim), not by the sm_scale argument: use sm_scale "
     "as given (a model may choose another scale; here it is not head_dim ** -0.5)."
@@ -87,16 +97,24 @@ class CheckResult:
       status: "passed", "failed" or "not attempted".
       report: the text the checker printed.
       cases_run: how many cases ran before the verdict.
+      case: the case that failed (a `Case`: its description and its inputs), or None when
+        nothing failed on a case (passed, not attempted).
+
+    `result.rerun()` runs your function and the reference on the failing case again, and
+    gives back both outputs and where they differ most (a `Rerun`).
 
     >>> result = CheckResult("add", status="passed", report="Passed: ...", cases_run=2)
-    >>> result, bool(result)
-    (CheckResult('add', status='passed'), True)
+    >>> result, bool(result), result.case
+    (CheckResult('add', status='passed'), True, None)
     """
 
     name: str
     status: str
     report: str
     cases_run: int
+    case: Case | None = None
+    # How to run the case again: run(case) -> (expected, got). Set by the checker.
+    run: Callable | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def passed(self) -> bool:
@@ -106,11 +124,108 @@ class CheckResult:
         return self.passed
 
     def __repr__(self) -> str:
+        if self.case is not None and self.run is not None:
+            return (
+                f"CheckResult({self.name!r}, status={self.status!r}; "
+                "result.rerun() reruns the failing case)"
+            )
         return f"CheckResult({self.name!r}, status={self.status!r})"
+
+    def rerun(self) -> Rerun:
+        """Run your function and the reference again on the case that failed: both outputs,
+        and where they differ most. Your function really runs again, on `self.case`'s
+        inputs; an error it raises is raised here, with its traceback.
+
+        >>> from minilib.exercises.comparisons import compare_values
+        >>> def compare(expected, got, case):
+        ...     compare_values(expected, got, "sum")
+        >>> cases = [Case("two small ints", (2, 3))]
+        >>> result = run_check("add", lambda a, b: a - b, lambda a, b: a + b, cases, compare,
+        ...                    verbose=False)
+        >>> result.case.inputs()
+        (2, 3)
+        >>> result.rerun()
+        Rerun(expected=5, got=-1, largest difference 6 at index (): expected 5, got -1)
+        """
+        if self.case is None or self.run is None:
+            raise ValueError(
+                f"{self.name}: status={self.status!r}, no failing case to rerun (only a "
+                "check that failed on a case has one: result.case is None)"
+            )
+        expected, got = self.run(self.case)
+        return Rerun(expected, got)
 
     def _ipython_display_(self) -> None:
         """As a notebook cell's value: nothing, as the checker printed its report already
         (no `CheckResult(...)` line under "Not attempted yet")."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rerun:
+    """A failing case run again: the reference's output and yours, and where they differ
+    most (`index`, `difference`: None when the outputs are not arrays of one shape). NaN on
+    one side only comes first: its first index, difference NaN.
+
+    >>> Rerun(expected=np.array([1.0, 2.0], np.float32), got=np.array([1.0, 2.5], np.float32))
+    Rerun(expected=f32[2], got=f32[2], largest difference 0.5 at index (1,): expected 2, got 2.5)
+    """
+
+    expected: Any
+    got: Any
+
+    @property
+    def index(self) -> tuple[int, ...] | None:
+        difference = self._differences()
+        if difference is None or difference.size == 0:
+            return None
+        if np.isnan(difference).any():  # NaN on one side only: the first one
+            return tuple(int(i) for i in np.argwhere(np.isnan(difference))[0])
+        return tuple(int(i) for i in np.unravel_index(np.argmax(difference), difference.shape))
+
+    @property
+    def difference(self) -> float | None:
+        index = self.index
+        return None if index is None else float(self._differences()[index])
+
+    def _differences(self) -> np.ndarray | None:
+        """|expected - got| elementwise, NaN where only one side is NaN (0 where both are)."""
+        try:
+            expected = np.asarray(self.expected, np.float64)
+            got = np.asarray(self.got, np.float64)
+        except (TypeError, ValueError):
+            return None
+        if expected.shape != got.shape:
+            return None
+        both_nan = np.isnan(expected) & np.isnan(got)
+        return np.where(both_nan, 0.0, np.abs(expected - got))
+
+    def __repr__(self) -> str:
+        where = "the outputs are not arrays of one shape: compare them by eye"
+        index = self.index
+        if index is not None:
+            expected = np.asarray(self.expected)[index]
+            got = np.asarray(self.got)[index]
+            largest = f"largest difference {self.difference:.6g}"
+            if np.isnan(self.difference):
+                largest = "NaN on one side only"
+            where = f"{largest} at index {index}: expected {_number(expected)}, got {_number(got)}"
+        return f"Rerun(expected={_brief(self.expected)}, got={_brief(self.got)}, {where})"
+
+
+def _number(x) -> str:
+    try:
+        return f"{float(x):.6g}"
+    except (TypeError, ValueError):
+        return repr(x)
+
+
+def _brief(x) -> str:
+    """An array as dtype[shape] (its values are in the Rerun), anything else as it is."""
+    if hasattr(x, "shape") and hasattr(x, "dtype") and np.ndim(x) > 0:
+        name = np.dtype(x.dtype).name  # float32 -> f32, bfloat16 -> bf16, int32 -> i32
+        name = name.replace("float", "f").replace("uint", "u").replace("int", "i")
+        return f"{name}[{', '.join(map(str, x.shape))}]"
+    return repr(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +240,15 @@ class Case:
     description: str
     args: tuple
     kwargs: dict = dataclasses.field(default_factory=dict)
+
+    def inputs(self) -> tuple:
+        """The arguments the function was called with on this case (the very arrays); its
+        keyword arguments are `kwargs`.
+
+        >>> Case("one decode over 5 keys", args=(1, 5)).inputs()
+        (1, 5)
+        """
+        return self.args
 
 
 def random_attention_case(
@@ -202,10 +326,12 @@ def run_check(
     >>> result = run_check("add", lambda a, b: a - b, add, cases, compare)
     FAILED: add, case 1 of 2: two small ints
       sum: expected 5, got -1
+      Run this case again: `result.rerun()` (result: what this check returned) gives both ...
     >>> result.status, result.cases_run
     ('failed', 1)
     """
     cases = list(cases)
+    rerun = functools.partial(run_again, fn, reference, time_limit=time_limit)
     for i, case in enumerate(cases):
         start = time.perf_counter()
         expected = reference(*case.args, **case.kwargs)
@@ -219,7 +345,7 @@ def run_check(
                 f"{heading}  took too long: stopped after {limit:.0f} s (the time limit of "
                 "a case). An endless loop? Check that every loop moves towards its end."
             )
-            return _finish(name, FAILED, report, i + 1, verbose)
+            return _finish(name, FAILED, report, i + 1, verbose, case, rerun)
         if isinstance(error, NotImplementedError):
             report = (
                 f"Not attempted yet: {name} raises NotImplementedError. "
@@ -233,7 +359,7 @@ def run_check(
                 f"{_why_it_matters(error)}\n{_where_it_raised(error)}"
                 + (f"\n  Likely cause: {cause}" if cause else "")
             )
-            return _finish(name, FAILED, report, i + 1, verbose)
+            return _finish(name, FAILED, report, i + 1, verbose, case, rerun)
         type_problem = answer_type_problem if check_answer_type else lambda *_: None
         try:
             compare(expected, got, case)
@@ -247,7 +373,8 @@ def run_check(
                 f"got {describe(got)}"
             )
         if problem:
-            return _finish(name, FAILED, heading + indent(problem), i + 1, verbose)
+            report = heading + indent(problem)
+            return _finish(name, FAILED, report, i + 1, verbose, case, rerun)
     report = f"Passed: {name} matches the reference on all {len(cases)} cases."
     return _finish(name, PASSED, report, len(cases), verbose)
 
@@ -332,10 +459,40 @@ def _why_it_matters(error: BaseException) -> str:
     return ""
 
 
-def _finish(name: str, status: str, report: str, cases_run: int, verbose: bool) -> CheckResult:
+def _finish(
+    name: str,
+    status: str,
+    report: str,
+    cases_run: int,
+    verbose: bool,
+    case: Case | None = None,
+    run: Callable | None = None,
+) -> CheckResult:
+    if case is not None:
+        report = f"{report}\n{RERUN_HINT}"
     if verbose:
         print(report)
-    return CheckResult(name=name, status=status, report=report, cases_run=cases_run)
+    return CheckResult(name, status, report, cases_run, case=case, run=run)
+
+
+def run_again(
+    fn: Callable, reference: Callable, case: Case, *, time_limit: float | None = None
+) -> tuple[Any, Any]:
+    """(expected, got): `reference` and `fn` run on `case` once more, for `CheckResult.rerun`.
+    What `fn` raises is raised; a run past `time_limit` (default TIME_LIMIT_SECONDS) raises
+    TimeoutError.
+
+    >>> run_again(lambda a, b: a - b, lambda a, b: a + b, Case("two small ints", (2, 3)))
+    (5, -1)
+    """
+    expected = reference(*case.args, **case.kwargs)
+    limit = time_limit or TIME_LIMIT_SECONDS
+    finished, got, error = call_with_time_limit(fn, case.args, case.kwargs, limit)
+    if not finished:
+        raise TimeoutError(f"{case.description}: your function took more than {limit:.0f} s")
+    if error is not None:
+        raise error
+    return expected, got
 
 
 def _where_it_raised(err: Exception) -> str:

@@ -3,8 +3,10 @@ of a combined `kv_pages` (fix 2) without breaking its K/V interleave."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -54,12 +56,15 @@ def check_grouped_query_attention(
       k,v: [num_tokens, num_kv_heads, head_dim]   num_kv_heads divides num_q_heads
       out: [num_tokens, num_q_heads, head_dim]    q head h reads KV head h // group
 
-    Token i sees keys 0..i. Group the q heads (reshape) rather than repeat K and V: the
-    checker compares only the numbers, but the reshape is what the kernel does.
+    Token i sees keys 0..i. Group the q heads (reshape) rather than repeat K and V: besides
+    the numbers, the checker reads your function's jaxpr, and an array made from k alone (or
+    v alone) with num_q_heads heads' worth of elements, a copy of K or V per q head
+    (`jnp.repeat`, `jnp.tile`, `broadcast_to`, ...), fails it. (NumPy code, which has no
+    jaxpr, is checked on its numbers only.) minilib's reference repeats K and V, so it fails:
 
-    >>> check_grouped_query_attention(_gqa_attention)
-    Passed: grouped_query_attention matches the reference on all 4 cases.
-    CheckResult('grouped_query_attention', status='passed')
+    >>> result = check_grouped_query_attention(_gqa_attention)
+    FAILED: grouped_query_attention, case 1 of 4: 5 tokens, num_q_heads=8, num_kv_heads=2 ...
+      the numbers are right, but K is copied for every q head: ...
     """
     rng = np.random.default_rng(200 + seed)
     cases = []
@@ -99,10 +104,86 @@ def check_grouped_query_attention(
     # Where float32 matmuls run as one bfloat16 pass (a TPU), a right answer that rounds other
     # intermediates (say, normalises after P·V) is off the reference by about 0.005.
     tol = parity_tolerance()
-    compare = diagnose(
+    numbers = diagnose(
         lambda want, got, case: compare_arrays(want, got, "out", atol=tol, rtol=tol), mistakes
     )
+
+    def compare(want, got, case):
+        numbers(want, got, case)
+        problem = _kv_copied_per_q_head(fn, case)
+        if problem is not None:
+            raise Mismatch(problem)
+
     return run_check("grouped_query_attention", fn, _gqa_attention, cases, compare, verbose=verbose)
+
+
+def _kv_copied_per_q_head(fn: Callable, case: Case) -> str | None:
+    """The rule of exercise 1.1, read from `fn`'s jaxpr on `case`: no array made from k
+    alone (or v alone) holds group times as many elements as k, as a copy per q head does.
+    None when there is none, when the case has groups of 1 (MHA), or when `fn` cannot be
+    traced (NumPy code: not checked)."""
+    q, k, v = case.args
+    group = q.shape[1] // k.shape[1]
+    if group == 1:
+        return None
+    try:
+        closed = jax.make_jaxpr(functools.partial(fn, **case.kwargs))(q, k, v)
+    except Exception:
+        return None
+    q_var, k_var, v_var = closed.jaxpr.invars
+    start = {q_var: frozenset("q"), k_var: frozenset("k"), v_var: frozenset("v")}
+    found = _copy_from_one_input(closed.jaxpr, start, group * k.size)
+    if found is None:
+        return None
+    name, primitive, shape = found
+    return (
+        f"the numbers are right, but {name.upper()} is copied for every q head: your "
+        f"function makes an array of shape {shape} from {name} alone (`{primitive}` in its "
+        f"jaxpr), group={group} times the size of {name} {tuple(k.shape)}. The rule of this "
+        "exercise: "
+        "no copy of K or V per q head (no `jnp.repeat`, `jnp.tile` or `broadcast_to` of k or "
+        "v). View q as [num_tokens, num_kv_heads, group, head_dim] and let the einsum read "
+        "each KV head once for its whole group."
+    )
+
+
+def _copy_from_one_input(jaxpr, sources: dict, size: int) -> tuple | None:
+    """The first value in `jaxpr` (or a jaxpr inside it: a jit, a custom_jvp) that comes from
+    k alone or v alone and has at least `size` elements: (its input, primitive, shape).
+    `sources` maps a variable to the inputs it comes from ("q", "k", "v")."""
+    env = dict(sources)
+    for eqn in jaxpr.eqns:
+        came_from = frozenset().union(*(_sources_of(env, x) for x in eqn.invars))
+        for inner in _inner_jaxprs(eqn):
+            inner_sources = {
+                var: _sources_of(env, x) for var, x in zip(inner.invars, eqn.invars, strict=True)
+            }
+            found = _copy_from_one_input(inner, inner_sources, size)
+            if found is not None:
+                return found
+        for out in eqn.outvars:
+            env[out] = came_from
+            shape = tuple(getattr(out.aval, "shape", ()))
+            if len(came_from) == 1 and "q" not in came_from and np.prod(shape) >= size:
+                return next(iter(came_from)), eqn.primitive.name, shape
+    return None
+
+
+def _sources_of(env: dict, x) -> frozenset:
+    try:
+        return env.get(x, frozenset())
+    except TypeError:  # a literal: no input
+        return frozenset()
+
+
+def _inner_jaxprs(eqn) -> list:
+    """The jaxprs an equation calls with its own inputs (jit, custom_jvp, ...)."""
+    inner = []
+    for param in eqn.params.values():
+        jaxpr = getattr(param, "jaxpr", param)
+        if hasattr(jaxpr, "eqns") and len(jaxpr.invars) == len(eqn.invars):
+            inner.append(jaxpr)
+    return inner
 
 
 def _repeat_kv_pages(kv_pages, num_q_heads: int):

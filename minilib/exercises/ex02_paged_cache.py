@@ -194,7 +194,14 @@ def check_gather_kv(fn: Callable, *, seed: int = 0, verbose: bool = True) -> Che
         half = tokens.shape[1] // 2
         return tokens[:, :half], tokens[:, half:]
 
+    def pool_order(kv_pages, pages, kv_len):  # pages 0, 1, 2, ... of the pool
+        _, _, combined, head_dim = kv_pages.shape
+        return _split(kv_pages.reshape(-1, combined, head_dim)[:kv_len])
+
     mistakes = {
+        "the gather ignores the page table: your tokens are the pool's pages in its own order "
+        "(kv_pages[0], kv_pages[1], ...). Page i of this sequence is kv_pages[pages[i]]: "
+        "index kv_pages with the page table, `kv_pages[pages]`.": pool_order,
         "K and V are swapped: K of KV head h is in combined slot 2*h (even, [:, 0::2]), V in "
         "slot 2*h + 1 (odd, [:, 1::2]).": lambda *a: gather_kv(*a)[::-1],
         "K and V are interleaved, not in two halves: K of KV head h is slot 2*h, V is slot "

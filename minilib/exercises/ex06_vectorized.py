@@ -43,7 +43,7 @@ class NotVectorizedError(Exception):
       your function raised NotVectorizedError: under jax.jit, kv_lens and page_indices have no
       values while your function is traced, so Python int(), if, range() or NumPy functions
       on them fail. ...
-    CheckResult('decode_attention', status='failed')
+    CheckResult('decode_attention', status='failed'; result.rerun() reruns the failing case)
     """
 
 

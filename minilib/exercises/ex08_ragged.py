@@ -38,6 +38,9 @@ GARBAGE_PAGE = 1000
 
 # page_size, pages_per_seq, num_q_heads, num_kv_heads, head_dim, block_q, pages per KV block
 PREFILL_SHAPES = [(8, 6, 4, 2, 128, 8, 2), (4, 9, 2, 1, 64, 8, 3)]
+# A masked key's score in one of rung 7's cases: the kernel sets it (`attend_rows`), and here
+# the masked keys weigh exp(-3) each, so a kernel that ignores mask_value shows.
+MASK_VALUE = -3.0
 RAGGED_SHAPES = [(8, 5, 4, 2, 128, 8, 2), (4, 10, 2, 1, 64, 16, 2)]
 
 
@@ -150,8 +153,10 @@ def _ragged_cases(seed: int) -> list[Case]:
     # an empty slot, a long chunk: the first q block ends mid-sequence
     edges = [(5, 13), (0, 9), (1, 2 * ps), (10, 3 * ps), (0, 0), (3, 5 * ps)]
     lens = [(int(q), int(q + rng.integers(0, 5 * ps - q + 1))) for q in rng.integers(0, 9, 4)]
+    # mask_value: in one case, a value whose masked keys weigh something (exp(-3) against
+    # scores near 0), so that a kernel which ignores it shows; else the default (None).
     return [
-        _ragged_case(first, edges, 6, 24, True, seed),
+        _ragged_case(first, edges, 6, 24, True, seed, mask_value=MASK_VALUE),
         _ragged_case(first, [(0, 7), (0, 0), (0, 12)], 4, 16, False, seed + 1),  # all idle
         _ragged_case(first, lens, 6, 32, False, seed + 2),
         _ragged_case(second, [(3, 9), (20, 30), (0, 4), (6, 40)], 5, 32, True, seed + 3),
@@ -159,7 +164,7 @@ def _ragged_cases(seed: int) -> list[Case]:
     ]
 
 
-def _ragged_case(shape, seq_lens, max_num_seqs, tokens, garbage, seed) -> Case:
+def _ragged_case(shape, seq_lens, max_num_seqs, tokens, garbage, seed, mask_value=None) -> Case:
     *_, block_q, per_block = shape
     batch, table, what = _batch(shape, seq_lens, max_num_seqs=max_num_seqs, tokens=tokens,
                                 garbage=garbage, seed=seed)  # fmt: skip
@@ -167,9 +172,13 @@ def _ragged_case(shape, seq_lens, max_num_seqs, tokens, garbage, seed) -> Case:
     args = (batch.q, batch.kv_pages, batch.kv_lens, table, batch.cu_q_lens, batch.num_seqs)
     kwargs = dict(sm_scale=sm_scale, num_queries_per_block=block_q,
                   num_kv_pages_per_block=per_block)  # fmt: skip
+    masked = ""
+    if mask_value is not None:
+        kwargs["mask_value"] = mask_value
+        masked = f", mask_value={mask_value}"
     return Case(f"{what}; {tokens} q rows, {max_num_seqs} sequence slots; "
                 f"num_queries_per_block={block_q}, num_kv_pages_per_block={per_block}, "
-                f"sm_scale={sm_scale}", args, kwargs)  # fmt: skip
+                f"sm_scale={sm_scale}{masked}", args, kwargs)  # fmt: skip
 
 
 def _ragged_live_rows(fn: Callable) -> Callable:

@@ -45,6 +45,7 @@ import numpy as np
 from minilib.exercises.checking import FAILED, PASSED, Case, CheckResult, run_check
 from minilib.exercises.comparisons import Mismatch, compare_arrays, indent
 from minilib.exercises.kernel_failures import (
+    REQUIRED,
     Names,
     dma_problem,
     interpreter_error,
@@ -129,7 +130,8 @@ def compare_kernel_output(
         if problem is None and got.raced:
             problem = race_report(got, named)
         if problem is not None:
-            raise Mismatch(problem + _output_too(expected, got, case, atol, rtol, locate) + raw)
+            output = _output_too(expected, got, case, atol, rtol, locate, problem)
+            raise Mismatch(problem + output + raw)
         try:
             compare_arrays(expected, got.out, "output", atol=atol, rtol=rtol)
         except Mismatch as diff:
@@ -142,7 +144,10 @@ def compare_kernel_output(
     return compare
 
 
-def _output_too(expected, got: KernelRun, case: Case, atol, rtol, locate) -> str:
+def _output_too(expected, got: KernelRun, case: Case, atol, rtol, locate, problem: str) -> str:
+    """What the output says besides `problem`: wrong too, or right (checked here). A right
+    output with a schedule problem (no overlap) is a right kernel that skips what the rung
+    is about: said so, with what the rung requires."""
     try:
         compare_arrays(expected, got.out, "output", atol=atol, rtol=rtol)
     except Mismatch:
@@ -150,6 +155,12 @@ def _output_too(expected, got: KernelRun, case: Case, atol, rtol, locate) -> str
         return f"\n(The output is wrong too{': ' + where if where else '.'})"
     except Exception:
         return ""
+    for words, required in REQUIRED.items():
+        if words in problem:
+            return (
+                "\n(Your kernel's output is right on this case, checked against the reference: "
+                f"the numbers are not the problem; {required}.)"
+            )
     return "\n(The output happens to be right on this case; on a chip it need not be.)"
 
 
@@ -208,9 +219,10 @@ def check_kernel(
         compare = _then(compare, extra_check)
     # The kernel run has its own time limit and stops the kernel at it; the check's own
     # limit only backs it up. The answer is a KernelRun, whose type `compare` checks.
+    watched = run_in_strict_interpret_mode(fn, record_grid=record_grid)
     result = run_check(
         name,
-        run_in_strict_interpret_mode(fn, record_grid=record_grid),
+        watched,
         reference,
         cases,
         compare,
@@ -233,7 +245,21 @@ def check_kernel(
     report = "\n".join([report, *notes])
     if verbose:
         print(report)
-    return CheckResult(name=name, status=status, report=report, cases_run=result.cases_run)
+    run = functools.partial(_run_kernel_again, watched, reference)
+    return CheckResult(name, status, report, result.cases_run, case=result.case, run=run)
+
+
+def _run_kernel_again(watched: Callable, reference: Callable, case: Case) -> tuple:
+    """(expected, got) for `CheckResult.rerun`: the kernel run again in strict interpret
+    mode, watched; a run that stopped (an error of the interpreter, a deadlock, its time
+    limit) raises RuntimeError with what stopped it."""
+    expected = reference(*case.args, **case.kwargs)
+    run = watched(*case.args, **case.kwargs)
+    if run.hung:
+        raise RuntimeError(f"the kernel was stopped after {run.stopped_after:.0f} s")
+    if run.error is not None:
+        raise RuntimeError(f"the kernel stopped with an error:\n{run.error}")
+    return expected, run.out
 
 
 def _then(compare, extra_check):

@@ -396,6 +396,17 @@ def likely_cause(out, case: Case, mistakes: dict[str, Callable], pattern: str | 
 
 # --- the decode rungs' copy schedule, read from the ledger (rungs 4 and 5) ---------------
 
+# Words of the two schedule problems a kernel with a right output can have, and what each rung
+# requires instead (`kernel_checking` says so when the output was checked right).
+NO_OVERLAP = "no copy overlaps a compute"
+OWN_STEP = "nothing overlaps that copy"
+REQUIRED = {
+    NO_OVERLAP: "this rung requires double buffering: the next copy on its way while this "
+    "one computes",
+    OWN_STEP: "this rung requires prefetching across grid steps: the first copy of a grid step "
+    "started by the step before",
+}
+
 
 def copies_never_overlap(run: KernelRun, case: Case) -> str | None:
     """Rungs 4 and 5: page i + 1 of a sequence must be on its way while page i computes, so
@@ -412,7 +423,7 @@ def copies_never_overlap(run: KernelRun, case: Case) -> str | None:
             seq, i = later_pages[copy.page]
             return (
                 f"page {i} of sequence {seq} was copied only after every earlier copy had been "
-                "waited for: no copy overlaps a compute, so the two slots do not double-buffer. "
+                f"waited for: {NO_OVERLAP}, so the two slots do not double-buffer. "
                 "Start page i + 1's copy into the other slot *before* waiting for page i."
             )
     return None
@@ -429,8 +440,8 @@ def first_page_not_prefetched(run: KernelRun, case: Case) -> str | None:
         mine = [c for c in run.watch.copies if c.page == first_page and c.step >= 0]
         if mine and min(c.step for c in mine) >= seq:
             return (
-                f"page 0 of sequence {seq} was copied in its own grid step ({seq}): nothing "
-                "overlaps that copy. Prefetching across grid steps means the step before "
+                f"page 0 of sequence {seq} was copied in its own grid step ({seq}): {OWN_STEP}. "
+                "Prefetching across grid steps means the step before "
                 "starts it, when it computes its last page (next_work); a grid step starts no "
                 "copy of its own, but grid step 0 the very first."
             )

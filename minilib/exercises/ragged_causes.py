@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from minilib.exercises.checking import Case
-from minilib.exercises.kernel_failures import smem_read_outside
+from minilib.exercises.kernel_failures import NO_OVERLAP, OWN_STEP, smem_read_outside
 from minilib.kv_cache import pages_needed
 from minilib.ladder.prefill_chunk import kv_block_pages, prefill_copy_plan
 from minilib.ladder.ragged import ragged_copy_plan
@@ -122,8 +122,8 @@ def _no_overlap(firsts: list) -> str | None:
     for copy, what in firsts:
         if copy.in_flight == 0:
             return (
-                f"{what} was copied only after every earlier copy had been waited for: no copy "
-                "overlaps a compute, so the two slots do not double-buffer. Start KV block "
+                f"{what} was copied only after every earlier copy had been waited for: "
+                f"{NO_OVERLAP}, so the two slots do not double-buffer. Start KV block "
                 "b + 1's copy into the other slot *before* waiting for block b."
             )
     return None
@@ -310,7 +310,7 @@ def _ragged_timing(run, copies, plan, per_block) -> str | None:
 def _own_step(seq: int, blk: int) -> str:
     return (
         f"KV block 0 of sequence {seq}, the first of q block {blk}, was copied in its own "
-        f"grid step ({blk}): nothing overlaps that copy. Prefetching across grid steps means "
+        f"grid step ({blk}): {OWN_STEP}. Prefetching across grid steps means "
         f"the last work of q block {blk - 1} starts it (next_work's last case: the first "
         "sequence of the next q block); only grid step 0 starts a copy of its own."
     )

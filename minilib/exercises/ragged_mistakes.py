@@ -29,18 +29,33 @@ def _keys(kv_pages, table, seq: int, kv_len: int):
     return kv[:, 0::2], kv[:, 1::2]
 
 
-def _attend(q_row, keys: list, sm_scale: float):
-    """One row's attention over the visible keys of `keys` [(k, v, visible)], 0 if none."""
+def _attend(q_row, keys: list, sm_scale: float, mask_value: float | None = None):
+    """One row's attention over the keys of `keys` [(k, v, visible)], 0 if none visible.
+    mask_value None: the hidden keys weigh nothing; else a hidden key's score *is* mask_value
+    (as `attend_rows` sets it), its V zero past kv_len (`_keys` pads with zeros)."""
     num_q_heads = q_row.shape[0]
-    k = np.concatenate([k[vis] for k, _, vis in keys]) if keys else np.zeros((0, 1, 1))
-    if k.shape[0] == 0:
+    if not keys or not any(vis.any() for _, _, vis in keys):
         return np.zeros_like(q_row)
-    v = np.concatenate([v[vis] for _, v, vis in keys])
+    if mask_value is None:
+        keys = [(k[vis], v[vis], vis[vis]) for k, v, vis in keys]
+    k = np.concatenate([k for k, _, _ in keys])
+    v = np.concatenate([v for _, v, _ in keys])
+    visible = np.concatenate([vis for _, _, vis in keys])
     group = num_q_heads // k.shape[1]
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    s = np.einsum("hd,nhd->hn", q_row, k) * sm_scale
+    with np.errstate(invalid="ignore"):  # NaN keys past kv_len: their score is replaced
+        s = np.einsum("hd,nhd->hn", q_row, k) * sm_scale
+    s = np.where(visible[None, :], s, mask_value if mask_value is not None else 0.0)
     p = np.exp(s - s.max(axis=1, keepdims=True))
     return np.einsum("hn,nhd->hd", p / p.sum(axis=1, keepdims=True), v)
+
+
+def _padded(x, span: int):
+    """x [kv_len, ...] cut or padded with zeros to `span` positions (a V past kv_len is 0)."""
+    out = np.zeros((span, *x.shape[1:]))
+    n = min(span, x.shape[0])
+    out[:n] = x[:n]
+    return out
 
 
 def _num_kv_blocks(kv_len, q_len, last_row_in_seq, block_kv):
@@ -93,7 +108,7 @@ def ragged(variant: str = "right"):
     """
 
     def fn(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-           num_queries_per_block, num_kv_pages_per_block):  # fmt: skip
+           num_queries_per_block, num_kv_pages_per_block, mask_value=None):  # fmt: skip
         qn, table, block_q = (
             np.asarray(q, np.float64),
             np.asarray(page_indices),
@@ -112,16 +127,20 @@ def ragged(variant: str = "right"):
                 q_len = q_end - q_start
                 k, v = _keys(kv_pages, table, s, kv_len)
                 last = min(q_end, end_row) - 1 - q_start
-                limit = min(kv_len, _num_kv_blocks(kv_len, q_len, last, block_kv) * block_kv)
+                span = _num_kv_blocks(kv_len, q_len, last, block_kv) * block_kv
+                limit = min(kv_len, span)
+                positions = np.arange(kv_len)
+                if mask_value is not None:  # every position of the KV blocks visited
+                    k, v, positions = _padded(k, span), _padded(v, span), np.arange(span)
                 for row in range(first_row, end_row):
                     q_pos = {"no_kv_offset": row - q_start,
                              "global_row": kv_len - q_len + row,
                              }.get(variant, kv_len - q_len + row - q_start)  # fmt: skip
-                    visible = (np.arange(kv_len) <= q_pos) & (np.arange(kv_len) < limit)
+                    visible = (positions <= q_pos) & (positions < limit)
                     keys = (seen[row] if variant == "no_reset" else []) + [(k, v, visible)]
                     seen[row] = keys
                     if variant == "no_row_mask" or q_start <= row < q_end:
-                        out[row] = _attend(qn[row], keys, sm_scale)
+                        out[row] = _attend(qn[row], keys, sm_scale, mask_value)
         out[cu[n] :] = 0  # padding rows: not compared
         return out
 
@@ -133,6 +152,16 @@ def head_dim_scale(fn):
 
     def wrong(q, *args, sm_scale, **options):
         return fn(q, *args, sm_scale=q.shape[-1] ** -0.5, **options)
+
+    return wrong
+
+
+def mask_value_ignored(fn):
+    """`fn` with the default mask (masked keys weigh nothing), whatever mask_value it is
+    given."""
+
+    def wrong(*args, mask_value=None, **options):
+        return fn(*args, **options)
 
     return wrong
 
@@ -156,7 +185,7 @@ def ragged_mistakes() -> dict:
     """Rung 7's mistakes: explanation -> fn with JAX's signature.
 
     >>> len(ragged_mistakes())
-    5
+    6
     """
     return {
         "the rows of other sequences were overwritten: a q block's rows belong to several "
@@ -170,4 +199,7 @@ def ragged_mistakes() -> dict:
             ragged("global_row"),
         NO_KV_OFFSET: ragged("no_kv_offset"),
         SM_SCALE_IGNORED: head_dim_scale(ragged()),
+        "mask_value is ignored: a masked key's score is the mask_value the kernel is given "
+        "(here one whose masked keys weigh something), not the default: pass it on, "
+        "`attend_rows(..., sm_scale, mask_value)`.": mask_value_ignored(ragged()),
     }  # fmt: skip
