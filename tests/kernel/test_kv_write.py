@@ -43,8 +43,12 @@ CASES = {
         dict(num_q_heads=16, num_kv_heads=8, head_dim=32),
         {},
     ),
-    # The decode kernel writes one row in all: its wait is for that row alone.
-    "a lone decode sequence": (dict(seq_lens=LONE_DECODE), BLOCKS),
+    # The decode kernel writes one row in all: its wait is for that row alone. And the
+    # attention options away from their neutral values (sm_scale 1, no window, no soft cap).
+    "a lone decode sequence": (
+        dict(seq_lens=LONE_DECODE),
+        dict(sm_scale=0.125, sliding_window=12, soft_cap=20.0, **BLOCKS),
+    ),
 }
 
 
