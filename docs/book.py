@@ -10,6 +10,7 @@ EXECUTED holds the executed notebooks (tests/test_notebooks.py keeps them); SOUR
                         README's own sections
     notebooks/*.ipynb   the executed notebooks, each explorer as its static figure, "notebook
                         03" a link to it and `make_batch` a link to its reference entry
+    docs/glossary.md    the glossary, at the path the notebooks' links to it name
     exercises/NN.md     a page per notebook's exercise set, each checker with its docs
     reference/*.md      a page per module the notebooks import, from its docstrings
     docs/img/           the README's screenshots
@@ -42,6 +43,9 @@ LIVE_NOTE = (
     "A static figure of the explorer: when you run the notebook (locally, on Colab or on a "
     "TPU VM) its controls are live."
 )
+# The glossary, at the same path in the book's source as in the repository, so that the
+# notebooks' links to it (`../docs/glossary.md#mxu`) reach it in both.
+GLOSSARY = "docs/glossary.md"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 
@@ -255,6 +259,7 @@ def toc(notebooks: list[Path], exercises: list[str], modules: list[str]) -> dict
             "toc": [
                 {"file": "index.md"},
                 part("The course", [f"notebooks/{p.name}" for p in notebooks]),
+                {"file": GLOSSARY},
                 part("Exercises", [f"exercises/{n}.md" for n in exercises]),
                 part("minilib reference", [f"reference/{m}.md" for m in modules]),
             ],
@@ -278,6 +283,7 @@ def write_book(executed: Path, source: Path) -> None:
     for folder in ("notebooks", "exercises", "reference"):
         (source / folder).mkdir(parents=True)
     shutil.copytree(ROOT / "docs" / "img", source / "docs" / "img")
+    shutil.copy(ROOT / GLOSSARY, source / GLOSSARY)
     shutil.copytree(ROOT / "docs" / "book_template", source / "template")
     landing = landing_page((ROOT / "README.md").read_text())
     (source / "index.md").write_text(link_notebook_names(landing, notebooks))
