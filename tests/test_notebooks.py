@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from prose_claims import broken_claims
 from time_limit import Cost
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -302,6 +303,11 @@ def test_notebook_runs(path, kernel_manager_factory, record_property):
         f"{path.name}: a cell says its result is not computed here without showing the "
         "recorded one beside it (labelled 'Recorded on <date> with jax X', e.g. by "
         "minilib.tpu.recorded.recorded_result):\n" + "\n".join(unrecorded)
+    )
+    contradicted = broken_claims(nb.cells)
+    assert not contradicted, (
+        f"{path.name}: the prose says what a cell's output does not (its `<!-- claim: -->`, "
+        "tests/prose_claims.py):\n" + "\n".join(contradicted)
     )
     assert cost < SECONDS_LIMIT, (
         f"{path.name} cost {cost:.0f} s (the smaller of its wall and CPU seconds; {seconds:.0f} s "

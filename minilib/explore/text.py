@@ -1,6 +1,7 @@
 """How figures and explorers put things in words, and the few HTML pieces the explorers show.
 
     plural(n, noun), span(items), and_join(items)    counts, runs and lists in words
+    code_without_docstrings(obj)                      a function's or class's code, to read
     message_box, pre, table, array_rows               the explorers' HTML
 
 Every count in the figures and explorers goes through `plural`, so "1 page" and "2 pages" are
@@ -9,10 +10,22 @@ written once.
 
 from __future__ import annotations
 
+import ast
 import html
+import inspect
+import textwrap
 from collections.abc import Iterable, Sequence
 
-__all__ = ["and_join", "array_rows", "message_box", "plural", "pre", "span", "table"]
+__all__ = [
+    "and_join",
+    "array_rows",
+    "code_without_docstrings",
+    "message_box",
+    "plural",
+    "pre",
+    "span",
+    "table",
+]
 
 
 def plural(n: int, noun: str, count: bool = True) -> str:
@@ -44,6 +57,31 @@ def and_join(items: Iterable) -> str:
     """
     items = [str(i) for i in items]
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def code_without_docstrings(obj) -> str:
+    """The source of a function or class as the notebooks print it: its `def` or `class` line
+    and its code, each docstring in it (its own, its methods') left out.
+
+    >>> print(code_without_docstrings(plural))
+    def plural(n: int, noun: str, count: bool = True) -> str:
+        noun = noun if n == 1 else f"{noun}s"
+        return f"{n} {noun}" if count else noun
+    """
+    source = textwrap.dedent(inspect.getsource(obj))
+    dropped = set()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            continue
+        first = node.body[0]
+        is_docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+        if is_docstring and isinstance(first.value.value, str) and first.lineno > node.lineno:
+            dropped.update(range(first.lineno, first.end_lineno + 1))  # 1-based line numbers
+    lines = source.splitlines()
+    after = [number + 1 for number in dropped if number + 1 not in dropped]
+    dropped.update(n for n in after if n <= len(lines) and not lines[n - 1].strip())
+    kept = [line for number, line in enumerate(lines, start=1) if number not in dropped]
+    return "\n".join(kept)
 
 
 # --- HTML ------------------------------------------------------------------------------------
