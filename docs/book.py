@@ -5,7 +5,7 @@
 EXECUTED holds the executed notebooks (tests/test_notebooks.py keeps them); SOURCE gets:
 
     myst.yml            the table of contents: the landing page, the notebooks, the
-                        exercises, the reference
+                        exercises, the reference, the instructor's guide
     index.md            the landing page: who the course is for and how to run it, the
                         README's own sections
     notebooks/*.ipynb   the executed notebooks, each explorer as its static figure, "notebook
@@ -13,6 +13,8 @@ EXECUTED holds the executed notebooks (tests/test_notebooks.py keeps them); SOUR
     docs/glossary.md    the glossary, at the path the notebooks' links to it name
     exercises/NN.md     a page per notebook's exercise set, each checker with its docs
     reference/*.md      a page per module the notebooks import, from its docstrings
+    instructors.md      the instructor's guide, docs/instructors.md (its tables written by
+                        docs/instructors_times.py), its names linked as the notebooks' are
     docs/img/           the README's screenshots
 
 Every documented name gets a label, `api-<module>-<name>` (dots as dashes), that any page can
@@ -178,6 +180,28 @@ def exercise_page(number: str, notebook: Path) -> str:
     return "\n".join(lines)
 
 
+def exercise_targets(numbers: list[str]) -> dict[str, str]:
+    """{checker: label} of each checker that the exercise pages of notebooks `numbers` document
+    (as `exercise_page` does)."""
+    import minilib.exercises as exercises
+
+    targets = {}
+    for number in numbers:
+        for path in sorted((ROOT / "minilib" / "exercises").glob(f"ex{number}_*.py")):
+            name = f"minilib.exercises.{path.stem}"
+            for checker in public_names(importlib.import_module(name)):
+                if checker.startswith("check_") and hasattr(exercises, checker):
+                    targets[checker] = label(name, checker)
+    return targets
+
+
+def instructors_page(guide: str, notebooks: list[Path], targets: dict[str, str]) -> str:
+    """The instructor's guide as a page of the book: `08_tpu_kernel` and "notebook 08" link to
+    the notebook, a checker's name to its entry on the exercise pages (`targets`)."""
+    pages = {p.name[:2]: f"notebooks/{p.name}" for p in notebooks}
+    return link_prose(link_notebook_names(guide, notebooks), targets, pages)
+
+
 def link_targets(modules: list[str]) -> dict[str, str]:
     """{name: label} for each public function and class, linked to the module defining it."""
     targets = {}
@@ -262,6 +286,7 @@ def toc(notebooks: list[Path], exercises: list[str], modules: list[str]) -> dict
                 {"file": GLOSSARY},
                 part("Exercises", [f"exercises/{n}.md" for n in exercises]),
                 part("minilib reference", [f"reference/{m}.md" for m in modules]),
+                part("For instructors", ["instructors.md"]),
             ],
         },
         # A template of our own (docs/book_template), since the book theme is downloaded
@@ -303,6 +328,9 @@ def write_book(executed: Path, source: Path) -> None:
     for path in notebooks:
         nb = book_notebook(path, targets, pages)
         (source / "notebooks" / path.name).write_text(json.dumps(nb))
+    guide = (ROOT / "docs" / "instructors.md").read_text()
+    checkers = exercise_targets(numbers)
+    (source / "instructors.md").write_text(instructors_page(guide, notebooks, checkers))
     (source / "myst.yml").write_text(json.dumps(toc(notebooks, numbers, modules), indent=1))
 
 

@@ -106,3 +106,37 @@ def test_the_book_names_each_notebook_that_was_not_executed(tmp_path):
     with pytest.raises(ValueError, match="01_attention_and_head_grouping.ipynb"):
         book.write_book(tmp_path, tmp_path / "source")
     assert not (tmp_path / "source").exists()
+
+
+def toc_files(entries: list[dict]) -> list[str]:
+    files = []
+    for entry in entries:
+        files += [entry["file"]] if "file" in entry else toc_files(entry["children"])
+    return files
+
+
+def test_the_instructors_guide_is_a_page_of_the_book(tmp_path):
+    """docs/instructors.md is in the table of contents, and each of its links reaches a page
+    of the book (a notebook) or a label one defines (a checker's entry on an exercise page).
+    The notebooks stand in for the executed ones: only their names matter here."""
+    import json
+    import re
+    import shutil
+
+    for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"):
+        shutil.copy(path, tmp_path / path.name)
+    source = tmp_path / "source"
+    book.write_book(tmp_path, source)
+    toc = json.loads((source / "myst.yml").read_text())["project"]["toc"]
+    assert "instructors.md" in toc_files(toc)
+    page = (source / "instructors.md").read_text()
+    assert page.startswith("# Instructor's guide")
+    labels = set()
+    for exercises in (source / "exercises").glob("*.md"):
+        labels |= set(re.findall(r"^\((api-[\w-]+)\)=$", exercises.read_text(), flags=re.M))
+    anchors = re.findall(r"\]\(#(api-[\w-]+)\)", page)
+    pages = re.findall(r"\]\((notebooks/[\w.]+)\)", page)
+    assert "api-minilib-exercises-ex07_flash-check_flash_attention" in anchors
+    assert set(anchors) <= labels, set(anchors) - labels
+    assert "notebooks/08_tpu_kernel.ipynb" in pages
+    assert all((source / p).is_file() for p in pages)
