@@ -638,6 +638,9 @@ WRONG_ANSWERS = [
       lambda: rung7("no_prefetch_across_steps"), "the kernel copied that block, but into slot "
       "0 (the plan: slot 1) and in grid step 1", "in its own grid step",
       "this rung requires prefetching across grid steps"),
+    W("6", "pages_per_block read as bufs.shape[1]", ex.check_prefill_chunk,
+      lambda: rung6("pages_per_block_tokens"), "Out of bound slice",
+      "of ladder_wrong_walks.py: pl.when(num_kv_blocks > 0)(lambda: copy(0, 0).start())"),
     # numerical mistakes, simulated and named
     W("6", "causal offset one too many", ex.check_prefill_chunk,
       lambda: rung6("causal_plus_one"), "the causal offset is one too many"),

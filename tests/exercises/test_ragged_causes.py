@@ -118,3 +118,28 @@ def test_which_of_block_slot_and_step_differs(case):
     text = problem(case, blocks[:3] + [(3, 0, blocks[3][2], 1)] + blocks[4:])
     assert "the kernel copied that block, but in grid step 1" in text
     assert "in its own grid step" in text
+
+
+def test_the_learners_line_not_generated_code():
+    """An error raised in code Python generated (a frozen dataclass's __setattr__, whose file
+    is "<string>") is reported at the learner's own line, whose source is shown."""
+    import dataclasses
+    import traceback
+
+    from minilib.exercises.checking import _where_it_raised
+
+    @dataclasses.dataclass(frozen=True)
+    class Block:
+        pages: int
+
+    def learners_kernel():
+        block = Block(2)
+        block.pages = 16  # the learner's line: a frozen field set
+
+    try:
+        learners_kernel()
+    except dataclasses.FrozenInstanceError as err:
+        files = [f.filename for f in traceback.extract_tb(err.__traceback__)]
+        assert files[-1] == "<string>", files  # raised in the generated code
+        where = _where_it_raised(err)
+    assert "test_ragged_causes.py" in where and "block.pages = 16" in where, where
