@@ -345,14 +345,25 @@ def _ragged_cause(facts: _Ragged, k: int, partial: bool) -> str:
     if got is None and due is None:
         return LAST_WORK
     if got is None:
-        return _pages_cause(facts.copies[k][0], due[1], facts.case, facts.table,
-                            facts.lens[due[1]])  # fmt: skip
+        return _unknown_pages(facts, k, due, prev, first_of_blk)
     for rule in (_fact_idle, _fact_past_num_seqs, _fact_twice, _fact_count, _fact_diagonal,
                  _fact_order, _fact_spanning, _fact_not_started, _fact_skipped_rows,
                  _fact_last_work, _fact_no_row):  # fmt: skip
         cause = rule(facts, k, due, prev, first_of_blk, got, step, partial)
         if cause is not None:
             return cause
+    return NEXT_WORK
+
+
+def _unknown_pages(facts: _Ragged, k: int, due, prev, first_of_blk: bool) -> str:
+    """Copy k's pages are no KV block's: named by the row of page_indices that holds them."""
+    page = facts.copies[k][0]
+    rows = [s for s in range(facts.table.shape[0]) if page in facts.table[s]]
+    spanning = first_of_blk and prev is not None and due[1] == prev[1]
+    if spanning and any(r > due[1] for r in rows):  # a later sequence's row holds it too
+        return SPANNING
+    if due[1] in rows:
+        return _pages_cause(page, due[1], facts.case, facts.table, facts.lens[due[1]])
     return NEXT_WORK
 
 
