@@ -125,6 +125,8 @@ def next_work_variant(variant: str) -> Callable:
 def kv_block(page_indices_ref, kv_hbm_ref, bufs, sems, seq, kv_len, b, slot, variant=""):
     page_size = kv_hbm_ref.shape[1]
     per_block, last = bufs.shape[1] // page_size, pl.cdiv(kv_len, page_size) - 1
+    if variant == "pages_per_block_tokens":  # bufs.shape[1] is block_kv tokens, not pages
+        per_block = bufs.shape[1]
     if variant == "floor_division":  # right: the same last page, `//` on a traced integer
         last = (kv_len + page_size - 1) // page_size - 1
     first = b + 0 if variant == "page_b_plus_p" else b * per_block  # b + p: blocks overlap
@@ -178,7 +180,11 @@ def rung6(variant: str) -> Callable:
         q_pos = {
             "no_kv_offset": first_row + row,  # forgets kv_len - q_len
             "no_block_offset": kv_len - q_len + row,  # forgets first_row
+            "causal_minus_one": kv_len - q_len + first_row + row - 1,  # hides its own key
+            "causal_plus_one": kv_len - q_len + first_row + row + 1,  # sees the next key
         }.get(variant, kv_len - q_len + first_row + row)
+        if variant == "no_sm_scale":  # the scores never scaled
+            sm_scale = 1.0
         last_row = jnp.minimum(first_row + block_q, q_len) - 1
         if variant == "last_row_unclamped":  # the q block's last row, live or not
             last_row = first_row + block_q - 1
@@ -189,6 +195,8 @@ def rung6(variant: str) -> Callable:
             num_kv_blocks = (kv_len - q_len + last_row + block_kv) // block_kv
         if variant == "no_diagonal_skip":  # every KV block up to kv_len
             num_kv_blocks = pl.cdiv(kv_len, block_kv)
+        if variant == "kv_blocks_floor":  # floor: the last, partial KV block is lost
+            num_kv_blocks = (kv_len - q_len + last_row + 1) // block_kv
         if variant != "dead_q_block_not_skipped":  # a q block with no live row: nothing
             num_kv_blocks = jnp.where(first_row < q_len, num_kv_blocks, 0)
 
@@ -198,11 +206,21 @@ def rung6(variant: str) -> Callable:
         def body(b, _):
             slot = b % 2
             into = slot if variant == "next_into_same_slot" else 1 - slot
+            if variant == "single_buffered":  # rung 3's loop in slot 0: start, wait, compute
+                copy(b, 0).start()
+                copy(b, 0).wait()
+                attend_rows(bufs.at[0], q_ref, m_ref, l_ref, acc_ref, b * block_kv, q_pos,
+                            kv_len, sm_scale)  # fmt: skip
+                return
             if variant == "no_overlap":  # block b started here, after block b - 1's wait
                 copy(b, slot).start()
+            elif variant == "next_after_wait":  # block b + 1 started after block b's wait
+                copy(b, slot).wait()
+                pl.when(b + 1 < num_kv_blocks)(lambda: copy(b + 1, into).start())
             else:
                 pl.when(b + 1 < num_kv_blocks)(lambda: copy(b + 1, into).start())
-            copy(b, slot).wait()
+            if variant != "next_after_wait":
+                copy(b, slot).wait()
             attend_rows(
                 bufs.at[slot], q_ref, m_ref, l_ref, acc_ref, b * block_kv, q_pos, kv_len, sm_scale
             )
@@ -211,7 +229,7 @@ def rung6(variant: str) -> Callable:
             init_online_softmax(m_ref, l_ref, acc_ref)
         if variant == "first_copy_unguarded":  # block 0 even with no KV block to visit
             copy(0, 0).start()
-        elif variant != "no_overlap":
+        elif variant not in ("no_overlap", "single_buffered"):
             pl.when(num_kv_blocks > 0)(lambda: copy(0, 0).start())
         lax.fori_loop(0, num_kv_blocks, body, None)
         write_rows(o_ref, l_ref, acc_ref)
@@ -252,7 +270,12 @@ def rung7(variant: str) -> Callable:
             if variant == "blocks_to_q_end":  # the sequence's last row, in whichever q block
                 last_row = cu[seq + 1] - 1
             q_len = cu[seq + 1] - cu[seq]
-            return pl.cdiv(kv_lens_ref[seq] - q_len + last_row - cu[seq] + 1, block_kv)
+            last_pos = kv_lens_ref[seq] - q_len + last_row - cu[seq]
+            if variant == "kv_blocks_floor":  # floor: the last, partial KV block is lost
+                return (last_pos + 1) // block_kv
+            if variant == "cdiv_without_plus_one":  # a count of positions is last_pos + 1
+                return pl.cdiv(last_pos, block_kv)
+            return pl.cdiv(last_pos + 1, block_kv)
 
         def copy(seq, b, slot):
             return kv_block(
@@ -279,12 +302,14 @@ def rung7(variant: str) -> Callable:
             start = seq + 1 if variant == "next_block_skips_seq" else seq  # may be seq itself
             next_blk = next_seq_with_rows(start, end_row, cu, num_seqs)
             in_next_blk = (q_blk + 1 < num_q_blks) & (next_blk < num_seqs)
-            if variant == "no_prefetch_across_steps":  # each q block starts its own first
-                in_next_blk = jnp.bool_(False)
+            if variant in ("no_prefetch_across_steps", "next_blk_never_started"):
+                in_next_blk = jnp.bool_(False)  # the next q block's first: not from here
             has_next = more | later_here | in_next_blk
             if variant == "next_past_the_last":
                 has_next = jnp.bool_(True)
             nxt = jnp.where(more, seq, jnp.where(later_here, later, next_blk))
+            if variant == "next_branches_swapped":  # the next q block before this one's next
+                nxt = jnp.where(more, seq, jnp.where(in_next_blk, next_blk, later))
             return has_next, jnp.minimum(nxt, kv_lens_ref.shape[0] - 1), jnp.where(more, b + 1, 0)
 
         def attend_seq(seq, slot):
@@ -292,16 +317,30 @@ def rung7(variant: str) -> Callable:
             q_len = cu[seq + 1] - q_start
             row = first_row + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
             rows = (q_start <= row) & (row < q_start + q_len)
+            local = lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)  # without first_row
+            if variant == "rows_block_local":  # the row mask from the q block's own rows
+                rows = (q_start <= local) & (local < q_start + q_len)
             q_pos = {
                 "no_kv_offset": row - q_start,
                 "global_row": kv_len - q_len + row,
+                "q_pos_from_q_block": kv_len - q_len + local,  # counts from the q block
+                "q_pos_no_first_row": kv_len - q_len + local - q_start,
+                "causal_plus_one": kv_len - q_len + row - q_start + 1,  # sees the next key
+                "causal_minus_one": kv_len - q_len + row - q_start - 1,  # hides its own key
             }.get(variant, kv_len - q_len + row - q_start)
+            if variant == "no_sm_scale":  # the scores never scaled
+                scale = 1.0
+            else:
+                scale = sm_scale
 
             def body(b, slot):
                 has_next, nseq, nb = next_work(seq, b)
                 into = slot if variant == "next_into_same_slot" else 1 - slot
+                if variant == "next_after_wait":  # the next copy started after this wait
+                    copy(seq, b, slot).wait()
                 pl.when(has_next)(lambda: copy(nseq, nb, into).start())
-                copy(seq, b, slot).wait()
+                if variant != "next_after_wait":
+                    copy(seq, b, slot).wait()
                 attend_rows(
                     bufs.at[slot],
                     q_ref,
@@ -311,7 +350,7 @@ def rung7(variant: str) -> Callable:
                     b * block_kv,
                     q_pos,
                     kv_len,
-                    sm_scale,
+                    scale,
                     # ignores mask_value: attend_rows' default, whatever the call was given
                     *(() if variant == "ignores_mask_value" else (mask_value,)),
                 )
@@ -350,6 +389,10 @@ def rung7(variant: str) -> Callable:
 
         def has_rows_here(carry):
             seq, _ = carry
+            if variant == "walk_past_end_row":  # <=: a sequence starting at end_row too
+                return (seq < num_seqs) & (cu[jnp.minimum(seq, num_seqs)] <= end_row)
+            if variant == "skip_spanning_seq":  # only sequences that end in this q block
+                return (seq < num_seqs) & (cu[jnp.minimum(seq + 1, num_seqs)] <= end_row)
             return (seq < num_seqs) & (cu[jnp.minimum(seq, num_seqs)] < end_row)
 
         def walk(carry):

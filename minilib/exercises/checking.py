@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import linecache
 import os
 import threading
 import time
@@ -495,6 +496,17 @@ def run_again(
     return expected, got
 
 
+def _has_source(frame: traceback.FrameSummary) -> bool:
+    """Whether the frame's line can be shown: a file, a notebook cell, or code run by exec
+    whose source linecache holds. Code that Python or a library generated ("<string>" of a
+    dataclass's __init__, of a namedtuple) has none: it is not the learner's."""
+    if not frame.filename.startswith("<"):
+        return True
+    if "ipython-input" in frame.filename:
+        return True
+    return bool((frame.line or linecache.getline(frame.filename, frame.lineno)).strip())
+
+
 def _where_it_raised(err: Exception) -> str:
     """The innermost frame of the traceback that is not minilib's or a library's: the
     learner's own line (a notebook cell, or a solution file)."""
@@ -506,6 +518,7 @@ def _where_it_raised(err: Exception) -> str:
         and "dist-packages" not in f.filename
         and not str(Path(f.filename).resolve()).startswith(MINILIB_DIR)
         and not f.filename.startswith("<frozen")
+        and _has_source(f)
     ]
     if not own:
         return (

@@ -125,12 +125,14 @@ def compare_kernel_output(
             cause = functools.partial(block_cause, case=case) if block_cause else None
             raise Mismatch(interpreter_error(got, named, advice, cause) + raw)
         problem = dma_problem(got, named, advice)
+        schedule = False  # a problem of the copies' schedule alone, no hazard to the data
         if problem is None and ledger_check is not None and got.watch is not None:
             problem = ledger_check(got, case)
+            schedule = problem is not None
         if problem is None and got.raced:
             problem = race_report(got, named)
         if problem is not None:
-            output = _output_too(expected, got, case, atol, rtol, locate, problem)
+            output = _output_too(expected, got, case, atol, rtol, locate, problem, schedule)
             raise Mismatch(problem + output + raw)
         try:
             compare_arrays(expected, got.out, "output", atol=atol, rtol=rtol)
@@ -144,10 +146,12 @@ def compare_kernel_output(
     return compare
 
 
-def _output_too(expected, got: KernelRun, case: Case, atol, rtol, locate, problem: str) -> str:
+def _output_too(expected, got: KernelRun, case: Case, atol, rtol, locate, problem: str,
+                schedule: bool = False) -> str:  # fmt: skip
     """What the output says besides `problem`: wrong too, or right (checked here). A right
-    output with a schedule problem (no overlap) is a right kernel that skips what the rung
-    is about: said so, with what the rung requires."""
+    output with a schedule problem (no overlap; `schedule`: the rung's check of the copies'
+    order, with no hazard to the data: no race, no copy left in flight or overwritten) is a
+    right kernel that skips what the rung is about: said so, with what the rung requires."""
     try:
         compare_arrays(expected, got.out, "output", atol=atol, rtol=rtol)
     except Mismatch:
@@ -161,6 +165,11 @@ def _output_too(expected, got: KernelRun, case: Case, atol, rtol, locate, proble
                 "\n(Your kernel's output is right on this case, checked against the reference: "
                 f"the numbers are not the problem; {required}.)"
             )
+    if schedule:
+        return (
+            "\n(Your kernel's output is right on this case, checked against the reference: "
+            "the numbers are not the problem; the schedule of its copies is.)"
+        )
     return "\n(The output happens to be right on this case; on a chip it need not be.)"
 
 

@@ -399,10 +399,13 @@ def likely_cause(out, case: Case, mistakes: dict[str, Callable], pattern: str | 
 # Words of the two schedule problems a kernel with a right output can have, and what each rung
 # requires instead (`kernel_checking` says so when the output was checked right).
 NO_OVERLAP = "no copy overlaps a compute"
+NOTHING_IN_FLIGHT = "no copy was in flight when it started"
 OWN_STEP = "nothing overlaps that copy"
 REQUIRED = {
     NO_OVERLAP: "this rung requires double buffering: the next copy on its way while this "
     "one computes",
+    NOTHING_IN_FLIGHT: "this rung requires double buffering: the next copy on its way while "
+    "this one is waited for and computes",
     OWN_STEP: "this rung requires prefetching across grid steps: the first copy of a grid step "
     "started by the step before",
 }

@@ -134,7 +134,9 @@ def run_in_strict_interpret_mode(
             return KernelRun(out=None, stopped_after=seconds, watch=watch)
         if error is not None:
             if watch.deadlock is not None or _from_the_interpreter(error):
-                return KernelRun(out=None, error=_error_text(error), watch=watch)
+                return KernelRun(
+                    out=None, error=_error_text(error), watch=watch, grid=tuple(points)
+                )
             raise error
         return KernelRun(out, raced=watch.raced, watch=watch, grid=tuple(points))
 

@@ -13,12 +13,14 @@ general DMA problems (`minilib.exercises.kernel_failures`) for these rungs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
 
 from minilib.exercises.checking import Case
-from minilib.exercises.kernel_failures import NO_OVERLAP, OWN_STEP, smem_read_outside
+from minilib.exercises.kernel_failures import NOTHING_IN_FLIGHT, OWN_STEP, smem_read_outside
+from minilib.exercises.ragged_mistakes import ragged
 from minilib.kv_cache import pages_needed
 from minilib.ladder.prefill_chunk import kv_block_pages, prefill_copy_plan
 from minilib.ladder.ragged import ragged_copy_plan
@@ -119,12 +121,18 @@ def _difference(want: list, have: list, case: Case, table, seq: int, kv_len: int
 
 
 def _no_overlap(firsts: list) -> str | None:
+    """The first KV block (but a grid step's first) whose copy started with no copy in
+    flight. The ledger sees the copies and the waits, not the computes: it says that block
+    b's copy was not on its way while the kernel waited for block b - 1, not whether a
+    compute overlapped it."""
     for copy, what in firsts:
         if copy.in_flight == 0:
             return (
-                f"{what} was copied only after every earlier copy had been waited for: "
-                f"{NO_OVERLAP}, so the two slots do not double-buffer. Start KV block "
-                "b + 1's copy into the other slot *before* waiting for block b."
+                f"{what} was copied only after every earlier copy had been waited for "
+                f"({NOTHING_IN_FLIGHT}): the copy of block b + 1 was not on its way while the "
+                "kernel waited for block b, so the two slots do not double-buffer the way the "
+                "rung asks. Start KV block b + 1's copy into the other slot *before* waiting "
+                "for block b (started after that wait, it overlaps at most block b's compute)."
             )
     return None
 
@@ -168,6 +176,66 @@ def _prefill_problem(run, copies, case: Case) -> str | None:
     return _no_overlap(firsts)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Ragged:
+    """What rung 7's causes check their facts against: the case's tables, the plan, and the
+    run's copies as (page, slot, place, Copy)."""
+
+    run: object
+    case: Case
+    copies: list
+    plan: list
+    lens: list
+    cu: list
+    n: int
+    block_q: int
+    per_block: int
+    page_size: int
+    table: np.ndarray
+
+    @property
+    def block_kv(self) -> int:
+        return self.per_block * self.page_size
+
+    def rows(self, seq: int, blk: int) -> tuple[int, int] | None:
+        """The rows (first, last) of sequence `seq` in q block `blk`, or None if it has none."""
+        first = max(self.cu[seq], blk * self.block_q)
+        last = min(self.cu[seq + 1], (blk + 1) * self.block_q) - 1
+        return (first, last) if first <= last else None
+
+    def blocks_needed(self, seq: int, blk: int, count=None) -> int:
+        """The KV blocks sequence `seq`'s rows in q block `blk` see (0: no row there);
+        `count(last_pos, block_kv)` may count them another way (a mistake)."""
+        rows = self.rows(seq, blk)
+        if rows is None:
+            return 0
+        q_len = self.cu[seq + 1] - self.cu[seq]
+        last_pos = self.lens[seq] - q_len + rows[1] - self.cu[seq]
+        return (count or _cdiv_plus_one)(last_pos, self.block_kv)
+
+    def step(self, k: int) -> int | None:
+        """The q block of the grid step that started copy k, if recorded."""
+        copy = self.copies[k][3]
+        grid = self.run.grid
+        return grid[copy.step][0][0] if 0 <= copy.step < len(grid) else None
+
+    def block_of(self, k: int):
+        """Which (seq, KV block) the copies from k on, a block's worth, are, or None."""
+        start = k - k % self.per_block
+        pages = tuple(c[0] for c in self.copies[start : start + self.per_block])
+        for s in range(len(self.lens)):  # a padding slot's kv_len may be huge: its row bounds it
+            kv_len = min(self.lens[s], self.table.shape[1] * self.page_size)
+            for b in range(pages_needed(kv_len, self.page_size)):
+                block = kv_block_pages(self.table, s, kv_len, b, self.per_block, self.page_size)
+                if pages and block[: len(pages)] == pages:  # a run may stop mid-block
+                    return s, b
+        return None
+
+
+def _cdiv_plus_one(last_pos: int, block_kv: int) -> int:
+    return -(-(last_pos + 1) // block_kv)
+
+
 def _ragged_problem(run, copies, case: Case, partial: bool) -> str | None:
     q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = case.args
     block_q = case.kwargs["num_queries_per_block"]
@@ -178,64 +246,305 @@ def _ragged_problem(run, copies, case: Case, partial: bool) -> str | None:
     plan = ragged_copy_plan(lens, table, cu, n, block_q=block_q,
                             num_q_blocks=q.shape[0] // block_q,
                             num_kv_pages_per_block=per_block, page_size=page_size)  # fmt: skip
-    want = [(pages[p], slot, p) for *_, slot, pages in plan for p in range(per_block)]
-    have = [x[:3] for x in copies]
-    work = [(blk, seq, b) for blk, seq, b, *_ in plan for _ in range(per_block)]
-
-    def block_of(k):  # which (seq, KV block) the copies from k on, a block's worth, are
-        pages = tuple(x[0] for x in have[k - k % per_block : k - k % per_block + per_block])
-        for s in range(len(lens)):  # a padding slot's kv_len may be huge: its row bounds it
-            kv_len = min(lens[s], table.shape[1] * page_size)
-            for b in range(pages_needed(kv_len, page_size)):
-                block = kv_block_pages(table, s, kv_len, b, per_block, page_size)
-                if pages and block[: len(pages)] == pages:  # a run may stop mid-block
-                    return s, b
-        return None
-
-    k = next((k for k, (w, h) in enumerate(zip(want, have, strict=False)) if w != h),
-             min(len(want), len(have)))  # fmt: skip
-    if k == len(want) == len(have) and not partial:
+    facts = _Ragged(run, case, copies, plan, lens, cu, n, block_q, per_block, page_size, table)
+    k = _first_difference(facts)
+    planned = len(plan) * per_block
+    if k == planned == len(copies) and not partial:
         return _ragged_timing(run, copies, plan, per_block)
-    due = work[k] if k < len(work) else None
-    prev = work[k - 1] if k > 0 else None
-    first_of_blk = due is not None and due[0] > 0 and (prev is None or prev[0] < due[0])
-    if partial and k >= len(have):  # the copies agree until the run stopped: on a read?
+    if partial and k >= len(copies):  # the copies agree until the run stopped: on a read?
         read = smem_read_outside(run)
         if read is None or read[1] != table.shape:
             return None
-        return _stopped_reading(read[0], k, len(want), due, prev, first_of_blk, cu, n)
-    got = block_of(k) if k < len(have) else None
-    what = (f"copy {k} (of {len(want)} planned) differs: the plan has {_planned(due)}"
-            + (f", the kernel copied KV block {got[1]} of sequence {got[0]}" if got
-               else f", the kernel copied pages {[x[0] for x in have[k:k + per_block]]}"
-               if k < len(have) else ", the kernel copied nothing more")
-            + ". Likely cause: ")  # fmt: skip
-    if first_of_blk and k < len(have) and have[k][0] == want[k][0]:
-        copy = copies[k][3]
-        step = run.grid[copy.step][0][0] if 0 <= copy.step < len(run.grid) else None
-        if step is not None and step >= due[0]:
-            return what + _own_step(due[1], due[0])
-    if got is not None and due is not None and got == (due[1], due[2]):
-        cause = _difference(want[k:], have[k:], case, table, due[1], lens[due[1]], carried=True)
-        return what + (cause or TOO_FEW)
-    if got is not None and got[0] < n and cu[got[0] + 1] == cu[got[0]]:
-        return what + IDLE
-    if got is not None and got[0] >= n:
-        return what + _past_num_seqs(got[0], n)
-    if got is not None and prev is not None and got == (prev[1], prev[2]):
-        return what + "the same KV block was copied twice in a row: " + IDLE
-    if got is not None and prev is not None and got[0] == prev[1] and got[1] > prev[2]:
-        return what + DIAGONAL
-    if first_of_blk and prev is not None and due[1] == prev[1] and k < len(have):
-        return what + SPANNING
-    if due is None and k < len(have):
-        return what + LAST_WORK
-    if got is not None and due is not None and got[0] != due[1]:
-        return what + _no_row(got[0], due[0])
-    if k >= len(have):
-        return what + TOO_FEW
-    cause = _difference(want[k:], have[k:], case, table, due[1], lens[due[1]], carried=True)
-    return what + (cause or TOO_FEW)
+        due, prev, first_of_blk = _due(facts, k)
+        return _stopped_reading(read[0], k, planned, due, prev, first_of_blk, cu, n)
+    return _what_differs(facts, k) + "Likely cause: " + _ragged_cause(facts, k, partial)
+
+
+def _want(facts: _Ragged) -> list:
+    return [(pages[p], slot, p) for *_, slot, pages in facts.plan for p in range(facts.per_block)]
+
+
+def _first_difference(facts: _Ragged) -> int:
+    """The first copy whose page, slot or place differs from the plan's, or, at the start of a
+    block, whose grid step does (the work before it starts it, in its own grid step)."""
+    want, have = _want(facts), [c[:3] for c in facts.copies]
+    for k, (w, h) in enumerate(zip(want, have, strict=False)):
+        if w != h:
+            return k
+        if k % facts.per_block == 0 and not _right_step(facts, k):
+            return k
+    return min(len(want), len(have))
+
+
+def _planned_step(facts: _Ragged, k: int) -> int:
+    """The grid step that should start copy k: that of the work before it (0 for the first)."""
+    w = k // facts.per_block
+    return facts.plan[w - 1][0] if w > 0 else 0
+
+
+def _right_step(facts: _Ragged, k: int) -> bool:
+    step = facts.step(k)
+    return step is None or step == _planned_step(facts, k)
+
+
+def _due(facts: _Ragged, k: int) -> tuple:
+    """(the planned work of copy k, the work before it, whether it is a q block's first)."""
+    work = [tuple(x[:3]) for x in facts.plan]
+    w = k // facts.per_block
+    due = work[w] if w < len(work) else None
+    prev = work[w - 1] if 0 < w <= len(work) else None
+    first_of_blk = due is not None and due[0] > 0 and (prev is None or prev[0] < due[0])
+    return due, prev, first_of_blk
+
+
+def _what_differs(facts: _Ragged, k: int) -> str:
+    """What copy k is against the plan: which of block, slot, place and grid step differ."""
+    due, _, _ = _due(facts, k)
+    got = facts.block_of(k) if k < len(facts.copies) else None
+    head = f"copy {k} (of {len(facts.plan) * facts.per_block} planned) differs: the plan has "
+    head += _planned(due)
+    if due is not None:
+        head += f", started in grid step {_planned_step(facts, k)}"
+    if k >= len(facts.copies):
+        return head + ", the kernel copied nothing more. "
+    step = facts.step(k)
+    in_step = f" in grid step {step}" if step is not None else ""
+    if due is not None and got == (due[1], due[2]):
+        w, h = _want(facts)[k], facts.copies[k][:3]
+        parts = [f"into slot {h[1]} (the plan: slot {w[1]})"] if w[1] != h[1] else []
+        parts += [f"into place {h[2]} of its slot (the plan: {w[2]})"] if w[2] != h[2] else []
+        parts += [f"in grid step {step}"] if not _right_step(facts, k) else []
+        return head + f", the kernel copied that block, but {' and '.join(parts)}. "
+    if got is None:
+        pages = [c[0] for c in facts.copies[k : k + facts.per_block]]
+        return head + f", the kernel copied pages {pages}{in_step}. "
+    later = _later_in_plan(facts, k, got)
+    also = f", which the plan has later (copy {later})" if later is not None else ""
+    return head + f", the kernel copied KV block {got[1]} of sequence {got[0]}{in_step}{also}. "
+
+
+def _later_in_plan(facts: _Ragged, k: int, got) -> int | None:
+    """The first copy after k that the plan has for block `got`, or None."""
+    w = k // facts.per_block
+    for v, (_, seq, b, *_) in enumerate(facts.plan[w + 1 :], start=w + 1):
+        if (seq, b) == got:
+            return v * facts.per_block
+    return None
+
+
+def _ragged_cause(facts: _Ragged, k: int, partial: bool) -> str:
+    """The likely cause of copy k's difference from the plan: the first rule whose fact holds
+    (each checks what it states), else what next_work's next is."""
+    due, prev, first_of_blk = _due(facts, k)
+    got = facts.block_of(k) if k < len(facts.copies) else None
+    step = facts.step(k) if k < len(facts.copies) else None
+    if due is not None and got == (due[1], due[2]):
+        return _same_block(facts, k, due, prev, first_of_blk, step)
+    if got is None and k >= len(facts.copies):
+        return TOO_FEW
+    if got is None and due is None:
+        return LAST_WORK
+    if got is None:
+        return _unknown_pages(facts, k, due, prev, first_of_blk)
+    for rule in (_fact_idle, _fact_past_num_seqs, _fact_twice, _fact_count, _fact_diagonal,
+                 _fact_order, _fact_spanning, _fact_not_started, _fact_skipped_rows,
+                 _fact_last_work, _fact_no_row):  # fmt: skip
+        cause = rule(facts, k, due, prev, first_of_blk, got, step, partial)
+        if cause is not None:
+            return cause
+    return NEXT_WORK
+
+
+def _unknown_pages(facts: _Ragged, k: int, due, prev, first_of_blk: bool) -> str:
+    """Copy k's pages are no KV block's: named by the row of page_indices that holds them."""
+    page = facts.copies[k][0]
+    rows = [s for s in range(facts.table.shape[0]) if page in facts.table[s]]
+    spanning = first_of_blk and prev is not None and due[1] == prev[1]
+    if spanning and any(r > due[1] for r in rows):  # a later sequence's row holds it too
+        return SPANNING
+    if due[1] in rows:
+        return _pages_cause(page, due[1], facts.case, facts.table, facts.lens[due[1]])
+    return NEXT_WORK
+
+
+NEXT_WORK = (
+    "the walk or next_work chose another KV block than the plan's next. Each work starts the "
+    "copy of the next: the next KV block of this sequence (`b + 1 < num_kv_blocks`), else KV "
+    "block 0 of the next sequence with rows in this q block, else KV block 0 of the next q "
+    "block's first sequence; a grid step walks the sequences with rows in its q block."
+)
+
+
+def _same_block(facts: _Ragged, k: int, due, prev, first_of_blk: bool, step) -> str:
+    """Copy k is the planned block, in another slot or place, or started in another step."""
+    if first_of_blk and step is not None and step >= due[0]:
+        return _own_step(due[1], due[0])
+    if facts.copies[k][:3] != _want(facts)[k]:
+        # the slot carries over between grid steps: a cause only for a grid step's first copy
+        carried = k >= facts.per_block and facts.step(k - facts.per_block) != step
+        cause = _difference(_want(facts)[k:], [c[:3] for c in facts.copies[k:]], facts.case,
+                            facts.table, due[1], facts.lens[due[1]], carried=carried)  # fmt: skip
+        return cause or NEXT_WORK
+    before = facts.plan[k // facts.per_block - 1]
+    if step is not None and prev is not None and facts.rows(prev[1], step) is None:
+        return (
+            f"the work before it, KV block {prev[2]} of sequence {prev[1]} (the plan: for q "
+            f"block {prev[0]}), ran in grid step {step}, and " + _no_row(prev[1], step)
+        )
+    return (
+        f"it was started by another grid step than the work before it (KV block {before[2]} "
+        f"of sequence {before[1]} for q block {before[0]}): {NEXT_WORK}"
+    )
+
+
+def _fact_idle(facts, k, due, prev, first_of_blk, got, step, partial):
+    seq = got[0]
+    if seq < facts.n and facts.cu[seq + 1] == facts.cu[seq]:
+        return IDLE
+    return None
+
+
+def _fact_past_num_seqs(facts, k, due, prev, first_of_blk, got, step, partial):
+    return _past_num_seqs(got[0], facts.n) if got[0] >= facts.n else None
+
+
+def _fact_twice(facts, k, due, prev, first_of_blk, got, step, partial):
+    if prev is None or got != (prev[1], prev[2]) or k < facts.per_block:
+        return None
+    if facts.block_of(k - facts.per_block) != got:  # the copy before: the same block?
+        return None
+    return "the same KV block was copied twice in a row: " + IDLE
+
+
+def _fact_diagonal(facts, k, due, prev, first_of_blk, got, step, partial):
+    """A block past the diagonal of its sequence's rows in the q block that copied it."""
+    if prev is None or step is None or got[0] != prev[1] or got[1] <= prev[2]:
+        return None
+    needed = facts.blocks_needed(got[0], step)
+    return DIAGONAL if needed > 0 and got[1] >= needed else None
+
+
+def _fact_order(facts, k, due, prev, first_of_blk, got, step, partial):
+    """The next q block's first sequence chosen before this q block's next sequence."""
+    if prev is None or due is None or due[0] != prev[0] or due[1] == prev[1] or got[1] != 0:
+        return None
+    end_row = (prev[0] + 1) * facts.block_q
+    first_next = next((s for s in range(prev[1], facts.n) if facts.cu[s + 1] > end_row), None)
+    if got[0] != first_next:
+        return None
+    return (
+        f"next_work's cases in the wrong order: after the last KV block of sequence {prev[1]}, "
+        f"sequence {due[1]} still has rows in q block {due[0]}, so its KV block 0 comes next; "
+        "the next q block's first sequence comes only after the last sequence of this q block "
+        "(`jnp.where(more_blocks, seq, jnp.where(later_here, later, next_blk_first))`)."
+    )
+
+
+def _fact_spanning(facts, k, due, prev, first_of_blk, got, step, partial):
+    """The sequence running on into the next q block skipped for the one after it."""
+    if not (first_of_blk and prev is not None and due[1] == prev[1]) or got[1] != 0:
+        return None
+    end_row = prev[0] * facts.block_q + facts.block_q
+    after = next((s for s in range(due[1] + 1, facts.n) if facts.cu[s + 1] > end_row), None)
+    return SPANNING if got[0] == after else None
+
+
+def _fact_not_started(facts, k, due, prev, first_of_blk, got, step, partial):
+    """A q block's first KV block never started: the run then waited for it for ever."""
+    deadlock = facts.run.watch.deadlock if facts.run.watch is not None else None
+    if not (first_of_blk and partial and deadlock is not None):
+        return None
+    if _later_in_plan(facts, k, got) != k + facts.per_block:  # the kernel went on with the next
+        return None
+    return (
+        f"KV block {due[2]} of sequence {due[1]}, the first of q block {due[0]}, was never "
+        f"started, and grid step {due[0]} then waited for it: the last work of q block "
+        f"{due[0] - 1} starts it (next_work's last case: KV block 0 of "
+        "`next_seq_with_rows(seq, end_row, ...)`, the next q block's first sequence, when "
+        "`q_blk + 1 < num_q_blks`)."
+    )
+
+
+def _fact_count(facts, k, due, prev, first_of_blk, got, step, partial):
+    """The KV blocks of a sequence counted as a usual mistake does: the kernel's copies are
+    those of the plan made with that count (but the very first, which grid step 0 starts
+    whatever the count)."""
+    have = [c[0] for c in facts.copies[facts.per_block :]]
+    for count, words in COUNT_MISTAKES:
+        plan = _plan_counted(facts, count)
+        want = [pages[p] for *_, pages in plan[1:] for p in range(facts.per_block)]
+        if have and (want[: len(have)] == have if partial else want == have):
+            return words
+    return None
+
+
+def _floor_count(last_pos: int, block_kv: int) -> int:
+    return (last_pos + 1) // block_kv
+
+
+def _cdiv_no_plus_one(last_pos: int, block_kv: int) -> int:
+    return -(-last_pos // block_kv)
+
+
+COUNT_MISTAKES = (
+    (_floor_count, "the KV blocks were counted with a floor: a sequence's rows in a q block "
+     "see the keys at positions 0 ... last_pos, last_pos + 1 of them, which take "
+     "`pl.cdiv(last_pos + 1, block_kv)` KV blocks; `(last_pos + 1) // block_kv` loses the "
+     "last, partial one."),
+    (_cdiv_no_plus_one, "the KV blocks were counted as `cdiv(last_pos, block_kv)`: the keys "
+     "at positions 0 ... last_pos are last_pos + 1 of them, so the count is "
+     "`pl.cdiv(last_pos + 1, block_kv)` (last_pos = kv_len - q_len + last_row - q_start)."),
+)  # fmt: skip
+
+
+def _plan_counted(facts: _Ragged, count) -> list:
+    """The plan's (q block, seq, KV block, slot, pages), each sequence's KV blocks in a q
+    block counted by `count(last_pos, block_kv)`."""
+    work = []
+    for blk in range(facts.case.args[0].shape[0] // facts.block_q):
+        for seq in range(facts.n):
+            work += [(blk, seq, b) for b in range(facts.blocks_needed(seq, blk, count))]
+    return [(blk, seq, b, k % 2, kv_block_pages(facts.table, seq, facts.lens[seq], b,
+                                                facts.per_block, facts.page_size))
+            for k, (blk, seq, b) in enumerate(work)]  # fmt: skip
+
+
+def _fact_skipped_rows(facts, k, due, prev, first_of_blk, got, step, partial):
+    """A spanning sequence's rows not walked in the q block where it starts: the KV block 0
+    copied for them served the next q block, whose own first copy is then not made."""
+    if partial or not (first_of_blk and prev is not None and due[1] == prev[1]):
+        return None
+    if _later_in_plan(facts, k, got) != k + facts.per_block or facts.run.out is None:
+        return None
+    rows = facts.rows(prev[1], prev[0])
+    expected = ragged()(*facts.case.args, **facts.case.kwargs)
+    got_rows = np.asarray(facts.run.out, np.float64)[rows[0] : rows[1] + 1]
+    if np.allclose(got_rows, expected[rows[0] : rows[1] + 1], atol=1e-3, equal_nan=False):
+        return None  # its rows are right: they were computed
+    return (
+        f"sequence {prev[1]}'s rows in q block {prev[0]} (rows {rows[0]}..{rows[1]}, where it "
+        "starts) were not walked: its KV block 0, copied for them, served the next q block "
+        "instead. A grid step walks every sequence with a row in its q block, "
+        "while `cu_q_lens[seq] < end_row`, also one whose rows run on past end_row."
+    )
+
+
+def _fact_last_work(facts, k, due, prev, first_of_blk, got, step, partial):
+    """An extra copy after the plan's last, started by the very last work's grid step."""
+    if due is not None or not facts.plan:
+        return None
+    last_blk = facts.plan[-1][0]
+    return LAST_WORK if step is None or step == last_blk else None
+
+
+def _fact_no_row(facts, k, due, prev, first_of_blk, got, step, partial):
+    """A sequence copied for a q block where it has no row (nor in the step that copied it)."""
+    if due is None or got[0] == due[1]:
+        return None
+    blk = step if step is not None else due[0]
+    if facts.rows(got[0], due[0]) is not None or facts.rows(got[0], blk) is not None:
+        return None
+    return _no_row(got[0], blk)
 
 
 def _stopped_reading(index: tuple, k: int, planned: int, due, prev, first_of_blk: bool,

@@ -21,6 +21,20 @@ NO_KV_OFFSET = (
 )
 
 
+NO_SM_SCALE = (
+    "the scores are not scaled: multiply q @ k.T by the sm_scale the kernel is given "
+    "(`attend_rows(..., sm_scale)`)."
+)
+CAUSAL_PLUS_ONE = (
+    "the causal offset is one too many: each row sees the key after its own. Row r of the "
+    "chunk sits at position kv_len - q_len + r (no + 1), and sees the keys k_pos <= q_pos."
+)
+CAUSAL_MINUS_ONE = (
+    "the causal offset is one too few: each row misses its own key. Row r of the chunk sits "
+    "at position kv_len - q_len + r (no - 1), and sees the keys k_pos <= q_pos."
+)
+
+
 def _keys(kv_pages, table, seq: int, kv_len: int):
     """K and V of a sequence's first kv_len tokens, float64 [kv_len, num_kv_heads, head_dim]."""
     page_size, combined, head_dim = kv_pages.shape[1:]
@@ -48,6 +62,14 @@ def _attend(q_row, keys: list, sm_scale: float, mask_value: float | None = None)
     s = np.where(visible[None, :], s, mask_value if mask_value is not None else 0.0)
     p = np.exp(s - s.max(axis=1, keepdims=True))
     return np.einsum("hn,nhd->hd", p / p.sum(axis=1, keepdims=True), v)
+
+
+def _all_masked(v, span: int, num_q_heads: int):
+    """A row whose every key is masked, as the kernel computes it: each masked score is the
+    same mask_value, so each of the `span` positions visited weighs 1 / span (V is 0 past
+    kv_len). [num_q_heads, head_dim]"""
+    mean = _padded(v, span).sum(axis=0) / span  # [num_kv_heads, head_dim]
+    return np.repeat(mean, num_q_heads // v.shape[1], axis=0)
 
 
 def _padded(x, span: int):
@@ -88,9 +110,14 @@ def prefill(variant: str = "right"):
                 limit = min(kv_len, _num_kv_blocks(kv_len, q_len, last, block_kv) * block_kv)
                 q_pos = {"no_kv_offset": r,
                          "no_block_offset": kv_len - q_len + r - first_row,
+                         "causal_plus_one": kv_len - q_len + r + 1,
+                         "causal_minus_one": kv_len - q_len + r - 1,
                          }.get(variant, kv_len - q_len + r)  # fmt: skip
                 visible = (np.arange(kv_len) <= q_pos) & (np.arange(kv_len) < limit)
                 out[s, r] = _attend(qn[s, r], [(k, v, visible)], sm_scale)
+                if q_pos < 0:  # no key visible: the kernel's masked scores weigh all alike
+                    span = _num_kv_blocks(kv_len, q_len, last, block_kv) * block_kv
+                    out[s, r] = _all_masked(v, span, qn.shape[2])
         return out
 
     return fn
@@ -133,8 +160,13 @@ def ragged(variant: str = "right"):
                 if mask_value is not None:  # every position of the KV blocks visited
                     k, v, positions = _padded(k, span), _padded(v, span), np.arange(span)
                 for row in range(first_row, end_row):
+                    local = row - first_row  # the row's place in its q block
                     q_pos = {"no_kv_offset": row - q_start,
                              "global_row": kv_len - q_len + row,
+                             "q_pos_from_q_block": kv_len - q_len + local,
+                             "q_pos_no_first_row": kv_len - q_len + local - q_start,
+                             "causal_plus_one": kv_len - q_len + row - q_start + 1,
+                             "causal_minus_one": kv_len - q_len + row - q_start - 1,
                              }.get(variant, kv_len - q_len + row - q_start)  # fmt: skip
                     visible = (positions <= q_pos) & (positions < limit)
                     keys = (seen[row] if variant == "no_reset" else []) + [(k, v, visible)]
@@ -152,6 +184,15 @@ def head_dim_scale(fn):
 
     def wrong(q, *args, sm_scale, **options):
         return fn(q, *args, sm_scale=q.shape[-1] ** -0.5, **options)
+
+    return wrong
+
+
+def sm_scale_ignored(fn):
+    """`fn` never scaling the scores: sm_scale 1, whatever it is given."""
+
+    def wrong(*args, sm_scale, **options):
+        return fn(*args, sm_scale=1.0, **options)
 
     return wrong
 
@@ -178,6 +219,9 @@ def prefill_mistakes() -> dict:
         "`first_row + r` of the chunk, first_row = i * block_q, at position kv_len - q_len + "
         "first_row + r.": prefill("no_block_offset"),
         SM_SCALE_IGNORED: head_dim_scale(prefill()),
+        NO_SM_SCALE: sm_scale_ignored(prefill()),
+        CAUSAL_PLUS_ONE: prefill("causal_plus_one"),
+        CAUSAL_MINUS_ONE: prefill("causal_minus_one"),
     }
 
 
@@ -185,7 +229,7 @@ def ragged_mistakes() -> dict:
     """Rung 7's mistakes: explanation -> fn with JAX's signature.
 
     >>> len(ragged_mistakes())
-    6
+    11
     """
     return {
         "the rows of other sequences were overwritten: a q block's rows belong to several "
@@ -199,6 +243,15 @@ def ragged_mistakes() -> dict:
             ragged("global_row"),
         NO_KV_OFFSET: ragged("no_kv_offset"),
         SM_SCALE_IGNORED: head_dim_scale(ragged()),
+        NO_SM_SCALE: sm_scale_ignored(ragged()),
+        CAUSAL_PLUS_ONE: ragged("causal_plus_one"),
+        CAUSAL_MINUS_ONE: ragged("causal_minus_one"),
+        "q_pos counts the row's place in its q block, not in its sequence: row r of the q "
+        "block is row `first_row + r - q_start` of its sequence, at position kv_len - q_len + "
+        "first_row + r - q_start.": ragged("q_pos_from_q_block"),
+        "first_row is missing from q_pos: the q block's row r is row `first_row + r` of the "
+        "batch, so row = first_row + iota, and q_pos = kv_len - q_len + row - q_start.":
+            ragged("q_pos_no_first_row"),
         "mask_value is ignored: a masked key's score is the mask_value the kernel is given "
         "(here one whose masked keys weigh something), not the default: pass it on, "
         "`attend_rows(..., sm_scale, mask_value)`.": mask_value_ignored(ragged()),
