@@ -380,10 +380,12 @@ def version_tuple(version: str) -> tuple[int, int]:
 def needs_python(command: str, python: str, needs: tuple[int, int]) -> str:
     """One plain line: the Python `tasks.py command` needs, the one found, and how to get it."""
     need = ".".join(str(part) for part in needs)
-    return (f"tasks.py {command} needs Python {need} or newer; this machine has Python "
-            f"{python_version(python)} ({python}) and no python3.13 or python3.12 (on PATH or "
-            "in pyenv). Install Python 3.13 (python.org, your system's packages, or `pyenv "
-            f"install 3.13`), then run `python3.13 tasks.py {command}`.")  # fmt: skip
+    return (
+        f"tasks.py {command} needs Python {need} or newer; this machine has Python "
+        f"{python_version(python)} ({python}) and no python3.13 or python3.12 (on PATH or "
+        "in pyenv). Install Python 3.13 (python.org, your system's packages, or `pyenv "
+        f"install 3.13`), then run `python3.13 tasks.py {command}`."
+    )
 
 
 def newest_python_for(command: str) -> str:

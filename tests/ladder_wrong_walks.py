@@ -209,8 +209,9 @@ def rung6(variant: str) -> Callable:
             if variant == "single_buffered":  # rung 3's loop in slot 0: start, wait, compute
                 copy(b, 0).start()
                 copy(b, 0).wait()
-                attend_rows(bufs.at[0], q_ref, m_ref, l_ref, acc_ref, b * block_kv, q_pos,
-                            kv_len, sm_scale)  # fmt: skip
+                attend_rows(
+                    bufs.at[0], q_ref, m_ref, l_ref, acc_ref, b * block_kv, q_pos, kv_len, sm_scale
+                )
                 return
             if variant == "no_overlap":  # block b started here, after block b - 1's wait
                 copy(b, slot).start()

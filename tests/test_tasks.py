@@ -279,8 +279,13 @@ def run_alone(python: str, tmp_path: Path, *args: str) -> tuple[object, float]:
     import subprocess
 
     start = time.monotonic()
-    done = subprocess.run([python, str(ROOT / "tasks.py"), *args], env=alone(tmp_path),
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [python, str(ROOT / "tasks.py"), *args],
+        env=alone(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return done, time.monotonic() - start
 
 
@@ -317,8 +322,13 @@ def test_on_python_3_11_alone_the_test_run_stops_at_once_saying_what_it_needs(tm
     script = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import tasks; "
     script += "tasks.newest_python_for('test')"
     start = time.monotonic()
-    done = subprocess.run([real_python_3_11(), "-c", script], env=alone(tmp_path),
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [real_python_3_11(), "-c", script],
+        env=alone(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     seconds = time.monotonic() - start
     assert done.returncode == 1 and done.stdout == ""
     line = done.stderr.strip()

@@ -176,9 +176,13 @@ def _ragged_case(shape, seq_lens, max_num_seqs, tokens, garbage, seed, mask_valu
     if mask_value is not None:
         kwargs["mask_value"] = mask_value
         masked = f", mask_value={mask_value}"
-    return Case(f"{what}; {tokens} q rows, {max_num_seqs} sequence slots; "
-                f"num_queries_per_block={block_q}, num_kv_pages_per_block={per_block}, "
-                f"sm_scale={sm_scale}{masked}", args, kwargs)  # fmt: skip
+    return Case(
+        f"{what}; {tokens} q rows, {max_num_seqs} sequence slots; "
+        f"num_queries_per_block={block_q}, num_kv_pages_per_block={per_block}, "
+        f"sm_scale={sm_scale}{masked}",
+        args,
+        kwargs,
+    )
 
 
 def _ragged_live_rows(fn: Callable) -> Callable:

@@ -146,8 +146,9 @@ def compare_kernel_output(
     return compare
 
 
-def _output_too(expected, got: KernelRun, case: Case, atol, rtol, locate, problem: str,
-                schedule: bool = False) -> str:  # fmt: skip
+def _output_too(
+    expected, got: KernelRun, case: Case, atol, rtol, locate, problem: str, schedule: bool = False
+) -> str:
     """What the output says besides `problem`: wrong too, or right (checked here). A right
     output with a schedule problem (no overlap; `schedule`: the rung's check of the copies'
     order, with no hazard to the data: no race, no copy left in flight or overwritten) is a

@@ -13,45 +13,31 @@ general DMA problems (`minilib.exercises.kernel_failures`) for these rungs.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import numpy as np
 
 from minilib.exercises.checking import Case
 from minilib.exercises.kernel_failures import NOTHING_IN_FLIGHT, OWN_STEP, smem_read_outside
-from minilib.exercises.ragged_mistakes import ragged
+from minilib.exercises.ragged_facts import (
+    DIAGONAL,
+    FACT_RULES,
+    IDLE,
+    LAST_WORK,
+    NEXT_WORK,
+    SPANNING,
+    TOO_FEW,
+    RaggedFacts,
+    later_in_plan,
+    no_row,
+    past_num_seqs,
+    planned_copies,
+)
 from minilib.kv_cache import pages_needed
-from minilib.ladder.prefill_chunk import kv_block_pages, prefill_copy_plan
+from minilib.ladder.prefill_chunk import prefill_copy_plan
 from minilib.ladder.ragged import ragged_copy_plan
 
 __all__ = ["advice", "schedule_problem"]
-
-DIAGONAL = (
-    "KV blocks past the diagonal were copied: no live row of the q block sees a key past "
-    "its last live row's position. That row is min(first_row + block_q, q_len) - 1 (rung 7: "
-    "min(q_end, end_row) - 1, the sequence's last row *in this q block*), at position "
-    "kv_len - q_len + row, and num_kv_blocks = cdiv(that position + 1, block_kv)."
-)
-TOO_FEW = (
-    "KV blocks that a live row can see were never copied: num_kv_blocks must reach the "
-    "position of the q block's *last* live row, cdiv(kv_len - q_len + last_row + 1, block_kv), "
-    "not its first row's."
-)
-IDLE = (
-    "a sequence with q_len 0 (idle: cu_q_lens[s + 1] == cu_q_lens[s]) has no rows and no "
-    "work: skip it, in the walk and in next_work (`next_seq_with_rows(seq + 1, "
-    "cu_q_lens[seq + 1], ...)` skips it)."
-)
-LAST_WORK = (
-    "the very last work has no next: after the last KV block of the last sequence of the last "
-    "q block, start nothing."
-)
-SPANNING = (
-    "the q block ended mid-sequence: a sequence whose rows run past end_row is also the first "
-    "sequence of the next q block, so its KV block 0 comes next. The next q block's first "
-    "sequence is `next_seq_with_rows(seq, end_row, ...)`, from seq, not seq + 1."
-)
 
 
 def schedule_problem(rung: int, partial: bool = False) -> Callable:
@@ -176,66 +162,6 @@ def _prefill_problem(run, copies, case: Case) -> str | None:
     return _no_overlap(firsts)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Ragged:
-    """What rung 7's causes check their facts against: the case's tables, the plan, and the
-    run's copies as (page, slot, place, Copy)."""
-
-    run: object
-    case: Case
-    copies: list
-    plan: list
-    lens: list
-    cu: list
-    n: int
-    block_q: int
-    per_block: int
-    page_size: int
-    table: np.ndarray
-
-    @property
-    def block_kv(self) -> int:
-        return self.per_block * self.page_size
-
-    def rows(self, seq: int, blk: int) -> tuple[int, int] | None:
-        """The rows (first, last) of sequence `seq` in q block `blk`, or None if it has none."""
-        first = max(self.cu[seq], blk * self.block_q)
-        last = min(self.cu[seq + 1], (blk + 1) * self.block_q) - 1
-        return (first, last) if first <= last else None
-
-    def blocks_needed(self, seq: int, blk: int, count=None) -> int:
-        """The KV blocks sequence `seq`'s rows in q block `blk` see (0: no row there);
-        `count(last_pos, block_kv)` may count them another way (a mistake)."""
-        rows = self.rows(seq, blk)
-        if rows is None:
-            return 0
-        q_len = self.cu[seq + 1] - self.cu[seq]
-        last_pos = self.lens[seq] - q_len + rows[1] - self.cu[seq]
-        return (count or _cdiv_plus_one)(last_pos, self.block_kv)
-
-    def step(self, k: int) -> int | None:
-        """The q block of the grid step that started copy k, if recorded."""
-        copy = self.copies[k][3]
-        grid = self.run.grid
-        return grid[copy.step][0][0] if 0 <= copy.step < len(grid) else None
-
-    def block_of(self, k: int):
-        """Which (seq, KV block) the copies from k on, a block's worth, are, or None."""
-        start = k - k % self.per_block
-        pages = tuple(c[0] for c in self.copies[start : start + self.per_block])
-        for s in range(len(self.lens)):  # a padding slot's kv_len may be huge: its row bounds it
-            kv_len = min(self.lens[s], self.table.shape[1] * self.page_size)
-            for b in range(pages_needed(kv_len, self.page_size)):
-                block = kv_block_pages(self.table, s, kv_len, b, self.per_block, self.page_size)
-                if pages and block[: len(pages)] == pages:  # a run may stop mid-block
-                    return s, b
-        return None
-
-
-def _cdiv_plus_one(last_pos: int, block_kv: int) -> int:
-    return -(-(last_pos + 1) // block_kv)
-
-
 def _ragged_problem(run, copies, case: Case, partial: bool) -> str | None:
     q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = case.args
     block_q = case.kwargs["num_queries_per_block"]
@@ -246,7 +172,7 @@ def _ragged_problem(run, copies, case: Case, partial: bool) -> str | None:
     plan = ragged_copy_plan(lens, table, cu, n, block_q=block_q,
                             num_q_blocks=q.shape[0] // block_q,
                             num_kv_pages_per_block=per_block, page_size=page_size)  # fmt: skip
-    facts = _Ragged(run, case, copies, plan, lens, cu, n, block_q, per_block, page_size, table)
+    facts = RaggedFacts(run, case, copies, plan, lens, cu, n, block_q, per_block, page_size, table)
     k = _first_difference(facts)
     planned = len(plan) * per_block
     if k == planned == len(copies) and not partial:
@@ -260,14 +186,10 @@ def _ragged_problem(run, copies, case: Case, partial: bool) -> str | None:
     return _what_differs(facts, k) + "Likely cause: " + _ragged_cause(facts, k, partial)
 
 
-def _want(facts: _Ragged) -> list:
-    return [(pages[p], slot, p) for *_, slot, pages in facts.plan for p in range(facts.per_block)]
-
-
-def _first_difference(facts: _Ragged) -> int:
+def _first_difference(facts: RaggedFacts) -> int:
     """The first copy whose page, slot or place differs from the plan's, or, at the start of a
     block, whose grid step does (the work before it starts it, in its own grid step)."""
-    want, have = _want(facts), [c[:3] for c in facts.copies]
+    want, have = planned_copies(facts), [c[:3] for c in facts.copies]
     for k, (w, h) in enumerate(zip(want, have, strict=False)):
         if w != h:
             return k
@@ -276,18 +198,18 @@ def _first_difference(facts: _Ragged) -> int:
     return min(len(want), len(have))
 
 
-def _planned_step(facts: _Ragged, k: int) -> int:
+def _planned_step(facts: RaggedFacts, k: int) -> int:
     """The grid step that should start copy k: that of the work before it (0 for the first)."""
     w = k // facts.per_block
     return facts.plan[w - 1][0] if w > 0 else 0
 
 
-def _right_step(facts: _Ragged, k: int) -> bool:
+def _right_step(facts: RaggedFacts, k: int) -> bool:
     step = facts.step(k)
     return step is None or step == _planned_step(facts, k)
 
 
-def _due(facts: _Ragged, k: int) -> tuple:
+def _due(facts: RaggedFacts, k: int) -> tuple:
     """(the planned work of copy k, the work before it, whether it is a q block's first)."""
     work = [tuple(x[:3]) for x in facts.plan]
     w = k // facts.per_block
@@ -297,7 +219,7 @@ def _due(facts: _Ragged, k: int) -> tuple:
     return due, prev, first_of_blk
 
 
-def _what_differs(facts: _Ragged, k: int) -> str:
+def _what_differs(facts: RaggedFacts, k: int) -> str:
     """What copy k is against the plan: which of block, slot, place and grid step differ."""
     due, _, _ = _due(facts, k)
     got = facts.block_of(k) if k < len(facts.copies) else None
@@ -310,7 +232,7 @@ def _what_differs(facts: _Ragged, k: int) -> str:
     step = facts.step(k)
     in_step = f" in grid step {step}" if step is not None else ""
     if due is not None and got == (due[1], due[2]):
-        w, h = _want(facts)[k], facts.copies[k][:3]
+        w, h = planned_copies(facts)[k], facts.copies[k][:3]
         parts = [f"into slot {h[1]} (the plan: slot {w[1]})"] if w[1] != h[1] else []
         parts += [f"into place {h[2]} of its slot (the plan: {w[2]})"] if w[2] != h[2] else []
         parts += [f"in grid step {step}"] if not _right_step(facts, k) else []
@@ -318,21 +240,12 @@ def _what_differs(facts: _Ragged, k: int) -> str:
     if got is None:
         pages = [c[0] for c in facts.copies[k : k + facts.per_block]]
         return head + f", the kernel copied pages {pages}{in_step}. "
-    later = _later_in_plan(facts, k, got)
+    later = later_in_plan(facts, k, got)
     also = f", which the plan has later (copy {later})" if later is not None else ""
     return head + f", the kernel copied KV block {got[1]} of sequence {got[0]}{in_step}{also}. "
 
 
-def _later_in_plan(facts: _Ragged, k: int, got) -> int | None:
-    """The first copy after k that the plan has for block `got`, or None."""
-    w = k // facts.per_block
-    for v, (_, seq, b, *_) in enumerate(facts.plan[w + 1 :], start=w + 1):
-        if (seq, b) == got:
-            return v * facts.per_block
-    return None
-
-
-def _ragged_cause(facts: _Ragged, k: int, partial: bool) -> str:
+def _ragged_cause(facts: RaggedFacts, k: int, partial: bool) -> str:
     """The likely cause of copy k's difference from the plan: the first rule whose fact holds
     (each checks what it states), else what next_work's next is."""
     due, prev, first_of_blk = _due(facts, k)
@@ -346,16 +259,14 @@ def _ragged_cause(facts: _Ragged, k: int, partial: bool) -> str:
         return LAST_WORK
     if got is None:
         return _unknown_pages(facts, k, due, prev, first_of_blk)
-    for rule in (_fact_idle, _fact_past_num_seqs, _fact_twice, _fact_count, _fact_diagonal,
-                 _fact_order, _fact_spanning, _fact_not_started, _fact_skipped_rows,
-                 _fact_last_work, _fact_no_row):  # fmt: skip
+    for rule in FACT_RULES:
         cause = rule(facts, k, due, prev, first_of_blk, got, step, partial)
         if cause is not None:
             return cause
     return NEXT_WORK
 
 
-def _unknown_pages(facts: _Ragged, k: int, due, prev, first_of_blk: bool) -> str:
+def _unknown_pages(facts: RaggedFacts, k: int, due, prev, first_of_blk: bool) -> str:
     """Copy k's pages are no KV block's: named by the row of page_indices that holds them."""
     page = facts.copies[k][0]
     rows = [s for s in range(facts.table.shape[0]) if page in facts.table[s]]
@@ -367,184 +278,33 @@ def _unknown_pages(facts: _Ragged, k: int, due, prev, first_of_blk: bool) -> str
     return NEXT_WORK
 
 
-NEXT_WORK = (
-    "the walk or next_work chose another KV block than the plan's next. Each work starts the "
-    "copy of the next: the next KV block of this sequence (`b + 1 < num_kv_blocks`), else KV "
-    "block 0 of the next sequence with rows in this q block, else KV block 0 of the next q "
-    "block's first sequence; a grid step walks the sequences with rows in its q block."
-)
-
-
-def _same_block(facts: _Ragged, k: int, due, prev, first_of_blk: bool, step) -> str:
+def _same_block(facts: RaggedFacts, k: int, due, prev, first_of_blk: bool, step) -> str:
     """Copy k is the planned block, in another slot or place, or started in another step."""
     if first_of_blk and step is not None and step >= due[0]:
         return _own_step(due[1], due[0])
-    if facts.copies[k][:3] != _want(facts)[k]:
+    if facts.copies[k][:3] != planned_copies(facts)[k]:
         # the slot carries over between grid steps: a cause only for a grid step's first copy
         carried = k >= facts.per_block and facts.step(k - facts.per_block) != step
-        cause = _difference(_want(facts)[k:], [c[:3] for c in facts.copies[k:]], facts.case,
-                            facts.table, due[1], facts.lens[due[1]], carried=carried)  # fmt: skip
+        cause = _difference(
+            planned_copies(facts)[k:],
+            [c[:3] for c in facts.copies[k:]],
+            facts.case,
+            facts.table,
+            due[1],
+            facts.lens[due[1]],
+            carried=carried,
+        )
         return cause or NEXT_WORK
     before = facts.plan[k // facts.per_block - 1]
     if step is not None and prev is not None and facts.rows(prev[1], step) is None:
         return (
             f"the work before it, KV block {prev[2]} of sequence {prev[1]} (the plan: for q "
-            f"block {prev[0]}), ran in grid step {step}, and " + _no_row(prev[1], step)
+            f"block {prev[0]}), ran in grid step {step}, and " + no_row(prev[1], step)
         )
     return (
         f"it was started by another grid step than the work before it (KV block {before[2]} "
         f"of sequence {before[1]} for q block {before[0]}): {NEXT_WORK}"
     )
-
-
-def _fact_idle(facts, k, due, prev, first_of_blk, got, step, partial):
-    seq = got[0]
-    if seq < facts.n and facts.cu[seq + 1] == facts.cu[seq]:
-        return IDLE
-    return None
-
-
-def _fact_past_num_seqs(facts, k, due, prev, first_of_blk, got, step, partial):
-    return _past_num_seqs(got[0], facts.n) if got[0] >= facts.n else None
-
-
-def _fact_twice(facts, k, due, prev, first_of_blk, got, step, partial):
-    if prev is None or got != (prev[1], prev[2]) or k < facts.per_block:
-        return None
-    if facts.block_of(k - facts.per_block) != got:  # the copy before: the same block?
-        return None
-    return "the same KV block was copied twice in a row: " + IDLE
-
-
-def _fact_diagonal(facts, k, due, prev, first_of_blk, got, step, partial):
-    """A block past the diagonal of its sequence's rows in the q block that copied it."""
-    if prev is None or step is None or got[0] != prev[1] or got[1] <= prev[2]:
-        return None
-    needed = facts.blocks_needed(got[0], step)
-    return DIAGONAL if needed > 0 and got[1] >= needed else None
-
-
-def _fact_order(facts, k, due, prev, first_of_blk, got, step, partial):
-    """The next q block's first sequence chosen before this q block's next sequence."""
-    if prev is None or due is None or due[0] != prev[0] or due[1] == prev[1] or got[1] != 0:
-        return None
-    end_row = (prev[0] + 1) * facts.block_q
-    first_next = next((s for s in range(prev[1], facts.n) if facts.cu[s + 1] > end_row), None)
-    if got[0] != first_next:
-        return None
-    return (
-        f"next_work's cases in the wrong order: after the last KV block of sequence {prev[1]}, "
-        f"sequence {due[1]} still has rows in q block {due[0]}, so its KV block 0 comes next; "
-        "the next q block's first sequence comes only after the last sequence of this q block "
-        "(`jnp.where(more_blocks, seq, jnp.where(later_here, later, next_blk_first))`)."
-    )
-
-
-def _fact_spanning(facts, k, due, prev, first_of_blk, got, step, partial):
-    """The sequence running on into the next q block skipped for the one after it."""
-    if not (first_of_blk and prev is not None and due[1] == prev[1]) or got[1] != 0:
-        return None
-    end_row = prev[0] * facts.block_q + facts.block_q
-    after = next((s for s in range(due[1] + 1, facts.n) if facts.cu[s + 1] > end_row), None)
-    return SPANNING if got[0] == after else None
-
-
-def _fact_not_started(facts, k, due, prev, first_of_blk, got, step, partial):
-    """A q block's first KV block never started: the run then waited for it for ever."""
-    deadlock = facts.run.watch.deadlock if facts.run.watch is not None else None
-    if not (first_of_blk and partial and deadlock is not None):
-        return None
-    if _later_in_plan(facts, k, got) != k + facts.per_block:  # the kernel went on with the next
-        return None
-    return (
-        f"KV block {due[2]} of sequence {due[1]}, the first of q block {due[0]}, was never "
-        f"started, and grid step {due[0]} then waited for it: the last work of q block "
-        f"{due[0] - 1} starts it (next_work's last case: KV block 0 of "
-        "`next_seq_with_rows(seq, end_row, ...)`, the next q block's first sequence, when "
-        "`q_blk + 1 < num_q_blks`)."
-    )
-
-
-def _fact_count(facts, k, due, prev, first_of_blk, got, step, partial):
-    """The KV blocks of a sequence counted as a usual mistake does: the kernel's copies are
-    those of the plan made with that count (but the very first, which grid step 0 starts
-    whatever the count)."""
-    have = [c[0] for c in facts.copies[facts.per_block :]]
-    for count, words in COUNT_MISTAKES:
-        plan = _plan_counted(facts, count)
-        want = [pages[p] for *_, pages in plan[1:] for p in range(facts.per_block)]
-        if have and (want[: len(have)] == have if partial else want == have):
-            return words
-    return None
-
-
-def _floor_count(last_pos: int, block_kv: int) -> int:
-    return (last_pos + 1) // block_kv
-
-
-def _cdiv_no_plus_one(last_pos: int, block_kv: int) -> int:
-    return -(-last_pos // block_kv)
-
-
-COUNT_MISTAKES = (
-    (_floor_count, "the KV blocks were counted with a floor: a sequence's rows in a q block "
-     "see the keys at positions 0 ... last_pos, last_pos + 1 of them, which take "
-     "`pl.cdiv(last_pos + 1, block_kv)` KV blocks; `(last_pos + 1) // block_kv` loses the "
-     "last, partial one."),
-    (_cdiv_no_plus_one, "the KV blocks were counted as `cdiv(last_pos, block_kv)`: the keys "
-     "at positions 0 ... last_pos are last_pos + 1 of them, so the count is "
-     "`pl.cdiv(last_pos + 1, block_kv)` (last_pos = kv_len - q_len + last_row - q_start)."),
-)  # fmt: skip
-
-
-def _plan_counted(facts: _Ragged, count) -> list:
-    """The plan's (q block, seq, KV block, slot, pages), each sequence's KV blocks in a q
-    block counted by `count(last_pos, block_kv)`."""
-    work = []
-    for blk in range(facts.case.args[0].shape[0] // facts.block_q):
-        for seq in range(facts.n):
-            work += [(blk, seq, b) for b in range(facts.blocks_needed(seq, blk, count))]
-    return [(blk, seq, b, k % 2, kv_block_pages(facts.table, seq, facts.lens[seq], b,
-                                                facts.per_block, facts.page_size))
-            for k, (blk, seq, b) in enumerate(work)]  # fmt: skip
-
-
-def _fact_skipped_rows(facts, k, due, prev, first_of_blk, got, step, partial):
-    """A spanning sequence's rows not walked in the q block where it starts: the KV block 0
-    copied for them served the next q block, whose own first copy is then not made."""
-    if partial or not (first_of_blk and prev is not None and due[1] == prev[1]):
-        return None
-    if _later_in_plan(facts, k, got) != k + facts.per_block or facts.run.out is None:
-        return None
-    rows = facts.rows(prev[1], prev[0])
-    expected = ragged()(*facts.case.args, **facts.case.kwargs)
-    got_rows = np.asarray(facts.run.out, np.float64)[rows[0] : rows[1] + 1]
-    if np.allclose(got_rows, expected[rows[0] : rows[1] + 1], atol=1e-3, equal_nan=False):
-        return None  # its rows are right: they were computed
-    return (
-        f"sequence {prev[1]}'s rows in q block {prev[0]} (rows {rows[0]}..{rows[1]}, where it "
-        "starts) were not walked: its KV block 0, copied for them, served the next q block "
-        "instead. A grid step walks every sequence with a row in its q block, "
-        "while `cu_q_lens[seq] < end_row`, also one whose rows run on past end_row."
-    )
-
-
-def _fact_last_work(facts, k, due, prev, first_of_blk, got, step, partial):
-    """An extra copy after the plan's last, started by the very last work's grid step."""
-    if due is not None or not facts.plan:
-        return None
-    last_blk = facts.plan[-1][0]
-    return LAST_WORK if step is None or step == last_blk else None
-
-
-def _fact_no_row(facts, k, due, prev, first_of_blk, got, step, partial):
-    """A sequence copied for a q block where it has no row (nor in the step that copied it)."""
-    if due is None or got[0] == due[1]:
-        return None
-    blk = step if step is not None else due[0]
-    if facts.rows(got[0], due[0]) is not None or facts.rows(got[0], blk) is not None:
-        return None
-    return _no_row(got[0], blk)
 
 
 def _stopped_reading(index: tuple, k: int, planned: int, due, prev, first_of_blk: bool,
@@ -571,11 +331,11 @@ is below 0: the walk and next_work start at sequence 0, and clamp every index th
     if first_of_blk and prev is not None and due[1] == prev[1] and seq != due[1]:
         return what + SPANNING
     if seq >= n:
-        return what + _past_num_seqs(seq, n)
+        return what + past_num_seqs(seq, n)
     if cu[seq + 1] == cu[seq]:
         return what + IDLE
     if seq != due[1]:
-        return what + _no_row(seq, due[0])
+        return what + no_row(seq, due[0])
     return what + (
         f"page {page} is outside sequence {seq}'s row: clamp the page index to its last page, "
         "`jnp.minimum(b * pages_per_block + p, cdiv(kv_len, page_size) - 1)`."
@@ -585,19 +345,6 @@ is below 0: the walk and next_work start at sequence 0, and clamp every index th
 def _planned(due) -> str:
     return (
         f"KV block {due[2]} of sequence {due[1]} for q block {due[0]}" if due else "no more copies"
-    )
-
-
-def _past_num_seqs(seq: int, n: int) -> str:
-    return (f"sequence slot {seq} is past num_seqs ({n}): the walk and next_work stop at "
-            "num_seqs = num_seqs_ref[0], not the tables' length.")  # fmt: skip
-
-
-def _no_row(seq: int, blk: int) -> str:
-    return (
-        f"sequence {seq} has no row in q block {blk}: a grid step walks only the sequences "
-        "with rows in its q block, from `next_seq_with_rows(0, first_row, ...)` while "
-        "cu_q_lens[seq] < end_row, and next_work chooses among those."
     )
 
 

@@ -134,8 +134,19 @@ def ragged(variant: str = "right"):
     ((8, 4, 64), 0.0)
     """
 
-    def fn(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-           num_queries_per_block, num_kv_pages_per_block, mask_value=None):  # fmt: skip
+    def fn(
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        *,
+        sm_scale,
+        num_queries_per_block,
+        num_kv_pages_per_block,
+        mask_value=None,
+    ):
         qn, table, block_q = (
             np.asarray(q, np.float64),
             np.asarray(page_indices),

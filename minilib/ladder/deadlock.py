@@ -14,25 +14,6 @@ A wait is judged twice: when it starts, and while it waits (a watcher thread loo
 then is it known that they were too few). Only a wait that stays stuck, its count unchanged
 for `patience` seconds with nothing queued, is called a deadlock: a copy that is running
 is never mistaken for one.
-
->>> import jax, jax.numpy as jnp
->>> from jax.experimental import pallas as pl
->>> from jax.experimental.pallas import tpu as pltpu
->>> def copies_half(x_hbm_ref, o_ref, buf, sem):
-...     pltpu.make_async_copy(x_hbm_ref.at[:4], buf.at[:4], sem).start()  # 4 rows copied
-...     pltpu.make_async_copy(x_hbm_ref, buf, sem).wait()  # 8 rows waited for
-...     o_ref[...] = buf[...]
->>> call = pl.pallas_call(copies_half, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
-...     in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
-...     scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA(())],
-...     interpret=pltpu.InterpretParams())
->>> with fail_fast_on_deadlock():
-...     try:
-...         _ = jax.block_until_ready(call(jnp.ones((8, 128))))
-...     except Exception as err:   # seconds, where the wait alone would never return
-...         raised = err
->>> "for 4096 bytes, and it holds 2048" in str(raised)
-True
 """
 
 from __future__ import annotations
@@ -50,7 +31,7 @@ from minilib.ladder.watch import (
     never_signalled,
 )
 
-__all__ = ["KernelDeadlock", "fail_fast_on_deadlock"]
+__all__ = ["fail_fast_on_deadlock"]
 
 
 @dataclasses.dataclass
@@ -92,7 +73,27 @@ def fail_fast_on_deadlock(*, patience: float = 2.0, poll: float = 0.25):
     """Inside this block, a kernel's wait that can never end raises `KernelDeadlock` (see
     the module docstring): at once when nothing was queued to signal it, after `patience`
     seconds when the copies queued ran and were too few. Resets the interpreter's state
-    after a deadlock, as JAX asks after a kernel raised."""
+    after a deadlock, as JAX asks after a kernel raised.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.experimental import pallas as pl
+    >>> from jax.experimental.pallas import tpu as pltpu
+    >>> def copies_half(x_hbm_ref, o_ref, buf, sem):
+    ...     pltpu.make_async_copy(x_hbm_ref.at[:4], buf.at[:4], sem).start()  # 4 rows copied
+    ...     pltpu.make_async_copy(x_hbm_ref, buf, sem).wait()  # 8 rows waited for
+    ...     o_ref[...] = buf[...]
+    >>> call = pl.pallas_call(copies_half, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+    ...     in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+    ...     scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA(())],
+    ...     interpret=pltpu.InterpretParams())
+    >>> with fail_fast_on_deadlock():
+    ...     try:
+    ...         _ = jax.block_until_ready(call(jnp.ones((8, 128))))
+    ...     except Exception as err:   # seconds, where the wait alone would never return
+    ...         raised = err
+    >>> "for 4096 bytes, and it holds 2048" in str(raised)
+    True
+    """
     parts = _interpreter_parts()
     original = parts.semaphore.wait
     waiting: dict[int, _Waiting] = {}  # thread id -> its wait

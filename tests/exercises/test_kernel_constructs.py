@@ -108,9 +108,14 @@ CASE = Case(f"n = {N}", (jnp.array([N], jnp.int32), jnp.ones((8, 128), jnp.float
 def check_construct(name):
     compute, in_python = CONSTRUCTS[name]
     return check_kernel(
-        name, kernel_of(compute), reference_of(in_python), [CASE], compile_case=CASE,
-        mistakes={}, verbose=False,
-    )  # fmt: skip
+        name,
+        kernel_of(compute),
+        reference_of(in_python),
+        [CASE],
+        compile_case=CASE,
+        mistakes={},
+        verbose=False,
+    )
 
 
 def assert_passes_for_a_tpu(name):
@@ -164,9 +169,13 @@ def misaligned_copy(x, *, interpret=False):
     out_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
     grid = (x.shape[1] // 64,)
     return pl.pallas_call(
-        copy_kernel, out_shape=out_shape, grid=grid, in_specs=[block], out_specs=block,
+        copy_kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=[block],
+        out_specs=block,
         interpret=interpret,
-    )(x)  # fmt: skip
+    )(x)
 
 
 MISALIGNED = Case("8 x 256", (jnp.arange(8 * 256, dtype=jnp.float32).reshape(8, 256),))
@@ -201,9 +210,14 @@ def test_a_lowering_that_asks_which_tpu_is_not_a_refusal_but_one_line():
 
 def test_a_kernel_that_does_not_compile_for_a_tpu_is_still_refused_with_its_cause():
     result = check_kernel(
-        "misaligned_copy", misaligned_copy, lambda x: x, [MISALIGNED], compile_case=MISALIGNED,
-        mistakes={}, verbose=False,
-    )  # fmt: skip
+        "misaligned_copy",
+        misaligned_copy,
+        lambda x: x,
+        [MISALIGNED],
+        compile_case=MISALIGNED,
+        mistakes={},
+        verbose=False,
+    )
     assert result.status == FAILED, result.report
     assert "right in interpret mode, but not for a TPU" in result.report
     assert "divisible by 8 and 128" in result.report, result.report

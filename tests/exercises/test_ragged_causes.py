@@ -26,8 +26,14 @@ PAGE_SIZE, PER_BLOCK, BLOCK_Q = 8, 2, 8
 
 @pytest.fixture(scope="module")
 def case():
-    b = make_batch(LENS, page_size=PAGE_SIZE, pages_per_seq=5, max_num_seqs=6,
-                   max_num_batched_tokens=24, seed=0)  # fmt: skip
+    b = make_batch(
+        LENS,
+        page_size=PAGE_SIZE,
+        pages_per_seq=5,
+        max_num_seqs=6,
+        max_num_batched_tokens=24,
+        seed=0,
+    )
     args = (b.q, b.kv_pages, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs)
     kwargs = dict(sm_scale=0.1, num_queries_per_block=BLOCK_Q, num_kv_pages_per_block=PER_BLOCK)
     return Case("rung 7's first case", args, kwargs)
@@ -35,9 +41,16 @@ def case():
 
 def plan_of(case):
     q, _, kv_lens, table, cu, n = case.args
-    return ragged_copy_plan(np.asarray(kv_lens), np.asarray(table), np.asarray(cu),
-                            int(n[0]), block_q=BLOCK_Q, num_q_blocks=q.shape[0] // BLOCK_Q,
-                            num_kv_pages_per_block=PER_BLOCK, page_size=PAGE_SIZE)  # fmt: skip
+    return ragged_copy_plan(
+        np.asarray(kv_lens),
+        np.asarray(table),
+        np.asarray(cu),
+        int(n[0]),
+        block_q=BLOCK_Q,
+        num_q_blocks=q.shape[0] // BLOCK_Q,
+        num_kv_pages_per_block=PER_BLOCK,
+        page_size=PAGE_SIZE,
+    )
 
 
 def ledger(case, blocks):
@@ -48,10 +61,20 @@ def ledger(case, blocks):
         pages = kv_block_pages(table, seq, int(kv_lens[seq]), b, PER_BLOCK, PAGE_SIZE)
         for p, page in enumerate(pages):
             place = (p * PAGE_SIZE, (p + 1) * PAGE_SIZE)
-            copies.append(Copy(len(copies), source=(int(page), ":", ":", ":"),
-                               destination=(slot, place, ":", ":"), buffer=1, semaphore=slot,
-                               core=0, nbytes=1, waited=1, step=step,
-                               in_flight=int(bool(copies))))  # fmt: skip
+            copies.append(
+                Copy(
+                    len(copies),
+                    source=(int(page), ":", ":", ":"),
+                    destination=(slot, place, ":", ":"),
+                    buffer=1,
+                    semaphore=slot,
+                    core=0,
+                    nbytes=1,
+                    waited=1,
+                    step=step,
+                    in_flight=int(bool(copies)),
+                )
+            )
     watch = type("Ledger", (), {"copies": copies, "deadlock": None})()
     return KernelRun(out=None, watch=watch, grid=tuple(((s,), 0) for s in range(3)))
 
@@ -59,8 +82,9 @@ def ledger(case, blocks):
 def planned(case):
     """The plan's blocks, each started in the grid step of the work before it."""
     plan = plan_of(case)
-    return [(seq, b, slot, plan[w - 1][0] if w else 0)
-            for w, (_, seq, b, slot, _) in enumerate(plan)]  # fmt: skip
+    return [
+        (seq, b, slot, plan[w - 1][0] if w else 0) for w, (_, seq, b, slot, _) in enumerate(plan)
+    ]
 
 
 def problem(case, blocks, partial=False):
