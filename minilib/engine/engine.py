@@ -234,11 +234,8 @@ class Engine:
         # One pool per layer, NaN until written: a stale read shows on a page's first use.
         num_kv_heads = config.num_kv_heads * self.kv_head_replicas
         shape = (num_pages, page_size, 2 * num_kv_heads, config.head_dim)
-        layers = range(config.num_layers)
-        if mesh is None:
-            self.kv_pages = [jnp.full(shape, jnp.nan, config.dtype) for _ in layers]
-        else:  # made split on the mesh: a pool placed from one device cannot span processes
-            self.kv_pages = [nan_kv_pages(shape, config.dtype, mesh) for _ in layers]
+        self.kv_pages = [nan_kv_pages(shape, config.dtype, mesh) for _ in range(config.num_layers)]
+        if mesh is not None:
             self.params = shard_params(replicate_kv_heads(params, self.kv_head_replicas), mesh)
         self.requests: dict[int, Request] = {}  # every request not yet popped, finished too
         self.last_batch: PackedBatch | None = None
