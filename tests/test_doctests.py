@@ -32,6 +32,7 @@ HEAVY_EXAMPLES = {
     "minilib.blockwise",
     "minilib.engine.engine",
     "minilib.engine.model",
+    "minilib.engine.multiprocess",
     "minilib.engine.sampling",
     "minilib.engine.sharding",
     "minilib.engine.throughput",

@@ -10,6 +10,7 @@ buckets.py       the sizes a step is padded to, compiled once at warm-up; Compil
 engine.py        Engine: pack one ragged batch, write K/V into pages, attend, sample, free
 outputs.py       RequestOutput and RequestMetrics: tokens, finish reason, latency; StepStats
 sharding.py      attention, its projections and the KV cache split by KV head (shard_map)
+multiprocess.py  serve: one engine over several local processes, JAX's distributed runtime
 view.py          EngineView (import it from minilib.engine.view: it needs ipywidgets)
 throughput.py    `python -m minilib bench --engine`: continuous against static batching
 

@@ -53,9 +53,9 @@ from minilib.engine.sampling import SamplingParams, banned_tokens, request_key, 
 from minilib.engine.scheduler import Request, Scheduler, StepPlan
 from minilib.engine.sharding import (
     kv_head_replicas,
+    nan_kv_pages,
     replicate_kv_heads,
     shard_attention,
-    shard_kv_pages,
     shard_params,
 )
 from minilib.engine.spec_decode import (
@@ -234,9 +234,8 @@ class Engine:
         # One pool per layer, NaN until written: a stale read shows on a page's first use.
         num_kv_heads = config.num_kv_heads * self.kv_head_replicas
         shape = (num_pages, page_size, 2 * num_kv_heads, config.head_dim)
-        self.kv_pages = [jnp.full(shape, jnp.nan, config.dtype) for _ in range(config.num_layers)]
+        self.kv_pages = [nan_kv_pages(shape, config.dtype, mesh) for _ in range(config.num_layers)]
         if mesh is not None:
-            self.kv_pages = [shard_kv_pages(pages, mesh) for pages in self.kv_pages]
             self.params = shard_params(replicate_kv_heads(params, self.kv_head_replicas), mesh)
         self.requests: dict[int, Request] = {}  # every request not yet popped, finished too
         self.last_batch: PackedBatch | None = None

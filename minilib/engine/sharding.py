@@ -48,6 +48,7 @@ from minilib.errors import EngineError
 __all__ = [
     "check_mesh",
     "kv_head_replicas",
+    "nan_kv_pages",
     "replicate_kv_heads",
     "shard_attention",
     "shard_kv_pages",
@@ -140,6 +141,30 @@ def replicate_kv_heads(params: dict, replicas: int) -> dict:
         return layer | {name: jnp.repeat(layer[name], replicas, axis=1) for name in ("wk", "wv")}
 
     return params | {"layers": [repeat(layer) for layer in params["layers"]]}
+
+
+def nan_kv_pages(shape: tuple, dtype, mesh: Mesh | None) -> jax.Array:
+    """A KV pool of `shape` full of NaN (a stale read shows on a page's first use). With a
+    mesh, made on it already split as `shard_kv_pages` splits it: each device fills its own
+    share, and no device holds the whole pool first. Without one, on the default device.
+
+    With several processes (`minilib.engine.multiprocess`) a pool made on one device could
+    not be placed at all: `device_put` checks that every process passes equal values, and
+    NaN equals nothing.
+
+    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("kv_heads",))
+    >>> pages = nan_kv_pages((2, 4, 4, 8), jnp.float32, mesh)
+    >>> pages.sharding.spec == KV_SPEC, bool(jnp.isnan(pages).all())
+    (True, True)
+    >>> nan_kv_pages((2, 4, 4, 8), jnp.float32, None).shape
+    (2, 4, 4, 8)
+    """
+    if mesh is None:
+        return jnp.full(shape, jnp.nan, dtype)
+    fill = jax.jit(
+        lambda: jnp.full(shape, jnp.nan, dtype), out_shardings=NamedSharding(mesh, KV_SPEC)
+    )
+    return fill()
 
 
 def shard_kv_pages(kv_pages: jax.Array, mesh: Mesh) -> jax.Array:
