@@ -90,7 +90,7 @@ def read_notebook(path: Path) -> Notebook:
     ['check_live_seq_lens']
     """
     cells = json.loads(path.read_text())["cells"]
-    words, heading, exercises = 0, "", []
+    words, heading, exercises = 0, "", {}
     for cell in cells:
         text = cell_text(cell)
         if cell["cell_type"] == "markdown":
@@ -98,9 +98,12 @@ def read_notebook(path: Path) -> Notebook:
             headings = re.findall(r"^#+ (.+)$", text, flags=re.M)
             heading = headings[-1] if headings else heading
             continue
+        # A checker called twice (a worked example of a failure, then the exercise) is one
+        # exercise, under the heading of its last call.
         for checker in re.findall(r"\b(check_\w+)\(", text):
-            exercises.append(Exercise(checker, heading.replace("`", "")))
-    return Notebook(path.stem, words, tuple(exercises))
+            exercises.pop(checker, None)
+            exercises[checker] = Exercise(checker, heading.replace("`", ""))
+    return Notebook(path.stem, words, tuple(exercises.values()))
 
 
 def course() -> dict[str, Notebook]:
