@@ -13,7 +13,8 @@ A wait is judged twice: when it starts, and while it waits (a watcher thread loo
 `poll` seconds; in `dma_execution_mode="on_wait"` the copies run inside the wait, so only
 then is it known that they were too few). Only a wait that stays stuck, its count unchanged
 for `patience` seconds with nothing queued, is called a deadlock: a copy that is running
-is never mistaken for one.
+is never mistaken for one: a copy in interpret mode takes milliseconds, the patience is five
+seconds, and a test's watchdog ten minutes.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _release(wait: _Waiting) -> None:
 
 
 @contextlib.contextmanager
-def fail_fast_on_deadlock(*, patience: float = 2.0, poll: float = 0.25):
+def fail_fast_on_deadlock(*, patience: float = 5.0, poll: float = 0.25):
     """Inside this block, a kernel's wait that can never end raises `KernelDeadlock` (see
     the module docstring): at once when nothing was queued to signal it, after `patience`
     seconds when the copies queued ran and were too few. Resets the interpreter's state

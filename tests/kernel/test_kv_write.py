@@ -197,7 +197,7 @@ def test_a_write_whose_wait_wants_a_row_more_fails_in_seconds(monkeypatch):
             fused(batch, k, v, interpret=INTERPRET, **options)
     finally:
         rpa_write_jit.clear_cache()  # no later call may reuse the kernel with the longer wait
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 120  # its compile included: the watchdog is 600 s
     if jax.__version_info__ >= (0, 8):  # JAX gives the wait's line from 0.8 on
         assert "wait_for_the_writes" in str(raised.value)
 
