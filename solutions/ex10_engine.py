@@ -31,3 +31,23 @@ def cache_full_pages(request, pool, page_size):
         block_hash = hash_block_tokens(parent, request.tokens[i * page_size : (i + 1) * page_size])
         pool.cache_page(request.pages[i], block_hash)  # no reference taken: counted once
         request.cached_hashes.append(block_hash)
+
+
+def verify_drafts(probs, drafts, uniforms, sample):
+    import numpy as np
+
+    probs = np.asarray(probs)
+    tokens = []
+    for i, draft in enumerate(drafts):
+        draft = int(draft)
+        if uniforms[i] < probs[i, draft]:  # kept with probability p_i(x_i): q = 1
+            tokens.append(draft)
+            continue
+        # Rejected: a draw from p_i without the draft (max(p - q, 0), renormalised), and
+        # nothing after it: the later drafts guessed on from the rejected one.
+        residual = np.array(probs[i], dtype=np.float64)
+        residual[draft] = 0.0
+        tokens.append(sample(residual / residual.sum()))
+        return tokens
+    tokens.append(sample(probs[len(drafts)]))  # every draft kept: the bonus token, last row
+    return tokens

@@ -119,6 +119,18 @@ def cache_full_pages_taking_a_reference(request, pool, page_size):
         request.cached_hashes.append(block_hash)
 
 
+def verify_drafts_without_bonus(probs, drafts, uniforms, sample):
+    # Every draft kept, and nothing more: the bonus token of the last row is missing.
+    tokens = []
+    for i, draft in enumerate(drafts):
+        if uniforms[i] >= probs[i, draft]:
+            residual = probs[i].copy()
+            residual[draft] = 0.0
+            return [*tokens, sample(residual / residual.sum())]
+        tokens.append(int(draft))
+    return tokens
+
+
 def flash_attention_without_init():
     # Forgets to reset m, l and acc on the first KV block: scratch starts as NaN here.
     from minilib.ladder import flash
@@ -327,6 +339,7 @@ EXERCISES = [
         "cache_full_pages",
         cache_full_pages_taking_a_reference,
     ),
+    (ex.check_verify_drafts, "ex10_engine", "verify_drafts", verify_drafts_without_bonus),
 ]
 IDS = [checker.__name__.removeprefix("check_") for checker, *_ in EXERCISES]
 

@@ -47,6 +47,7 @@ HEAVY_EXAMPLES = {
     "minilib.exercises.ex08_ladder",
     "minilib.exercises.ex08_ragged",
     "minilib.exercises.ex10_engine",
+    "minilib.exercises.ex10_rejection",
     "minilib.exercises.engine_runs",
     "minilib.kernel",
     "minilib.kernel.call",

@@ -55,6 +55,7 @@ from minilib.exercises.ex10_engine import (
     check_can_admit,
     check_preempt,
 )
+from minilib.exercises.ex10_rejection import check_verify_drafts
 
 __all__ = [
     "CheckResult",
@@ -85,5 +86,6 @@ __all__ = [
     "check_sliding_window_mask",
     "check_softmax_kernel",
     "check_validate_page_indices",
+    "check_verify_drafts",
     "check_write_new_tokens",
 ]
