@@ -18,7 +18,12 @@ from collections.abc import Callable
 import numpy as np
 
 from minilib.exercises.checking import Case
-from minilib.exercises.kernel_failures import NOTHING_IN_FLIGHT, OWN_STEP, smem_read_outside
+from minilib.exercises.kernel_failures import (
+    NOTHING_IN_FLIGHT,
+    OWN_STEP,
+    smem_read_outside,
+    start_before_wait,
+)
 from minilib.exercises.ragged_facts import (
     DIAGONAL,
     FACT_RULES,
@@ -117,8 +122,7 @@ def _no_overlap(firsts: list) -> str | None:
                 f"{what} was copied only after every earlier copy had been waited for "
                 f"({NOTHING_IN_FLIGHT}): the copy of block b + 1 was not on its way while the "
                 "kernel waited for block b, so the two slots do not double-buffer the way the "
-                "rung asks. Start KV block b + 1's copy into the other slot *before* waiting "
-                "for block b (started after that wait, it overlaps at most block b's compute)."
+                "rung asks. " + start_before_wait("KV block b + 1", "block b")
             )
     return None
 
