@@ -150,11 +150,19 @@ def _fact_past_num_seqs(facts, k, due, prev, first_of_blk, got, step, partial):
 
 
 def _fact_twice(facts, k, due, prev, first_of_blk, got, step, partial):
+    """KV block 0 of a sequence copied twice in a row, the sequence just before it idle: the
+    idle sequence was walked, and its work started the next sequence's KV block 0 again."""
     if prev is None or got != (prev[1], prev[2]) or k < facts.per_block:
         return None
     if facts.block_of(k - facts.per_block) != got:  # the copy before: the same block?
         return None
-    return "the same KV block was copied twice in a row: " + IDLE
+    seq, before = got[0], got[0] - 1
+    if got[1] != 0 or before < 0 or facts.cu[before + 1] != facts.cu[before]:
+        return None
+    return (
+        f"KV block 0 of sequence {seq} was copied twice in a row, and sequence {before} just "
+        "before it is idle: " + IDLE
+    )
 
 
 def _fact_diagonal(facts, k, due, prev, first_of_blk, got, step, partial):
