@@ -108,6 +108,19 @@ def test_no_row_is_named_only_for_a_sequence_without_rows_there(case):
     assert "has no row in q block 0" not in problem(case, wrong)
 
 
+def test_no_row_is_not_named_for_a_sequence_with_rows_in_the_step_that_copied_it(case):
+    """Only the no-row rule's fact decides here: no other rule's fact holds, so the cause is
+    the general one, and a no-row rule that did not check the rows would name it."""
+    blocks = planned(case)  # works: (0,0,0) (0,2,0) (0,3,0) (1,3,0) (1,3,1) (2,5,0..2)
+    # KV block 0 of sequence 3 copied by grid step 1 (where it has rows 8-15) where the plan
+    # has KV block 0 of sequence 5 for q block 2 (where sequence 3 has none)
+    wrong = blocks[:5] + [(3, 0, blocks[5][2], 1)] + blocks[6:]
+    text = problem(case, wrong)
+    assert "the kernel copied KV block 0 of sequence 3 in grid step 1" in text, text
+    assert "has no row" not in text, text
+    assert text.endswith("Likely cause: " + rf.NEXT_WORK), text
+
+
 def test_a_block_copied_twice_blames_an_idle_sequence_only_when_one_precedes_it(case):
     blocks = planned(case)
     # KV block 0 of sequence 2 copied again: sequence 1, just before it, is idle
