@@ -35,6 +35,7 @@ from minilib.exercises.ragged_facts import (
     RaggedFacts,
     later_in_plan,
     no_row,
+    pages_per_block,
     past_num_seqs,
     planned_copies,
 )
@@ -254,6 +255,9 @@ def _ragged_cause(facts: RaggedFacts, k: int, partial: bool) -> str:
     due, prev, first_of_blk = _due(facts, k)
     got = facts.block_of(k) if k < len(facts.copies) else None
     step = facts.step(k) if k < len(facts.copies) else None
+    fewer_pages = pages_per_block(facts)
+    if fewer_pages is not None:
+        return fewer_pages
     if due is not None and got == (due[1], due[2]):
         return _same_block(facts, k, due, prev, first_of_blk, step)
     if got is None and k >= len(facts.copies):

@@ -309,6 +309,30 @@ def _fact_no_row(facts, k, due, prev, first_of_blk, got, step, partial):
     return no_row(got[0], blk)
 
 
+def pages_per_block(facts: RaggedFacts) -> str | None:
+    """Every KV block copied as fewer pages than num_kv_pages_per_block: the kernel's copies,
+    p at a time into places 0 ... p - 1, are the plan's KV blocks, in the plan's order, as
+    p pages each (`kv_block_pages` with p), not per_block."""
+    places = [c[2] for c in facts.copies]
+    p = max(places, default=-1) + 1
+    if not 0 < p < facts.per_block or len(places) < 2 * p:  # two blocks' worth at least
+        return None
+    if places != [i % p for i in range(len(places))] or len(places) > len(facts.plan) * p:
+        return None
+    for i in range(0, len(places), p):
+        _, seq, b, *_ = facts.plan[i // p]
+        pages = kv_block_pages(facts.table, seq, facts.lens[seq], b, p, facts.page_size)
+        if tuple(c[0] for c in facts.copies[i : i + p]) != tuple(pages)[: len(places) - i]:
+            return None
+    return (
+        f"every KV block was copied as {p} page(s), into places 0..{p - 1} of its slot: the "
+        f"copies are the plan's KV blocks made of {p} pages each, but this case has "
+        f"num_kv_pages_per_block={facts.per_block}. A KV block's page count is not a number "
+        "written in the kernel: it is `bufs.shape[1] // page_size` (the slot's tokens over "
+        "a page's)."
+    )
+
+
 def past_num_seqs(seq: int, n: int) -> str:
     return (f"sequence slot {seq} is past num_seqs ({n}): the walk and next_work stop at "
             "num_seqs = num_seqs_ref[0], not the tables' length.")  # fmt: skip
