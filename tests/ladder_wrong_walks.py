@@ -127,6 +127,8 @@ def kv_block(page_indices_ref, kv_hbm_ref, bufs, sems, seq, kv_len, b, slot, var
     per_block, last = bufs.shape[1] // page_size, pl.cdiv(kv_len, page_size) - 1
     if variant == "pages_per_block_tokens":  # bufs.shape[1] is block_kv tokens, not pages
         per_block = bufs.shape[1]
+    if variant == "two_pages_per_block":  # hard-coded: the first cases' value, not bufs' shape
+        per_block = 2
     if variant == "floor_division":  # right: the same last page, `//` on a traced integer
         last = (kv_len + page_size - 1) // page_size - 1
     first = b + 0 if variant == "page_b_plus_p" else b * per_block  # b + p: blocks overlap
@@ -280,7 +282,7 @@ def rung7(variant: str) -> Callable:
 
         def copy(seq, b, slot):
             return kv_block(
-                page_indices_ref, kv_hbm_ref, bufs, sems, seq, kv_lens_ref[seq], b, slot
+                page_indices_ref, kv_hbm_ref, bufs, sems, seq, kv_lens_ref[seq], b, slot, variant
             )
 
         def next_seq(seq):  # the next sequence with rows

@@ -41,7 +41,8 @@ PREFILL_SHAPES = [(8, 6, 4, 2, 128, 8, 2), (4, 9, 2, 1, 64, 8, 3)]
 # A masked key's score in one of rung 7's cases: the kernel sets it (`attend_rows`), and here
 # the masked keys weigh exp(-3) each, so a kernel that ignores mask_value shows.
 MASK_VALUE = -3.0
-RAGGED_SHAPES = [(8, 5, 4, 2, 128, 8, 2), (4, 10, 2, 1, 64, 16, 2)]
+# Two page counts per KV block (2, then 3), so a kernel that hard-codes one of them shows.
+RAGGED_SHAPES = [(8, 5, 4, 2, 128, 8, 2), (4, 10, 2, 1, 64, 16, 3)]
 
 
 def _batch(shape, seq_lens, *, max_num_seqs, tokens, garbage: bool, seed: int):
@@ -159,7 +160,8 @@ def _ragged_cases(seed: int) -> list[Case]:
         _ragged_case(first, edges, 6, 24, True, seed, mask_value=MASK_VALUE),
         _ragged_case(first, [(0, 7), (0, 0), (0, 12)], 4, 16, False, seed + 1),  # all idle
         _ragged_case(first, lens, 6, 32, False, seed + 2),
-        _ragged_case(second, [(3, 9), (20, 30), (0, 4), (6, 40)], 5, 32, True, seed + 3),
+        # sequence 0's last position, 12, a whole number of KV blocks of 3 pages of 4 tokens
+        _ragged_case(second, [(3, 13), (20, 30), (0, 4), (6, 40)], 5, 32, True, seed + 3),
         _ragged_case(second, [(1, 40), (1, 1), (17, 17)], 3, 32, False, seed + 4),
     ]
 

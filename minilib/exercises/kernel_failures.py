@@ -398,12 +398,9 @@ def likely_cause(out, case: Case, mistakes: dict[str, Callable], pattern: str | 
 
 # Words of the two schedule problems a kernel with a right output can have, and what each rung
 # requires instead (`kernel_checking` says so when the output was checked right).
-NO_OVERLAP = "no copy overlaps a compute"
 NOTHING_IN_FLIGHT = "no copy was in flight when it started"
 OWN_STEP = "nothing overlaps that copy"
 REQUIRED = {
-    NO_OVERLAP: "this rung requires double buffering: the next copy on its way while this "
-    "one computes",
     NOTHING_IN_FLIGHT: "this rung requires double buffering: the next copy on its way while "
     "this one is waited for and computes",
     OWN_STEP: "this rung requires prefetching across grid steps: the first copy of a grid step "
@@ -411,10 +408,25 @@ REQUIRED = {
 }
 
 
+def start_before_wait(after: str, this: str) -> str:
+    """The fix for a copy started with nothing in flight (rungs 4, 6 and 7), in what the ledger
+    knows: it sees the copies and the waits, not the computes.
+
+    >>> print(start_before_wait("page i + 1", "page i"))
+    Start page i + 1's copy into the other slot *before* waiting for page i (started after \
+that wait, it overlaps at most page i's compute).
+    """
+    return (
+        f"Start {after}'s copy into the other slot *before* waiting for {this} (started after "
+        f"that wait, it overlaps at most {this}'s compute)."
+    )
+
+
 def copies_never_overlap(run: KernelRun, case: Case) -> str | None:
-    """Rungs 4 and 5: page i + 1 of a sequence must be on its way while page i computes, so
-    its copy starts before page i's wait. A kernel that starts each page only after waiting
-    for the one before computes the right answer with the copies never overlapping."""
+    """Rungs 4 and 5: page i + 1 of a sequence must be on its way while the kernel waits for
+    page i, so its copy starts before page i's wait. A kernel that starts each page only after
+    waiting for the one before computes the right answer with no copy in flight when it starts
+    one: what the ledger (its copies and waits) shows."""
     _, kv_pages, kv_lens, page_indices = case.args
     page_size, table = kv_pages.shape[1], np.asarray(page_indices)
     later_pages = {}  # page number -> (seq, i), for pages i >= 1 of a sequence
@@ -426,8 +438,9 @@ def copies_never_overlap(run: KernelRun, case: Case) -> str | None:
             seq, i = later_pages[copy.page]
             return (
                 f"page {i} of sequence {seq} was copied only after every earlier copy had been "
-                f"waited for: {NO_OVERLAP}, so the two slots do not double-buffer. "
-                "Start page i + 1's copy into the other slot *before* waiting for page i."
+                f"waited for ({NOTHING_IN_FLIGHT}): the copy of page i + 1 was not on its way "
+                "while the kernel waited for page i, so the two slots do not double-buffer the "
+                "way the rung asks. " + start_before_wait("page i + 1", "page i")
             )
     return None
 

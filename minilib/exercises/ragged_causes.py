@@ -18,7 +18,12 @@ from collections.abc import Callable
 import numpy as np
 
 from minilib.exercises.checking import Case
-from minilib.exercises.kernel_failures import NOTHING_IN_FLIGHT, OWN_STEP, smem_read_outside
+from minilib.exercises.kernel_failures import (
+    NOTHING_IN_FLIGHT,
+    OWN_STEP,
+    smem_read_outside,
+    start_before_wait,
+)
 from minilib.exercises.ragged_facts import (
     DIAGONAL,
     FACT_RULES,
@@ -30,6 +35,7 @@ from minilib.exercises.ragged_facts import (
     RaggedFacts,
     later_in_plan,
     no_row,
+    pages_per_block,
     past_num_seqs,
     planned_copies,
 )
@@ -117,8 +123,7 @@ def _no_overlap(firsts: list) -> str | None:
                 f"{what} was copied only after every earlier copy had been waited for "
                 f"({NOTHING_IN_FLIGHT}): the copy of block b + 1 was not on its way while the "
                 "kernel waited for block b, so the two slots do not double-buffer the way the "
-                "rung asks. Start KV block b + 1's copy into the other slot *before* waiting "
-                "for block b (started after that wait, it overlaps at most block b's compute)."
+                "rung asks. " + start_before_wait("KV block b + 1", "block b")
             )
     return None
 
@@ -181,8 +186,7 @@ def _ragged_problem(run, copies, case: Case, partial: bool) -> str | None:
         read = smem_read_outside(run)
         if read is None or read[1] != table.shape:
             return None
-        due, prev, first_of_blk = _due(facts, k)
-        return _stopped_reading(read[0], k, planned, due, prev, first_of_blk, cu, n)
+        return _stopped_reading(facts, read[0], k)
     return _what_differs(facts, k) + "Likely cause: " + _ragged_cause(facts, k, partial)
 
 
@@ -251,6 +255,9 @@ def _ragged_cause(facts: RaggedFacts, k: int, partial: bool) -> str:
     due, prev, first_of_blk = _due(facts, k)
     got = facts.block_of(k) if k < len(facts.copies) else None
     step = facts.step(k) if k < len(facts.copies) else None
+    fewer_pages = pages_per_block(facts)
+    if fewer_pages is not None:
+        return fewer_pages
     if due is not None and got == (due[1], due[2]):
         return _same_block(facts, k, due, prev, first_of_blk, step)
     if got is None and k >= len(facts.copies):
@@ -307,35 +314,43 @@ def _same_block(facts: RaggedFacts, k: int, due, prev, first_of_blk: bool, step)
     )
 
 
-def _stopped_reading(index: tuple, k: int, planned: int, due, prev, first_of_blk: bool,
-                     cu: list, n: int) -> str:  # fmt: skip
+def _stopped_reading(facts: RaggedFacts, index: tuple, k: int) -> str:
     """The run stopped reading page_indices at `index`, outside it, for the copy after the `k`
     that agree with the plan: jax 0.12.1 and later stop on a negative index (before, it wraps
     around, and the copy of a garbage page is what `_ragged_problem` names).
 
-    >>> print(_stopped_reading((-1, 0), 3, 8, (1, 0, 0), (0, 1, 1), True, [0, 5, 9], 2))
-    copy 3 (of 8 planned): the plan has KV block 0 of sequence 0 for q block 1, the kernel \
+    >>> plan = [(0, 0, 0, 0, (0,)), (1, 0, 0, 1, (0,))]   # (q block, seq, KV block, slot, pages)
+    >>> facts = RaggedFacts(None, None, [], plan, lens=[8], cu=[0, 8], n=1, block_q=4,
+    ...                     per_block=1, page_size=8, table=np.zeros((1, 1), int))
+    >>> print(_stopped_reading(facts, (-1, 0), 1))
+    copy 1 (of 2 planned): the plan has KV block 0 of sequence 0 for q block 1, the kernel \
 read page_indices[-1, 0] for its next copy, outside the table. Likely cause: sequence index -1 \
 is below 0: the walk and next_work start at sequence 0, and clamp every index they read.
     """
+    due, prev, first_of_blk = _due(facts, k)
     seq, page = index
     what = (
-        f"copy {k} (of {planned} planned): the plan has {_planned(due)}, the kernel read "
-        f"page_indices[{seq}, {page}] for its next copy, outside the table. Likely cause: "
+        f"copy {k} (of {len(facts.plan) * facts.per_block} planned): the plan has "
+        f"{_planned(due)}, the kernel read page_indices[{seq}, {page}] for its next copy, "
+        "outside the table. Likely cause: "
     )
     if seq < 0:  # before any rule that indexes cu_q_lens with it
-        return what + (f"sequence index {seq} is below 0: the walk and next_work start at "
-                       "sequence 0, and clamp every index they read.")  # fmt: skip
+        return what + (
+            f"sequence index {seq} is below 0: the walk and next_work start at sequence 0, "
+            "and clamp every index they read."
+        )
     if due is None:
         return what + LAST_WORK
     if first_of_blk and prev is not None and due[1] == prev[1] and seq != due[1]:
         return what + SPANNING
-    if seq >= n:
-        return what + past_num_seqs(seq, n)
-    if cu[seq + 1] == cu[seq]:
+    if seq >= facts.n:
+        return what + past_num_seqs(seq, facts.n)
+    if facts.cu[seq + 1] == facts.cu[seq]:
         return what + IDLE
-    if seq != due[1]:
+    if seq != due[1] and facts.rows(seq, due[0]) is None:
         return what + no_row(seq, due[0])
+    if seq != due[1]:
+        return what + NEXT_WORK
     return what + (
         f"page {page} is outside sequence {seq}'s row: clamp the page index to its last page, "
         "`jnp.minimum(b * pages_per_block + p, cdiv(kv_len, page_size) - 1)`."

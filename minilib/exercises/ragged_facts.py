@@ -150,11 +150,19 @@ def _fact_past_num_seqs(facts, k, due, prev, first_of_blk, got, step, partial):
 
 
 def _fact_twice(facts, k, due, prev, first_of_blk, got, step, partial):
+    """KV block 0 of a sequence copied twice in a row, the sequence just before it idle: the
+    idle sequence was walked, and its work started the next sequence's KV block 0 again."""
     if prev is None or got != (prev[1], prev[2]) or k < facts.per_block:
         return None
     if facts.block_of(k - facts.per_block) != got:  # the copy before: the same block?
         return None
-    return "the same KV block was copied twice in a row: " + IDLE
+    seq, before = got[0], got[0] - 1
+    if got[1] != 0 or before < 0 or facts.cu[before + 1] != facts.cu[before]:
+        return None
+    return (
+        f"KV block 0 of sequence {seq} was copied twice in a row, and sequence {before} just "
+        "before it is idle: " + IDLE
+    )
 
 
 def _fact_diagonal(facts, k, due, prev, first_of_blk, got, step, partial):
@@ -299,6 +307,30 @@ def _fact_no_row(facts, k, due, prev, first_of_blk, got, step, partial):
     if facts.rows(got[0], due[0]) is not None or facts.rows(got[0], blk) is not None:
         return None
     return no_row(got[0], blk)
+
+
+def pages_per_block(facts: RaggedFacts) -> str | None:
+    """Every KV block copied as fewer pages than num_kv_pages_per_block: the kernel's copies,
+    p at a time into places 0 ... p - 1, are the plan's KV blocks, in the plan's order, as
+    p pages each (`kv_block_pages` with p), not per_block."""
+    places = [c[2] for c in facts.copies]
+    p = max(places, default=-1) + 1
+    if not 0 < p < facts.per_block or len(places) < 2 * p:  # two blocks' worth at least
+        return None
+    if places != [i % p for i in range(len(places))] or len(places) > len(facts.plan) * p:
+        return None
+    for i in range(0, len(places), p):
+        _, seq, b, *_ = facts.plan[i // p]
+        pages = kv_block_pages(facts.table, seq, facts.lens[seq], b, p, facts.page_size)
+        if tuple(c[0] for c in facts.copies[i : i + p]) != tuple(pages)[: len(places) - i]:
+            return None
+    return (
+        f"every KV block was copied as {p} page(s), into places 0..{p - 1} of its slot: the "
+        f"copies are the plan's KV blocks made of {p} pages each, but this case has "
+        f"num_kv_pages_per_block={facts.per_block}. A KV block's page count is not a number "
+        "written in the kernel: it is `bufs.shape[1] // page_size` (the slot's tokens over "
+        "a page's)."
+    )
 
 
 def past_num_seqs(seq: int, n: int) -> str:

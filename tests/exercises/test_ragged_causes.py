@@ -7,11 +7,14 @@ watch records them; no kernel runs, so these are fast.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from minilib.batch import make_batch
 from minilib.exercises import ragged_causes as rc
+from minilib.exercises import ragged_facts as rf
 from minilib.exercises.checking import Case
 from minilib.exercises.kernel_run import KernelRun
 from minilib.ladder.prefill_chunk import kv_block_pages
@@ -103,6 +106,55 @@ def test_no_row_is_named_only_for_a_sequence_without_rows_there(case):
     # sequence 3 has rows 6-7 in q block 0: never "no row in q block 0"
     wrong = blocks[:1] + [(3, 0, blocks[1][2], 0)] + blocks[2:]
     assert "has no row in q block 0" not in problem(case, wrong)
+
+
+def test_no_row_is_not_named_for_a_sequence_with_rows_in_the_step_that_copied_it(case):
+    """Only the no-row rule's fact decides here: no other rule's fact holds, so the cause is
+    the general one, and a no-row rule that did not check the rows would name it."""
+    blocks = planned(case)  # works: (0,0,0) (0,2,0) (0,3,0) (1,3,0) (1,3,1) (2,5,0..2)
+    # KV block 0 of sequence 3 copied by grid step 1 (where it has rows 8-15) where the plan
+    # has KV block 0 of sequence 5 for q block 2 (where sequence 3 has none)
+    wrong = blocks[:5] + [(3, 0, blocks[5][2], 1)] + blocks[6:]
+    text = problem(case, wrong)
+    assert "the kernel copied KV block 0 of sequence 3 in grid step 1" in text, text
+    assert "has no row" not in text, text
+    assert text.endswith("Likely cause: " + rf.NEXT_WORK), text
+
+
+def test_a_block_copied_twice_blames_an_idle_sequence_only_when_one_precedes_it(case):
+    blocks = planned(case)
+    # KV block 0 of sequence 2 copied again: sequence 1, just before it, is idle
+    twice = blocks[:2] + [(2, 0, blocks[2][2], 0)] + blocks[2:]
+    text = problem(case, twice)
+    assert "KV block 0 of sequence 2 was copied twice in a row" in text, text
+    assert "sequence 1 just before it is idle" in text and "q_len 0" in text, text
+    # KV block 1 of sequence 3 copied again: no idle sequence's work starts a KV block 1
+    twice = blocks[:5] + [(3, 1, blocks[5][2], 1)] + blocks[5:]
+    text = problem(case, twice)
+    assert "twice in a row" not in text and "q_len 0" not in text, text
+    assert text.endswith("Likely cause: " + rf.NEXT_WORK), text
+
+
+def stopped(case, blocks, index):
+    """A run whose copies are `blocks` and that stopped reading page_indices at `index`."""
+    shape = np.asarray(case.args[3]).shape
+    error = (
+        f"IndexError: Out-of-bounds read of (0 0 smem 104): reading [{index}] but buffer has "
+        f"shape {shape}."
+    )
+    run = dataclasses.replace(ledger(case, blocks), error=error)
+    return rc.schedule_problem(7, partial=True)(run, case)
+
+
+def test_a_stopped_read_names_no_row_only_for_a_sequence_without_rows_there(case):
+    blocks = planned(case)[:1]  # then the plan has KV block 0 of sequence 2, for q block 0
+    text = stopped(case, blocks, (5, 0))  # sequence 5: rows in q block 2 only
+    assert "read page_indices[5, 0]" in text, text
+    assert "sequence 5 has no row in q block 0" in text, text
+    text = stopped(case, blocks, (3, 0))  # sequence 3: rows 6-7 in q block 0
+    assert "read page_indices[3, 0]" in text, text
+    assert "has no row" not in text, text
+    assert text.endswith("Likely cause: " + rf.NEXT_WORK), text
 
 
 def test_past_the_diagonal_only_for_a_block_past_it(case):
