@@ -334,8 +334,9 @@ def rung4(variant: str) -> Callable:
             if variant == "single_buffered":  # rung 3's loop: start, wait, compute, in slot 0
                 page_copy(i, 0).start()
                 page_copy(i, 0).wait()
-                attend_kv_block(bufs.at[0], q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len,
-                                sm_scale)  # fmt: skip
+                attend_kv_block(
+                    bufs.at[0], q_ref, m_ref, l_ref, acc_ref, i * page_size, kv_len, sm_scale
+                )
                 return
             if variant == "no_overlap":  # page i started here, after page i - 1's wait
                 page_copy(i, slot).start()

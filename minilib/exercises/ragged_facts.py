@@ -334,8 +334,10 @@ def pages_per_block(facts: RaggedFacts) -> str | None:
 
 
 def past_num_seqs(seq: int, n: int) -> str:
-    return (f"sequence slot {seq} is past num_seqs ({n}): the walk and next_work stop at "
-            "num_seqs = num_seqs_ref[0], not the tables' length.")  # fmt: skip
+    return (
+        f"sequence slot {seq} is past num_seqs ({n}): the walk and next_work stop at "
+        "num_seqs = num_seqs_ref[0], not the tables' length."
+    )
 
 
 def no_row(seq: int, blk: int) -> str:
