@@ -220,10 +220,23 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+# JAX's persistent compilation cache, as the test runs set it. A worker that read the step's
+# program from it while the other compiled its own hung in their first collective (jax 0.12.1,
+# gloo, both processes waiting for ever): the workers compile afresh.
+COMPILATION_CACHE_VARS = (
+    "JAX_COMPILATION_CACHE_DIR",
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
+)
+
+
 def worker_env(devices_per_process: int) -> dict[str, str]:
-    """This process's environment, for a worker: CPU only, `devices_per_process` devices, and
-    this minilib importable first."""
+    """This process's environment, for a worker: CPU only, `devices_per_process` devices, no
+    persistent compilation cache (`COMPILATION_CACHE_VARS`), and this minilib importable
+    first."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
+    for name in COMPILATION_CACHE_VARS:
+        env.pop(name, None)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
     env["XLA_FLAGS"] = " ".join([*flags, f"{DEVICE_COUNT_FLAG}={devices_per_process}"])
     here = str(Path(__file__).resolve().parents[2])
@@ -325,6 +338,7 @@ def run_worker(job_path: str, process_id: int) -> None:
     job = json.loads(Path(job_path).read_text())
     exit_after = exit_step(process_id)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # before initialize
+    jax.config.update("jax_enable_compilation_cache", False)  # see COMPILATION_CACHE_VARS
     jax.distributed.initialize(
         coordinator_address=f"localhost:{job['port']}",
         num_processes=job["num_processes"],

@@ -22,6 +22,9 @@ PARAMS_SEED = 1
 rng = np.random.default_rng(2)
 PROMPTS = [rng.integers(0, 64, n).tolist() for n in (5, 11, 2, 7)]  # 11: a chunked prefill
 MAX_NEW = 5
+# A run takes about 25 s on a loaded 2-core machine; a hang fails in three minutes, not at
+# the ten-minute watchdog.
+TIMEOUT = 180
 
 
 def assert_all_gone(pids):
@@ -31,7 +34,14 @@ def assert_all_gone(pids):
 
 
 def test_two_processes_serve_the_tokens_of_one_process_and_of_the_dense_model():
-    run = serve(PROMPTS, MAX_NEW, params_seed=PARAMS_SEED, num_processes=2, devices_per_process=2)
+    run = serve(
+        PROMPTS,
+        MAX_NEW,
+        params_seed=PARAMS_SEED,
+        num_processes=2,
+        devices_per_process=2,
+        timeout=TIMEOUT,
+    )
     params = init_params(DEFAULT_CONFIG, PARAMS_SEED)
     one_process = Engine(params, DEFAULT_CONFIG, **DEFAULT_ENGINE_ARGS).generate(PROMPTS, MAX_NEW)
     dense = [dense_generate(params, DEFAULT_CONFIG, p, MAX_NEW) for p in PROMPTS]
@@ -47,7 +57,7 @@ def test_two_processes_serve_the_tokens_of_one_process_and_of_the_dense_model():
 def test_a_process_that_exits_mid_run_stops_them_all_and_is_named(monkeypatch):
     monkeypatch.setenv(EXIT_VAR, "1:2")
     with pytest.raises(MultiprocessError) as caught:
-        serve(PROMPTS, MAX_NEW, params_seed=PARAMS_SEED, timeout=600)
+        serve(PROMPTS, MAX_NEW, params_seed=PARAMS_SEED, timeout=TIMEOUT)
     message = str(caught.value)
     assert message.startswith("A process of the multi-process run failed"), message
     assert "process 1: exited with code 3" in message, message
