@@ -7,17 +7,22 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
+from exercise_answers import solution
 
 from minilib.exercises import ex01_heads, ex04_reference
 from minilib.tpu.numerics import one_bf16_pass
 
-# (checker, the checker's own right answer)
+# (checker, its worked solution: a right answer that also keeps the exercise's rules, such as
+# exercise 1.1's no copy of K or V per q head)
 CHECKERS = {
     "grouped_query_attention": (
         ex01_heads.check_grouped_query_attention,
-        ex01_heads._gqa_attention,
+        solution("ex01_heads", "grouped_query_attention"),
     ),
-    "attend_soft_cap": (ex04_reference.check_attend_soft_cap, ex04_reference._attend_soft_cap),
+    "attend_soft_cap": (
+        ex04_reference.check_attend_soft_cap,
+        solution("ex04_reference", "attend_soft_cap"),
+    ),
 }
 
 

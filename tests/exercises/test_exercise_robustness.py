@@ -271,5 +271,7 @@ def test_check_result_shows_nothing_more_in_a_notebook():
 
 def test_check_result_still_tells_its_status():
     result = ex.check_live_seq_lens(live_seq_lens_every_slot, verbose=False)
-    assert repr(result) == "CheckResult('live_seq_lens', status='failed')"
+    assert repr(result) == (
+        "CheckResult('live_seq_lens', status='failed'; result.rerun() reruns the failing case)"
+    )
     assert result.status == "failed" and not result
