@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from prose_claims import broken_claims
+from prose_claims import broken_claims, output_text
+from prose_claims import source as cell_source
 from time_limit import Cost
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,11 +80,6 @@ def _cells(path: Path) -> list[dict]:
     return json.loads(path.read_text(encoding="utf-8"))["cells"]
 
 
-def _source(cell: dict) -> str:
-    src = cell["source"]
-    return "".join(src) if isinstance(src, list) else src
-
-
 def test_there_are_ten_numbered_notebooks():
     numbers = [p.name[:2] for p in NOTEBOOKS]
     assert len(NOTEBOOKS) >= 10, [p.name for p in NOTEBOOKS]
@@ -108,12 +104,12 @@ def test_notebook_shape(path):
     exercise that a checker from minilib.exercises checks."""
     cells = _cells(path)
     first_code = next(c for c in cells if c["cell_type"] == "code")
-    text = "\n".join(_source(c) for c in cells)
+    text = "\n".join(cell_source(c) for c in cells)
     assert cells[0]["cell_type"] == "markdown"
-    assert _source(cells[0]).startswith(f"# {path.name[:2]} ")
-    assert "What you will learn" in _source(cells[0])
-    assert "MINILIB_SOURCE" in _source(first_code), "the first code cell must be the setup cell"
-    assert _source(first_code) == _source(_first_code_cell(NOTEBOOKS[0])), (
+    assert cell_source(cells[0]).startswith(f"# {path.name[:2]} ")
+    assert "What you will learn" in cell_source(cells[0])
+    assert "MINILIB_SOURCE" in cell_source(first_code), "the first code cell must be the setup cell"
+    assert cell_source(first_code) == cell_source(_first_code_cell(NOTEBOOKS[0])), (
         f"{path.name}: the setup cell differs from 00's; keep them identical"
     )
     assert "## Summary" in text
@@ -139,9 +135,9 @@ def test_every_printed_comparison_is_asserted(path):
         i
         for i, cell in enumerate(_cells(path))
         if cell["cell_type"] == "code"
-        and PRINTED_COMPARISON.search(_source(cell))
-        and "parity_error(" not in _source(cell)
-        and not re.search(r"^\s*assert ", _source(cell), re.MULTILINE)
+        and PRINTED_COMPARISON.search(cell_source(cell))
+        and "parity_error(" not in cell_source(cell)
+        and not re.search(r"^\s*assert ", cell_source(cell), re.MULTILINE)
     ]
     assert not unasserted, (
         f"{path.name}: cells {unasserted} print a comparison with a reference but assert "
@@ -159,23 +155,15 @@ RECORDED_MARKER = re.compile(r"Recorded on \d{4}-\d{2}-\d{2} with jax \d")
 REPORTS_WHAT_IS_INSTALLED = re.compile(r"^doctor_ok = doctor\(\)", re.MULTILINE)
 
 
-def _output_text(cell: dict) -> str:
-    texts = []
-    for output in cell.get("outputs", []):
-        text = output.get("text") or output.get("data", {}).get("text/plain", "")
-        texts.append("".join(text) if isinstance(text, list) else text)
-    return "".join(texts)
-
-
 def unrecorded_fallbacks(cells: list[dict]) -> list[str]:
     """The code cells of an executed notebook that print that their result could not be
     computed here ("Not computed", "has no table", "not installed") without showing the
     recorded result beside it ("Recorded on <date> with jax X"): "cell i: its first line"."""
     found = []
     for i, cell in enumerate(cells):
-        if cell["cell_type"] != "code" or REPORTS_WHAT_IS_INSTALLED.search(_source(cell)):
+        if cell["cell_type"] != "code" or REPORTS_WHAT_IS_INSTALLED.search(cell_source(cell)):
             continue
-        text = _output_text(cell)
+        text = output_text(cell)
         if NOT_HERE.search(text) and not RECORDED_MARKER.search(text):
             found.append(f"cell {i}: {text.strip().splitlines()[0][:160]}")
     return found
@@ -208,7 +196,7 @@ def run_setup_cell(tmp_path: Path, *python_flags: str, **env: str):
     folder = tmp_path / "notebooks"
     folder.mkdir(exist_ok=True)
     script = folder / "setup_cell.py"
-    script.write_text(_source(_first_code_cell(NOTEBOOKS[0])))
+    script.write_text(cell_source(_first_code_cell(NOTEBOOKS[0])))
     done = subprocess.run([sys.executable, *python_flags, str(script)], cwd=folder, env=env,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     return done.returncode, done.stderr

@@ -17,9 +17,10 @@ from prose_claims import (
     broken_claims,
     claims_in,
     misplaced_claims,
+    source,
     unclaimed_comparisons,
 )
-from test_notebooks import EXECUTED_DIR, NOTEBOOKS, _ids, _source
+from test_notebooks import EXECUTED_DIR, NOTEBOOKS, _ids
 
 CLAIM = """<!-- claim: between two and two and a half times
 cell: loops
@@ -158,7 +159,7 @@ def test_executed_notebook_agrees_with_its_prose(path):
     ran = {c.get("id"): c for c in _cells(executed)}
     code_cells = [c for c in cells if c["cell_type"] == "code"]
     changed = [
-        c["id"] for c in code_cells if c["id"] not in ran or _source(c) != _source(ran[c["id"]])
+        c["id"] for c in code_cells if c["id"] not in ran or source(c) != source(ran[c["id"]])
     ]
     if changed:
         pytest.skip(f"{executed} is older than the notebook (cells {changed}): run it again")
