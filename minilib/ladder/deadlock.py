@@ -30,6 +30,7 @@ from minilib.ladder.watch import (
     _interpreter_parts,
     _line,
     never_signalled,
+    release,
 )
 
 __all__ = ["fail_fast_on_deadlock"]
@@ -58,15 +59,6 @@ def _describe(wait: _Waiting, count: int) -> str:
         "moved fewer bytes than the wait takes back, or none was started. On a TPU the kernel "
         "would hang here."
     )
-
-
-def _release(wait: _Waiting) -> None:
-    """Let a stuck wait return (it then raises): give its semaphore the bytes it wants."""
-    sem = wait.sem
-    with sem.cv:
-        counts = getattr(sem, "count_by_core", None)  # jax 0.8 and later
-        (sem.counts if counts is None else counts)[wait.core] += wait.value
-        sem.cv.notify_all()
 
 
 @contextlib.contextmanager
@@ -147,7 +139,7 @@ def fail_fast_on_deadlock(*, patience: float = 5.0, poll: float = 0.25):
                     continue
                 if time.monotonic() - wait.since >= patience and not wait.stuck:
                     wait.stuck = _describe(wait, count)
-                    _release(wait)
+                    release(wait.sem, wait.core, wait.value)  # it then raises
 
     watcher = threading.Thread(target=watch_the_waits, name="deadlock watcher", daemon=True)
     parts.semaphore.wait = guarded_wait

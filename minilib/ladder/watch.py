@@ -188,9 +188,22 @@ def _interpreter_parts() -> _Parts:
     raise RuntimeError("cannot find the TPU interpret mode's semaphores and DMAs in this JAX")
 
 
-def _count(sem, core: int) -> int:
+def _counts(sem):
+    """A semaphore's count on each core (the array JAX keeps)."""
     counts = getattr(sem, "count_by_core", None)  # jax 0.8 and later
-    return int((sem.counts if counts is None else counts)[core])
+    return sem.counts if counts is None else counts
+
+
+def _count(sem, core: int) -> int:
+    return int(_counts(sem)[core])
+
+
+def release(sem, core: int, value: int) -> None:
+    """End a wait on `sem` for `value` on `core` that nothing else would end: give the
+    semaphore the count it waits for, and wake the waiter."""
+    with sem.cv:
+        _counts(sem)[core] += value
+        sem.cv.notify_all()
 
 
 def _copies_pending(sem, core: int, parts: _Parts) -> int:
@@ -326,10 +339,7 @@ class Watch:
         for module in self.parts.modules:
             module._get_shared_memory = refuse
         for sem, value, core in list(self._blocked.values()):
-            with sem.cv:
-                counts = getattr(sem, "count_by_core", None)
-                (sem.counts if counts is None else counts)[core] += value
-                sem.cv.notify_all()
+            release(sem, core, value)
 
     # --- what the patched methods call ---
 
