@@ -33,19 +33,23 @@ into the rows of one matrix, so each KV head meets its whole group in one matmul
 The modules, in the order to read them. First the plain kernel, in one sitting: what runs
 with every speed lever off, the production shape of the ladder's last rung:
 
-    config      KernelConfig: what the kernel knows at compile time
-    plain       the kernel body: the walk over sequences and KV blocks, the prefetched tables,
-                the double-buffered copies, the plain K/V load, the online softmax, one KV head
-                at a time; and `Points`, where the levers plug in
-    call        ragged_paged_attention, the jitted wrapper (`rpa_jit`: tables clamped once,
-                two kernels, the mixed kernel's q with each sequence on a q block:
-                `mixed_layout`), the pallas_call: grid, block specs, scratch
+    config       KernelConfig: what the kernel knows at compile time; Levers, one switch
+                 per speed lever (`Levers.off()`: the plain kernel)
+    plain        the kernel body: the walk over sequences and KV blocks, the prefetched tables,
+                 the double-buffered copies, the plain K/V load, the online softmax, one KV head
+                 at a time; and `Points`, where the levers plug in
+    call         ragged_paged_attention (`levers=`), the jitted wrapper (`rpa_jit`: tables
+                 clamped once, then the kernels: `run_kernels`)
+    pallas_call  one kernel's pallas_call: grid, block specs, scratch
 
-Then the levers beside it, each replacing one point of the plain kernel (`levers` chooses
-them once per configuration; benchmarks/LEVERS.md records what each saves, and on which chips):
+Then the levers beside it, each replacing one point of the plain kernel. `levers` is the
+switchboard: it decides, once per configuration, which levers apply, and fills the points
+(benchmarks/LEVERS.md records what each saves, and on which chips):
 
-    levers           which levers a configuration turns on, and the points they fill
+    levers           which levers are on (`chosen_levers`, `levers_that_apply`), and the points
+                     they fill (`choose_points`)
     decode           one-token sequences in a kernel of their own, each attended alone
+    mixed_layout     ... and the mixed kernel's q, each sequence starting on a q block
     strided          each KV head read with one strided load, K and V from 32-bit words
     strided_fold     q folded and the output unfolded by strided copies of 32-bit words
     padded_slot      a bf16 slot with a spare row per token, so each strided load is whole
@@ -57,6 +61,7 @@ them once per configuration; benchmarks/LEVERS.md records what each saves, and o
     open_blocks      the KV blocks every row sees whole walked first, in a loop with no mask
                      (and no V zeroed), in both kernels
     reciprocal       on v5e the output divided by a reciprocal refined by Newton's method
+    fixed_max        one fixed max where a soft cap bounds the scores
 
 And two wrappers the kernel body never mentions:
 
@@ -102,14 +107,12 @@ from minilib.kernel.call import (
     clamp_tables,
     count_seqs_in_order,
     kernel_config,
-    mixed_layout,
     ragged_paged_attention,
     resolve_interpret,
     rpa_jit,
-    rpa_pallas_call,
     rpa_write_jit,
 )
-from minilib.kernel.config import KERNEL_NAMES, LANES, KernelConfig
+from minilib.kernel.config import KERNEL_NAMES, LANES, KernelConfig, Levers
 from minilib.kernel.decode import (
     DecodeBatch,
     DecodeWalker,
@@ -120,13 +123,14 @@ from minilib.kernel.decode import (
 )
 from minilib.kernel.heads_in_flight import attend_kv_heads
 from minilib.kernel.levers import (
-    can_fold_q_strided,
-    can_load_kv_strided,
     choose_points,
-    slot_levers,
+    chosen_levers,
+    levers_that_apply,
     split_configs,
     with_head_pipeline,
 )
+from minilib.kernel.mixed_layout import mixed_layout
+from minilib.kernel.pallas_call import rpa_pallas_call
 from minilib.kernel.plain import (
     KVBlockCopier,
     OnlineSoftmax,
@@ -163,6 +167,7 @@ __all__ = [
     "KERNEL_NAMES",
     "LANES",
     "KernelConfig",
+    "Levers",
     "decode_batch",
     "kernel_config",
     "ragged_paged_attention",

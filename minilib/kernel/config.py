@@ -1,11 +1,9 @@
-"""What the kernel knows at compile time: `KernelConfig`, one static argument of the jit.
+"""What the kernel knows at compile time: `KernelConfig`, one static argument of the jit, and
+`Levers`, which speed levers it runs with.
 
 The attention options (`minilib.options`), with the block sizes filled in, the shapes they were
-chosen for, and which speed levers are on: `strided_kv_loads`, `padded_slot`, `whole_rows`,
-`narrow_rows`, `heads_in_flight` (and `reload_v`), the decode kernel's `decode` and
-`leaves_decode`, `open_blocks`, `newton_reciprocal`, `bounded_scores`; `lane_blocks` and an fp8
-cache's load follow from head_dim and the cache's dtype (`levers.choose_points`).
-Frozen and hashable, so a change of any of them is a new compile. `call.kernel_config` builds it.
+chosen for, and the levers that apply (`levers.levers_that_apply`). Frozen and hashable, so a
+change of any of them is a new compile. `call.kernel_config` builds it.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import dataclasses
 
 from minilib.options import AttentionOptions
 
-__all__ = ["KERNEL_NAMES", "LANES", "KernelConfig"]
+__all__ = ["KERNEL_NAMES", "LANES", "KernelConfig", "Levers"]
 
 # The m and l scratch rows are 128 lanes wide, one vector register row: TPU vector memory is
 # laid out in (8, 128) tiles, so a [rows, 1] array would take the same space anyway. The slot
@@ -26,6 +24,59 @@ KERNEL_NAMES = {
     "mixed": "minilib_ragged_paged_attention",
     "decode": "minilib_ragged_paged_attention_decode",
 }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Levers:
+    """One switch per speed lever: what each replaces, and where it plugs in, is the table of
+    `minilib.kernel.levers`. All off (`Levers.off()`) is the plain algorithm; a lever that is
+    on runs where it applies (`levers.levers_that_apply`), and is dropped where it does not.
+
+    >>> Levers.off().on()
+    ()
+    >>> Levers.only("fixed_max").on()
+    ('fixed_max',)
+    >>> len(Levers.every().on()) == len(Levers.names())
+    True
+    """
+
+    decode_kernel: bool = False  # one-token sequences in a kernel of their own (`decode`)
+    open_blocks: bool = False  # the KV blocks no row masks walked apart (`open_blocks`)
+    strided_kv_loads: bool = False  # each KV head read with one strided load (`strided`)
+    padded_slot: bool = False  # a bf16 slot with a spare row per token (`padded_slot`)
+    narrow_rows: bool = False  # head_dim 64 read in rows of 64 lanes (`narrow_rows`)
+    whole_rows: bool = False  # head_dim 256 whole in a padded slot's rows (`lane_blocks`)
+    strided_fold: bool = False  # q folded, the output unfolded, by strided copies
+    heads_in_flight: bool = False  # the KV heads software-pipelined (`heads_in_flight`)
+    newton_reciprocal: bool = False  # acc / l by a refined reciprocal (`reciprocal`)
+    fixed_max: bool = False  # one fixed max where a soft cap bounds the scores (`fixed_max`)
+
+    @classmethod
+    def off(cls) -> Levers:
+        """Every lever off: the plain algorithm, in one kernel."""
+        return cls()
+
+    @classmethod
+    def every(cls) -> Levers:
+        """Every lever on (each where it applies)."""
+        return cls(**{name: True for name in cls.names()})
+
+    @classmethod
+    def only(cls, *names: str) -> Levers:
+        """These levers on, the others off."""
+        unknown = [name for name in names if name not in cls.names()]
+        if unknown:
+            raise ValueError(f"{unknown=} are not levers: name some of {', '.join(cls.names())}")
+        return cls(**{name: True for name in names})
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """Every lever's name, in the order of the table of `minilib.kernel.levers`."""
+        return tuple(field.name for field in dataclasses.fields(cls))
+
+    def on(self) -> tuple[str, ...]:
+        """The names of the levers that are on."""
+        return tuple(name for name in self.names() if getattr(self, name))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,41 +106,21 @@ class KernelConfig(AttentionOptions):
     head_dim: int
     q_itemsize: int  # bytes per value of q's dtype, the compute dtype
     kv_itemsize: int  # ... and of kv_pages' dtype
-    # Each KV head read with one strided load (`strided`); set by `rpa_pallas_call` where refs
-    # can be viewed (not in TPU interpret mode).
-    strided_kv_loads: bool = False
-    # q folded and the output unfolded by strided word copies (`strided_fold`); set by
-    # `rpa_pallas_call` where refs can be viewed and stored through a view.
-    strided_fold: bool = False
+    # The speed levers of this kernel, as they apply (`levers.levers_that_apply`), and those of
+    # the decode kernel beside it (None: no decode kernel). `kernel_config` decides both.
+    levers: Levers = Levers()
+    decode_levers: Levers | None = None
     # The two kernels of `ragged_paged_attention` (`split_configs`): the decode kernel serves
     # one-token sequences, one q row each (`DecodeWalker`); the mixed kernel leaves them to it
     # (treats them as idle). With both False, one kernel serves every sequence.
     decode: bool = False
     leaves_decode: bool = False
     decode_seqs_per_block: int = 1  # the decode kernel's q block: sequences per grid step
-    # The KV heads whose P·V waits behind the next head's Q·K (`heads_in_flight`), set by
-    # `levers.with_head_pipeline`; 0: the plain order, each head's P·V before the next Q·K.
+    # The KV heads whose P·V waits behind the next head's Q·K where `levers.heads_in_flight` is
+    # on, sized by `levers.with_head_pipeline`; 0: the plain order, each head's P·V before the
+    # next Q·K.
     heads_in_flight: int = 0
     reload_v: bool = False
-    # A bf16 slot held as words with a spare row per token (`padded_slot`), set by
-    # `kernel_config` (`levers.slot_levers`).
-    padded_slot: bool = False
-    # A padded slot holding head_dim 256 whole in each token's rows, one copy per page, read
-    # per block of 128 lanes (`lane_blocks.WholeRows`), set by `kernel_config`
-    # (`levers.slot_levers`).
-    whole_rows: bool = False
-    # head_dim 64 read by the strided load in rows of 64 lanes (`narrow_rows`), set by
-    # `kernel_config` at head_dim 64.
-    narrow_rows: bool = False
-    # The KV blocks no row needs masked walked apart, without the mask (`open_blocks`), set
-    # for both kernels by `levers.split_configs`.
-    open_blocks: bool = False
-    # The output divided by a refined reciprocal (`reciprocal`), set by `kernel_config`
-    # (`levers.slot_levers`).
-    newton_reciprocal: bool = False
-    # p kept in range by one fixed max where a soft cap bounds the scores (`fixed_max`), set by
-    # `kernel_config` (`levers.bounded_scores`).
-    bounded_scores: bool = False
 
     @property
     def score_scale(self) -> float:

@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from minilib.kernel.config import KernelConfig
-from minilib.kernel.plain import OnlineSoftmax, QBlockWalker, ScoreMask, SeqSpan
+from minilib.kernel.plain import OnlineSoftmax, QBlockWalker, ScoreMask, SeqSpan, SeqTable
 from minilib.masking import is_masked, mask_value_vanishes
 
 __all__ = ["decode_batch"]
@@ -57,7 +57,8 @@ def decode_batch(kv_lens, page_indices, cu_q_lens, num_seqs, config: KernelConfi
     >>> d.seqs.tolist(), d.rows.tolist(), d.kv_lens[:2].tolist(), d.cu_q_lens.tolist()
     ([1, 3, 4, 4], [3, 4, 5, 5], [9, 5], [0, 1, 2, 2, 2])
     """
-    max_num_seqs, rows = config.max_num_seqs, config.max_num_batched_tokens
+    max_num_seqs = config.max_num_seqs
+    rows = config.max_num_batched_tokens
     cu = cu_q_lens
     live = jnp.arange(max_num_seqs) < num_seqs[0]
     is_decode = live & (cu[1:] - cu[:-1] == 1)
@@ -72,6 +73,14 @@ def decode_batch(kv_lens, page_indices, cu_q_lens, num_seqs, config: KernelConfi
         cu_q_lens=jnp.minimum(jnp.arange(max_num_seqs + 1, dtype=jnp.int32), count),
         num_seqs=count[None],
     )
+
+
+class MixedSeqTable(SeqTable):
+    """The mixed kernel's batch beside the decode kernel: a one-token sequence has no work
+    here (the decode kernel serves it)."""
+
+    def is_idle(self, q_len):
+        return (q_len == 0) | (q_len == 1)
 
 
 class DecodeWalker(QBlockWalker):

@@ -36,8 +36,7 @@ __all__: list[str] = []  # the kernel body's own: see `load_kv_from_words`, `loa
 KV_HEADS_PER_WORD = 2
 
 
-def load_kv_from_words(kv_buf, kv_head: int, kv_blk, kv_len, dtype, config: KernelConfig,
-                       read):  # fmt: skip
+def load_kv_from_words(kv_buf, kv_head: int, kv_blk, kv_len, dtype, config: KernelConfig, read):
     """K and V as the MXU takes them, from `read_kv_words` (V zeroed on the words)."""
     k, v = read(kv_buf, kv_head, kv_blk, kv_len, config)
     return for_the_mxu(k, dtype), for_the_mxu(v, dtype)

@@ -12,8 +12,9 @@ from minilib.kernel.config import KernelConfig
 __all__: list[str] = []  # the kernel body's own: see `attend_kv_heads`
 
 
-def attend_kv_heads(kv_buf, q_fold_ref, softmax, mask, kv_blk, kv_len, config: KernelConfig,
-                    load_kv):  # fmt: skip
+def attend_kv_heads(
+    kv_buf, q_fold_ref, softmax, mask, kv_blk, kv_len, config: KernelConfig, load_kv
+):
     """`plain.attend_heads` with the P·V of each head deferred until `heads_in_flight` later
     heads' Q·K are issued.
 

@@ -37,11 +37,17 @@ def with_kv_write(kernel, config: KernelConfig):
     `write_sem`; it writes the tokens in the first grid step, then reads the cache from the
     output."""
 
-    def writing_kernel(*, new_kv_hbm_ref, new_kv_cu_q_lens_ref, kv_pages_out_ref, write_sem,
-                       **refs):  # fmt: skip
+    def writing_kernel(
+        *, new_kv_hbm_ref, new_kv_cu_q_lens_ref, kv_pages_out_ref, write_sem, **refs
+    ):
         del refs["kv_pages_hbm_ref"]  # the same buffer as kv_pages_out_ref: read that one
-        batch = SeqTable(refs["kv_lens_ref"], refs["page_indices_ref"], new_kv_cu_q_lens_ref,
-                         refs["num_seqs_ref"], config)  # fmt: skip
+        batch = SeqTable(
+            refs["kv_lens_ref"],
+            refs["page_indices_ref"],
+            new_kv_cu_q_lens_ref,
+            refs["num_seqs_ref"],
+            config,
+        )
 
         @pl.when((pl.program_id(0) == 0) & (pl.program_id(1) == 0))
         def _write_the_new_tokens():
@@ -59,7 +65,8 @@ def write_new_tokens(batch: SeqTable, new_kv_hbm_ref, kv_pages_hbm_ref, sem, con
     c = config
 
     def write_seq(seq, rows_written):
-        q_end, kv_len = batch.q_end(seq), batch.kv_len(seq)
+        q_end = batch.q_end(seq)
+        kv_len = batch.kv_len(seq)
         q_len = q_end - batch.q_start(seq)
         num_new = jnp.minimum(q_len, kv_len)
         if c.leaves_decode:  # the decode kernel writes the one-token sequences
@@ -75,7 +82,8 @@ def write_new_tokens(batch: SeqTable, new_kv_hbm_ref, kv_pages_hbm_ref, sem, con
             pltpu.make_async_copy(rows, slots, sem.at[0]).start()
             return ()
 
-        first_page, end_page = first_pos // c.page_size, pl.cdiv(kv_len, c.page_size)
+        first_page = first_pos // c.page_size
+        end_page = pl.cdiv(kv_len, c.page_size)
         lax.fori_loop(first_page, jnp.where(num_new > 0, end_page, first_page), write_page, ())
         return rows_written + num_new
 

@@ -40,8 +40,12 @@ class LaneBlocks:
         return pltpu.VMEM((2, blocks, *whole.shape[1:-1], whole.shape[-1] // blocks), whole.dtype)
 
     def page_copies(self, kv_pages_hbm_ref, page, heads, slot_buf, i: int, config: KernelConfig):
-        return [self.inner.as_copied(kv_pages_hbm_ref.at[page, :, heads, lanes], slot_buf.at[f, i],
-                                     config) for f, lanes in lane_columns(config)]  # fmt: skip
+        return [
+            self.inner.as_copied(
+                kv_pages_hbm_ref.at[page, :, heads, lanes], slot_buf.at[f, i], config
+            )
+            for f, lanes in lane_columns(config)
+        ]
 
     def copied(self, slot_buf, config: KernelConfig):
         return self.inner.copied(slot_buf, config)
@@ -60,8 +64,9 @@ def each_lane_block(read):
     the results side by side as head_dim."""
 
     def read_lane_blocks(kv_buf, kv_head: int, kv_blk, kv_len, config: KernelConfig):
-        blocks = [read(kv_buf.at[f], kv_head, kv_blk, kv_len, config)
-                  for f in range(config.lane_blocks)]  # fmt: skip
+        blocks = [
+            read(kv_buf.at[f], kv_head, kv_blk, kv_len, config) for f in range(config.lane_blocks)
+        ]
         return side_by_side(blocks)
 
     return read_lane_blocks
@@ -108,8 +113,9 @@ def each_lane_row(read):
 
     def read_lane_rows(kv_buf, kv_head: int, kv_blk, kv_len, config: KernelConfig):
         first = kv_head * config.lane_blocks
-        blocks = [read(kv_buf, first + f, kv_blk, kv_len, config)
-                  for f in range(config.lane_blocks)]  # fmt: skip
+        blocks = [
+            read(kv_buf, first + f, kv_blk, kv_len, config) for f in range(config.lane_blocks)
+        ]
         return side_by_side(blocks)
 
     return read_lane_rows

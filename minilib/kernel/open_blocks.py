@@ -37,15 +37,17 @@ class OpenBlocksWalker(QBlockWalker):
     >>> from minilib.kernel import kernel_config, split_configs
     >>> b = make_batch([(40, 40)], page_size=8)
     >>> mixed, _ = split_configs(kernel_config(b.q, b.kv_pages, b.page_indices))
-    >>> mixed.open_blocks
+    >>> mixed.levers.open_blocks
     True
     """
 
     def walk_kv_blocks(self, first_kv_blk, end_kv_blk, span: SeqSpan, attend, slot):
         c = self.config
         rows = (self.q_blk_start, self.q_blk_end)
-        open_end = masking.open_kv_blocks_end(rows, (span.q_start, span.q_end), span.kv_len,
-                                              c.kv_tokens_per_block, c.sliding_window)  # fmt: skip
+        seq_rows = (span.q_start, span.q_end)
+        open_end = masking.open_kv_blocks_end(
+            rows, seq_rows, span.kv_len, c.kv_tokens_per_block, c.sliding_window
+        )
         return walk_open_blocks_first(first_kv_blk, open_end, end_kv_blk, attend, slot)
 
 

@@ -14,7 +14,7 @@ from minilib.kernel.plain import PlainSlot
 
 __all__: list[str] = []  # the kernel body's own: see `PaddedSlot`
 
-PADDED_SLOT_CHIPS = ("v5e", "v6e", "tpu7x")  # where `kernel_config` sets `KernelConfig.padded_slot`
+PADDED_SLOT_CHIPS = ("v5e", "v6e", "tpu7x")  # where `levers.chosen_levers` asks for it
 
 # The oldest libtpu checked to compile a page's DMA into the padded slot; 0.0.21.1 (Colab's)
 # and 0.0.23 refuse it ("Failed to update target tile strides"), and `narrow_rows`' loads too.
@@ -37,13 +37,6 @@ def libtpu_pads(libtpu_version: str | None) -> bool:
 def padding_compiles() -> bool:
     """Whether the installed libtpu compiles the padded slot (`libtpu_pads`)."""
     return libtpu_pads(installed_libtpu())
-
-
-def pads_slot(config: KernelConfig, strided: bool | None = None) -> bool:
-    """Whether a KV slot is padded: where the config asks for it, for a bf16 cache read by the
-    strided load (`strided`: whether it is; default `config.strided_kv_loads`)."""
-    strided = config.strided_kv_loads if strided is None else strided
-    return config.padded_slot and strided and config.kv_itemsize == 2
 
 
 class PaddedSlot(PlainSlot):

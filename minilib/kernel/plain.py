@@ -58,13 +58,19 @@ def rpa_kernel(
     sink_ref=None,  # f32[num_kv_heads_per_block, group, LANES], VMEM: attention sinks
     config: KernelConfig,
     points: Points,
-    copier_class: type[KVBlockCopier],
-    walker_class: type[QBlockWalker],
 ):
-    batch = SeqTable(kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref, config)
-    dma = copier_class(kv_pages_hbm_ref, kv_bufs, sems, batch, points.slot)
-    softmax = points.softmax(m_ref, l_ref, acc_ref, config, q_fold_ref.dtype, sink_ref,
-                             points.slot.output_lanes(config), points.divide)  # fmt: skip
+    batch = points.seq_table(kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref, config)
+    dma = points.copier(kv_pages_hbm_ref, kv_bufs, sems, batch, points.slot)
+    softmax = points.softmax(
+        m_ref,
+        l_ref,
+        acc_ref,
+        config,
+        q_fold_ref.dtype,
+        sink_ref,
+        points.slot.output_lanes(config),
+        points.divide,
+    )
     step = (pl.program_id(0), pl.program_id(1))  # (heads_blk, q_blk)
 
     @pl.when((step[0] == 0) & (step[1] == 0))
@@ -76,7 +82,7 @@ def rpa_kernel(
         def _():
             dma.start(first, 0)
 
-    walker = walker_class(step, q_ref, q_fold_ref, o_ref, softmax, batch, dma, config, points)
+    walker = points.walker(step, q_ref, q_fold_ref, o_ref, softmax, batch, dma, config, points)
     walker.attend_grid_step(slot_ref)
 
 
@@ -85,9 +91,14 @@ class QBlockWalker:
 
     def __init__(self, step, q_ref, q_fold_ref, o_ref, softmax, batch, dma, config, points):
         self.heads_blk, self.q_blk = step
-        self.q_ref, self.q_fold_ref, self.o_ref = q_ref, q_fold_ref, o_ref
+        self.q_ref = q_ref
+        self.q_fold_ref = q_fold_ref
+        self.o_ref = o_ref
         self.softmax: OnlineSoftmax = softmax
-        self.batch, self.dma, self.config, self.points = batch, dma, config, points
+        self.batch = batch
+        self.dma = dma
+        self.config = config
+        self.points = points
         self.q_blk_start = self.q_blk * config.num_queries_per_block
         self.q_blk_end = self.q_blk_start + config.num_queries_per_block
         self.first_live = next_live_seq(batch, 0)  # where the next heads block starts
@@ -144,8 +155,16 @@ class QBlockWalker:
         mask = self.score_mask(span, here.kv_blk) if masked else None  # None: every key seen
         kv_buf = self.dma.buffer(slot)
         kv_len = span.kv_len if masked else None  # None: no token of the block is past kv_len
-        self.points.attend_heads(kv_buf, self.q_fold_ref, self.softmax, mask, here.kv_blk, kv_len,
-                                 self.config, self.points.load_kv)  # fmt: skip
+        self.points.attend_heads(
+            kv_buf,
+            self.q_fold_ref,
+            self.softmax,
+            mask,
+            here.kv_blk,
+            kv_len,
+            self.config,
+            self.points.load_kv,
+        )
 
     def score_mask(self, span: SeqSpan, kv_blk) -> ScoreMask:
         return score_mask(span, self.q_blk, kv_blk, self.config)
@@ -162,7 +181,8 @@ def fold_q_heads(q_ref, q_fold_ref, config: KernelConfig):
 
 
 def write_output(softmax, o_ref, q_fold_ref):  # q_fold_ref, free now: a lever's scratch
-    c, group = softmax.config, softmax.config.num_q_heads_per_kv_head  # unfolded as q was folded
+    c = softmax.config
+    group = c.num_q_heads_per_kv_head  # unfolded as q was folded
     for kv_head in range(c.num_kv_heads_per_block):
         heads = slice(kv_head * group, (kv_head + 1) * group)
         for lanes in softmax.output_lanes:
@@ -184,8 +204,12 @@ class KVBlockCopier:
     """Starts and waits for the page copies of one KV block into one slot of `kv_bufs`."""
 
     def __init__(self, kv_pages_hbm_ref, kv_bufs, sems, batch: SeqTable, layout: PlainSlot):
-        self.kv_pages_hbm_ref, self.kv_bufs, self.sems = kv_pages_hbm_ref, kv_bufs, sems
-        self.batch, self.config, self.layout = batch, batch.config, layout
+        self.kv_pages_hbm_ref = kv_pages_hbm_ref
+        self.kv_bufs = kv_bufs
+        self.sems = sems
+        self.batch = batch
+        self.config = batch.config
+        self.layout = layout
 
     def buffer(self, slot):
         return self.kv_bufs.at[slot]
@@ -237,7 +261,8 @@ class PlainSlot:
 def read_kv_head(kv_buf, kv_head: int, kv_blk, kv_len, config: KernelConfig):
     """K (combined head 2*kv_head) and V (2*kv_head + 1), [tokens, hd]. The ref indexed, the
     value reshaped (interpret mode cannot reshape refs): on the chip a register per token."""
-    tokens, width = config.kv_tokens_per_block, kv_buf.shape[-1]
+    tokens = config.kv_tokens_per_block
+    width = kv_buf.shape[-1]
     k = kv_buf[:, :, 2 * kv_head, :].reshape(tokens, width)
     v = kv_buf[:, :, 2 * kv_head + 1, :].reshape(tokens, width)
     return k, v
@@ -319,11 +344,14 @@ class OnlineSoftmax:
     lanes), l as lane sums (`lane_sums`), a row's sum the sum of its lanes."""
 
     def __init__(self, m_ref, l_ref, acc_ref, config, dtype, sink_ref, lanes, divide):
-        self.m_ref, self.l_ref, self.acc_ref = m_ref, l_ref, acc_ref
+        self.m_ref = m_ref
+        self.l_ref = l_ref
+        self.acc_ref = acc_ref
         self.config: KernelConfig = config
         self.dtype = dtype  # the compute dtype, q's: p is rounded to it for P·V
         self.sink_ref = sink_ref  # f32[kvh_per_blk, group, LANES], or None
-        self.output_lanes, self.divide = lanes, divide  # the output's columns; its acc / l
+        self.output_lanes = lanes
+        self.divide = divide  # the output's columns; its acc / l
 
     def init(self):
         self.m_ref[...] = jnp.full(self.m_ref.shape, M_START, jnp.float32)
@@ -377,17 +405,6 @@ class OnlineSoftmax:
         return jnp.exp2(rows[:, :1] * LOG2_E - self.m_ref[kv_head][:, :1])
 
 
-@dataclasses.dataclass(frozen=True)
-class Points:
-    slot: PlainSlot = PlainSlot()  # how a KV slot is laid out and filled
-    load_kv: Callable = load_kv  # how K and V of one KV head reach the MXU
-    attend_heads: Callable = attend_heads  # the order of the KV heads' Q·K and P·V
-    fold_q: Callable = fold_q_heads  # how q's heads are folded into each KV head's rows
-    write_output: Callable = write_output  # ... and the output unfolded
-    divide: Callable = jnp.divide  # the output's acc / l
-    softmax: type[OnlineSoftmax] = OnlineSoftmax  # how p is kept in range: the running max
-
-
 class SeqTable:
     """The scalar-prefetched batch description (SMEM refs)."""
 
@@ -410,6 +427,10 @@ class SeqTable:
     def kv_len(self, seq):
         return self.kv_lens_ref[seq]
 
+    def is_idle(self, q_len):
+        """Whether a sequence of `q_len` rows has no work in this kernel: no rows."""
+        return q_len == 0
+
     def page(self, seq, page_pos):
         """Page `page_pos` of `seq`: the table is flat, a row of whole KV blocks a sequence
         (`page_table.block_page_table`), so a block's pages are one index plus a constant each."""
@@ -422,16 +443,29 @@ class SeqTable:
         return jnp.where(n > 0, self.q_end(jnp.maximum(n - 1, 0)), 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Points:
+    slot: PlainSlot = PlainSlot()  # how a KV slot is laid out and filled
+    load_kv: Callable = load_kv  # how K and V of one KV head reach the MXU
+    attend_heads: Callable = attend_heads  # the order of the KV heads' Q·K and P·V
+    fold_q: Callable = fold_q_heads  # how q's heads are folded into each KV head's rows
+    write_output: Callable = write_output  # ... and the output unfolded
+    divide: Callable = jnp.divide  # the output's acc / l
+    softmax: type[OnlineSoftmax] = OnlineSoftmax  # how p is kept in range: the running max
+    walker: type[QBlockWalker] = QBlockWalker  # which sequences and KV blocks a step walks
+    seq_table: type[SeqTable] = SeqTable  # which sequences have work here
+    copier: type[KVBlockCopier] = KVBlockCopier  # how KV blocks are copied (tests plant bugs)
+
+
 def next_live_seq(batch: SeqTable, seq):
-    """The first sequence from `seq` on with q rows, or `num_seqs`. In the mixed kernel beside
-    the decode kernel (`leaves_decode`), a one-token sequence has none here either."""
+    """The first sequence from `seq` on with work in this kernel (`SeqTable.is_idle`), or
+    `num_seqs`."""
     n = batch.num_seqs()
 
     def is_idle(s):
         s_safe = seq_or_last(batch, s)
         q_len = batch.q_end(s_safe) - batch.q_start(s_safe)
-        no_work = (q_len == 0) | (q_len == 1) if batch.config.leaves_decode else q_len == 0
-        return (s < n) & no_work
+        return (s < n) & batch.is_idle(q_len)
 
     return lax.while_loop(is_idle, lambda s: s + 1, seq)
 
@@ -447,7 +481,9 @@ def first_seq_in_q_block(batch: SeqTable, q_blk_start):
 def seq_kv_blocks(batch: SeqTable, seq, q_blk):
     """The KV blocks [first, end) that the rows of `seq` in q block `q_blk` can see."""
     c = batch.config
-    q_start, q_end, kv_len = batch.q_start(seq), batch.q_end(seq), batch.kv_len(seq)
+    q_start = batch.q_start(seq)
+    q_end = batch.q_end(seq)
+    kv_len = batch.kv_len(seq)
     first_row = jnp.maximum(q_start, q_blk * c.num_queries_per_block)
     last_row = jnp.minimum(q_end, (q_blk + 1) * c.num_queries_per_block) - 1
     if masking.mask_value_vanishes(c.mask_value):  # masked keys weigh exactly 0: skip their blocks
@@ -456,7 +492,8 @@ def seq_kv_blocks(batch: SeqTable, seq, q_blk):
         window = c.sliding_window
         first, end = masking.kv_blocks_to_visit(first_pos, last_pos, c.kv_tokens_per_block, window)
     else:  # a small mask_value gives masked keys a weight (JAX's rule): visit every block
-        first, end = 0, pl.cdiv(kv_len, c.kv_tokens_per_block)
+        first = 0
+        end = pl.cdiv(kv_len, c.kv_tokens_per_block)
     # At least one block, all within pages_per_seq: a garbage batch (kv_len < q_len) must
     # neither loop long nor leave a prefetched block without its compute.
     max_kv_blks = c.blocks_per_seq

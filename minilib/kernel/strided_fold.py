@@ -28,9 +28,8 @@ __all__: list[str] = []  # the kernel body's own: see `fold_q_heads`
 
 
 def folds_q_strided(config: KernelConfig) -> bool:
-    """Whether `fold_q_heads` applies: refs can be viewed (`config.strided_kv_loads`, set
-    where the strided load is: not in TPU interpret mode), the mixed kernel (the decode kernel
-    folds one row per sequence), q's heads pair into whole words and whole tiles of words, and
+    """Whether `fold_q_heads` fits q's shapes (`levers.levers_that_apply` checks the rest: refs
+    can be viewed, the mixed kernel): q's heads pair into whole words and whole tiles of words, and
     head_dim is one 128-lane row (the strided load reads rows of exactly 128 lanes) or whole
     rows of 128 lanes with a group of one word (Gemma's 2 q heads a KV head in bf16): then the
     word of each q row is indexed on the q block's axis of words, and stored whole.
@@ -40,8 +39,7 @@ def folds_q_strided(config: KernelConfig) -> bool:
     >>> from minilib.kernel import kernel_config
     >>> b = make_batch([(3, 3)], num_q_heads=32, num_kv_heads=8, head_dim=128)
     >>> config = kernel_config(b.q, b.kv_pages, b.page_indices, num_queries_per_block=8)
-    >>> viewed = dataclasses.replace(config, strided_kv_loads=True)
-    >>> folds_q_strided(viewed), folds_q_strided(config)
+    >>> folds_q_strided(config), folds_q_strided(dataclasses.replace(config, head_dim=64))
     (True, False)
     """
     c = config
@@ -51,8 +49,7 @@ def folds_q_strided(config: KernelConfig) -> bool:
     folded_tiles = c.rows_per_kv_head % (8 * per_word) == 0
     one_word = c.num_q_heads_per_kv_head == per_word
     rows_fit = c.head_dim == LANES or (c.head_dim % LANES == 0 and one_word)
-    return (c.strided_kv_loads and not c.decode and rows_fit and whole_tiles and group_words
-            and folded_tiles)  # fmt: skip
+    return rows_fit and whole_tiles and group_words and folded_tiles
 
 
 def fold_q_heads(q_ref, q_fold_ref, config: KernelConfig):
@@ -78,7 +75,8 @@ def each_word(block_ref, q_fold_ref, config: KernelConfig):
     c = config
     rows, heads, head_dim = block_ref.shape
     per_word = packing_of_size(c.q_itemsize)
-    row_words, group_words = heads // per_word, c.num_q_heads_per_kv_head // per_word
+    row_words = heads // per_word
+    group_words = c.num_q_heads_per_kv_head // per_word
     flat = head_dim == LANES
     if flat:  # [rows * row_words, 128], through a leading axis of 1: JAX reshapes a ref whose
         # array has a sharding (an input's, under an abstract mesh) only to as many axes

@@ -9,6 +9,8 @@ records each DMA start and wait (`traced_copier`), and the walker each KV block'
 
 from __future__ import annotations
 
+import dataclasses
+
 from jax.experimental import pallas as pl
 
 from minilib.kernel_trace import TRACE_COMPUTE, TRACE_START, TRACE_WAIT, Trace
@@ -16,9 +18,9 @@ from minilib.kernel_trace import TRACE_COMPUTE, TRACE_START, TRACE_WAIT, Trace
 __all__: list[str] = []  # used by `call.rpa_pallas_call`: see `with_trace`
 
 
-def with_trace(kernel, capacity: int, *, copier_class, walker_class):
+def with_trace(kernel, capacity: int, points):
     """`kernel` (`plain.rpa_kernel`, its refs by name) taking a trace output, `trace_ref`, and
-    with a copier and a walker that record into it, up to `capacity` events."""
+    run with `points` whose copier and walker record into it, up to `capacity` events."""
 
     def traced_kernel(*, trace_ref, **refs):
         trace = Trace(trace_ref, capacity)
@@ -28,11 +30,12 @@ def with_trace(kernel, capacity: int, *, copier_class, walker_class):
         def _reset_the_trace():
             trace.reset()
 
-        kernel(
-            **refs,
-            copier_class=traced_copier(copier_class, trace, step),
-            walker_class=traced_walker(walker_class, trace),
+        traced = dataclasses.replace(
+            points,
+            copier=traced_copier(points.copier, trace, step),
+            walker=traced_walker(points.walker, trace),
         )
+        kernel(**refs, points=traced)
 
     return traced_kernel
 

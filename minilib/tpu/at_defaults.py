@@ -104,7 +104,7 @@ def ours_defaults(chip: str, specs, **options) -> dict[str, dict]:
         mixed, decode = split_configs(kernel_config(q, kv_pages, page_indices, **options))
     return {name: dict(kv_tokens=c.num_kv_pages_per_block * c.page_size,
                        q_rows=c.num_queries_per_block, pages=c.num_kv_pages_per_block,
-                       kv_heads=c.num_kv_heads_per_block, open_blocks=c.open_blocks)
+                       kv_heads=c.num_kv_heads_per_block, open_blocks=c.levers.open_blocks)
             for name, c in (("mixed", mixed), ("decode", decode))}  # fmt: skip
 
 

@@ -53,8 +53,7 @@ from minilib.batch import make_batch
 from minilib.errors import RPAInputError
 from minilib.kernel import (
     KVBlockCopier,
-    can_fold_q_strided,
-    can_load_kv_strided,
+    Levers,
     choose_points,
     decode_batch,
     kernel_config,
@@ -67,9 +66,8 @@ from minilib.kernel import (
     strided_fold,
 )
 from minilib.kernel.lane_blocks import WholeRows
-from minilib.kernel.levers import DecodeOpenBlocksWalker, walker_class
-from minilib.kernel.narrow_rows import reads_narrow_rows
-from minilib.kernel.padded_slot import pads_slot
+from minilib.kernel.levers import DecodeOpenBlocksWalker
+from minilib.kernel.padded_slot import PaddedSlot
 from minilib.ladder.interpret import detecting_races, strict_interpret_params
 from minilib.ladder.watch import watch_kernel
 
@@ -214,14 +212,24 @@ STRIDED_CASES = {
 }
 
 
-def strided_case(name: str):
-    """One of STRIDED_CASES: its batch (head_dim 128 unless it says), options and config."""
+def strided_case(name: str, levers: Levers | None = None):
+    """One of STRIDED_CASES: its batch (head_dim 128 unless it says), options and config, with
+    `levers` asked for (None: the chosen ones), decided for plain `interpret=True`, which runs
+    the strided loads."""
     batch_options, options = STRIDED_CASES[name]
     batch_options = {"head_dim": 128, **batch_options}
     num_kv_heads = batch_options["num_kv_heads"]
     batch = make_batch(ONE_OF_EACH, num_q_heads=2 * num_kv_heads, page_size=8, **batch_options)
     options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8, **options)
-    return batch, options, kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
+    config = kernel_config(
+        batch.q, batch.kv_pages, batch.page_indices, levers=levers, interpret=True, **options
+    )
+    return batch, options, config
+
+
+def kernels(config):
+    """The configs of the kernels `config` runs: the mixed one, and the decode one if any."""
+    return [kernel for kernel in split_configs(config) if kernel is not None]
 
 
 @pytest.mark.parametrize(
@@ -236,7 +244,7 @@ def strided_case(name: str):
 def test_strided_kv_loads_match_jax_reference(name):
     """The compiled path's strided K/V loads, in both kernels, run by plain `interpret=True`."""
     batch, options, config = strided_case(name)
-    assert can_load_kv_strided(config, interpret=True)
+    assert all(kernel.levers.strided_kv_loads for kernel in kernels(config))
     out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 
@@ -255,9 +263,8 @@ def test_strided_kv_loads_match_jax_reference(name):
 def test_padded_slot_matches_jax_reference(name):
     """The padded slot of v6e and TPU7x (`padded_slot`: a bf16 slot as words, a spare row per
     token), forced here (a CPU is neither), in both kernels, run by plain `interpret=True`."""
-    batch, options, config = strided_case(name)
-    config = dataclasses.replace(config, padded_slot=True)
-    assert pads_slot(config, strided=can_load_kv_strided(config, interpret=True))
+    batch, options, config = strided_case(name, Levers.every())
+    assert all(isinstance(choose_points(kernel).slot, PaddedSlot) for kernel in kernels(config))
     out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 
@@ -284,14 +291,12 @@ def test_strided_fold_matches_jax_reference(batch_options, options):
     batch_options = {"head_dim": 128, "dtype": jnp.bfloat16, **batch_options}
     batch = make_batch(ONE_OF_EACH, page_size=8, **batch_options)
     options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8, **options)
-    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
+    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, interpret=True, **options)
     mixed, _ = split_configs(config)
-    viewed = dataclasses.replace(mixed, strided_kv_loads=can_load_kv_strided(mixed, True))
-    if not can_fold_q_strided(viewed, interpret=True):  # jax 0.7.2: not in plain interpret mode
+    if not mixed.levers.strided_fold:  # jax 0.7.2: not in plain interpret mode
         assert not strided_fold.interpret_stores_through_views()
         pytest.skip("this jax's interpret mode stores through no view of a ref")
-    folding = dataclasses.replace(viewed, strided_fold=True)
-    assert choose_points(folding).fold_q is strided_fold.fold_q_heads
+    assert choose_points(mixed).fold_q is strided_fold.fold_q_heads
     out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 
@@ -302,9 +307,10 @@ def test_newton_reciprocal_matches_jax_reference(dtype):
     kernels, in TPU interpret mode; with float32 outputs too, where the division shows most."""
     batch = make_batch(ONE_OF_EACH, page_size=8, max_num_seqs=6, dtype=dtype)
     options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8)
-    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
-    config = dataclasses.replace(config, newton_reciprocal=True)
-    for kernel in split_configs(config):
+    config = kernel_config(
+        batch.q, batch.kv_pages, batch.page_indices, levers=Levers.every(), **options
+    )
+    for kernel in kernels(config):
         assert choose_points(kernel).divide is reciprocal.divide, kernel
     out, _ = rpa_jit(*batch.args(), config=config, interpret=INTERPRET, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
@@ -314,12 +320,10 @@ def test_whole_rows_match_jax_reference():
     """The padded slot of v6e and TPU7x with head_dim 256 whole in each token's rows
     (`lane_blocks.WholeRows`: one copy per page, read per 128-lane block), forced here (a CPU
     is neither), in both kernels, run by plain `interpret=True`."""
-    batch, options, config = strided_case("bfloat16, head_dim 256 (a strided load per lane block)")
-    config = dataclasses.replace(config, padded_slot=True, whole_rows=True)
-    for kernel in split_configs(config):  # the strided load on, as `rpa_pallas_call` sets it
-        strided = can_load_kv_strided(kernel, interpret=True)
-        points = choose_points(dataclasses.replace(kernel, strided_kv_loads=strided))
-        assert isinstance(points.slot, WholeRows), kernel
+    name = "bfloat16, head_dim 256 (a strided load per lane block)"
+    batch, options, config = strided_case(name, Levers.every())
+    for kernel in kernels(config):
+        assert isinstance(choose_points(kernel).slot, WholeRows), kernel
     out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 
@@ -344,10 +348,11 @@ def test_narrow_rows_match_jax_reference(name, padded):
     """head_dim 64 on the strided load, in rows of 64 lanes (`narrow_rows`), from a plain slot
     and from a padded one (bf16 only: an f32 or fp8 slot is never padded), in both kernels, run
     by plain `interpret=True`."""
-    batch, options, config = strided_case(name)
-    config = dataclasses.replace(config, padded_slot=padded)
-    assert reads_narrow_rows(config) and can_load_kv_strided(config, interpret=True)
-    assert pads_slot(config, strided=True) == (padded and config.kv_itemsize == 2)
+    asked = Levers.only("strided_kv_loads", "narrow_rows", *(["padded_slot"] if padded else []))
+    batch, options, config = strided_case(name, asked)
+    for kernel in kernels(config):
+        assert kernel.levers.narrow_rows and kernel.levers.strided_kv_loads, kernel
+        assert kernel.levers.padded_slot == (padded and config.kv_itemsize == 2), kernel
     out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 
@@ -380,11 +385,12 @@ def test_every_head_pipeline_matches_jax_reference(heads_in_flight, reload_v, pa
     assert_output_matches_jax(out, batch, **options)
 
 
-def run_pallas_call(batch, config, *, interpret, copier_class=None):
+def run_pallas_call(batch, config, *, interpret, copier_class=KVBlockCopier):
     """The kernel's pallas_call itself, with any `interpret` value (the public function turns
     `True` into TPU interpret mode) and, for the mutation tests, another copier class."""
+    points = dataclasses.replace(choose_points(config), copier=copier_class)
     call = rpa_pallas_call(
-        batch.q, batch.kv_pages, config=config, interpret=interpret, copier_class=copier_class
+        batch.q, batch.kv_pages, config=config, interpret=interpret, points=points
     )
     return jax.jit(call)(*batch.args()[2:], batch.q, batch.kv_pages)[0]
 
@@ -511,12 +517,12 @@ def test_the_decode_kernel_pads_its_slot_on_every_chip():
                        dtype=jnp.bfloat16, page_size=8, max_num_batched_tokens=24,
                        max_num_seqs=10)  # fmt: skip
     options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8)
-    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
-    # A chip whose mixed kernel keeps the plain slot (v5e, v6e; a CPU).
-    config = dataclasses.replace(config, decode_seqs_per_block=2, padded_slot=False)
+    # On a CPU, as on a chip whose mixed kernel keeps the plain slot (v4, v5p).
+    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, interpret=True, **options)
+    config = dataclasses.replace(config, decode_seqs_per_block=2)
     mixed, decode = split_configs(config)
-    strided = can_load_kv_strided(decode, interpret=True)
-    assert strided and not pads_slot(mixed, strided) and pads_slot(decode, strided)
+    assert mixed.levers.strided_kv_loads and decode.levers.strided_kv_loads
+    assert not mixed.levers.padded_slot and decode.levers.padded_slot
     out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 
@@ -532,9 +538,10 @@ def test_the_decode_kernel_walks_its_open_blocks_first(name):
     batch = make_batch([(1, 32), (1, 33), (4, 20), (1, 7), (1, 16)], num_q_heads=16,
                        page_size=8, **batch_options)  # fmt: skip
     options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8, **options)
-    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
+    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, interpret=True, **options)
     _, decode = split_configs(config)
-    assert walker_class(decode) is DecodeOpenBlocksWalker and decode.kv_tokens_per_block == 16
+    assert choose_points(decode).walker is DecodeOpenBlocksWalker
+    assert decode.kv_tokens_per_block == 16
     out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 
@@ -554,8 +561,10 @@ def test_the_decode_checks_catch_a_copy_never_waited_for():
     _, decode = split_configs(dataclasses.replace(config, decode_seqs_per_block=2))
     tables = decode_batch(*batch.args()[2:], config)
     q = jnp.take(batch.q, tables.rows, axis=0, mode="clip")
-    call = rpa_pallas_call(q, batch.kv_pages, config=decode, interpret=strict_interpret_params(),
-                           copier_class=SkipsFirstWaitsCopier)  # fmt: skip
+    points = dataclasses.replace(choose_points(decode), copier=SkipsFirstWaitsCopier)
+    call = rpa_pallas_call(
+        q, batch.kv_pages, config=decode, interpret=strict_interpret_params(), points=points
+    )
     with watch_kernel() as watch:
         jax.block_until_ready(call(*tables.tables(), q, batch.kv_pages))
     assert watch.raced and watch.never_waited()

@@ -8,7 +8,6 @@ matches JAX's reference in TPU interpret mode, on batches whose unused slots and
 from __future__ import annotations
 
 import ast
-import dataclasses
 import pathlib
 
 import jax.numpy as jnp
@@ -17,12 +16,32 @@ from conftest import INTERPRET, ONE_OF_EACH, assert_output_matches_jax
 
 import minilib.kernel
 from minilib.batch import make_batch
-from minilib.kernel import Points, choose_points, kernel_config, rpa_pallas_call
+from minilib.kernel import (
+    Levers,
+    Points,
+    choose_points,
+    kernel_config,
+    rpa_pallas_call,
+    split_configs,
+)
 
 KERNEL = pathlib.Path(minilib.kernel.__file__).parent
 PLAIN_MODULES = ("plain",)
-LEVERS = ("strided", "strided_fold", "padded_slot", "fp8", "lane_blocks", "narrow_rows",
-          "heads_in_flight", "reciprocal", "fixed_max", "decode", "levers")  # fmt: skip
+LEVERS = (
+    "strided",
+    "strided_fold",
+    "padded_slot",
+    "fp8",
+    "lane_blocks",
+    "narrow_rows",
+    "heads_in_flight",
+    "reciprocal",
+    "fixed_max",
+    "decode",
+    "mixed_layout",
+    "open_blocks",
+    "levers",
+)
 MAX_PLAIN_LINES = 400
 
 
@@ -35,8 +54,12 @@ def kernel_imports(module: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minilib.kernel."):
             found.add(node.module.removeprefix("minilib.kernel."))
         elif isinstance(node, ast.Import):
-            found |= {a.name.removeprefix("minilib.kernel.") for a in node.names
-                      if a.name.startswith("minilib.kernel.")}  # fmt: skip
+            names = [alias.name for alias in node.names]
+            found |= {
+                name.removeprefix("minilib.kernel.")
+                for name in names
+                if name.startswith("minilib.kernel.")
+            }
     return found
 
 
@@ -46,7 +69,7 @@ def test_the_plain_kernel_imports_no_lever():
 
 
 def test_a_lever_imports_no_other_lever():
-    """Levers meet only in `levers.choose_points`, which hands each the pieces it needs."""
+    """Levers meet only in `levers` (the switchboard), which hands each the pieces it needs."""
     for lever in LEVERS[:-1]:
         assert not kernel_imports(lever) & set(LEVERS), (lever, kernel_imports(lever))
 
@@ -64,12 +87,12 @@ def test_the_plain_kernel_is_read_in_one_sitting():
 
 
 def every_lever_off(batch, **options):
-    """The config of one kernel for every sequence, with every lever off: the points are the
-    plain kernel's own."""
-    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
-    config = dataclasses.replace(config, heads_in_flight=0, reload_v=False, padded_slot=False,
-                                 whole_rows=False, narrow_rows=False,
-                                 bounded_scores=False)  # fmt: skip
+    """The config of one kernel for every sequence, with every lever off (`Levers.off()`):
+    the points are the plain kernel's own."""
+    config = kernel_config(
+        batch.q, batch.kv_pages, batch.page_indices, levers=Levers.off(), **options
+    )
+    assert split_configs(config) == (config, None)
     assert not config.decode and not config.leaves_decode and config.lane_blocks == 1
     assert choose_points(config) == Points()
     return config
