@@ -290,9 +290,7 @@ def walker_class(config: KernelConfig) -> type[QBlockWalker]:
     ['QBlockWalker', 'DecodeWalker']
     """
     if config.decode:
-        return (
-            open_blocks.DecodeOpenBlocksWalker if config.levers.open_blocks else decode.DecodeWalker
-        )
+        return DecodeOpenBlocksWalker if config.levers.open_blocks else decode.DecodeWalker
     return open_blocks.OpenBlocksWalker if config.levers.open_blocks else QBlockWalker
 
 

@@ -33,7 +33,7 @@ from conftest import (
 
 from minilib.batch import make_batch
 from minilib.errors import RPAInputError
-from minilib.kernel import can_load_kv_strided, kernel_config, rpa_jit
+from minilib.kernel import kernel_config, rpa_jit, split_configs
 from minilib.kv_cache import cdiv
 
 RUN = {name: fn for name, fn in IMPLEMENTATIONS.items() if name != "kernel"}
@@ -41,8 +41,9 @@ RUN["kernel"] = functools.partial(IMPLEMENTATIONS["kernel"], interpret=INTERPRET
 SM_SCALE = 0.125
 
 
-def dense_with_sink(batch, sink, *, sm_scale, sliding_window=None, soft_cap=None,
-                    k_scale=None, v_scale=None) -> np.ndarray:  # fmt: skip
+def dense_with_sink(
+    batch, sink, *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None
+) -> np.ndarray:
     """The formula above, in float64, per sequence and per q row: causal (row r of a sequence
     of q_len rows over kv_len keys sits at position kv_len - q_len + r), with the sliding
     window and soft cap of JAX's reference. Padding rows are 0."""
@@ -119,8 +120,15 @@ def test_matches_the_dense_formula(name, options):
     want = dense_with_sink(batch, sink, sm_scale=SM_SCALE, **OPTIONS[options])
     assert_close_to(out, want, jnp.float32)
     # The sinks matter here: without them the output is far from the formula.
-    assert np.max(np.abs(want - dense_with_sink(batch, jnp.full(8, -1e30), sm_scale=SM_SCALE,
-                                                **OPTIONS[options]))) > 0.1  # fmt: skip
+    assert (
+        np.max(
+            np.abs(
+                want
+                - dense_with_sink(batch, jnp.full(8, -1e30), sm_scale=SM_SCALE, **OPTIONS[options])
+            )
+        )
+        > 0.1
+    )
 
 
 STRIDED_CASES = {
@@ -140,17 +148,22 @@ def test_kernel_strided_loads_and_heads_in_flight_match_the_dense_formula(name):
     """The compiled path (strided K/V loads, KV heads in flight), in both kernels, run by
     plain `interpret=True`; ONE_OF_EACH holds a decode, so the decode kernel runs too."""
     batch_options, options = STRIDED_CASES[name]
-    batch = make_batch(ONE_OF_EACH, num_q_heads=16, num_kv_heads=8, head_dim=128, page_size=8,
-                       **batch_options)  # fmt: skip
-    options = dict(sm_scale=SM_SCALE, num_kv_pages_per_block=2, num_queries_per_block=8,
-                   **options)  # fmt: skip
-    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
+    batch = make_batch(
+        ONE_OF_EACH, num_q_heads=16, num_kv_heads=8, head_dim=128, page_size=8, **batch_options
+    )
+    options = dict(sm_scale=SM_SCALE, num_kv_pages_per_block=2, num_queries_per_block=8, **options)
+    config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, interpret=True, **options)
     config = dataclasses.replace(config, heads_in_flight=3, reload_v=True)
-    assert can_load_kv_strided(config, interpret=True)
+    assert all(kernel.levers.strided_kv_loads for kernel in split_configs(config))
     sink = random_sinks(16)
     out, _ = rpa_jit(*batch.args(), sink, config=config, interpret=True, trace_capacity=0)
-    want = dense_with_sink(batch, sink, sm_scale=SM_SCALE, k_scale=options.get("k_scale"),
-                           v_scale=options.get("v_scale"))  # fmt: skip
+    want = dense_with_sink(
+        batch,
+        sink,
+        sm_scale=SM_SCALE,
+        k_scale=options.get("k_scale"),
+        v_scale=options.get("v_scale"),
+    )
     assert_close_to(out, want, jnp.bfloat16)
 
 
@@ -188,8 +201,11 @@ def test_the_kernels_take_a_sink_input_only_with_sinks():
         )(*batch.args(), *sink)
         calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "jit"]
         inner = calls[0].params["jaxpr"].jaxpr if calls else jaxpr.jaxpr
-        return [[v.aval.shape for v in e.invars] for e in inner.eqns
-                if e.primitive.name == "pallas_call"]  # fmt: skip
+        return [
+            [v.aval.shape for v in e.invars]
+            for e in inner.eqns
+            if e.primitive.name == "pallas_call"
+        ]
 
     without, with_sink = pallas_call_inputs(), pallas_call_inputs(random_sinks(8))
     assert [len(inputs) for inputs in without] == [6, 6]  # the decode and mixed kernels

@@ -30,13 +30,25 @@ def at_the_floor(batch):
 
 
 CASES = [
-    pytest.param(jnp.bfloat16, dict(sm_scale=4.0, soft_cap=50.0), False,
-                 id="bf16, Gemma-2's cap 50 (M 8.1), scores spread up to it"),
-    pytest.param(jnp.float32, dict(sm_scale=4.0, soft_cap=20.0, sliding_window=9), False,
-                 id="f32, cap 20 (M 0), sliding window"),
-    pytest.param(jnp.bfloat16, dict(sm_scale=1.0, soft_cap=50.0), True,
-                 id="bf16, cap 50, every score at the floor"),
-]  # fmt: skip
+    pytest.param(
+        jnp.bfloat16,
+        dict(sm_scale=4.0, soft_cap=50.0),
+        False,
+        id="bf16, Gemma-2's cap 50 (M 8.1), scores spread up to it",
+    ),
+    pytest.param(
+        jnp.float32,
+        dict(sm_scale=4.0, soft_cap=20.0, sliding_window=9),
+        False,
+        id="f32, cap 20 (M 0), sliding window",
+    ),
+    pytest.param(
+        jnp.bfloat16,
+        dict(sm_scale=1.0, soft_cap=50.0),
+        True,
+        id="bf16, cap 50, every score at the floor",
+    ),
+]
 
 
 def run(batch, options, **blocks):
@@ -75,7 +87,7 @@ def test_no_fixed_max_where_the_scores_are_not_bounded_enough():
     batch = make_batch([(3, 9)])
     for options in (dict(), dict(soft_cap=60.0), dict(soft_cap=20.0, mask_value=-1e4)):
         config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
-        assert not config.bounded_scores, options
+        assert not config.levers.fixed_max, options
         assert choose_points(config).softmax is not fixed_max.FixedMaxSoftmax
 
 
@@ -84,8 +96,7 @@ def test_sinks_with_a_fixed_max_match_the_reference():
     batch = make_batch(ONE_OF_EACH, page_size=8, max_num_seqs=6, num_q_heads=8)
     sink = jnp.asarray(2.0 * np.random.default_rng(1).standard_normal(8), jnp.float32)
     options = dict(sm_scale=1.0, soft_cap=50.0, num_kv_pages_per_block=2, num_queries_per_block=8)
-    out = ragged_paged_attention(*batch.args(), attention_sink=sink, interpret=INTERPRET,
-                                 **options)  # fmt: skip
+    out = ragged_paged_attention(*batch.args(), attention_sink=sink, interpret=INTERPRET, **options)
     options = {k: v for k, v in options.items() if not k.startswith("num_")}
     want = ref_ragged_paged_attention(*batch.args(), attention_sink=sink, **options)
     n = batch.num_tokens

@@ -375,8 +375,9 @@ def test_every_head_pipeline_matches_jax_reference(heads_in_flight, reload_v, pa
     many heads are in flight (one, some, all 8) and wherever V comes from: the defaults pick
     one per chip, so each is forced here. (The decode kernel takes its own default, all heads,
     V kept on this batch's strided layout; the other cases reload it.)"""
-    batch = make_batch(ONE_OF_EACH, num_q_heads=16, num_kv_heads=8, head_dim=128, page_size=8,
-                       dtype=jnp.bfloat16)  # fmt: skip
+    batch = make_batch(
+        ONE_OF_EACH, num_q_heads=16, num_kv_heads=8, head_dim=128, page_size=8, dtype=jnp.bfloat16
+    )
     options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8)
     config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
     config = dataclasses.replace(config, heads_in_flight=heads_in_flight, reload_v=reload_v)
@@ -495,13 +496,15 @@ def test_decode_kernel_in_several_grid_steps(name):
     with eager DMAs and the race detector on: parity with JAX's reference, no race, every
     copy waited for, and no semaphore left with a count at kernel exit."""
     batch = make_batch(DECODE_SEQS, page_size=8, max_num_batched_tokens=24, max_num_seqs=10)
-    options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8,
-                   **DECODE_CASES[name])  # fmt: skip
+    options = dict(
+        sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8, **DECODE_CASES[name]
+    )
     config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **options)
     config = dataclasses.replace(config, decode_seqs_per_block=2)
     with watch_kernel() as watch:
-        out, _ = rpa_jit(*batch.args(), config=config, interpret=strict_interpret_params(),
-                          trace_capacity=0)  # fmt: skip
+        out, _ = rpa_jit(
+            *batch.args(), config=config, interpret=strict_interpret_params(), trace_capacity=0
+        )
         out = jax.block_until_ready(out)
     assert not watch.raced and watch.never_waited() == [] and watch.deadlock is None
     assert "emaphore" not in watch.output, watch.output
@@ -513,9 +516,16 @@ def test_the_decode_kernel_pads_its_slot_on_every_chip():
     the strided load, also where the mixed kernel's slot is plain (`split_configs`: its loop
     is mostly loads), and matches JAX's reference so: both kernels on DECODE_SEQS, the decode
     kernel in several grid steps, run by plain `interpret=True` (which runs the strided load)."""
-    batch = make_batch(DECODE_SEQS, num_q_heads=16, num_kv_heads=8, head_dim=128,
-                       dtype=jnp.bfloat16, page_size=8, max_num_batched_tokens=24,
-                       max_num_seqs=10)  # fmt: skip
+    batch = make_batch(
+        DECODE_SEQS,
+        num_q_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype=jnp.bfloat16,
+        page_size=8,
+        max_num_batched_tokens=24,
+        max_num_seqs=10,
+    )
     options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8)
     # On a CPU, as on a chip whose mixed kernel keeps the plain slot (v4, v5p).
     config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, interpret=True, **options)
@@ -535,8 +545,9 @@ def test_the_decode_kernel_walks_its_open_blocks_first(name):
     block (none open): both kernels, the strided loads run by plain `interpret=True`, NaN in
     the unused slots and pages."""
     batch_options, options = STRIDED_CASES[name]
-    batch = make_batch([(1, 32), (1, 33), (4, 20), (1, 7), (1, 16)], num_q_heads=16,
-                       page_size=8, **batch_options)  # fmt: skip
+    batch = make_batch(
+        [(1, 32), (1, 33), (4, 20), (1, 7), (1, 16)], num_q_heads=16, page_size=8, **batch_options
+    )
     options = dict(sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=8, **options)
     config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, interpret=True, **options)
     _, decode = split_configs(config)
