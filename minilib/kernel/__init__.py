@@ -35,9 +35,11 @@ with every speed lever off, the production shape of the ladder's last rung:
 
     config       KernelConfig: what the kernel knows at compile time; Levers, one switch
                  per speed lever (`Levers.off()`: the plain kernel)
-    plain        the kernel body: the walk over sequences and KV blocks, the prefetched tables,
-                 the double-buffered copies, the plain K/V load, the online softmax, one KV head
-                 at a time; and `Points`, where the levers plug in
+    plain        the kernel body: the walk over sequences and KV blocks, the double-buffered
+                 copies, the plain K/V load, the online softmax, one KV head at a time; and
+                 `Points`, where the levers plug in
+    walk         the walk in scalar code: the prefetched tables (`SeqTable`), the sequences of
+                 a q block, the KV blocks their rows see, the next block to copy (`next_work`)
     call         ragged_paged_attention (`levers=`), the jitted wrapper (`rpa_jit`: tables
                  clamped once, then the kernels: `run_kernels`)
     pallas_call  one kernel's pallas_call: grid, block specs, scratch
@@ -139,25 +141,27 @@ from minilib.kernel.plain import (
     QBlockWalker,
     ScoreMask,
     SeqSpan,
-    SeqTable,
-    Work,
     attend_heads,
-    first_seq_in_q_block,
-    first_work,
     fold_q_heads,
     load_kv,
-    next_live_seq,
-    next_work,
     other_slot,
     q_row,
     read_kv_head,
     rpa_kernel,
     score_mask,
+    widen,
+    zero_tokens_past_kv_len,
+)
+from minilib.kernel.walk import (
+    SeqTable,
+    Work,
+    first_seq_in_q_block,
+    first_work,
+    next_live_seq,
+    next_work,
     seq_kv_blocks,
     seq_or_last,
-    widen,
     work_after_seq,
-    zero_tokens_past_kv_len,
 )
 
 # The public names. The kernel's inner steps (SeqTable, QBlockWalker, KVBlockCopier, next_work,

@@ -19,7 +19,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from minilib.kernel.config import KernelConfig
-from minilib.kernel.plain import OnlineSoftmax, QBlockWalker, ScoreMask, SeqSpan, SeqTable
+from minilib.kernel.plain import OnlineSoftmax, QBlockWalker, ScoreMask, SeqSpan
+from minilib.kernel.walk import SeqTable
 from minilib.masking import is_masked, mask_value_vanishes
 
 __all__ = ["decode_batch"]

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from minilib.kernel.config import KernelConfig
-from minilib.kernel.plain import SeqTable
+from minilib.kernel.walk import SeqTable
 
 __all__: list[str] = []  # used by `call.rpa_pallas_call`: see `with_kv_write`
 
