@@ -104,13 +104,13 @@ def ragged_paged_attention(
     >>> batch = make_batch([(3, 3), (1, 9)])
     >>> ragged_paged_attention(*batch.args(), sm_scale=0.125).shape
     (4, 4, 64)
+    >>> plain = ragged_paged_attention(*batch.args(), sm_scale=0.125, levers=Levers.off())
+    >>> bool(jnp.allclose(plain, ragged_paged_attention(*batch.args(), sm_scale=0.125), atol=1e-5))
+    True
     >>> new_k = new_v = jnp.ones((4, 2, 64), batch.q.dtype)       # written into the cache
     >>> out, kv_pages = ragged_paged_attention(*batch.args(), new_keys=new_k, new_values=new_v)
     >>> kv_pages[batch.page_indices[0, 0], :3, 0, 0].tolist()    # sequence 0's 3 tokens
     [1.0, 1.0, 1.0]
-    >>> plain = ragged_paged_attention(*batch.args(), sm_scale=0.125, levers=Levers.off())
-    >>> bool(jnp.allclose(plain, ragged_paged_attention(*batch.args(), sm_scale=0.125), atol=1e-5))
-    True
     """
     options = AttentionOptions(
         sm_scale=sm_scale,

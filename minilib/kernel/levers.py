@@ -156,7 +156,16 @@ def strided_load_fits(config: KernelConfig, *, narrow_rows: bool) -> bool:
 def with_head_pipeline(config: KernelConfig) -> KernelConfig:
     """`config` with its software pipeline over KV heads sized (`heads_in_flight`): by
     `block_sizes.default_head_pipeline` per chip and shape where the lever is on; else none
-    (0 heads in flight: the plain order)."""
+    (0 heads in flight: the plain order).
+
+    >>> from minilib.batch import make_batch
+    >>> from minilib.kernel import kernel_config
+    >>> b = make_batch([(3, 3)], num_q_heads=16, num_kv_heads=8, head_dim=128)
+    >>> plain = kernel_config(b.q, b.kv_pages, b.page_indices, levers=Levers.off())
+    >>> pipelined = dataclasses.replace(plain, levers=Levers.only("heads_in_flight"))
+    >>> with_head_pipeline(plain).heads_in_flight, with_head_pipeline(pipelined).heads_in_flight
+    (0, 4)
+    """
     c = config
     if not c.levers.heads_in_flight:
         return dataclasses.replace(c, heads_in_flight=0, reload_v=False)
@@ -181,14 +190,16 @@ def split_configs(config: KernelConfig) -> tuple[KernelConfig, KernelConfig | No
     holds `decode_seqs_per_block` sequences, walked one after another in one grid step; its
     levers are `config.decode_levers`, decided with the others by `kernel_config`.
 
+    >>> import jax.numpy as jnp
     >>> from minilib.batch import make_batch
     >>> from minilib.kernel import kernel_config
-    >>> batch = make_batch([(3, 3), (1, 9)], max_num_seqs=4, head_dim=128)
+    >>> batch = make_batch([(3, 3), (1, 9)], max_num_seqs=4, num_q_heads=16, num_kv_heads=8,
+    ...                    head_dim=128, dtype=jnp.bfloat16)
     >>> config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, interpret=False)
     >>> mixed, decode = split_configs(config)
     >>> mixed.leaves_decode, decode.decode, decode.num_queries_per_block, decode.rows_per_kv_head
     (True, True, 4, 2)
-    >>> mixed.levers.padded_slot, decode.levers.padded_slot   # head_dim 128 on a CPU
+    >>> mixed.levers.padded_slot, decode.levers.padded_slot   # chosen for no chip (a CPU)
     (False, True)
     >>> split_configs(kernel_config(batch.q, batch.kv_pages, batch.page_indices,
     ...                             levers=Levers.off()))[1] is None

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 
 from minilib.kernel.config import KernelConfig
 
-__all__ = ["MixedLayout", "mixed_layout"]
+__all__ = ["mixed_layout"]
 
 
 @dataclasses.dataclass(frozen=True)

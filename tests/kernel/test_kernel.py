@@ -67,7 +67,6 @@ from minilib.kernel import (
 )
 from minilib.kernel.lane_blocks import WholeRows
 from minilib.kernel.levers import DecodeOpenBlocksWalker
-from minilib.kernel.padded_slot import PaddedSlot
 from minilib.ladder.interpret import detecting_races, strict_interpret_params
 from minilib.ladder.watch import watch_kernel
 
@@ -265,7 +264,7 @@ def test_padded_slot_matches_jax_reference(name):
     token), forced here (a CPU is neither), in both kernels, run by plain `interpret=True`."""
     padded = dataclasses.replace(Levers.every(), whole_rows=False)  # head_dim 256 by lane block
     batch, options, config = strided_case(name, padded)
-    assert all(isinstance(choose_points(kernel).slot, PaddedSlot) for kernel in kernels(config))
+    assert all(kernel.levers.padded_slot for kernel in kernels(config))
     out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     assert_output_matches_jax(out, batch, **options)
 

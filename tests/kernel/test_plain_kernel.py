@@ -1,8 +1,9 @@
 """The plain kernel (`minilib.kernel.plain`): what runs with every speed lever off.
 
-It stays two modules a learner reads in a sitting each (the kernel, its walk), importing no lever; and with every lever off
-(the plain slot, the plain load, one KV head at a time, one kernel for every sequence) it
-matches JAX's reference in TPU interpret mode, on batches whose unused slots and pages are NaN.
+It stays two modules a learner reads in a sitting each (the kernel, its walk), importing no
+lever; and with every lever off (the plain slot, the plain load, one KV head at a time, one
+kernel for every sequence) it matches JAX's reference in TPU interpret mode, on batches whose
+unused slots and pages are NaN.
 """
 
 from __future__ import annotations
