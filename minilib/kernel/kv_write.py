@@ -27,7 +27,7 @@ from jax.experimental.pallas import tpu as pltpu
 from minilib.kernel.config import KernelConfig
 from minilib.kernel.walk import SeqTable
 
-__all__: list[str] = []  # used by `call.rpa_pallas_call`: see `with_kv_write`
+__all__: list[str] = []  # used by `pallas_call.rpa_pallas_call`: see `with_kv_write`
 
 
 def with_kv_write(kernel, config: KernelConfig):

@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 
 from minilib.kernel_trace import TRACE_COMPUTE, TRACE_START, TRACE_WAIT, Trace
 
-__all__: list[str] = []  # used by `call.rpa_pallas_call`: see `with_trace`
+__all__: list[str] = []  # used by `pallas_call.rpa_pallas_call`: see `with_trace`
 
 
 def with_trace(kernel, capacity: int, points):
