@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import math
 
-from minilib.chips import FACTS, current_chip, packing, packing_of_size
-from minilib.tpu.memory import DEFAULT_SCOPED_VMEM_BYTES
+from minilib.chips import DEFAULT_SCOPED_VMEM_BYTES, FACTS, current_chip, packing, packing_of_size
 
 __all__ = [
     "default_block_sizes",

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 __all__ = [
     "CHIPS",
+    "DEFAULT_SCOPED_VMEM_BYTES",
     "DEVICE_KINDS",
     "FACTS",
     "ChipFacts",
@@ -80,6 +81,17 @@ FACTS: dict[str, ChipFacts] = {
     "tpu7x": ChipFacts("TPU7x", "tpu7x:1x1x1", None, 3690e9, 1153.5e12, 7, "7x", tensor_cores=2),
 }
 CHIPS = tuple(FACTS)
+
+# The VMEM a kernel may use unless it asks for more (`vmem_limit_bytes`): libtpu's default
+# scoped limit, which JAX's table does not give. `tests/tpu/test_tpu_vmem_model.py` compiles
+# a kernel just under it and one just over it for each chip (libtpu 0.0.50.1).
+DEFAULT_SCOPED_VMEM_BYTES = {
+    "v4": 16 << 20,
+    "v5e": 16 << 20,
+    "v5p": 16 << 20,
+    "v6e": 32 << 20,
+    "tpu7x": 32 << 20,
+}
 
 # `jax.devices()[0].device_kind` on a real chip -> its key in FACTS.
 DEVICE_KINDS: dict[str, str] = {

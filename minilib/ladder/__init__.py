@@ -13,7 +13,13 @@ written it:
                      `make_async_copy`, `start()` then `wait()`.
   `double_buffer`    rung 4: two slots and two semaphores: copy page i + 1 while computing page i.
   `prefetch`         rung 5: prefetching across grid steps: `next_work`, in Python and in the
-                     kernel, the step from these rungs to `minilib.kernel`.
+                     kernel.
+  `prefill_chunk`    rung 6: a prefill chunk, q blocks against KV blocks of several pages (one
+                     copy a page, one wait a block), the blocks past the diagonal skipped.
+  `ragged`           rung 7: the ragged batch with JAX's signature: a q block's sequences
+                     walked, the next copy chosen across sequence and q-block boundaries; the
+                     step from these rungs to `minilib.kernel`, whose `Levers.off()` is its
+                     production shape.
   `aligned_blocks`   not a rung: notebook 07's first attention kernel (`pallas_basics`) with
                      whole head blocks, so that Mosaic compiles it; no checker.
   `interpret`        the strict TPU interpret mode the checkers run them in, and the race

@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 from jax.experimental.pallas import tpu as pltpu
 
-from minilib.chips import CHIPS, FACTS
+from minilib.chips import CHIPS, DEFAULT_SCOPED_VMEM_BYTES, FACTS
 from minilib.tpu.labels import recorded_label
 
 __all__ = [
@@ -37,17 +37,6 @@ __all__ = [
 # JAX's table, as a newer jax reads it, for a jax without one (0.7.2, Colab's).
 RECORDED = Path(__file__).with_name("recorded_chip_table.json")
 RECORD_COMMAND = "python -m minilib.tpu.recorded --chips"
-
-# The VMEM a kernel may use unless it asks for more (`vmem_limit_bytes`): libtpu's default
-# scoped limit, which JAX's table does not give. `tests/tpu/test_tpu_vmem_model.py` compiles
-# a kernel just under it and one just over it for each chip (libtpu 0.0.50.1).
-DEFAULT_SCOPED_VMEM_BYTES = {
-    "v4": 16 << 20,
-    "v5e": 16 << 20,
-    "v5p": 16 << 20,
-    "v6e": 32 << 20,
-    "tpu7x": 32 << 20,
-}
 
 
 @dataclasses.dataclass(frozen=True)

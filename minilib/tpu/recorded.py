@@ -48,7 +48,7 @@ COMMAND = "python -m minilib.tpu.recorded"
 def aligned_blocks_verdict() -> str:
     """Notebook 07: the verdict of the compile for v5e of `minilib.ladder.aligned_blocks`'
     kernel, on the notebook's batch (3 sequences, 4 q / 2 KV heads, head_dim 32)."""
-    from minilib import make_batch
+    from minilib.batch import make_batch
     from minilib.ladder import aligned_blocks
     from minilib.pallas_basics import q_by_sequence
     from minilib.vectorized import gather_all_kv
