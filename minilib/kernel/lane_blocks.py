@@ -19,11 +19,10 @@ from minilib.kernel.config import LANES, KernelConfig
 
 __all__: list[str] = []  # the kernel body's own: see `LaneBlocks`, `WholeRows`
 
-# Where `kernel_config` sets `KernelConfig.whole_rows`: a page's copy into the padded slot is a
-# `dma.general` whose descriptor the scalar core stores word by word, about 12 bundles each,
-# before any vector op of the block. At head_dim 256 one copy per page, not two, takes Gemma's
-# decode loop (256 KV tokens) from 980 to 942 bundles on v6e, 970 to 941 on TPU7x; on v5e it
-# grows, 1,061 to 1,159 (libtpu 0.0.50.1; benchmarks/LEVERS.md).
+# Where `levers.chosen_levers` asks for whole rows: a page's copy into the padded slot is a
+# `dma.general` whose descriptor the scalar core stores word by word before any vector op of
+# the block, so one copy per page, not one per lane block, saves scalar work; on v5e the loop
+# grows instead (benchmarks/LEVERS.md has the figures).
 WHOLE_ROWS_CHIPS = ("v6e", "tpu7x")
 
 

@@ -19,7 +19,7 @@ def block_page_table(kv_lens, page_indices, config: KernelConfig):
     sequence's last page that page again, so that every block copies the same bytes. Block b
     of sequence s is then the pages at one index, (s * blocks_per_seq + b) * pages per block,
     on: a page copy adds a constant to it, where a clamp and a 2-D index in SMEM took eight
-    scalar ops a page (the decode kernel's KV-block loop, v6e, 32 pages: 1,072 -> 929 bundles).
+    scalar ops a page (what that saved: benchmarks/LEVERS.md).
 
     >>> from minilib.batch import make_batch
     >>> from minilib.kernel import kernel_config

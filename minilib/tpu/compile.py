@@ -290,7 +290,8 @@ class CompileReport:
                 ]
                 for location, ops in k.top_source_lines[:5]:
                     code = k.source_code.get(location, "")
-                    lines.append(f"  {ops:6d} ops  {location}  {code}")
+                    file = location.rsplit(":", 1)[0]  # the code says which line
+                    lines.append(f"  {ops:6d} ops  {file}  {code}")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
