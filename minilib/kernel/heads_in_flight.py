@@ -27,12 +27,26 @@ def attend_kv_heads(
 
     def finish(kv_head, v, p, alpha):  # the P·V half of a head in flight
         if v is None:
-            _, v = load_kv(kv_buf, kv_head, kv_blk, kv_len, dtype, config)
+            _, v = load_kv(
+                kv_buf=kv_buf,
+                kv_head=kv_head,
+                kv_blk=kv_blk,
+                kv_len=kv_len,
+                dtype=dtype,
+                config=config,
+            )
         softmax.accumulate(kv_head, v, p, alpha, mask)
 
     in_flight = collections.deque()  # (kv_head, v or None, p, alpha): P·V still to come
     for kv_head in range(config.num_kv_heads_per_block):
-        k, v = load_kv(kv_buf, kv_head, kv_blk, kv_len, dtype, config)
+        k, v = load_kv(
+            kv_buf=kv_buf,
+            kv_head=kv_head,
+            kv_blk=kv_blk,
+            kv_len=kv_len,
+            dtype=dtype,
+            config=config,
+        )
         p, alpha = softmax.scores_and_stats(kv_head, q_fold_ref[kv_head], k, mask)
         if len(in_flight) == config.heads_in_flight:
             finish(*in_flight.popleft())

@@ -82,41 +82,10 @@ def rpa_pallas_call(
     c = config
     points = points or choose_points(c)
     num_q_blocks = pl.cdiv(max_num_batched_tokens, c.num_queries_per_block)
-    q_block = (c.num_queries_per_block, c.num_q_heads_per_block, head_dim)
-
-    def q_index_map(heads_blk, q_blk, *scalar_prefetch_refs):
-        return (q_blk, heads_blk, 0)
-
     # Each ref of the kernel by the name `plain.rpa_kernel` takes it by, in pallas_call's order.
-    inputs = {
-        "q_ref": pl.BlockSpec(q_block, q_index_map),
-        "kv_pages_hbm_ref": pl.BlockSpec(memory_space=pl.ANY),  # the kernel copies the pages
-    }
-    if attention_sink:
-        sink_block = (c.num_kv_heads_per_block, c.num_q_heads_per_kv_head, LANES)
-        inputs["sink_ref"] = pl.BlockSpec(sink_block, lambda heads_blk, *_: (heads_blk, 0, 0))
-    o_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    outputs = {"o_ref": (pl.BlockSpec(q_block, q_index_map), o_shape)}
-    if trace_capacity:
-        trace_shape = jax.ShapeDtypeStruct((1 + trace_capacity, TRACE_FIELDS), jnp.int32)
-        outputs["trace_ref"] = (pl.BlockSpec(memory_space=pltpu.SMEM), trace_shape)
-    if write_kv:
-        inputs["new_kv_hbm_ref"] = pl.BlockSpec(memory_space=pl.ANY)
-        inputs["new_kv_cu_q_lens_ref"] = pl.BlockSpec(memory_space=pltpu.SMEM)
-        cache_shape = jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype)
-        outputs["kv_pages_out_ref"] = (pl.BlockSpec(memory_space=pl.ANY), cache_shape)
-    rows = c.rows_per_kv_head
-    scratch = {
-        "kv_bufs": points.slot.scratch(c, kv_pages.dtype),  # two slots of one KV block each
-        "sems": pltpu.SemaphoreType.DMA((2,)),  # one per slot
-        "m_ref": pltpu.VMEM((c.num_kv_heads_per_block, rows, LANES), jnp.float32),
-        "l_ref": pltpu.VMEM((c.num_kv_heads_per_block, rows, LANES), jnp.float32),
-        "acc_ref": pltpu.VMEM((c.num_kv_heads_per_block, rows, head_dim), jnp.float32),
-        "q_fold_ref": pltpu.VMEM((c.num_kv_heads_per_block, rows, head_dim), q.dtype),
-        "slot_ref": pltpu.SMEM((1,), jnp.int32),
-    }
-    if write_kv:
-        scratch["write_sem"] = pltpu.SemaphoreType.DMA((1,))
+    inputs = kernel_inputs(c, head_dim, attention_sink=attention_sink, write_kv=write_kv)
+    outputs = kernel_outputs(q, kv_pages, c, trace_capacity=trace_capacity, write_kv=write_kv)
+    scratch = kernel_scratch(c, points, q_dtype=q.dtype, kv_dtype=kv_pages.dtype, write_kv=write_kv)
     names = [*TABLE_NAMES, *inputs, *outputs, *scratch]
     body = functools.partial(rpa_kernel, config=c)
     if trace_capacity:
@@ -158,3 +127,66 @@ def rpa_pallas_call(
     )
     # The page table as the page copies read it (`page_table.block_page_table`).
     return lambda kv_lens, pages, *rest: call(kv_lens, block_page_table(kv_lens, pages, c), *rest)
+
+
+def q_blocks(config: KernelConfig, head_dim: int) -> pl.BlockSpec:
+    """q and the output in blocks of `num_queries_per_block` rows and a heads block, which
+    Pallas copies between HBM and VMEM: grid step (heads_blk, q_blk) gets block (q_blk,
+    heads_blk)."""
+    c = config
+    block = (c.num_queries_per_block, c.num_q_heads_per_block, head_dim)
+    return pl.BlockSpec(block, lambda heads_blk, q_blk, *_: (q_blk, heads_blk, 0))
+
+
+def kernel_inputs(config: KernelConfig, head_dim: int, *, attention_sink: bool, write_kv: bool):
+    """{name: BlockSpec} of the inputs after the scalar-prefetched tables: q, the cache left
+    in HBM (the kernel copies the pages), the sinks if any, the new tokens if written."""
+    c = config
+    inputs = {
+        "q_ref": q_blocks(c, head_dim),
+        "kv_pages_hbm_ref": pl.BlockSpec(memory_space=pl.ANY),
+    }
+    if attention_sink:
+        sink_block = (c.num_kv_heads_per_block, c.num_q_heads_per_kv_head, LANES)
+        inputs["sink_ref"] = pl.BlockSpec(sink_block, lambda heads_blk, *_: (heads_blk, 0, 0))
+    if write_kv:
+        inputs["new_kv_hbm_ref"] = pl.BlockSpec(memory_space=pl.ANY)
+        inputs["new_kv_cu_q_lens_ref"] = pl.BlockSpec(memory_space=pltpu.SMEM)
+    return inputs
+
+
+def kernel_outputs(q, kv_pages, config: KernelConfig, *, trace_capacity: int, write_kv: bool):
+    """{name: (BlockSpec, shape)} of the outputs: the attention output in q's blocks, the
+    trace in SMEM if any, the cache (aliased to its input) if the new tokens are written."""
+    head_dim = q.shape[-1]
+    outputs = {"o_ref": (q_blocks(config, head_dim), jax.ShapeDtypeStruct(q.shape, q.dtype))}
+    if trace_capacity:
+        trace_shape = jax.ShapeDtypeStruct((1 + trace_capacity, TRACE_FIELDS), jnp.int32)
+        outputs["trace_ref"] = (pl.BlockSpec(memory_space=pltpu.SMEM), trace_shape)
+    if write_kv:
+        cache_shape = jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype)
+        outputs["kv_pages_out_ref"] = (pl.BlockSpec(memory_space=pl.ANY), cache_shape)
+    return outputs
+
+
+def kernel_scratch(config: KernelConfig, points: Points, *, q_dtype, kv_dtype, write_kv: bool):
+    """{name: scratch shape}: memory the kernel owns across grid steps. In VMEM the two KV
+    slots (as `points.slot` lays them out), the softmax state and q folded into rows; two DMA
+    semaphores, one per slot (and one for the writes); in SMEM the slot the next KV block is
+    loading into."""
+    c = config
+    rows = c.rows_per_kv_head
+    state = (c.num_kv_heads_per_block, rows, LANES)
+    rows_by_head_dim = (c.num_kv_heads_per_block, rows, c.head_dim)
+    scratch = {
+        "kv_bufs": points.slot.scratch(c, kv_dtype),
+        "sems": pltpu.SemaphoreType.DMA((2,)),
+        "m_ref": pltpu.VMEM(state, jnp.float32),
+        "l_ref": pltpu.VMEM(state, jnp.float32),
+        "acc_ref": pltpu.VMEM(rows_by_head_dim, jnp.float32),
+        "q_fold_ref": pltpu.VMEM(rows_by_head_dim, q_dtype),
+        "slot_ref": pltpu.SMEM((1,), jnp.int32),
+    }
+    if write_kv:
+        scratch["write_sem"] = pltpu.SemaphoreType.DMA((1,))
+    return scratch

@@ -70,16 +70,22 @@ def rpa_kernel(
     points: Points,
 ):
     batch = points.seq_table(kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref, config)
-    dma = points.copier(kv_pages_hbm_ref, kv_bufs, sems, batch, points.slot)
+    dma = points.copier(
+        kv_pages_hbm_ref=kv_pages_hbm_ref,
+        kv_bufs=kv_bufs,
+        sems=sems,
+        batch=batch,
+        layout=points.slot,
+    )
     softmax = points.softmax(
-        m_ref,
-        l_ref,
-        acc_ref,
-        config,
-        q_fold_ref.dtype,
-        sink_ref,
-        points.slot.output_lanes(config),
-        points.divide,
+        m_ref=m_ref,
+        l_ref=l_ref,
+        acc_ref=acc_ref,
+        config=config,
+        dtype=q_fold_ref.dtype,
+        sink_ref=sink_ref,
+        lanes=points.slot.output_lanes(config),
+        divide=points.divide,
     )
     step = (pl.program_id(0), pl.program_id(1))  # (heads_blk, q_blk)
 
@@ -92,7 +98,17 @@ def rpa_kernel(
         def _():
             dma.start(first, 0)
 
-    walker = points.walker(step, q_ref, q_fold_ref, o_ref, softmax, batch, dma, config, points)
+    walker = points.walker(
+        step=step,
+        q_ref=q_ref,
+        q_fold_ref=q_fold_ref,
+        o_ref=o_ref,
+        softmax=softmax,
+        batch=batch,
+        dma=dma,
+        config=config,
+        points=points,
+    )
     walker.attend_grid_step(slot_ref)
 
 
@@ -166,14 +182,14 @@ class QBlockWalker:
         kv_buf = self.dma.buffer(slot)
         kv_len = span.kv_len if masked else None  # None: no token of the block is past kv_len
         self.points.attend_heads(
-            kv_buf,
-            self.q_fold_ref,
-            self.softmax,
-            mask,
-            here.kv_blk,
-            kv_len,
-            self.config,
-            self.points.load_kv,
+            kv_buf=kv_buf,
+            q_fold_ref=self.q_fold_ref,
+            softmax=self.softmax,
+            mask=mask,
+            kv_blk=here.kv_blk,
+            kv_len=kv_len,
+            config=self.config,
+            load_kv=self.points.load_kv,
         )
 
     def score_mask(self, span: SeqSpan, kv_blk) -> ScoreMask:
@@ -294,7 +310,14 @@ def zero_tokens_past_kv_len(x, kv_blk, kv_len, config: KernelConfig):  # x: [kv_
 def attend_heads(kv_buf, q_fold_ref, softmax, mask, kv_blk, kv_len, config, load_kv):
     """One KV head at a time, with its group of q heads: Q·K, softmax, P·V."""
     for kv_head in range(config.num_kv_heads_per_block):
-        k, v = load_kv(kv_buf, kv_head, kv_blk, kv_len, q_fold_ref.dtype, config)
+        k, v = load_kv(
+            kv_buf=kv_buf,
+            kv_head=kv_head,
+            kv_blk=kv_blk,
+            kv_len=kv_len,
+            dtype=q_fold_ref.dtype,
+            config=config,
+        )
         p, alpha = softmax.scores_and_stats(kv_head, q_fold_ref[kv_head], k, mask)
         softmax.accumulate(kv_head, v, p, alpha, mask)
 
