@@ -76,7 +76,7 @@ def write_new_tokens(batch: SeqTable, new_kv_hbm_ref, kv_pages_hbm_ref, sem, con
         def write_page(page_pos, _):
             start = jnp.maximum(first_pos, page_pos * c.page_size)
             size = jnp.minimum(kv_len, (page_pos + 1) * c.page_size) - start
-            page = batch.page(seq, page_pos)
+            page = page_number(batch, seq, page_pos)
             rows = new_kv_hbm_ref.at[pl.ds(q_end - kv_len + start, size)]
             slots = kv_pages_hbm_ref.at[page, pl.ds(start - page_pos * c.page_size, size)]
             pltpu.make_async_copy(rows, slots, sem.at[0]).start()
@@ -98,3 +98,10 @@ def wait_for_the_writes(new_kv_hbm_ref, rows, sem):
     def _wait_for_all_of_them():
         written = new_kv_hbm_ref.at[pl.ds(0, rows)]  # as many bytes as the copies
         pltpu.make_async_copy(written, written, sem.at[0]).wait()
+
+
+def page_number(batch: SeqTable, seq, page_pos):
+    """Page `page_pos` of `seq`: the table is flat, a row of whole KV blocks a sequence
+    (`page_table.block_page_table`), so its pages are at one index plus their position."""
+    c = batch.config
+    return batch.page_indices_ref[seq * c.blocks_per_seq * c.num_kv_pages_per_block + page_pos]

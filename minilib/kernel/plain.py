@@ -243,7 +243,7 @@ class KVBlockCopier:
     def start(self, work: Work, slot):
         """Every page of the block, past the sequence's end its last page again (the compute
         masks it; `page_table.block_page_table`): the same bytes each block, one wait for all.
-        The block's first index once, plus i: cheaper than `SeqTable.page` per page."""
+        The block's first index once, plus i: fewer scalar ops than an index per page."""
         c = self.config
         first = (work.seq * c.blocks_per_seq + work.kv_blk) * c.num_kv_pages_per_block
         hbm = self.kv_pages_hbm_ref

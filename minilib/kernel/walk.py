@@ -46,12 +46,6 @@ class SeqTable:
         """Whether a sequence of `q_len` rows has no work in this kernel: no rows."""
         return q_len == 0
 
-    def page(self, seq, page_pos):
-        """Page `page_pos` of `seq`: the table is flat, a row of whole KV blocks a sequence
-        (`page_table.block_page_table`), so a block's pages are one index plus a constant each."""
-        c = self.config
-        return self.page_indices_ref[seq * c.blocks_per_seq * c.num_kv_pages_per_block + page_pos]
-
     def total_q_len(self):
         """The rows the sequences own (0 if there is none)."""
         n = self.num_seqs()
