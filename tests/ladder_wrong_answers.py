@@ -663,4 +663,10 @@ WRONG_ANSWERS = [
       lambda: rung7("q_pos_from_q_block"), "q_pos counts the row's place in its q block"),
     W("7", "q_pos without first_row", ex.check_ragged_paged_attention,
       lambda: rung7("q_pos_no_first_row"), "first_row is missing from q_pos"),
+    W("7", "row mask from the q block's own rows", ex.check_ragged_paged_attention,
+      lambda: rung7("rows_block_local"), "the row mask compares the row's place in its q block",
+      "rows = (q_start <= row) & (row < q_start + q_len)"),
+    W("7", "row without first_row, for mask and q_pos", ex.check_ragged_paged_attention,
+      lambda: rung7("row_no_first_row"), "first_row is missing from `row`",
+      "both the row mask and q_pos count from the q block"),
 ]  # fmt: skip
