@@ -217,7 +217,8 @@ def rung2(variant: str) -> Callable:
 
         @pl.when(i * page_size < kv_len)
         def _attend():
-            if variant in ("alpha_sign", "max_before_mask", "mask_added", "kv_head_by_modulo"):
+            if variant in ("alpha_sign", "max_before_mask", "mask_added", "kv_head_by_modulo",
+                           "mask_one_key_past", "mask_hides_last_key"):  # fmt: skip
                 attend_page_by_hand(page_ref, q_ref, m_ref, l_ref, acc_ref, first_pos, kv_len,
                                     sm_scale, variant)  # fmt: skip
             else:
@@ -259,7 +260,12 @@ def attend_page_by_hand(page_ref, q_ref, m_ref, l_ref, acc_ref, first_pos, kv_le
             s = s + jnp.where(k_pos < kv_len, 0.0, MASK)
             m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
         else:
-            s = jnp.where(k_pos < kv_len, s, MASK)
+            visible = k_pos < kv_len
+            if variant == "mask_one_key_past":  # <= : the key at position kv_len too
+                visible = k_pos <= kv_len
+            if variant == "mask_hides_last_key":  # kv_len - 1: the token's own key hidden
+                visible = k_pos < kv_len - 1
+            s = jnp.where(visible, s, MASK)
             m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
         p = jnp.exp(s - m_next)
         alpha = jnp.exp(m_prev - m_next)
@@ -464,6 +470,11 @@ WRONG_ANSWERS = [
       lambda: rung2("kv_head_by_modulo"), "h // group"),
     W("2", "1/sqrt(head_dim) for sm_scale", ex.check_paged_decode_attention,
       lambda: rung2("head_dim_scale"), "1 / sqrt(head_dim), not by the sm_scale"),
+    W("2", "length mask one key too wide", ex.check_paged_decode_attention,
+      lambda: rung2("mask_one_key_past"), "the length mask is one key too wide",
+      "each of these mistakes gives NaN just where yours does"),
+    W("2", "length mask hides the last key", ex.check_paged_decode_attention,
+      lambda: rung2("mask_hides_last_key"), "the length mask hides the token's own key"),
     W("2", "clamp to -1 on an empty slot, guarded", ex.check_paged_decode_attention,
       lambda: rung2("clamp_to_minus_one"), "read page_indices[2, -1]", "outside the table",
       "jnp.maximum(num_pages - 1, 0)", fast=True),  # reads column -1

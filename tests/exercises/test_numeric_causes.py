@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minilib.exercises import ex08_ragged
+from minilib.exercises import ex08_ladder, ex08_ragged
+from minilib.exercises.decode_mistakes import decode_mistakes
 from minilib.exercises.kernel_failures import likely_cause
 from minilib.exercises.ragged_mistakes import (
     ROW_NO_FIRST_ROW,
@@ -19,6 +20,7 @@ from minilib.exercises.ragged_mistakes import (
     ragged,
     ragged_mistakes,
 )
+from minilib.ladder.scalar_prefetch import paged_decode_reference
 
 CASES = ex08_ragged._ragged_cases(0)
 BLOCK_LOCAL = (ROWS_BLOCK_LOCAL, ROW_NO_FIRST_ROW)
@@ -77,3 +79,33 @@ def test_a_block_local_mask_differs_only_past_the_first_q_block(variant):
         block_q = case.kwargs["num_queries_per_block"]
         wrong, right = run(variant, case), run("right", case)
         np.testing.assert_allclose(wrong[:block_q], right[:block_q], atol=1e-12)
+
+
+DECODE_CASES = ex08_ladder._decode_cases(0)
+LENGTH_MASK = ("the length mask is one key too wide", "the length mask hides the token's own key")
+
+
+@pytest.mark.parametrize("k", range(len(DECODE_CASES)))
+def test_no_length_mask_rule_names_its_mistake_for_the_right_output(k):
+    case = DECODE_CASES[k]
+    right = np.asarray(paged_decode_reference(*case.args, **case.kwargs), np.float64)
+    for explanation, mistaken in decode_mistakes().items():
+        if not explanation.startswith(LENGTH_MASK):
+            continue
+        if np.allclose(mistaken(*case.args, **case.kwargs), right, atol=1e-3, equal_nan=True):
+            continue  # no sequence this mistake changes (no live sequence)
+        cause = likely_cause(right, case, {explanation: mistaken})
+        assert cause.startswith("none of the usual mistakes"), (k, cause)
+
+
+def test_a_hidden_last_key_is_named_and_not_for_a_reset_state():
+    case = DECODE_CASES[0]
+    mistakes = decode_mistakes()
+    hidden = next(fn for why, fn in mistakes.items() if why.startswith(LENGTH_MASK[1]))
+    reset = next(fn for why, fn in mistakes.items() if "initialised on every page" in why)
+    assert likely_cause(hidden(*case.args, **case.kwargs), case, mistakes).startswith(
+        LENGTH_MASK[1]
+    )
+    assert not likely_cause(reset(*case.args, **case.kwargs), case, mistakes).startswith(
+        LENGTH_MASK
+    )
