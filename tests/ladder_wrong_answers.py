@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import textwrap
 from collections.abc import Callable
 
 import jax
@@ -34,6 +36,8 @@ from minilib.ladder import (
     async_copy,
     double_buffer,
     flash,
+    prefill_chunk,
+    ragged,
     scalar_prefetch,
 )
 from minilib.ladder.flash import init_online_softmax
@@ -376,6 +380,21 @@ def rung4(variant: str) -> Callable:
     return functools.partial(double_buffer.paged_decode_attention_double_buffered, kernel=kernel)
 
 
+def edited(module, name: str, old: str, new: str) -> Callable:
+    """The solution's kernel `name` of `module` with one line retyped, `old` -> `new`: the
+    mistake as a learner makes it in their own copy (the rows of issue 67's fresh try)."""
+    source = textwrap.dedent(inspect.getsource(getattr(module, name)))
+    if source.count(old) != 1:
+        raise ValueError(f"{old=} must occur once in {name}")
+    namespace = dict(vars(module))
+    exec(compile(source.replace(old, new), f"<learner's {name}>", "exec"), namespace)
+    calls = {
+        "prefill_chunk_kernel": prefill_chunk.prefill_chunk_attention,
+        "ragged_kernel": ragged.ragged_paged_attention_ladder,
+    }
+    return functools.partial(calls[name], kernel=namespace[name])
+
+
 def W(rung, name, checker, make, *expect, fast=False):  # noqa: N802  (a table row)
     return WrongAnswer(rung, name, checker, make, expect, fast)
 
@@ -680,4 +699,23 @@ WRONG_ANSWERS = [
     W("7", "row without first_row, for mask and q_pos", ex.check_ragged_paged_attention,
       lambda: rung7("row_no_first_row"), "first_row is missing from `row`",
       "both the row mask and q_pos count from the q block"),
+    # a fresh try (issue 67): the solution with one line retyped
+    W("6", "state initialised on the first q block only", ex.check_prefill_chunk,
+      lambda: edited(prefill_chunk, "prefill_chunk_kernel",
+                     "    init_online_softmax(m_ref, l_ref, acc_ref)\n",
+                     "    pl.when(i == 0)(lambda: init_online_softmax(m_ref, l_ref, acc_ref))\n"),
+      "m, l or acc not initialised before the first KV block"),
+    W("7", "every KV block up to kv_len", ex.check_ragged_paged_attention,
+      lambda: edited(ragged, "ragged_kernel", "return pl.cdiv(kv_len - (q_end - q_start) + "
+                     "(last_row - q_start) + 1, block_kv)", "return pl.cdiv(kv_len, block_kv)"),
+      "the kernel copied KV block 1 of sequence 3 in grid step 0",
+      "KV blocks past the diagonal were copied"),
+    W("7", "sm_scale and mask_value swapped", ex.check_ragged_paged_attention,
+      lambda: edited(ragged, "ragged_kernel", "kv_len, sm_scale, mask_value)",
+                     "kv_len, mask_value, sm_scale)"),
+      "sm_scale and mask_value are swapped"),
+    W("7", "every row at the last position", ex.check_ragged_paged_attention,
+      lambda: edited(ragged, "ragged_kernel", "q_pos = kv_len - q_len + row - q_start",
+                     "q_pos = kv_len - 1 + 0 * row"),
+      "no causal mask: every row sees every key of the KV blocks visited"),
 ]  # fmt: skip

@@ -198,6 +198,7 @@ def ragged(variant: str = "right"):
                              "q_pos_from_q_block": kv_len - q_len + local,
                              "q_pos_no_first_row": kv_len - q_len + local - q_start,
                              "row_no_first_row": kv_len - q_len + local - q_start,
+                             "no_causal_mask": kv_len - 1,
                              "causal_plus_one": kv_len - q_len + row - q_start + 1,
                              "causal_minus_one": kv_len - q_len + row - q_start - 1,
                              }.get(variant, kv_len - q_len + row - q_start)  # fmt: skip
@@ -225,6 +226,18 @@ def _writes(variant: str, row: int, local: int, q_start: int, q_end: int) -> boo
     if variant in BLOCK_LOCAL_ROWS:  # the mask compares the row's place in its q block
         return q_start <= local < q_end
     return q_start <= row < q_end
+
+
+def scale_and_mask_swapped(fn):
+    """`fn` given mask_value as its sm_scale and sm_scale as its mask_value (the two last
+    arguments of `attend_rows` in the wrong order), where the call gives a mask_value."""
+
+    def wrong(*args, sm_scale, mask_value=None, **options):
+        if mask_value is None:  # the kernel's default then: no simulation of that here
+            return None
+        return fn(*args, sm_scale=mask_value, mask_value=sm_scale, **options)
+
+    return wrong
 
 
 def head_dim_scale(fn):
@@ -277,7 +290,7 @@ def ragged_mistakes() -> dict:
     """Rung 7's mistakes: explanation -> fn with JAX's signature.
 
     >>> len(ragged_mistakes())
-    13
+    15
     """
     return {
         "the rows of other sequences were overwritten: a q block's rows belong to several "
@@ -302,6 +315,13 @@ def ragged_mistakes() -> dict:
             ragged("q_pos_no_first_row"),
         ROWS_BLOCK_LOCAL: ragged("rows_block_local"),
         ROW_NO_FIRST_ROW: ragged("row_no_first_row"),
+        "no causal mask: every row sees every key of the KV blocks visited (below kv_len), as a "
+        "decode row does. A row of a chunk sits at q_pos = kv_len - q_len + row - q_start and "
+        "sees only k_pos <= q_pos.":
+            ragged("no_causal_mask"),
+        "sm_scale and mask_value are swapped: the scores were scaled by mask_value and the "
+        "masked ones set to sm_scale. `attend_rows` takes them in the order (..., kv_len, "
+        "sm_scale, mask_value).": scale_and_mask_swapped(ragged()),
         "mask_value is ignored: a masked key's score is the mask_value the kernel is given "
         "(here one whose masked keys weigh something), not the default: pass it on, "
         "`attend_rows(..., sm_scale, mask_value)`.": mask_value_ignored(ragged()),
