@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import textwrap
 from collections.abc import Callable
 
 import jax
@@ -34,6 +36,8 @@ from minilib.ladder import (
     async_copy,
     double_buffer,
     flash,
+    prefill_chunk,
+    ragged,
     scalar_prefetch,
 )
 from minilib.ladder.flash import init_online_softmax
@@ -217,7 +221,8 @@ def rung2(variant: str) -> Callable:
 
         @pl.when(i * page_size < kv_len)
         def _attend():
-            if variant in ("alpha_sign", "max_before_mask", "mask_added", "kv_head_by_modulo"):
+            if variant in ("alpha_sign", "max_before_mask", "mask_added", "kv_head_by_modulo",
+                           "mask_one_key_past", "mask_hides_last_key"):  # fmt: skip
                 attend_page_by_hand(page_ref, q_ref, m_ref, l_ref, acc_ref, first_pos, kv_len,
                                     sm_scale, variant)  # fmt: skip
             else:
@@ -259,7 +264,12 @@ def attend_page_by_hand(page_ref, q_ref, m_ref, l_ref, acc_ref, first_pos, kv_le
             s = s + jnp.where(k_pos < kv_len, 0.0, MASK)
             m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
         else:
-            s = jnp.where(k_pos < kv_len, s, MASK)
+            visible = k_pos < kv_len
+            if variant == "mask_one_key_past":  # <= : the key at position kv_len too
+                visible = k_pos <= kv_len
+            if variant == "mask_hides_last_key":  # kv_len - 1: the token's own key hidden
+                visible = k_pos < kv_len - 1
+            s = jnp.where(visible, s, MASK)
             m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
         p = jnp.exp(s - m_next)
         alpha = jnp.exp(m_prev - m_next)
@@ -370,6 +380,21 @@ def rung4(variant: str) -> Callable:
     return functools.partial(double_buffer.paged_decode_attention_double_buffered, kernel=kernel)
 
 
+def edited(module, name: str, old: str, new: str) -> Callable:
+    """The solution's kernel `name` of `module` with one line retyped, `old` -> `new`: the
+    mistake as a learner makes it in their own copy (the rows of issue 67's fresh try)."""
+    source = textwrap.dedent(inspect.getsource(getattr(module, name)))
+    if source.count(old) != 1:
+        raise ValueError(f"{old=} must occur once in {name}")
+    namespace = dict(vars(module))
+    exec(compile(source.replace(old, new), f"<learner's {name}>", "exec"), namespace)
+    calls = {
+        "prefill_chunk_kernel": prefill_chunk.prefill_chunk_attention,
+        "ragged_kernel": ragged.ragged_paged_attention_ladder,
+    }
+    return functools.partial(calls[name], kernel=namespace[name])
+
+
 def W(rung, name, checker, make, *expect, fast=False):  # noqa: N802  (a table row)
     return WrongAnswer(rung, name, checker, make, expect, fast)
 
@@ -464,6 +489,11 @@ WRONG_ANSWERS = [
       lambda: rung2("kv_head_by_modulo"), "h // group"),
     W("2", "1/sqrt(head_dim) for sm_scale", ex.check_paged_decode_attention,
       lambda: rung2("head_dim_scale"), "1 / sqrt(head_dim), not by the sm_scale"),
+    W("2", "length mask one key too wide", ex.check_paged_decode_attention,
+      lambda: rung2("mask_one_key_past"), "the length mask is one key too wide",
+      "each of these mistakes gives NaN just where yours does"),
+    W("2", "length mask hides the last key", ex.check_paged_decode_attention,
+      lambda: rung2("mask_hides_last_key"), "the length mask hides the token's own key"),
     W("2", "clamp to -1 on an empty slot, guarded", ex.check_paged_decode_attention,
       lambda: rung2("clamp_to_minus_one"), "read page_indices[2, -1]", "outside the table",
       "jnp.maximum(num_pages - 1, 0)", fast=True),  # reads column -1
@@ -663,4 +693,29 @@ WRONG_ANSWERS = [
       lambda: rung7("q_pos_from_q_block"), "q_pos counts the row's place in its q block"),
     W("7", "q_pos without first_row", ex.check_ragged_paged_attention,
       lambda: rung7("q_pos_no_first_row"), "first_row is missing from q_pos"),
+    W("7", "row mask from the q block's own rows", ex.check_ragged_paged_attention,
+      lambda: rung7("rows_block_local"), "the row mask compares the row's place in its q block",
+      "rows = (q_start <= row) & (row < q_start + q_len)"),
+    W("7", "row without first_row, for mask and q_pos", ex.check_ragged_paged_attention,
+      lambda: rung7("row_no_first_row"), "first_row is missing from `row`",
+      "both the row mask and q_pos count from the q block"),
+    # a fresh try (issue 67): the solution with one line retyped
+    W("6", "state initialised on the first q block only", ex.check_prefill_chunk,
+      lambda: edited(prefill_chunk, "prefill_chunk_kernel",
+                     "    init_online_softmax(m_ref, l_ref, acc_ref)\n",
+                     "    pl.when(i == 0)(lambda: init_online_softmax(m_ref, l_ref, acc_ref))\n"),
+      "m, l or acc not initialised before the first KV block"),
+    W("7", "every KV block up to kv_len", ex.check_ragged_paged_attention,
+      lambda: edited(ragged, "ragged_kernel", "return pl.cdiv(kv_len - (q_end - q_start) + "
+                     "(last_row - q_start) + 1, block_kv)", "return pl.cdiv(kv_len, block_kv)"),
+      "the kernel copied KV block 1 of sequence 3 in grid step 0",
+      "KV blocks past the diagonal were copied"),
+    W("7", "sm_scale and mask_value swapped", ex.check_ragged_paged_attention,
+      lambda: edited(ragged, "ragged_kernel", "kv_len, sm_scale, mask_value)",
+                     "kv_len, mask_value, sm_scale)"),
+      "sm_scale and mask_value are swapped"),
+    W("7", "every row at the last position", ex.check_ragged_paged_attention,
+      lambda: edited(ragged, "ragged_kernel", "q_pos = kv_len - q_len + row - q_start",
+                     "q_pos = kv_len - 1 + 0 * row"),
+      "no causal mask: every row sees every key of the KV blocks visited"),
 ]  # fmt: skip

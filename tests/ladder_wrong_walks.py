@@ -319,8 +319,10 @@ def rung7(variant: str) -> Callable:
             q_start, kv_len = cu[seq], kv_lens_ref[seq]
             q_len = cu[seq + 1] - q_start
             row = first_row + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
-            rows = (q_start <= row) & (row < q_start + q_len)
             local = lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)  # without first_row
+            if variant == "row_no_first_row":  # the row's place in its q block, for both
+                row = local
+            rows = (q_start <= row) & (row < q_start + q_len)
             if variant == "rows_block_local":  # the row mask from the q block's own rows
                 rows = (q_start <= local) & (local < q_start + q_len)
             q_pos = {

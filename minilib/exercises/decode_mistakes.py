@@ -24,6 +24,7 @@ import numpy as np
 from minilib.exercises.checking import SM_SCALE_IGNORED, Case
 from minilib.kv_cache import pages_needed
 from minilib.ladder.scalar_prefetch import paged_decode_reference
+from minilib.options import DEFAULT_MASK_VALUE
 from minilib.tpu.numerics import BF16_PASS_TOLERANCE, one_bf16_pass
 
 __all__ = ["decode_mistakes", "paged_decode_numpy"]
@@ -45,6 +46,7 @@ def paged_decode_numpy(
     alpha_upside_down=False,
     max_before_mask=False,
     mask_added=False,
+    visible_shift=0,
 ):  # -> f64[num_seqs, num_q_heads, head_dim]; 0 for a sequence with no key
     """Decode attention page by page, as the kernels do it, in NumPy: the online softmax over
     the pages of each sequence. The keywords make the kernels' usual mistakes:
@@ -58,6 +60,9 @@ def paged_decode_numpy(
       alpha_upside_down      alpha = exp(m_next - m_prev), not exp(m_prev - m_next)
       max_before_mask        the running max taken over the scores before the mask
       mask_added             the mask added to the scores (a bias), not selected
+      visible_shift          the keys at positions < kv_len + visible_shift seen (right: 0;
+                             1: `k_pos <= kv_len`, -1: `k_pos < kv_len - 1`), a hidden score
+                             set to the kernels' finite mask value, V zeroed past kv_len
 
     >>> from minilib.batch import make_batch
     >>> b = make_batch([(1, 5), (1, 12)], num_q_heads=2, num_kv_heads=1, head_dim=8,
@@ -97,6 +102,8 @@ def paged_decode_numpy(
             s_max = s.max(axis=1)  # before the mask: the keys past kv_len too
             if mask_added:  # NaN + -inf is NaN: a NaN key past kv_len stays NaN
                 s = s + np.where(pos[None, :] < kv_len, 0, -np.inf)
+            elif visible_shift:  # a page with no key seen: its finite scores weigh alike
+                s = np.where(pos[None, :] < kv_len + visible_shift, s, DEFAULT_MASK_VALUE)
             else:
                 s = np.where(pos[None, :] < kv_len, s, -np.inf)
             m_next = np.maximum(m, s_max if max_before_mask else s.max(axis=1))
@@ -174,6 +181,12 @@ def decode_mistakes() -> dict[str, Callable]:
     def mask_added(*args, sm_scale):
         return paged_decode_numpy(*args, sm_scale=sm_scale, mask_added=True)
 
+    def one_key_past(*args, sm_scale):
+        return paged_decode_numpy(*args, sm_scale=sm_scale, visible_shift=1)
+
+    def last_key_hidden(*args, sm_scale):
+        return paged_decode_numpy(*args, sm_scale=sm_scale, visible_shift=-1)
+
     return {
         "K and V are interleaved on the combined head axis: K of KV head h is slot 2h, V is "
         "slot 2h + 1 (not the first and second halves).": k_v_halves,
@@ -203,6 +216,12 @@ def decode_mistakes() -> dict[str, Callable]:
         "kv_len are NaN here (garbage on a chip), and NaN + mask_value is still NaN. Select "
         "instead: `jnp.where(k_pos < kv_len, s, mask_value)` drops a masked score whatever it "
         "holds.": mask_added,
+        "the length mask is one key too wide: the token sees the key at position kv_len, "
+        "past its sequence (NaN here, garbage on a chip). It sees k_pos < kv_len (`<`, not "
+        "`<=`).": one_key_past,
+        "the length mask hides the token's own key: the new token sits at position kv_len - 1 "
+        "and sees every key up to its own, k_pos < kv_len (not kv_len - 1). A sequence of one "
+        "token then sees no key at all.": last_key_hidden,
     }
 
 

@@ -33,6 +33,21 @@ CAUSAL_MINUS_ONE = (
     "the causal offset is one too few: each row misses its own key. Row r of the chunk sits "
     "at position kv_len - q_len + r (no - 1), and sees the keys k_pos <= q_pos."
 )
+ROWS_BLOCK_LOCAL = (
+    "the row mask compares the row's place in its q block (0 .. block_q - 1) with q_start "
+    "and q_start + q_len, not its place in the batch: in a q block past the first, a sequence "
+    "then leaves its own rows unwritten (they keep what the output block held from the grid "
+    "step before) or writes its output into rows past its end. Build the mask from row = "
+    "first_row + iota: rows = (q_start <= row) & (row < q_start + q_len)."
+)
+ROW_NO_FIRST_ROW = (
+    "first_row is missing from `row`: row r of q block i is row `first_row + r` of the "
+    "batch, so row = first_row + iota. Without it both the row mask and q_pos count from the "
+    "q block: in a q block past the first, a sequence leaves its own rows unwritten (they "
+    "keep what the output block held from the grid step before) or writes rows with the "
+    "wrong q_pos. With row = first_row + iota: rows = (q_start <= row) & (row < q_start + "
+    "q_len), and q_pos = kv_len - q_len + row - q_start."
+)
 
 
 def _keys(kv_pages, table, seq: int, kv_len: int):
@@ -155,9 +170,15 @@ def ragged(variant: str = "right"):
         cu, n = [int(x) for x in np.asarray(cu_q_lens)], int(np.asarray(num_seqs)[0])
         block_kv = num_kv_pages_per_block * kv_pages.shape[1]
         out = np.zeros(qn.shape)
+        # The output block's buffer, which interpret mode keeps from one grid step to the
+        # next: a row the kernel does not write holds what the step before left there (NaN
+        # at first). Only the block-local row masks leave live rows unwritten.
+        held = np.full((block_q, *qn.shape[1:]), np.nan)
         for blk in range(qn.shape[0] // block_q):
             first_row, end_row = blk * block_q, (blk + 1) * block_q
             seen = {r: [] for r in range(first_row, end_row)}  # keys each row's state holds
+            if variant in BLOCK_LOCAL_ROWS:
+                out[first_row:end_row] = held
             for s in range(n):
                 q_start, q_end, kv_len = cu[s], cu[s + 1], int(np.asarray(kv_lens)[s])
                 if q_end <= first_row or q_start >= end_row or q_end == q_start:
@@ -176,18 +197,47 @@ def ragged(variant: str = "right"):
                              "global_row": kv_len - q_len + row,
                              "q_pos_from_q_block": kv_len - q_len + local,
                              "q_pos_no_first_row": kv_len - q_len + local - q_start,
+                             "row_no_first_row": kv_len - q_len + local - q_start,
+                             "no_causal_mask": kv_len - 1,
                              "causal_plus_one": kv_len - q_len + row - q_start + 1,
                              "causal_minus_one": kv_len - q_len + row - q_start - 1,
                              }.get(variant, kv_len - q_len + row - q_start)  # fmt: skip
                     visible = (positions <= q_pos) & (positions < limit)
                     keys = (seen[row] if variant == "no_reset" else []) + [(k, v, visible)]
                     seen[row] = keys
-                    if variant == "no_row_mask" or q_start <= row < q_end:
+                    if _writes(variant, row, local, q_start, q_end):
                         out[row] = _attend(qn[row], keys, sm_scale, mask_value)
+            held = out[first_row:end_row].copy()
         out[cu[n] :] = 0  # padding rows: not compared
         return out
 
     return fn
+
+
+# The variants whose row mask counts the q block's rows from 0, not from first_row.
+BLOCK_LOCAL_ROWS = ("rows_block_local", "row_no_first_row")
+
+
+def _writes(variant: str, row: int, local: int, q_start: int, q_end: int) -> bool:
+    """Whether a sequence of rows q_start .. q_end - 1 writes `row` of the batch, the row
+    `local` of its q block (counted from 0)."""
+    if variant == "no_row_mask":
+        return True
+    if variant in BLOCK_LOCAL_ROWS:  # the mask compares the row's place in its q block
+        return q_start <= local < q_end
+    return q_start <= row < q_end
+
+
+def scale_and_mask_swapped(fn):
+    """`fn` given mask_value as its sm_scale and sm_scale as its mask_value (the two last
+    arguments of `attend_rows` in the wrong order), where the call gives a mask_value."""
+
+    def wrong(*args, sm_scale, mask_value=None, **options):
+        if mask_value is None:  # the kernel's default then: no simulation of that here
+            return None
+        return fn(*args, sm_scale=mask_value, mask_value=sm_scale, **options)
+
+    return wrong
 
 
 def head_dim_scale(fn):
@@ -240,7 +290,7 @@ def ragged_mistakes() -> dict:
     """Rung 7's mistakes: explanation -> fn with JAX's signature.
 
     >>> len(ragged_mistakes())
-    11
+    15
     """
     return {
         "the rows of other sequences were overwritten: a q block's rows belong to several "
@@ -263,6 +313,15 @@ def ragged_mistakes() -> dict:
         "first_row is missing from q_pos: the q block's row r is row `first_row + r` of the "
         "batch, so row = first_row + iota, and q_pos = kv_len - q_len + row - q_start.":
             ragged("q_pos_no_first_row"),
+        ROWS_BLOCK_LOCAL: ragged("rows_block_local"),
+        ROW_NO_FIRST_ROW: ragged("row_no_first_row"),
+        "no causal mask: every row sees every key of the KV blocks visited (below kv_len), as a "
+        "decode row does. A row of a chunk sits at q_pos = kv_len - q_len + row - q_start and "
+        "sees only k_pos <= q_pos.":
+            ragged("no_causal_mask"),
+        "sm_scale and mask_value are swapped: the scores were scaled by mask_value and the "
+        "masked ones set to sm_scale. `attend_rows` takes them in the order (..., kv_len, "
+        "sm_scale, mask_value).": scale_and_mask_swapped(ragged()),
         "mask_value is ignored: a masked key's score is the mask_value the kernel is given "
         "(here one whose masked keys weigh something), not the default: pass it on, "
         "`attend_rows(..., sm_scale, mask_value)`.": mask_value_ignored(ragged()),
