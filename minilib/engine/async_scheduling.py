@@ -42,9 +42,7 @@ from minilib.engine.scheduler import PLACEHOLDER, Request, Scheduler, StepPlan
 
 __all__ = [
     "AsyncStepLoop",
-    "InFlight",
     "add_placeholders",
-    "fill_placeholders",
     "record_tokens",
     "take_sampled",
 ]

@@ -21,9 +21,10 @@ SAMPLED = SamplingParams(max_tokens=MAX_NEW, temperature=0.8, top_k=20, top_p=0.
 
 
 def run(eng, prompts, params, abort_after=None) -> tuple[list, list]:
-    """Serve `prompts` (one SamplingParams each) to the end, checking the books and that
-    no output shows a placeholder after every step; `abort_after` {request index: n}
-    aborts that request once it has n tokens. Returns (tokens, finish reasons)."""
+    """Serve `prompts` (one SamplingParams each) to the end, checking after every step the
+    books, and that no output shows a placeholder (nor holds one, once ended);
+    `abort_after` {request index: n} aborts that request once it has n tokens. Returns
+    (tokens, finish reasons)."""
     ids = [eng.add_request(p, sampling_params=s) for p, s in zip(prompts, params, strict=True)]
     while eng.has_unfinished:
         eng.step()
@@ -33,6 +34,8 @@ def run(eng, prompts, params, abort_after=None) -> tuple[list, list]:
                 eng.abort_request(ids[i])
                 assert not eng.scheduler.accounting_problems()
         assert all(PLACEHOLDER not in eng.output(i) for i in ids)
+        ended = [r.output for r in eng.requests.values() if r.finished]
+        assert all(PLACEHOLDER not in output for output in ended), "a placeholder kept"
     outputs = [eng.request_output(i) for i in ids]
     return [list(o.token_ids) for o in outputs], [o.finish_reason for o in outputs]
 
@@ -59,7 +62,9 @@ def test_same_tokens_as_sync_through_preemption_and_sampling(caching):
 def test_stop_tokens_end_a_request_whose_next_token_is_in_flight():
     greedy = [SamplingParams(max_tokens=MAX_NEW, temperature=0.0)] * len(PROMPTS)
     (want, _), _, _ = both(PROMPTS, greedy)
-    stops = [dataclasses.replace(p, stop_token_ids=(w[3],)) for p, w in zip(greedy, want)]
+    stops = [
+        dataclasses.replace(p, stop_token_ids=(w[3],)) for p, w in zip(greedy, want, strict=True)
+    ]
     stops[1] = dataclasses.replace(SAMPLED, seed=1, stop_token_ids=(5, 9, 17))
     sync, async_, eng = both(PROMPTS, stops)
     assert async_ == sync
