@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from minilib.engine.async_scheduling import AsyncStepLoop
 from minilib.engine.buckets import bucket_for, check_buckets, reachable_shapes
 from minilib.engine.model import (
     ModelConfig,
@@ -47,10 +48,10 @@ from minilib.engine.model import (
     final_logits,
     resolve_sampling_params,
 )
-from minilib.engine.outputs import RequestMetrics, RequestOutput, StepStats
+from minilib.engine.outputs import RequestMetrics, RequestOutput, StepStats, step_stats
 from minilib.engine.packing import PackedBatch, pack_batch
-from minilib.engine.sampling import SamplingParams, banned_tokens, request_key, top_logprobs
-from minilib.engine.scheduler import Request, Scheduler, StepPlan
+from minilib.engine.sampling import SamplingParams, step_draws, top_logprobs
+from minilib.engine.scheduler import PLACEHOLDER, Request, Scheduler, StepPlan
 from minilib.engine.sharding import (
     kv_head_replicas,
     nan_kv_pages,
@@ -129,6 +130,9 @@ class Engine:
         its own (so a whole run is repeatable, and each request's draws are its own).
       max_stats: `engine.stats` keeps the `StepStats` of the last max_stats steps only
         (default MAX_STATS, 1000), oldest first; `engine.num_steps` counts every step.
+      async_scheduling: plan and launch step n + 1 before reading step n's tokens, as vLLM's
+        AsyncScheduler does, so that the host's planning hides behind the device's work
+        (`minilib.engine.async_scheduling`). The tokens are those of synchronous scheduling.
 
     >>> from minilib import ragged_paged_attention_jnp
     >>> from minilib.engine import init_params
@@ -161,6 +165,7 @@ class Engine:
         num_speculative_tokens: int = 0,
         prompt_lookup_min: int = PROMPT_LOOKUP[0],
         prompt_lookup_max: int = PROMPT_LOOKUP[1],
+        async_scheduling: bool = False,
     ):
         for name, value in (
             ("num_pages", num_pages),
@@ -185,11 +190,15 @@ class Engine:
                 f"attention={attention!r} is not callable.",
                 "pass a function such as minilib.ragged_paged_attention_jnp.",
             )
-        if not isinstance(enable_prefix_caching, bool | np.bool_):
-            raise EngineError(
-                f"Engine: enable_prefix_caching={enable_prefix_caching!r} must be True or False.",
-                "pass enable_prefix_caching=True to share cached prefixes between requests.",
-            )
+        for name, value, what in (
+            ("enable_prefix_caching", enable_prefix_caching, "share cached prefixes"),
+            ("async_scheduling", async_scheduling, "plan a step while the one before runs"),
+        ):
+            if not isinstance(value, bool | np.bool_):
+                raise EngineError(
+                    f"Engine: {name}={value!r} must be True or False.",
+                    f"pass {name}=True to {what}, or False (the default) not to.",
+                )
         if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
             raise EngineError(
                 f"Engine: seed={seed!r} must be a non-negative int.",
@@ -245,6 +254,8 @@ class Engine:
         self._num_issued = 0  # request ids come from this counter: never reused
         self._unrun_plan: StepPlan | None = None  # a step's plan whose model raised
         self._seeds = np.random.default_rng(seed)
+        self.seconds_waiting = 0.0  # the host's time blocked on the device's tokens
+        self.async_loop = AsyncStepLoop(self) if async_scheduling else None
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -325,6 +336,8 @@ class Engine:
         if request.finished:
             return
         self.scheduler.abort(request)
+        if request.output[-1:] == [PLACEHOLDER]:  # async: the token in flight is dropped
+            request.output.pop()
         self._finish(request, "abort")
         if self._unrun_plan and any(seq.request is request for seq in self._unrun_plan.seqs):
             self._unrun_plan = None  # its pages are gone: the next step plans afresh
@@ -337,7 +350,7 @@ class Engine:
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=tuple(request.prompt),
-            token_ids=tuple(request.output),
+            token_ids=tuple(request.known_output),
             finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens or 0,
             metrics=dataclasses.replace(request.metrics),
@@ -357,7 +370,7 @@ class Engine:
 
     def output(self, request_id: int) -> list[int]:
         """The tokens generated so far for `request_id`."""
-        return list(self._request(request_id).output)
+        return self._request(request_id).known_output
 
     @property
     def has_unfinished(self) -> bool:
@@ -412,54 +425,35 @@ class Engine:
         `stats` and the requests' metrics do not move. The scheduler has made the plan already
         (admitted, preempted, taken pages), so the plan is kept, and the next `step()` runs it
         again instead of planning anew (unless one of its requests was aborted in between).
-        """
-        step = self.num_steps
-        plan = self._unrun_plan or self.scheduler.schedule()
-        if not plan.seqs and self.has_unfinished:
-            # Nothing running and no admission: schedule() changed nothing.
-            raise EngineError(
-                f"No request could be scheduled: {len(self.scheduler.waiting)} waiting, "
-                f"{len(self.scheduler.running)} running, "
-                f"{self.scheduler.allocator.num_free} of {self.num_pages} pages free. "
-                "The admission rule refused every waiting request.",
-                "with nothing running, the admission rule must admit the first waiting "
-                "request when a step's budget and the free pages allow it (as can_admit "
-                "does): fix scheduler.admission_rule, or find the pages that were never "
-                "freed (scheduler.accounting_problems()); or abort_request the waiting "
-                "requests.",
-            )
-        started = time.perf_counter()
-        self._unrun_plan = plan  # until the model has run
-        sampled, logprobs = self.run_model(plan) if plan.seqs else ({}, {})
-        self._unrun_plan = None
-        for seq in plan.seqs:
-            metrics = seq.request.metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time, metrics.first_scheduled_step = started, step
-        finished = self.scheduler.finish_step(plan, sampled)
-        for request_id, entries in logprobs.items():
-            request = self.requests[request_id]
-            request.logprobs += entries[: len(request.output) - len(request.logprobs)]
-        ended = time.perf_counter()
-        for seq in plan.seqs:
-            metrics = seq.request.metrics
-            if seq.samples and metrics.first_token_time is None:
-                metrics.first_token_time, metrics.first_token_step = ended, step
-            if seq.samples:
-                metrics.last_token_time, metrics.last_token_step = ended, step
-        for request in finished:
-            request.metrics.finished_time, request.metrics.finished_step = ended, step
-        stats = self._stats(plan, finished, sampled)
-        self.stats.append(stats)
-        del self.stats[: -self.max_stats]  # keep the last max_stats steps only
-        self.num_steps += 1
-        return stats
 
-    def run_model(self, plan: StepPlan) -> tuple[dict[int, list[int]], dict[int, list]]:
-        """The model on one packed batch, padded to the step's buckets. Returns
-        {request_id: its new tokens} for every sequence that reached its last token (one
-        token, or its kept drafts and one more), and {request_id: [logprobs entry per new
-        token]} for those of them that asked for logprobs (`top_logprobs`)."""
+        With `async_scheduling`, the step also plans and launches the next one before it
+        reads its own tokens (`minilib.engine.async_scheduling.AsyncStepLoop.step`).
+        """
+        if self.async_loop is not None:
+            return self.async_loop.step()
+        plan = self.plan()
+        started = time.perf_counter()
+        sampled, logprobs = self.read_tokens(plan, self.launch(plan))
+        finished = self.scheduler.finish_step(plan, sampled)
+        return self.record_step(plan, started, sampled, logprobs, finished)
+
+    def plan(self, in_flight: bool = False) -> StepPlan:
+        """The next step's plan: the plan whose model raised, or the scheduler's. Raises
+        `EngineError` when there are requests but none can run (and no step is `in_flight`,
+        whose tokens would let them)."""
+        plan = self._unrun_plan or self.scheduler.schedule()
+        if not plan.seqs and self.has_unfinished and not in_flight:
+            raise self.scheduler.stuck_error()  # schedule() changed nothing
+        return plan
+
+    def launch(self, plan: StepPlan, fill_tokens=None):
+        """Pack `plan`, padded to the step's buckets, and dispatch the model on it; JAX
+        returns at once, the device still running. `fill_tokens(batch)` may swap in token
+        ids that are still on the device (async scheduling). Returns the device's
+        (tokens i32[S, k + 1], num_accepted i32[S], logprob rows), or None for no sequence."""
+        if not plan.seqs:
+            return None
+        self._unrun_plan = plan  # until the model has run
         batch = pack_batch(
             plan,
             max_num_batched_tokens=bucket_for(
@@ -471,8 +465,23 @@ class Engine:
             num_speculative_tokens=self.num_speculative_tokens,
         )
         self.last_batch = batch  # kept for reading: what the model saw in the last step
-        kv_pages, (tokens, num_accepted, rows) = self._forward(batch, self._draws(plan, batch))
+        draws = step_draws(plan, batch.sample_rows.shape, self.config.vocab_size)
+        model_batch = batch if fill_tokens is None else fill_tokens(batch)
+        kv_pages, outputs = self._forward(model_batch, draws)
         self.kv_pages = kv_pages  # only now: a step that raised leaves the cache as it was
+        self._unrun_plan = None
+        return outputs
+
+    def read_tokens(self, plan: StepPlan, outputs) -> tuple[dict, dict]:
+        """Wait for the device, and read `launch`'s outputs: {request_id: its new tokens}
+        for every sequence that reached its last token (one token, or its kept drafts and
+        one more), and {request_id: [logprobs entry per new token]} for those of them that
+        asked for logprobs (`top_logprobs`). The wait adds to `seconds_waiting`."""
+        if outputs is None:
+            return {}, {}
+        waited = time.perf_counter()
+        tokens, num_accepted, rows = jax.block_until_ready(outputs)
+        self.seconds_waiting += time.perf_counter() - waited
         tokens, num_accepted = np.asarray(tokens), np.asarray(num_accepted)
         sampled, logprobs = {}, {}
         for i, seq in enumerate(plan.seqs):
@@ -487,6 +496,32 @@ class Engine:
                         top_logprobs(rows[i, j], t, k) for j, t in enumerate(new)
                     ]
         return sampled, logprobs
+
+    def record_step(self, plan, started, sampled, logprobs, finished) -> StepStats:
+        """The step is done, its tokens recorded (`sampled`: those kept) and `finished`
+        released: the requests' logprobs and metrics, the step's `StepStats`, one more step."""
+        step = self.num_steps
+        for seq in plan.seqs:
+            metrics = seq.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time, metrics.first_scheduled_step = started, step
+        for request_id, entries in logprobs.items():
+            request = self.requests[request_id]
+            request.logprobs += entries[: len(request.output) - len(request.logprobs)]
+        ended = time.perf_counter()
+        for seq in plan.seqs:
+            metrics, sampled_now = seq.request.metrics, seq.request.request_id in sampled
+            if sampled_now and metrics.first_token_time is None:
+                metrics.first_token_time, metrics.first_token_step = ended, step
+            if sampled_now:
+                metrics.last_token_time, metrics.last_token_step = ended, step
+        for request in finished:
+            request.metrics.finished_time, request.metrics.finished_step = ended, step
+        stats = step_stats(step, plan, self.scheduler, finished, sampled)
+        self.stats.append(stats)
+        del self.stats[: -self.max_stats]  # keep the last max_stats steps only
+        self.num_steps += 1
+        return stats
 
     def _forward(self, batch: PackedBatch, draws: tuple):
         """Every layer on `batch`: K/V of the new rows into the pages, attention, the MLP;
@@ -532,24 +567,12 @@ class Engine:
                 page_size=self.page_size,
                 num_speculative_tokens=self.num_speculative_tokens,
             )
-            jax.block_until_ready(self._forward(batch, self._draws(empty, batch)))
+            jax.block_until_ready(
+                self._forward(
+                    batch, step_draws(empty, batch.sample_rows.shape, self.config.vocab_size)
+                )
+            )
         return len(shapes)
-
-    def _draws(self, plan: StepPlan, batch: PackedBatch):
-        """Each sequence slot's key, first output token index, settings and banned tokens
-        per row (greedy, none banned, for padding)."""
-        s, rows = batch.sample_rows.shape
-        keys, indices = np.zeros((s, 2), np.uint32), np.zeros(s, np.int32)
-        temperature, top_k, top_p = np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s)
-        banned = np.zeros((s, rows, self.config.vocab_size), bool)
-        for i, seq in enumerate(plan.seqs):
-            params, num_generated = seq.request.sampling_params, len(seq.request.output)
-            keys[i] = request_key(params.seed)
-            indices[i] = num_generated  # the index of the token row 0 picks
-            temperature[i], top_k[i], top_p[i] = params.temperature, params.top_k, params.top_p
-            for j in range(rows):
-                banned[i, j] = banned_tokens(params, num_generated + j, self.config.vocab_size)
-        return keys, indices, temperature, top_k, top_p.astype(np.float32), banned
 
     def _request(self, request_id) -> Request:
         is_id = isinstance(request_id, int | np.integer) and not isinstance(request_id, bool)
@@ -572,28 +595,3 @@ class Engine:
         request.finish_reason = reason
         request.metrics.finished_time = time.perf_counter()
         request.metrics.finished_step = self.num_steps
-
-    def _stats(self, plan: StepPlan, finished: list[Request], sampled: dict) -> StepStats:
-        decode = sum(seq.num_tokens for seq in plan.seqs if seq.kind == "decode")
-        prefill = sum(seq.num_tokens for seq in plan.seqs) - decode
-        allocator = self.scheduler.allocator
-        return StepStats(
-            step=self.num_steps,
-            num_prefill_tokens=prefill,
-            num_decode_tokens=decode,
-            num_pages_used=allocator.num_used,
-            num_waiting=len(self.scheduler.waiting),
-            num_running=len(self.scheduler.running),
-            preempted=plan.preempted,
-            admitted=plan.admitted,
-            finished=tuple(r.request_id for r in finished),
-            batch=tuple((s.request.request_id, s.kind, s.num_tokens) for s in plan.seqs),
-            page_owners=self.scheduler.page_owners,
-            cached_pages=getattr(allocator, "cached_pages", ()),
-            num_cached_tokens=plan.num_cached_tokens,
-            page_tables=tuple((r.request_id, tuple(r.pages)) for r in self.scheduler.running),
-            num_draft_tokens=sum(len(seq.draft_token_ids) for seq in plan.seqs),
-            num_accepted_tokens=sum(
-                len(sampled[seq.request.request_id]) - 1 for seq in plan.seqs if seq.draft_token_ids
-            ),
-        )

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["FINISH_REASONS", "RequestMetrics", "RequestOutput", "StepStats"]
+__all__ = ["FINISH_REASONS", "RequestMetrics", "RequestOutput", "StepStats", "step_stats"]
 
 # Why a request ended: a stop token, max_tokens reached, or abort_request. (vLLM's names.)
 FINISH_REASONS = ("stop", "length", "abort")
@@ -176,3 +176,42 @@ class StepStats:
     def shared_pages(self) -> tuple[int, ...]:
         """Pages that two or more requests hold."""
         return tuple(page for page, owners in enumerate(self.page_owners) if len(owners) > 1)
+
+
+def step_stats(step: int, plan, scheduler, finished: list, sampled: dict) -> StepStats:
+    """The `StepStats` of step `step`, which ran `plan` (a `StepPlan`) and has been recorded:
+    `sampled` holds the tokens kept, {request_id: tokens}, and `finished` the requests that
+    ended; `scheduler` is the state it left.
+
+    >>> from minilib.engine.scheduler import Request, Scheduler
+    >>> s = Scheduler(num_pages=4, page_size=4, max_num_batched_tokens=8, max_num_seqs=2)
+    >>> s.add(Request(0, prompt=[1, 2, 3], max_new_tokens=2))
+    >>> plan = s.schedule()
+    >>> stats = step_stats(0, plan, s, [], {0: [7]})
+    >>> stats.batch, stats.num_prefill_tokens, stats.page_tables
+    (((0, 'prefill', 3),), 3, ((0, (0,)),))
+    """
+    decode = sum(seq.num_tokens for seq in plan.seqs if seq.kind == "decode")
+    allocator = scheduler.allocator
+    return StepStats(
+        step=step,
+        num_prefill_tokens=sum(seq.num_tokens for seq in plan.seqs) - decode,
+        num_decode_tokens=decode,
+        num_pages_used=allocator.num_used,
+        num_waiting=len(scheduler.waiting),
+        num_running=len(scheduler.running),
+        preempted=plan.preempted,
+        admitted=plan.admitted,
+        finished=tuple(r.request_id for r in finished),
+        batch=tuple((s.request.request_id, s.kind, s.num_tokens) for s in plan.seqs),
+        page_owners=scheduler.page_owners,
+        cached_pages=getattr(allocator, "cached_pages", ()),
+        num_cached_tokens=plan.num_cached_tokens,
+        page_tables=tuple((r.request_id, tuple(r.pages)) for r in scheduler.running),
+        num_draft_tokens=sum(len(seq.draft_token_ids) for seq in plan.seqs),
+        num_accepted_tokens=sum(
+            len(sampled[seq.request.request_id]) - 1
+            for seq in plan.seqs
+            if seq.draft_token_ids and seq.request.request_id in sampled
+        ),
+    )

@@ -50,6 +50,7 @@ __all__ = [
     "request_key",
     "sample_tokens",
     "sampling_scores",
+    "step_draws",
     "top_logprobs",
 ]
 
@@ -315,3 +316,32 @@ def _check_real(name: str, value) -> None:
             f"SamplingParams: {name}={value!r} must be a finite number.",
             f"give {name} as a float, such as {1.0 if name != 'temperature' else 0.7}.",
         )
+
+
+def step_draws(plan, shape: tuple[int, int], vocab_size: int) -> tuple[np.ndarray, ...]:
+    """What a step's sampling needs, per sequence slot of its `shape` (S slots, k + 1 sample
+    rows) for the sequences of `plan` (a `StepPlan`): its key, the index of the output token
+    its row 0 picks, its temperature, top_k and top_p, and bool[S, k + 1, vocab_size], the
+    tokens each row may not pick. Padding slots: greedy, none banned.
+
+    >>> from minilib.engine.scheduler import Request, StepPlan, schedule_tokens
+    >>> params = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[1], seed=5)
+    >>> r = Request(0, prompt=[3], max_new_tokens=4, output=[2], num_computed=1,
+    ...             sampling_params=params)
+    >>> keys, indices, temperature, top_k, top_p, banned = step_draws(
+    ...     StepPlan((schedule_tokens(r, 1),), (), ()), (2, 1), vocab_size=3)
+    >>> keys.tolist(), indices.tolist(), banned[:, 0].tolist()   # 1 is banned: 1 token so far
+    ([[0, 5], [0, 0]], [1, 0], [[False, True, False], [False, False, False]])
+    """
+    s, rows = shape
+    keys, indices = np.zeros((s, 2), np.uint32), np.zeros(s, np.int32)
+    temperature, top_k, top_p = np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s)
+    banned = np.zeros((s, rows, vocab_size), bool)
+    for i, seq in enumerate(plan.seqs):
+        params, num_generated = seq.request.sampling_params, len(seq.request.output)
+        keys[i] = request_key(params.seed)
+        indices[i] = num_generated  # the index of the token row 0 picks
+        temperature[i], top_k[i], top_p[i] = params.temperature, params.top_k, params.top_p
+        for j in range(rows):
+            banned[i, j] = banned_tokens(params, num_generated + j, vocab_size)
+    return keys, indices, temperature, top_k, top_p.astype(np.float32), banned

@@ -48,9 +48,15 @@ from minilib.engine.prefix_cache import (
 )
 from minilib.engine.sampling import SamplingParams
 from minilib.engine.spec_decode import check_drafts
+from minilib.errors import EngineError
 from minilib.kv_cache import PageAllocator, pages_needed
 
+# Async scheduling (`minilib.engine.async_scheduling`): the id of a token that the step in
+# flight samples, not yet read back. A request holds at most one, at the end of its output.
+PLACEHOLDER = -1
+
 __all__ = [
+    "PLACEHOLDER",
     "Request",
     "ScheduledSeq",
     "Scheduler",
@@ -105,6 +111,16 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def known_output(self) -> list[int]:
+        """The output, without the placeholder of a token still in flight (async scheduling).
+
+        >>> Request(0, prompt=[5], max_new_tokens=4, output=[9, PLACEHOLDER]).known_output
+        [9]
+        """
+        in_flight = self.output[-1:] == [PLACEHOLDER]
+        return self.output[:-1] if in_flight else list(self.output)
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -340,8 +356,9 @@ class Scheduler:
         """Choose the next step's sequences; take the pages they need (see the module doc)."""
         budget = self.max_num_batched_tokens
         seqs, preempted = [], []
-        drafts = {r.request_id: self._drafts(r) for r in self.running}  # before any change
-        for request in list(self.running):  # 1. running requests, oldest first
+        ready = [r for r in self.running if not self.awaits_tokens(r)]
+        drafts = {r.request_id: self._drafts(r) for r in ready}  # before any change
+        for request in ready:  # 1. running requests, oldest first
             if request not in self.running:  # preempted earlier in this loop
                 continue
             wanted = drafts[request.request_id]
@@ -422,6 +439,21 @@ class Scheduler:
             self.waiting.remove(request)
         request.finish_reason = "abort"
 
+    def stuck_error(self) -> EngineError:
+        """The error for a step that has requests but can run none of them: nothing running,
+        and the admission rule refused the first waiting request."""
+        return EngineError(
+            f"No request could be scheduled: {len(self.waiting)} waiting, "
+            f"{len(self.running)} running, "
+            f"{self.allocator.num_free} of {self.allocator.total_num_pages} pages free. "
+            "The admission rule refused every waiting request.",
+            "with nothing running, the admission rule must admit the first waiting "
+            "request when a step's budget and the free pages allow it (as can_admit "
+            "does): fix scheduler.admission_rule, or find the pages that were never "
+            "freed (scheduler.accounting_problems()); or abort_request the waiting "
+            "requests.",
+        )
+
     def accounting_problems(self) -> list[str]:
         """What is wrong with the pool's books, given the running requests' page tables
         (an empty list: nothing). Tests check it after every step.
@@ -461,6 +493,22 @@ class Scheduler:
         if not self.enable_prefix_caching or request.pages:
             return []
         return get_computed_pages(request.tokens, self.allocator, self.page_size)
+
+    def awaits_tokens(self, request: Request) -> bool:
+        """Async scheduling: whether `request` sits this step out, waiting for the token that
+        the step in flight samples for it: when that token is its last (max_new_tokens), or
+        when drafts are to be proposed, since they come from its tokens. (Without a token in
+        flight, never.)
+
+        >>> s = Scheduler(num_pages=4, page_size=4, max_num_batched_tokens=8, max_num_seqs=2)
+        >>> r = Request(0, prompt=[1, 2], max_new_tokens=2, output=[7, PLACEHOLDER])
+        >>> s.awaits_tokens(r), s.awaits_tokens(Request(1, prompt=[1], max_new_tokens=2))
+        (True, False)
+        """
+        if request.output[-1:] != [PLACEHOLDER]:
+            return False
+        last = len(request.output) >= request.max_new_tokens
+        return last or self.propose_drafts is not None
 
     def _drafts(self, request: Request) -> list[int]:
         """The drafts to verify for a running request: none unless it decodes and a proposer
