@@ -121,7 +121,9 @@ def float64_attention(
     bfloat16 and fp8 value is a float64 value), with no scale (fp8 read as stored). Nothing
     is rounded but float64's own 2**-53, unless asked: `probs_dtype` rounds the softmax
     probabilities to that dtype (by way of float32) before P·V, `out_dtype` the output after
-    it. No sliding window, soft cap or sink.
+    it. Either may be a tuple of dtypes, rounded to in turn: `(jnp.float16, jnp.float8_e5m2)`
+    rounds twice, as some XLA versions convert float32 to fp8. No sliding window, soft cap or
+    sink.
 
     >>> from minilib.batch import make_batch
     >>> b = make_batch([(2, 2), (1, 5)], head_dim=8, page_size=4, kv_dtype=jnp.float8_e4m3fn)
@@ -132,9 +134,8 @@ def float64_attention(
     >>> bool(np.all(rounded == np.asarray(exact, np.float32).astype(jnp.float8_e4m3fn)))
     True
     """
-    for name, dtype in (("probs_dtype", probs_dtype), ("out_dtype", out_dtype)):
-        if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"float64_attention({name}={dtype!r}): give a float dtype or None")
+    probs_dtypes = _dtypes("probs_dtype", probs_dtype)
+    out_dtypes = _dtypes("out_dtype", out_dtype)
     q = _as_float64(q)
     kv = _as_float64(kv_pages)
     cu_q_lens, kv_lens, page_indices = (np.asarray(a) for a in (cu_q_lens, kv_lens, page_indices))
@@ -145,10 +146,10 @@ def float64_attention(
         tokens = kv[pages].reshape(-1, *kv.shape[2:])[: kv_lens[s]]
         k, v = tokens[:, 0::2], tokens[:, 1::2]  # [kv_len, num_kv_heads, head_dim]
         probs = _float64_probs(seq_q, k, sm_scale)  # [num_q_heads, q_len, kv_len]
-        probs = _rounded(probs, probs_dtype)
+        probs = _rounded(probs, probs_dtypes)
         group = q.shape[1] // k.shape[1]
         out = np.einsum("hqk,khd->qhd", probs, np.repeat(v, group, axis=1))
-        outputs.append(_rounded(out, out_dtype))
+        outputs.append(_rounded(out, out_dtypes))
     return np.concatenate(outputs) if outputs else np.zeros((0, *q.shape[1:]))
 
 
@@ -168,8 +169,21 @@ def _as_float64(x) -> np.ndarray:
     return np.asarray(np.asarray(x).astype(np.float32), np.float64)
 
 
-def _rounded(x: np.ndarray, dtype) -> np.ndarray:
-    """x rounded to `dtype` by way of float32, back in float64; x itself for None."""
+def _dtypes(name: str, dtype) -> tuple:
+    """`dtype` as a tuple of float dtypes: () for None, (dtype,) for one."""
     if dtype is None:
-        return x
-    return _as_float64(np.asarray(x, np.float32).astype(dtype))
+        return ()
+    dtypes = tuple(dtype) if isinstance(dtype, (tuple, list)) else (dtype,)
+    for d in dtypes:
+        if not jnp.issubdtype(d, jnp.floating):
+            raise ValueError(
+                f"float64_attention({name}={dtype!r}): give a float dtype, a tuple of them or None"
+            )
+    return dtypes
+
+
+def _rounded(x: np.ndarray, dtypes: tuple) -> np.ndarray:
+    """x rounded by way of float32 to each of `dtypes` in turn, back in float64."""
+    for dtype in dtypes:
+        x = _as_float64(np.asarray(x, np.float32).astype(dtype))
+    return x

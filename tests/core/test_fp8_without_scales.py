@@ -5,13 +5,16 @@ formula computed in float64 from the stored values (`float64_attention`). JAX's 
 (`jax_reference`, no scales) is about 0.2 away (0.3-0.4 for e5m2), and the tests below pin
 down why: without scales it leaves K and V in fp8, so its softmax probabilities are cast to
 V's dtype, fp8, and its P·V, a product of two fp8 arrays, gives an fp8 result. Those two
-roundings, and nothing else, make its output: it is bit for bit the float64 formula with the
-probabilities rounded to fp8 and the output rounded to fp8 (on the CPU by way of float16, as
-XLA converts the float32 result of an fp8 matmul). With k_scale = v_scale = 1 JAX's reference
+roundings, and nothing else, make its output: it is the float64 formula with the probabilities
+rounded to fp8 and the output rounded to fp8 (bit for bit on jax 0.12's CPU, the output by way
+of float16, as its XLA converts the float32 result of an fp8 matmul; within two fp8 steps at
+under 1% of the outputs on jax 0.7.2's). With k_scale = v_scale = 1 JAX's reference
 casts K and V to q's dtype first, and is as close to float64 as ours.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import jax.numpy as jnp
 import numpy as np
@@ -71,28 +74,44 @@ def test_ours_is_the_float64_formula_up_to_rounding(name, q_dtype, kv_dtype):
 
 @pytest.mark.parametrize("kv_dtype", FP8_TYPES)
 def test_jax_reference_rounds_probabilities_and_output_to_fp8(kv_dtype):
-    """JAX's reference without scales is far from float64, and equals, bit for bit, float64
-    with its probabilities rounded to fp8 and its output rounded to fp8 (through float16),
-    then to q's dtype. Either rounding alone does not give it. (bfloat16 q: its matmuls take
-    no float32 operand, so TPU numerics' emulation, when on, changes nothing here.)"""
+    """JAX's reference without scales is far from float64, and is float64 with its
+    probabilities rounded to fp8 and its output rounded to fp8 (then to q's dtype): equal at
+    99% of the outputs or more, and at most two fp8 steps of the output away elsewhere, where
+    a probability or an output near halfway between two fp8 values went the other way. How
+    XLA converts float32 to fp8 decides those: directly, or through float16 first (`routes`).
+    On jax 0.12's CPU one route (the probabilities directly, the output through float16)
+    replays it bit for bit; jax 0.7.2's differs from the nearest route at 0.4-0.6% of the
+    outputs, by one or two steps (measured). Either
+    rounding alone is far, and equal at 70% of the outputs or fewer. (bfloat16 q: its matmuls
+    take no float32 operand, so TPU numerics' emulation changes nothing here.)"""
     batch = fp8_batch(jnp.bfloat16, kv_dtype)
     jax_out = as_float64(jax_reference_jitted(batch, sm_scale=SM_SCALE))
     exact = float64_attention(*batch.args(), sm_scale=SM_SCALE)
     assert np.max(np.abs(jax_out - exact)) > FAR
+    routes = [kv_dtype, (jnp.float16, kv_dtype)]  # directly, or through float16
 
-    def float64_rounded(probs_dtype, out_dtype):
+    def formula(probs_dtype, out_dtype):  # float64 with these roundings, as q's dtype
         out = float64_attention(
-            *batch.args(),
-            sm_scale=SM_SCALE,
-            probs_dtype=probs_dtype,
-            out_dtype=None if out_dtype is None else jnp.float16,
+            *batch.args(), sm_scale=SM_SCALE, probs_dtype=probs_dtype, out_dtype=out_dtype
         )
-        out = out if out_dtype is None else rounded(out, out_dtype)
         return rounded(out, jnp.bfloat16)
 
-    np.testing.assert_array_equal(jax_out, float64_rounded(kv_dtype, kv_dtype))
-    for one_rounding in ((kv_dtype, None), (None, kv_dtype)):
-        assert np.max(np.abs(jax_out - float64_rounded(*one_rounding))) > FAR / 2
+    both = [formula(p, o) for p, o in itertools.product(routes, routes)]
+    best = max(both, key=lambda replay: np.mean(replay == jax_out))
+    assert np.mean(best == jax_out) >= 0.99
+    steps = np.abs(best - jax_out) / fp8_step(np.maximum(abs(best), abs(jax_out)), kv_dtype)
+    assert np.max(steps) <= 2
+    for route in routes:
+        for alone in (formula(route, None), formula(None, route)):
+            assert np.mean(alone == jax_out) <= 0.7
+            assert np.max(np.abs(alone - jax_out)) > FAR / 2
+
+
+def fp8_step(magnitude, fp8_dtype):
+    """The spacing of `fp8_dtype`'s values at each `magnitude` (its smallest normal's below)."""
+    info = jnp.finfo(fp8_dtype)
+    exponent = np.floor(np.log2(np.maximum(magnitude, float(info.smallest_normal))))
+    return 2.0 ** (exponent - info.nmant)
 
 
 @pytest.mark.parametrize("kv_dtype", FP8_TYPES)
