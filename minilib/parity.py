@@ -17,6 +17,9 @@ A wrong answer (a key missed, a mask off by one, the soft cap applied before the
 by 0.1 or more, far above all three. `parity_tolerance(dtype)` gives the one that applies
 here; `parity_error(out, expected, tolerance=...)` returns max |out - expected|, and raises an
 AssertionError when it is over the tolerance or not finite: a wrong answer, not rounding.
+`float64_attention` is the formula itself, in float64 from the inputs' exact values: what no
+implementation's rounding touches, and what a rounding named on purpose (`probs_dtype`,
+`out_dtype`) adds to it.
 
     >>> import numpy as np
     >>> tolerance = parity_tolerance()
@@ -36,6 +39,7 @@ __all__ = [
     "BF16_PASS_TOLERANCE",
     "BFLOAT16_TOLERANCE",
     "FLOAT32_TOLERANCE",
+    "float64_attention",
     "parity_error",
     "parity_tolerance",
 ]
@@ -99,3 +103,87 @@ def parity_error(out, expected, *, tolerance: float, what: str = "out - expected
             f"max |{what}| = {error:.1e} > tolerance {tolerance:.0e}: a wrong answer, not rounding"
         )
     return error
+
+
+def float64_attention(
+    q,  # [max_num_batched_tokens, num_q_heads, head_dim]
+    kv_pages,  # [total_num_pages, page_size, 2*num_kv_heads, head_dim]
+    kv_lens,  # i32[max_num_seqs]
+    page_indices,  # i32[max_num_seqs, pages_per_seq]
+    cu_q_lens,  # i32[max_num_seqs + 1]
+    num_seqs,  # i32[1]
+    *,
+    sm_scale: float = 1.0,
+    probs_dtype=None,
+    out_dtype=None,
+) -> np.ndarray:  # float64[num_tokens, num_q_heads, head_dim]: the live rows only
+    """Causal ragged paged attention in NumPy float64, from q and K/V upcast exactly (every
+    bfloat16 and fp8 value is a float64 value), with no scale (fp8 read as stored). Nothing
+    is rounded but float64's own 2**-53, unless asked: `probs_dtype` rounds the softmax
+    probabilities to that dtype (by way of float32) before P·V, `out_dtype` the output after
+    it. Either may be a tuple of dtypes, rounded to in turn: `(jnp.float16, jnp.float8_e5m2)`
+    rounds twice, as some XLA versions convert float32 to fp8. No sliding window, soft cap or
+    sink.
+
+    >>> from minilib.batch import make_batch
+    >>> b = make_batch([(2, 2), (1, 5)], head_dim=8, page_size=4, kv_dtype=jnp.float8_e4m3fn)
+    >>> exact = float64_attention(*b.args(), sm_scale=0.3)
+    >>> exact.shape, exact.dtype
+    ((3, 4, 8), dtype('float64'))
+    >>> rounded = float64_attention(*b.args(), sm_scale=0.3, out_dtype=jnp.float8_e4m3fn)
+    >>> bool(np.all(rounded == np.asarray(exact, np.float32).astype(jnp.float8_e4m3fn)))
+    True
+    """
+    probs_dtypes = _dtypes("probs_dtype", probs_dtype)
+    out_dtypes = _dtypes("out_dtype", out_dtype)
+    q = _as_float64(q)
+    kv = _as_float64(kv_pages)
+    cu_q_lens, kv_lens, page_indices = (np.asarray(a) for a in (cu_q_lens, kv_lens, page_indices))
+    outputs = []
+    for s in range(int(np.asarray(num_seqs)[0])):
+        seq_q = q[cu_q_lens[s] : cu_q_lens[s + 1]]  # [q_len, num_q_heads, head_dim]
+        pages = page_indices[s, : -(-kv_lens[s] // kv.shape[1])]  # the pages it uses
+        tokens = kv[pages].reshape(-1, *kv.shape[2:])[: kv_lens[s]]
+        k, v = tokens[:, 0::2], tokens[:, 1::2]  # [kv_len, num_kv_heads, head_dim]
+        probs = _float64_probs(seq_q, k, sm_scale)  # [num_q_heads, q_len, kv_len]
+        probs = _rounded(probs, probs_dtypes)
+        group = q.shape[1] // k.shape[1]
+        out = np.einsum("hqk,khd->qhd", probs, np.repeat(v, group, axis=1))
+        outputs.append(_rounded(out, out_dtypes))
+    return np.concatenate(outputs) if outputs else np.zeros((0, *q.shape[1:]))
+
+
+def _float64_probs(q, k, sm_scale: float):  # q [q_len, heads, d], k [kv_len, kv_heads, d]
+    """Softmax of the causal scores q . k * sm_scale: [num_q_heads, q_len, kv_len]."""
+    q_len, kv_len = q.shape[0], k.shape[0]
+    k = np.repeat(k, q.shape[1] // k.shape[1], axis=1)
+    scores = np.einsum("qhd,khd->hqk", q, k) * sm_scale
+    q_pos = kv_len - q_len + np.arange(q_len)[:, None]  # the new rows are the last tokens
+    scores = np.where(q_pos >= np.arange(kv_len)[None, :], scores, -np.inf)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return weights / weights.sum(axis=-1, keepdims=True)
+
+
+def _as_float64(x) -> np.ndarray:
+    """x's values in float64, exactly (by way of float32, which holds every bf16 and fp8)."""
+    return np.asarray(np.asarray(x).astype(np.float32), np.float64)
+
+
+def _dtypes(name: str, dtype) -> tuple:
+    """`dtype` as a tuple of float dtypes: () for None, (dtype,) for one."""
+    if dtype is None:
+        return ()
+    dtypes = tuple(dtype) if isinstance(dtype, (tuple, list)) else (dtype,)
+    for d in dtypes:
+        if not jnp.issubdtype(d, jnp.floating):
+            raise ValueError(
+                f"float64_attention({name}={dtype!r}): give a float dtype, a tuple of them or None"
+            )
+    return dtypes
+
+
+def _rounded(x: np.ndarray, dtypes: tuple) -> np.ndarray:
+    """x rounded by way of float32 to each of `dtypes` in turn, back in float64."""
+    for dtype in dtypes:
+        x = _as_float64(np.asarray(x, np.float32).astype(dtype))
+    return x

@@ -84,7 +84,8 @@ def test_docstring_says_fp8_without_scales_is_scale_one(name):
 @pytest.mark.parametrize("name", ["reference", "jnp", "blockwise"])
 def test_fp8_kv_without_scales_is_read_as_scale_one(name):
     """What those docstrings say: no scales is scale 1. (Not JAX's reference without scales,
-    which then also rounds the softmax probabilities to fp8, V's dtype.)"""
+    which then also rounds the softmax probabilities and P·V's output to fp8, V's dtype:
+    test_fp8_without_scales.py.)"""
     fn = implementation(name)
     batch = padded_batch(MIXED, num_q_heads=4, num_kv_heads=2, page_size=8,
                          kv_dtype=jnp.float8_e4m3fn)  # fmt: skip
