@@ -52,8 +52,10 @@ def main(num_requests: int = 8) -> None:
     ]
     params = init_params(CONFIG, seed=0)
     sizes = dict(num_pages=64, page_size=16, max_num_batched_tokens=64, max_num_seqs=8)
-    engines = {mode: Engine(params, CONFIG, async_scheduling=mode == "async", **sizes)
-               for mode in ("sync", "async")}  # fmt: skip
+    engines = {
+        mode: Engine(params, CONFIG, async_scheduling=mode == "async", **sizes)
+        for mode in ("sync", "async")
+    }
     assert engines["sync"].generate(prompts, MAX_NEW) == engines["async"].generate(prompts, MAX_NEW)
     runs = {mode: [] for mode in engines}
     for _ in range(REPS):

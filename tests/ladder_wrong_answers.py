@@ -221,8 +221,14 @@ def rung2(variant: str) -> Callable:
 
         @pl.when(i * page_size < kv_len)
         def _attend():
-            if variant in ("alpha_sign", "max_before_mask", "mask_added", "kv_head_by_modulo",
-                           "mask_one_key_past", "mask_hides_last_key"):  # fmt: skip
+            if variant in (
+                "alpha_sign",
+                "max_before_mask",
+                "mask_added",
+                "kv_head_by_modulo",
+                "mask_one_key_past",
+                "mask_hides_last_key",
+            ):
                 attend_page_by_hand(page_ref, q_ref, m_ref, l_ref, acc_ref, first_pos, kv_len,
                                     sm_scale, variant)  # fmt: skip
             else:
