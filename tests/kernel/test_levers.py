@@ -66,13 +66,20 @@ def lever_batch(head_dim: int, kv_dtype=None):
     )
 
 
-def test_levers_off_runs_the_plain_kernel_and_matches_jax_reference():
-    batch = lever_batch(128)
+@pytest.mark.parametrize(
+    "head_dim, kv_dtype",
+    [(128, None), (256, None), (128, jnp.float8_e4m3fn)],
+    ids=["head_dim 128", "head_dim 256", "fp8 cache"],
+)
+def test_levers_off_runs_the_plain_kernel_and_matches_jax_reference(head_dim, kv_dtype):
+    """One kernel with the plain kernel's points, whatever head_dim and the cache's dtype."""
+    batch = lever_batch(head_dim, kv_dtype)
+    options = OPTIONS if kv_dtype is None else dict(OPTIONS, k_scale=0.5, v_scale=0.5)
     config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, levers=Levers.off())
     assert split_configs(config) == (config, None)  # one kernel
     assert choose_points(config) == Points()  # the plain kernel's points
-    out = ragged_paged_attention(*batch.args(), levers=Levers.off(), interpret=INTERPRET, **OPTIONS)
-    assert_output_matches_jax(out, batch, **OPTIONS)
+    out = ragged_paged_attention(*batch.args(), levers=Levers.off(), interpret=INTERPRET, **options)
+    assert_output_matches_jax(out, batch, **options)
 
 
 @pytest.mark.parametrize("lever", LEVER_CASES)
