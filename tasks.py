@@ -123,9 +123,13 @@ TPU_COMPILE = "tpu_compile and not slow"
 # The test files holding `tpu_compile` tests (the TPU venvs lack the course's packages, so
 # only these are collected there).
 # The kernels against JAX's reference: on .venv-oldest, as a TPU rounds its matmuls.
-KERNEL_PARITY_TESTS = ("tests/kernel/test_kernel.py", "tests/kernel/test_kv_write.py",
-                       "tests/kernel/test_plain_kernel.py",
-                       "tests/kernel/test_mixed_layout.py")  # fmt: skip
+KERNEL_PARITY_TESTS = (
+    "tests/kernel/test_kernel.py",
+    "tests/kernel/test_kv_write.py",
+    "tests/kernel/test_plain_kernel.py",
+    "tests/kernel/test_mixed_layout.py",
+    "tests/kernel/test_levers.py",
+)
 TPU_COMPILE_TESTS = (
     "tests/tpu/test_tpu_compile.py",
     "tests/tpu/test_tpu_comparison.py",
