@@ -123,9 +123,13 @@ TPU_COMPILE = "tpu_compile and not slow"
 # The test files holding `tpu_compile` tests (the TPU venvs lack the course's packages, so
 # only these are collected there).
 # The kernels against JAX's reference: on .venv-oldest, as a TPU rounds its matmuls.
-KERNEL_PARITY_TESTS = ("tests/kernel/test_kernel.py", "tests/kernel/test_kv_write.py",
-                       "tests/kernel/test_plain_kernel.py",
-                       "tests/kernel/test_mixed_layout.py")  # fmt: skip
+KERNEL_PARITY_TESTS = (
+    "tests/kernel/test_kernel.py",
+    "tests/kernel/test_kv_write.py",
+    "tests/kernel/test_plain_kernel.py",
+    "tests/kernel/test_mixed_layout.py",
+    "tests/kernel/test_levers.py",
+)
 TPU_COMPILE_TESTS = (
     "tests/tpu/test_tpu_compile.py",
     "tests/tpu/test_tpu_comparison.py",
@@ -555,10 +559,40 @@ def test(args: list[str]) -> None:
     newest = newest_python_for("test")  # before anything else: it may stop the run at once
     DEADLINE = time.monotonic() + DEADLINE_MINUTES * 60
     phases = Phases()
+    caches = cache_states()  # before the run fills them
     try:
         run_tests(args, phases, newest)
     finally:
         print(f"\nEach phase of `tasks.py test`:\n{phases.table()}", flush=True)
+        print(f"\nThe caches when this run began:\n{caches}", flush=True)
+
+
+def uv_cache_folder() -> Path:
+    """Where uv keeps its downloads: UV_CACHE_DIR, else under XDG_CACHE_HOME or ~/.cache."""
+    if os.environ.get("UV_CACHE_DIR"):
+        return Path(os.environ["UV_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "uv"
+
+
+def cache_states() -> str:
+    """One line per cache the run reads: cold (empty or absent) or warm (its files and MiB),
+    so that the phase table reads as a cold run's or a warm one's (docs/testing.md has both
+    figures)."""
+    caches = [
+        ("uv downloads", uv_cache_folder()),
+        ("XLA CPU compiles", Path(COMPILE_CACHE)),
+        ("libtpu dumps", Path(TPU_COMPILE_CACHE)),
+    ]
+    lines = []
+    for name, folder in caches:
+        if str(folder) == "off":
+            lines.append(f"  {name:17} off")
+            continue
+        files = [f for f in folder.rglob("*") if f.is_file()] if folder.is_dir() else []
+        size = sum(f.stat().st_size for f in files) / 2**20
+        state = f"warm: {len(files):,} files, {size:,.0f} MiB" if files else "cold: empty"
+        lines.append(f"  {name:17} {state}  ({folder})")
+    return "\n".join(lines)
 
 
 def run_tests(args: list[str], phases: Phases, newest: str) -> None:

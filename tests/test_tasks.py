@@ -343,3 +343,25 @@ def test_a_constraint_file_without_the_pin_is_named():
     tasks = load_tasks()
     with pytest.raises(ValueError, match="does not pin package='ipywidgets'"):
         tasks.pinned(tasks.NEWEST[1], "ipywidgets")
+
+
+def test_the_run_says_which_caches_were_cold(tmp_path, monkeypatch):
+    """The line under the phase table: a cache with files is warm (their count), an empty or
+    absent one cold, one switched off says so."""
+    tasks = load_tasks()
+    warm = tmp_path / "jax-cpu" / ".venv"
+    warm.mkdir(parents=True)
+    (warm / "a compile").write_bytes(b"x" * 10)
+    monkeypatch.setenv("UV_CACHE_DIR", str(tmp_path / "no-uv-cache"))
+    monkeypatch.setattr(tasks, "COMPILE_CACHE", str(tmp_path / "jax-cpu"))
+    monkeypatch.setattr(tasks, "TPU_COMPILE_CACHE", "off")
+    lines = tasks.cache_states().splitlines()
+    assert lines[0].split() == [
+        "uv",
+        "downloads",
+        "cold:",
+        "empty",
+        f"({tmp_path / 'no-uv-cache'})",
+    ]
+    assert "XLA CPU compiles  warm: 1 files, 0 MiB" in lines[1]
+    assert lines[2].split() == ["libtpu", "dumps", "off"]

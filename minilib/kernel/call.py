@@ -1,9 +1,9 @@
 """The entry point: `ragged_paged_attention` checks the inputs, decides the levers and builds the
 `KernelConfig` (`kernel_config`); the jitted wrapper, `rpa_jit`, clamps the batch tables once
-(`clamp_tables`) and runs the kernels (`run_kernels`): with every lever off, one kernel on the
-batch as it is (`pallas_call.rpa_pallas_call`, whose body is `plain.rpa_kernel`); with the
-decode kernel, that one on the one-token sequences, then the mixed kernel on the others, in a
-q of its own (`mixed_layout`).
+(`clamp_tables`) and runs the kernels (`run_kernels`). Without the decode kernel (as with
+every lever off), one kernel on the batch as it is (`pallas_call.rpa_pallas_call`, whose body
+is `plain.rpa_kernel`); with it, the decode kernel on the one-token sequences, then the mixed
+kernel on the others, in a q of its own (`mixed_layout`).
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def kernel_config(
     >>> config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, sliding_window=64)
     >>> config.sliding_window, config.num_heads_blocks * config.num_kv_heads_per_block
     (64, 2)
-    >>> config.levers.open_blocks, config.decode_levers.decode_kernel   # no open block, a window
+    >>> config.levers.open_blocks, config.decode_levers.open_blocks   # a window: no open block
     (False, False)
     """
     options = attention_options(options, **option_values)
@@ -329,11 +329,11 @@ def run_kernels(q, kv_pages, tables, attention_sink, new_kv, *, config, interpre
     ([max_num_batched_tokens, 2*num_kv_heads, head_dim] or None) the cache is returned as
     given.
 
-    With every lever off, one kernel on the batch as it is. With the decode kernel
-    (`Levers.decode_kernel`), that one first, on the one-token sequences gathered into a batch
-    of their own (`decode_batch`); then the mixed kernel on the others, in a q of its own
-    (`mixed_layout`); the output gathered back from the mixed kernel's, the decode rows
-    scattered into it. Each kernel writes its sequences' new tokens."""
+    Without the decode kernel (as with every lever off), one kernel on the batch as it is.
+    With the decode kernel (`Levers.decode_kernel`), that one first, on the one-token
+    sequences gathered into a batch of their own (`decode_batch`); then the mixed kernel on the
+    others, in a q of its own (`mixed_layout`); the output gathered back from the mixed
+    kernel's, the decode rows scattered into it. Each kernel writes its sequences' new tokens."""
     tables = clamp_tables(*tables, config, total_num_pages=kv_pages.shape[0])
     mixed_config, decode_config = split_configs(config)
     sink = () if attention_sink is None else (sink_input(attention_sink, config),)
@@ -400,7 +400,7 @@ def clamp_tables(kv_lens, page_indices, cu_q_lens, num_seqs, config: KernelConfi
       kv_lens      to [0, pages_per_seq * page_size];
       page numbers to [0, total_num_pages).
     Every loop over sequences in the kernel then ends by max_num_seqs, and every loop over
-    pages or KV blocks by pages_per_seq (see also `plain.seq_kv_blocks`).
+    pages or KV blocks by pages_per_seq (see also `walk.seq_kv_blocks`).
 
     Why here, not in the kernel: a few vector ops on small tables, once per call, in place of
     a clamp on every read of them in the kernel's loops.

@@ -45,11 +45,13 @@ class Levers:
     strided_kv_loads: bool = False  # each KV head read with one strided load (`strided`)
     padded_slot: bool = False  # a bf16 slot with a spare row per token (`padded_slot`)
     narrow_rows: bool = False  # head_dim 64 read in rows of 64 lanes (`narrow_rows`)
+    lane_blocks: bool = False  # head_dim above 128 in blocks of 128 lanes (`lane_blocks`)
     whole_rows: bool = False  # head_dim 256 whole in a padded slot's rows (`lane_blocks`)
     strided_fold: bool = False  # q folded, the output unfolded, by strided copies
     heads_in_flight: bool = False  # the KV heads software-pipelined (`heads_in_flight`)
     newton_reciprocal: bool = False  # acc / l by a refined reciprocal (`reciprocal`)
     fixed_max: bool = False  # one fixed max where a soft cap bounds the scores (`fixed_max`)
+    fp8_as_stored: bool = False  # an fp8 cache to the MXU as stored, four to a word (`fp8`)
 
     @classmethod
     def off(cls) -> Levers:
@@ -144,7 +146,7 @@ class KernelConfig(AttentionOptions):
 
     @property
     def lane_blocks(self) -> int:
-        """How many 128-lane blocks a KV slot holds head_dim in (`lane_blocks`, on above 1): 2 at
+        """How many 128-lane blocks head_dim has (`lane_blocks`, which applies above 1): 2 at
         head_dim 256; 1 when head_dim is 128, or not a multiple of 128."""
         return self.head_dim // LANES if self.head_dim % LANES == 0 else 1
 

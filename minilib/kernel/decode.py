@@ -83,6 +83,9 @@ class MixedSeqTable(SeqTable):
     def is_idle(self, q_len):
         return (q_len == 0) | (q_len == 1)
 
+    def tokens_to_write(self, q_len, num_new):
+        return jnp.where(q_len == 1, 0, num_new)  # the decode kernel writes those
+
 
 class DecodeWalker(QBlockWalker):
     """A grid step of the decode kernel: a block of one-token sequences (decode sequence i

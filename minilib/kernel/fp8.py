@@ -38,20 +38,20 @@ KV_HEADS_PER_WORD = 2
 
 def load_kv_from_words(kv_buf, kv_head: int, kv_blk, kv_len, dtype, config: KernelConfig, read):
     """K and V as the MXU takes them, from `read_kv_words` (V zeroed on the words)."""
-    k, v = read(kv_buf, kv_head, kv_blk, kv_len, config)
+    k, v = read(kv_buf=kv_buf, kv_head=kv_head, kv_blk=kv_blk, kv_len=kv_len, config=config)
     return for_the_mxu(k, dtype), for_the_mxu(v, dtype)
 
 
 def load_kv_as_stored(kv_buf, kv_head: int, kv_blk, kv_len, dtype, config: KernelConfig, read):
     """K as stored; V cast before it is zeroed (a cast back to fp8 is slow)."""
-    k, v = read(kv_buf, kv_head, kv_blk, kv_len, config)
+    k, v = read(kv_buf=kv_buf, kv_head=kv_head, kv_blk=kv_blk, kv_len=kv_len, config=config)
     v = v.astype(dtype)
     v = v if kv_len is None else zero_tokens_past_kv_len(v, kv_blk, kv_len, config)
     return for_the_mxu(k, dtype), v
 
 
 def read_kv_words(
-    kv_lanes,  # [num_kv_pages_per_block, page_size, 2*kvh_per_blk, width], fp8
+    kv_buf,  # [num_kv_pages_per_block, page_size, 2*kvh_per_blk, width], fp8
     kv_head: int,
     kv_blk,
     kv_len,
@@ -63,15 +63,15 @@ def read_kv_words(
     and its select is dropped by the compiler.)"""
     c = config
     tokens = c.kv_tokens_per_block
-    flat = kv_lanes.reshape(tokens * 2 * c.num_kv_heads_per_block, kv_lanes.shape[-1])
+    flat = kv_buf.reshape(tokens * 2 * c.num_kv_heads_per_block, kv_buf.shape[-1])
     words = flat.bitcast(jnp.uint32)  # [tokens * kvh / 2, width]
     stride = c.num_kv_heads_per_block // KV_HEADS_PER_WORD
     word = words[pl.ds(kv_head // KV_HEADS_PER_WORD, tokens, stride=stride), :]  # [tokens, width]
     k_shift = 16 * (kv_head % KV_HEADS_PER_WORD)  # K's lowest bit in the word; V's is 8 above
-    k = byte_as_fp8(word, k_shift, kv_lanes.dtype)
+    k = byte_as_fp8(word, k_shift, kv_buf.dtype)
     if kv_len is not None:  # None: an open block, no token past kv_len (`open_blocks`)
         word = zero_words_past_kv_len(word, kv_blk, kv_len, c)
-    v = byte_as_fp8(word, k_shift + 8, kv_lanes.dtype)
+    v = byte_as_fp8(word, k_shift + 8, kv_buf.dtype)
     return k, v
 
 

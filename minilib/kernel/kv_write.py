@@ -30,18 +30,19 @@ from minilib.kernel.walk import SeqTable
 __all__: list[str] = []  # used by `pallas_call.rpa_pallas_call`: see `with_kv_write`
 
 
-def with_kv_write(kernel, config: KernelConfig):
+def with_kv_write(kernel, config: KernelConfig, seq_table: type[SeqTable] = SeqTable):
     """`kernel` (`plain.rpa_kernel`, its refs by name) taking the new tokens, `new_kv_hbm_ref`,
     the cu_q_lens of their rows, `new_kv_cu_q_lens_ref` (the batch's: the mixed kernel's q has
     its own layout), the aliased cache output, `kv_pages_out_ref`, and a DMA semaphore,
     `write_sem`; it writes the tokens in the first grid step, then reads the cache from the
-    output."""
+    output. `seq_table` (the kernel's point) says which sequences this kernel serves, and so
+    writes."""
 
     def writing_kernel(
         *, new_kv_hbm_ref, new_kv_cu_q_lens_ref, kv_pages_out_ref, write_sem, **refs
     ):
         del refs["kv_pages_hbm_ref"]  # the same buffer as kv_pages_out_ref: read that one
-        batch = SeqTable(
+        batch = seq_table(
             refs["kv_lens_ref"],
             refs["page_indices_ref"],
             new_kv_cu_q_lens_ref,
@@ -68,9 +69,7 @@ def write_new_tokens(batch: SeqTable, new_kv_hbm_ref, kv_pages_hbm_ref, sem, con
         q_end = batch.q_end(seq)
         kv_len = batch.kv_len(seq)
         q_len = q_end - batch.q_start(seq)
-        num_new = jnp.minimum(q_len, kv_len)
-        if c.leaves_decode:  # the decode kernel writes the one-token sequences
-            num_new = jnp.where(q_len == 1, 0, num_new)
+        num_new = batch.tokens_to_write(q_len, jnp.minimum(q_len, kv_len))
         first_pos = kv_len - num_new  # the first new token's position in the sequence
 
         def write_page(page_pos, _):

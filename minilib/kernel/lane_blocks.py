@@ -64,7 +64,8 @@ def each_lane_block(read):
 
     def read_lane_blocks(kv_buf, kv_head: int, kv_blk, kv_len, config: KernelConfig):
         blocks = [
-            read(kv_buf.at[f], kv_head, kv_blk, kv_len, config) for f in range(config.lane_blocks)
+            read(kv_buf=kv_buf.at[f], kv_head=kv_head, kv_blk=kv_blk, kv_len=kv_len, config=config)
+            for f in range(config.lane_blocks)
         ]
         return side_by_side(blocks)
 
@@ -113,7 +114,8 @@ def each_lane_row(read):
     def read_lane_rows(kv_buf, kv_head: int, kv_blk, kv_len, config: KernelConfig):
         first = kv_head * config.lane_blocks
         blocks = [
-            read(kv_buf, first + f, kv_blk, kv_len, config) for f in range(config.lane_blocks)
+            read(kv_buf=kv_buf, kv_head=first + f, kv_blk=kv_blk, kv_len=kv_len, config=config)
+            for f in range(config.lane_blocks)
         ]
         return side_by_side(blocks)
 

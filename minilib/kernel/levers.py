@@ -13,12 +13,15 @@ fills the plain kernel's `Points` from it:
     open_blocks        the mask on every KV block              walker (`open_blocks`)
     strided_kv_loads   one load per token and KV head          load_kv (`strided`, `fp8`)
     padded_slot        the plain slot                          slot (`padded_slot`)
-    narrow_rows        the plain load at head_dim 64           load_kv (`narrow_rows`)
+    narrow_rows        the plain load at head_dim 64           none: the strided load reads
+                                                               rows of 64 lanes (`narrow_rows`)
+    lane_blocks        head_dim whole in the slot and output   slot, load_kv (`lane_blocks`)
     whole_rows         a page copy per 128-lane block          slot (`lane_blocks.WholeRows`)
     strided_fold       q folded and unfolded a row at a time   fold_q, write_output
     heads_in_flight    each head's P·V before the next Q·K     attend_heads
     newton_reciprocal  acc / l                                 divide (`reciprocal`)
     fixed_max          the running max                         softmax (`fixed_max`)
+    fp8_as_stored      an fp8 cache cast before the MXU        load_kv (`fp8`)
 
 Levers meet only here: a lever that needs another has it checked here (the padded slot
 needs the strided load), and a lever that needs another's piece is handed it (`strided` the
@@ -111,7 +114,10 @@ def levers_that_apply(config: KernelConfig, asked: Levers, interpret=False) -> L
     views = not isinstance(interpret, pltpu.InterpretParams)
     compiles = padded_slot.padding_compiles()
     narrow = asked.narrow_rows and compiles and c.head_dim == narrow_rows.NARROW_HEAD_DIM
-    loads = asked.strided_kv_loads and views and strided_load_fits(c, narrow_rows=narrow)
+    lanes = asked.lane_blocks and c.lane_blocks > 1
+    fp8_words = asked.fp8_as_stored and c.kv_itemsize == 1
+    fits = strided_load_fits(c, narrow_rows=narrow, in_lane_blocks=lanes, fp8_words=fp8_words)
+    loads = asked.strided_kv_loads and views and fits
     narrow = narrow and loads  # rows of 64 lanes are read by the strided load only
     pads = asked.padded_slot and compiles and loads and c.kv_itemsize == 2
     stores = interpret is False or strided_fold.interpret_stores_through_views()
@@ -123,19 +129,25 @@ def levers_that_apply(config: KernelConfig, asked: Levers, interpret=False) -> L
         strided_kv_loads=loads,
         padded_slot=pads,
         narrow_rows=narrow,
-        whole_rows=asked.whole_rows and pads and c.lane_blocks > 1,
+        lane_blocks=lanes,
+        whole_rows=asked.whole_rows and pads and lanes,
         strided_fold=asked.strided_fold and folds,
         heads_in_flight=asked.heads_in_flight,
         newton_reciprocal=asked.newton_reciprocal,
         fixed_max=asked.fixed_max and bounded,
+        fp8_as_stored=fp8_words,
     )
 
 
-def strided_load_fits(config: KernelConfig, *, narrow_rows: bool) -> bool:
-    """Whether the strided load (`strided`, `fp8.read_kv_words`) can read this slot: head_dim
-    a multiple of 128, or 64 read in narrow rows; and either the KV dtype is f32 or bf16 and
-    the combined heads of a token fill whole (8 * packing, 128) tiles (so the flat view is
-    free), or it is fp8 and the KV heads pair up into whole words.
+def strided_load_fits(
+    config: KernelConfig, *, narrow_rows: bool, in_lane_blocks: bool = True, fp8_words: bool = True
+) -> bool:
+    """Whether the strided load (`strided`, `fp8.read_kv_words`) can read this slot: rows of
+    exactly 128 lanes (head_dim 128, or above it in lane blocks: Mosaic strides over no wider
+    row), or 64 read in narrow rows; and either the KV dtype is f32 or bf16 and the combined
+    heads of a token fill whole (8 * packing, 128) tiles (so the flat view is free), or it is
+    fp8 read as words (`fp8_words`) and the KV heads pair up into whole words. Above 128 lanes
+    it reads each lane block's rows (`in_lane_blocks`).
 
     >>> from minilib.batch import make_batch
     >>> from minilib.kernel import kernel_config
@@ -144,11 +156,13 @@ def strided_load_fits(config: KernelConfig, *, narrow_rows: bool) -> bool:
     True
     """
     c = config
-    if c.head_dim % lane_blocks.LANES != 0 and not narrow_rows:
+    rows_of_128 = c.head_dim == lane_blocks.LANES
+    rows_of_128 = rows_of_128 or (in_lane_blocks and c.head_dim % lane_blocks.LANES == 0)
+    if not rows_of_128 and not narrow_rows:
         return False
     kv_packing = packing_of_size(c.kv_itemsize)
     if kv_packing == 4:
-        return c.num_kv_heads_per_block % fp8.KV_HEADS_PER_WORD == 0
+        return fp8_words and c.num_kv_heads_per_block % fp8.KV_HEADS_PER_WORD == 0
     tiles_whole = (2 * c.num_kv_heads_per_block) % (8 * kv_packing) == 0
     return kv_packing in (1, 2) and tiles_whole
 
@@ -262,24 +276,24 @@ def choose_points(config: KernelConfig) -> Points:
 def kv_points(config: KernelConfig):
     """(slot, load_kv): how a KV slot is laid out and filled, and how K and V reach the MXU."""
     levers = config.levers
-    fp8_cache = config.kv_itemsize == 1
     slot = padded_slot.PaddedSlot() if levers.padded_slot else Points.slot
     read = read_kv_head
-    if levers.strided_kv_loads:
+    if levers.strided_kv_loads and levers.fp8_as_stored:
+        read = fp8.read_kv_words
+    elif levers.strided_kv_loads:
         word_rows = padded_slot.word_rows if levers.padded_slot else None
         word_rows = lane_blocks.lane_rows if levers.whole_rows else word_rows
         read = functools.partial(strided.read_kv_head, word_rows=word_rows)
-        read = fp8.read_kv_words if fp8_cache else read
     if levers.whole_rows:
         slot = lane_blocks.WholeRows(slot)
         read = lane_blocks.each_lane_row(read)
-    elif config.lane_blocks > 1:
+    elif levers.lane_blocks:
         slot = lane_blocks.LaneBlocks(slot)
         read = lane_blocks.each_lane_block(read)
     load = load_kv
-    if fp8_cache and levers.strided_kv_loads:
+    if levers.fp8_as_stored and levers.strided_kv_loads:
         load = fp8.load_kv_from_words
-    elif fp8_cache:
+    elif levers.fp8_as_stored:
         load = fp8.load_kv_as_stored
     if load is not load_kv or read is not read_kv_head:
         load = functools.partial(load, read=read)

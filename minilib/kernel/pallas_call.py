@@ -94,7 +94,7 @@ def rpa_pallas_call(
         body = functools.partial(body, points=points)
     aliases = {}
     if write_kv:
-        body = with_kv_write(body, c)
+        body = with_kv_write(body, c, points.seq_table)
         cache_in = len(TABLE_NAMES) + list(inputs).index("kv_pages_hbm_ref")
         aliases = {cache_in: list(outputs).index("kv_pages_out_ref")}
 

@@ -10,7 +10,8 @@ takes a block of q rows and a block of heads, and walks the sequences that own t
             for each KV head: K and V, then the online softmax of its q heads
 
 The levers plug in at its `Points`, chosen per configuration (`levers.choose_points`): the KV
-slot, K and V to the MXU, the heads' order, q's fold, the output's unfold and division, p's max.
+slot, K and V to the MXU, the heads' order, q's fold, the output's unfold and division, p's max,
+the walk, which sequences the kernel serves; and the copier, which the tests replace.
 """
 
 from __future__ import annotations
@@ -295,7 +296,7 @@ def read_kv_head(kv_buf, kv_head: int, kv_blk, kv_len, config: KernelConfig):
 
 
 def load_kv(kv_buf, kv_head: int, kv_blk, kv_len, dtype, config: KernelConfig, read=read_kv_head):
-    k, v = read(kv_buf, kv_head, kv_blk, kv_len, config)
+    k, v = read(kv_buf=kv_buf, kv_head=kv_head, kv_blk=kv_blk, kv_len=kv_len, config=config)
     v = v if kv_len is None else zero_tokens_past_kv_len(v, kv_blk, kv_len, config)
     return k.astype(dtype), v.astype(dtype)
 

@@ -15,7 +15,7 @@ from minilib.kernel.config import KernelConfig
 __all__: list[str] = []  # the kernel body's own: see `read_kv_head`
 
 
-def read_kv_head(kv_lanes, kv_head: int, kv_blk, kv_len, config: KernelConfig, word_rows=None):
+def read_kv_head(kv_buf, kv_head: int, kv_blk, kv_len, config: KernelConfig, word_rows=None):
     """K and V of one KV head: row `token * 2*kvh + 2*kv_head` of the slot seen as a flat
     [tokens * 2*kvh, width] matrix (width 128, or 64: `narrow_rows`), for every token.
 
@@ -26,10 +26,10 @@ def read_kv_head(kv_lanes, kv_head: int, kv_blk, kv_len, config: KernelConfig, w
     c = config
     tokens = c.kv_tokens_per_block
     if word_rows is not None:
-        words, rows_per_token = word_rows(kv_lanes, c)
+        words, rows_per_token = word_rows(kv_buf, c)
     else:
-        flat = kv_lanes.reshape(tokens * 2 * c.num_kv_heads_per_block, kv_lanes.shape[-1])
-        if packing(kv_lanes.dtype) == 1:  # f32: one row per combined head
+        flat = kv_buf.reshape(tokens * 2 * c.num_kv_heads_per_block, kv_buf.shape[-1])
+        if packing(kv_buf.dtype) == 1:  # f32: one row per combined head
             stride = 2 * c.num_kv_heads_per_block
             k = flat[pl.ds(2 * kv_head, tokens, stride=stride), :]
             v = flat[pl.ds(2 * kv_head + 1, tokens, stride=stride), :]

@@ -46,6 +46,10 @@ class SeqTable:
         """Whether a sequence of `q_len` rows has no work in this kernel: no rows."""
         return q_len == 0
 
+    def tokens_to_write(self, q_len, num_new):
+        """How many of a sequence's `num_new` new tokens this kernel writes (`kv_write`): all."""
+        return num_new
+
     def total_q_len(self):
         """The rows the sequences own (0 if there is none)."""
         n = self.num_seqs()

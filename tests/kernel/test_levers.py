@@ -38,18 +38,23 @@ LEVER_CASES = {
     "strided_kv_loads": (("strided_kv_loads",), 128, True),
     "padded_slot": (("strided_kv_loads", "padded_slot"), 128, True),
     "narrow_rows": (("strided_kv_loads", "narrow_rows"), 64, True),
-    "whole_rows": (("strided_kv_loads", "padded_slot", "whole_rows"), 256, True),
+    "lane_blocks": (("lane_blocks",), 256, False),
+    "strided lane_blocks": (("strided_kv_loads", "lane_blocks"), 256, True),
+    "whole_rows": (("strided_kv_loads", "padded_slot", "lane_blocks", "whole_rows"), 256, True),
     "strided_fold": (("strided_fold",), 128, True),
     "heads_in_flight": (("heads_in_flight",), 128, False),
     "newton_reciprocal": (("newton_reciprocal",), 128, False),
     "fixed_max": (("fixed_max",), 128, False),
+    "fp8_as_stored": (("fp8_as_stored",), 128, False),
+    "strided fp8_as_stored": (("strided_kv_loads", "fp8_as_stored"), 128, True),
 }
 OPTIONS = dict(sm_scale=0.125, soft_cap=20.0, num_kv_pages_per_block=2, num_queries_per_block=8)
 
 
-def lever_batch(head_dim: int):
+def lever_batch(head_dim: int, kv_dtype=None):
     """A prefill, a decode, an idle sequence and a chunk; bf16, 8 KV heads in groups of 2 (so
-    the strided load and fold fit), NaN in the unused slots and pages."""
+    the strided load and fold fit), NaN in the unused slots and pages; the cache in `kv_dtype`
+    (None: bf16)."""
     return make_batch(
         ONE_OF_EACH,
         num_q_heads=16,
@@ -57,16 +62,24 @@ def lever_batch(head_dim: int):
         head_dim=head_dim,
         page_size=8,
         dtype=jnp.bfloat16,
+        kv_dtype=kv_dtype,
     )
 
 
-def test_levers_off_runs_the_plain_kernel_and_matches_jax_reference():
-    batch = lever_batch(128)
+@pytest.mark.parametrize(
+    "head_dim, kv_dtype",
+    [(128, None), (256, None), (128, jnp.float8_e4m3fn)],
+    ids=["head_dim 128", "head_dim 256", "fp8 cache"],
+)
+def test_levers_off_runs_the_plain_kernel_and_matches_jax_reference(head_dim, kv_dtype):
+    """One kernel with the plain kernel's points, whatever head_dim and the cache's dtype."""
+    batch = lever_batch(head_dim, kv_dtype)
+    options = OPTIONS if kv_dtype is None else dict(OPTIONS, k_scale=0.5, v_scale=0.5)
     config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, levers=Levers.off())
     assert split_configs(config) == (config, None)  # one kernel
     assert choose_points(config) == Points()  # the plain kernel's points
-    out = ragged_paged_attention(*batch.args(), levers=Levers.off(), interpret=INTERPRET, **OPTIONS)
-    assert_output_matches_jax(out, batch, **OPTIONS)
+    out = ragged_paged_attention(*batch.args(), levers=Levers.off(), interpret=INTERPRET, **options)
+    assert_output_matches_jax(out, batch, **options)
 
 
 @pytest.mark.parametrize("lever", LEVER_CASES)
@@ -77,34 +90,45 @@ def test_each_lever_on_the_plain_kernel_matches_jax_reference(lever):
     if lever == "strided_fold" and not interpret_stores_through_views():
         pytest.skip("this jax's interpret mode stores through no view of a ref")
     interpret = True if plain_interpret else INTERPRET
+    options = OPTIONS
     batch = lever_batch(head_dim)
+    if "fp8" in lever:  # with scales: without, JAX's reference rounds p to fp8 (notebook 04)
+        batch = lever_batch(head_dim, jnp.float8_e4m3fn)
+        options = dict(OPTIONS, k_scale=0.5, v_scale=0.5)
     asked = Levers.only(*asked_names)
     config = kernel_config(
-        batch.q, batch.kv_pages, batch.page_indices, levers=asked, interpret=interpret, **OPTIONS
+        batch.q, batch.kv_pages, batch.page_indices, levers=asked, interpret=interpret, **options
     )
     mixed, _ = split_configs(config)
     assert mixed.levers == asked, (mixed.levers.on(), asked.on())  # every lever asked applied
     if plain_interpret:  # the public entry's True is TPU interpret mode: the jitted call
         out, _ = rpa_jit(*batch.args(), config=config, interpret=True, trace_capacity=0)
     else:
-        out = ragged_paged_attention(*batch.args(), levers=asked, interpret=interpret, **OPTIONS)
-    assert_output_matches_jax(out, batch, **OPTIONS)
+        out = ragged_paged_attention(*batch.args(), levers=asked, interpret=interpret, **options)
+    assert_output_matches_jax(out, batch, **options)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("interpret", [False, True, INTERPRET], ids=["compiled", "plain", "TPU"])
 def test_the_decision_turns_on_nothing_unasked_and_stands(head_dim, interpret):
-    """For every subset of the levers: what applies is a subset of what was asked, and asking
-    for exactly that decides it again unchanged (one decision, not a drift)."""
+    """For none, every one, every pair, every lever but one, and all of the levers: what
+    applies is a subset of what was asked, and asking for exactly that decides it again
+    unchanged (one decision, not a drift)."""
     batch = lever_batch(head_dim)
     config = kernel_config(batch.q, batch.kv_pages, batch.page_indices, **OPTIONS)
     names = Levers.names()
-    for size in range(len(names) + 1):
-        for subset in itertools.combinations(names, size):
-            asked = Levers.only(*subset)
-            applied = levers_that_apply(config, asked, interpret)
-            assert set(applied.on()) <= set(subset), (subset, applied.on())
-            assert levers_that_apply(config, applied, interpret) == applied, subset
+    subsets = [
+        *itertools.combinations(names, 0),
+        *itertools.combinations(names, 1),
+        *itertools.combinations(names, 2),
+        *itertools.combinations(names, len(names) - 1),
+        names,
+    ]
+    for subset in subsets:
+        asked = Levers.only(*subset)
+        applied = levers_that_apply(config, asked, interpret)
+        assert set(applied.on()) <= set(subset), (subset, applied.on())
+        assert levers_that_apply(config, applied, interpret) == applied, subset
 
 
 def test_the_strided_levers_do_not_apply_in_tpu_interpret_mode():
