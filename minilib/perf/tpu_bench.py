@@ -231,7 +231,11 @@ class KernelCall:
 def kernel_calls(workload: Workload, *, interpret: bool = False) -> list[KernelCall]:
     """The calls of `KERNELS` on `workload`, each at its own block sizes, as `python -m minilib
     compile --workloads` compiles them; with `interpret`, ours in TPU interpret mode and
-    JAX's kernel and v3 not run (`TPU_ONLY`)."""
+    JAX's kernel and v3 not run (`TPU_ONLY`).
+
+    >>> [(c.kernel, c.note[:24]) for c in kernel_calls(SUITE["decode"], interpret=True)][2:]
+    [('JAX', "JAX's kernel is compiled"), ('v3', 'v3 is compiled for a TPU')]
+    """
     model = workload.model
     sm_scale = model.head_dim**-0.5
     ours_options = dict(sm_scale=sm_scale, **model.options())
