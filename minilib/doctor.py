@@ -257,6 +257,7 @@ PARITY_CASE = BenchCase("mixed", 4, (4, 2, 128), page_size=16, pages_per_seq=4,
                         max_num_batched_tokens=64)  # fmt: skip
 TIMING_CASE = dataclasses.replace(TARGET_CASE, dtype="bfloat16")
 TPU_TIMING_REPS = 20  # in interpret mode, 1
+BENCH_TPU_COMMAND = "python -m minilib bench --tpu"  # minilib.perf.tpu_bench
 V3_QUERIES_PER_BLOCK = 32  # v3's mixed kernel: q blocks of 32 tokens, KV blocks as compared
 
 
@@ -531,6 +532,7 @@ def timing_check(on_tpu: bool) -> tuple[str, bool]:
     for name, note in notes.items():
         if note:
             print(f"  {name}: {note}")
+    print(f"  the whole workload suite, each kernel at its own block sizes: {BENCH_TPU_COMMAND}")
     return "timings", ok
 
 

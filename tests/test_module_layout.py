@@ -69,7 +69,8 @@ LAYERS = [
     # 6. The figures and explorers of each idea, the command line, the engine, the exercises,
     #    the packages' front doors.
     ("explore.head_grouping", "explore.page_table", "explore.ragged_batch",
-     "explore.kernel_schedule", "explore.playground", "perf.bench", "tpu.kernel_costs",
+     "explore.kernel_schedule", "explore.playground", "perf.bench", "perf.tpu_bench",
+     "tpu.kernel_costs",
      "tpu.comparison", "tpu.block_times", "tpu.at_defaults", "tpu.suite", "tpu.listing",
      "tpu.sinks", "tpu.recorded",
      "doctor", "__main__", "engine", "engine.*", "exercises", "exercises.*", "explore", "tpu",

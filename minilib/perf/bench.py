@@ -3,6 +3,8 @@
     python -m minilib bench --quick                       # one small case
     python -m minilib bench --workload mixed --num-seqs 32
     python -m minilib bench --engine                      # continuous vs static batching
+    python -m minilib bench --tpu                         # on a TPU: ours, JAX's, v3 on the
+                                                          # workload suite (minilib.perf.tpu_bench)
     python -m minilib bench --help
 
 For each implementation and each case (workload x number of sequences x head config; the
@@ -46,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from minilib.perf import tpu_bench
 from minilib.perf.implementations import IMPLEMENTATIONS, prepare_implementation
 from minilib.perf.memory_sweep import format_memory_table, memory_sweep, save_memory_plot
 from minilib.perf.roofline import Chip, RPACost, batch_cost, roofline
@@ -55,6 +58,7 @@ from minilib.perf.timing import (
     device_chip,
     time_implementation,
 )
+from minilib.perf.tpu_bench import SUITE
 from minilib.perf.workloads import HEAD_CONFIGS, WORKLOADS, BenchCase, case_batches
 
 __all__ = ["BenchRow", "format_table", "run_bench"]
@@ -388,7 +392,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--reps", type=positive_int, default=5, help="warm calls per implementation")
     p.add_argument(
-        "--interpret", action="store_true", help="off TPU, also time the interpreted kernel"
+        "--interpret",
+        action="store_true",
+        help="off TPU, also time the interpreted kernel; with --tpu, run its harness here in "
+        "TPU interpret mode on small workloads (times that mean nothing for a TPU)",
+    )
+    p.add_argument(
+        "--tpu",
+        action="store_true",
+        help="on a TPU: time ours, JAX's kernel and vLLM's v3 on the workload suite "
+        "(minilib.tpu.suite), a markdown table to paste into an issue; uses --reps",
+    )
+    p.add_argument(
+        "--suite-workloads",
+        type=comma_list(choice_of(list(SUITE))),
+        default=list(SUITE),
+        help="with --tpu: comma list of the suite's workloads",
     )
     p.add_argument("--no-memory", action="store_true", help="skip the memory sweep")
     p.add_argument(
@@ -446,7 +465,10 @@ def apply_quick(args) -> None:
 
 def run(args) -> int:
     """Run `python -m minilib bench` with parsed flags. Returns the exit code: 0; 1 when any
-    row failed to run; 2 (through `args.parser.error`) for flags that do not fit together."""
+    row failed to run; 2 (through `args.parser.error`) for flags that do not fit together.
+    With --tpu, `minilib.perf.tpu_bench.run`."""
+    if args.tpu:
+        return tpu_bench.run(args)
     if args.quick:
         apply_quick(args)
     cases = cases_from_args(args)

@@ -83,6 +83,7 @@ def test_tpu_self_check_in_interpret_mode_reports_every_section():
         assert f"\n  {step} " in out  # one timing row per step
     assert "TPU interpret mode" in out and "jax-kernel: unavailable: needs a TPU" in out
     assert "v3: not timed: it runs only on a TPU" in out
+    assert "python -m minilib bench --tpu" in out  # where the whole suite is timed
 
 
 @needs_no_tpu
