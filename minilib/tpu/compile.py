@@ -289,9 +289,8 @@ class CompileReport:
                     f"  VMEM: {kib(k.vmem_bytes)}, of which spills: {kib(k.spill_bytes)}",
                 ]
                 for location, ops in k.top_source_lines[:5]:
-                    code = k.source_code.get(location, "")
                     file = location.rsplit(":", 1)[0]  # the code says which line
-                    lines.append(f"  {ops:6d} ops  {file}  {code}")
+                    lines.append(f"  {ops:6d} ops  {file}  {k.source_code.get(location, '')}")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
