@@ -61,6 +61,6 @@ class FixedMaxSoftmax(OnlineSoftmax):
         self.l_ref[kv_head] = self.l_ref[kv_head] + lane_sums(p)
         return p, None
 
-    def accumulate(self, kv_head: int, v, p, alpha, mask: ScoreMask):  # v: [kv_tokens, hd]
+    def accumulate(self, kv_head: int, v, p, alpha):  # v: [kv_tokens, hd]
         pv = jnp.einsum("rt,td->rd", p.astype(self.dtype), v, preferred_element_type=jnp.float32)
         self.acc_ref[kv_head] = self.acc_ref[kv_head] + pv

@@ -35,7 +35,7 @@ def attend_kv_heads(
                 dtype=dtype,
                 config=config,
             )
-        softmax.accumulate(kv_head, v, p, alpha, mask)
+        softmax.accumulate(kv_head, v, p, alpha)
 
     in_flight = collections.deque()  # (kv_head, v or None, p, alpha): P·V still to come
     for kv_head in range(config.num_kv_heads_per_block):

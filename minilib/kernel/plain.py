@@ -320,7 +320,7 @@ def attend_heads(kv_buf, q_fold_ref, softmax, mask, kv_blk, kv_len, config, load
             config=config,
         )
         p, alpha = softmax.scores_and_stats(kv_head, q_fold_ref[kv_head], k, mask)
-        softmax.accumulate(kv_head, v, p, alpha, mask)
+        softmax.accumulate(kv_head, v, p, alpha)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,7 +415,7 @@ class OnlineSoftmax:
             return s
         return masking.apply_mask_value(s, mask.masked, in_log2_units(c.mask_value), mask.hidden)
 
-    def accumulate(self, kv_head: int, v, p, alpha, mask: ScoreMask):  # v: [kv_tokens, hd]
+    def accumulate(self, kv_head: int, v, p, alpha):  # v: [kv_tokens, hd]
         acc_prev = self.acc_ref[kv_head]  # [rows, head_dim]
         pv = jnp.einsum("rt,td->rd", p.astype(self.dtype), v, preferred_element_type=jnp.float32)
         acc_next = widen(alpha, acc_prev.shape[1]) * acc_prev + pv
