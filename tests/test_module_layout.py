@@ -71,7 +71,7 @@ LAYERS = [
     ("explore.head_grouping", "explore.page_table", "explore.ragged_batch",
      "explore.kernel_schedule", "explore.playground", "perf.bench", "tpu.kernel_costs",
      "tpu.comparison", "tpu.block_times", "tpu.at_defaults", "tpu.suite", "tpu.listing",
-     "tpu.sinks", "tpu.recorded",
+     "tpu.sinks", "tpu.recorded", "tpu.lever_costs", "explore.levers",
      "doctor", "__main__", "engine", "engine.*", "exercises", "exercises.*", "explore", "tpu",
      "perf", ""),
 ]  # fmt: skip
