@@ -17,6 +17,7 @@ from __future__ import annotations
 import ipywidgets as widgets
 
 from minilib.errors import InputProblem
+from minilib.explore import style
 from minilib.explore.explorer import Explorer
 from minilib.explore.text import pre
 from minilib.kernel import Levers
@@ -91,7 +92,35 @@ def shown(asked: Levers, cells, applied: dict, source: str, dropped: tuple):
         names = ", ".join(dropped)
         lines.append(f"Looked up without {names}: they apply nowhere on this workload.")
     table = lever_costs.lever_table(cells, [], source=source)
-    return status, None, pre("\n".join(lines) + "\n\n" + table)
+    return status, levers_figure(cells), pre("\n".join(lines) + "\n\n" + table)
+
+
+def levers_figure(cells):
+    """Bars of bundles per KV block: for each chip and config, one bar per row of `cells`
+    (`Levers.off()`, then the checked set).
+
+    >>> from minilib.tpu.lever_costs import recorded_levers, recorded_set
+    >>> off = recorded_set(Levers.off(), recorded_levers()).cells
+    >>> levers_figure(off).axes[0].get_ylabel()
+    'bundles per KV block'
+    """
+    rows = list(dict.fromkeys(c.kernel for c in cells))
+    columns = list(dict.fromkeys((c.chip, c.config) for c in cells))
+    figures = {(c.kernel, c.chip, c.config): c.bundles_per_kv_block or 0 for c in cells}
+    fig = style.new_figure(8, 3)
+    ax = fig.add_subplot()
+    width = 0.8 / len(rows)
+    for r, row in enumerate(rows):
+        xs = [i + r * width for i in range(len(columns))]
+        heights = [figures.get((row, *column), 0) for column in columns]
+        ax.bar(xs, heights, width, color=style.color(r), hatch=style.hatch(r), label=row)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(columns))])
+    ax.set_xticklabels([lever_costs.column_name(*column) for column in columns])
+    ax.set_ylabel("bundles per KV block")
+    ax.set_title("Static estimates from the compiled programs, not timings", fontsize=10)
+    ax.legend(fontsize=8)
+    style.clean(ax)
+    return fig
 
 
 def not_recorded(asked: Levers, record: dict, reason: str) -> InputProblem:

@@ -50,7 +50,7 @@ def test_a_recorded_set_shows_its_recorded_figures_beside_off():
         off_row = [line for line in ex.text.splitlines() if line.startswith("Levers.off()")]
         assert len(off_row) == 1 and f"{off:,}" in off_row[0], "off's row is shown"
         assert OK_COLOUR in ex.views["message"].value
-        assert not shows_figure(ex)
+        assert shows_figure(ex)
 
 
 def test_a_set_not_recorded_says_so_plainly():
@@ -60,6 +60,7 @@ def test_a_set_not_recorded_says_so_plainly():
     assert "Not recorded: no figure for this set" in ex.text
     assert "open_blocks, heads_in_flight" in ex.text
     assert "bundles per KV block on v5e" not in ex.text  # no figure guessed
+    assert not shows_figure(ex)
     assert PROBLEM_COLOUR in ex.views["message"].value
 
 
