@@ -139,6 +139,7 @@ TPU_COMPILE_TESTS = (
     "tests/ladder/test_ladder.py",
     "tests/tpu/test_tpu_listing.py",
     "tests/tpu/test_tpu_recorded.py",
+    "tests/tpu/test_tpu_levers.py",
     "tests/tpu/test_tpu_kv_write.py",
     "tests/tpu/test_tpu_dump_cache.py",
     "tests/exercises/test_kernel_constructs.py",

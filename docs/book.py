@@ -72,10 +72,26 @@ def landing_page(readme: str) -> str:
     return "".join(sections[name] for name in ["", *LANDING_SECTIONS])
 
 
+# The course's notebooks: the lessons (`09_performance.ipynb`) and their appendices
+# (`09a_performance_appendix.ipynb`), which sort after them.
+COURSE_GLOB = "[0-9][0-9]*_*.ipynb"
+
+
+def is_appendix(path: Path) -> bool:
+    """`09a_performance_appendix.ipynb`: an appendix, not a lesson.
+
+    >>> is_appendix(Path("09a_performance_appendix.ipynb"))
+    True
+    >>> is_appendix(Path("09_performance.ipynb"))
+    False
+    """
+    return path.name[2] != "_"
+
+
 def link_notebook_names(markdown: str, notebooks: list[Path]) -> str:
     """`01_attention_and_head_grouping` (the README's table of the course) as a link to it."""
     names = {p.stem for p in notebooks}
-    return re.sub(r"`(\d\d_\w+)`",
+    return re.sub(r"`(\d\d[a-z]?_\w+)`",
                   lambda m: f"[{m[0]}](notebooks/{m[1]}.ipynb)" if m[1] in names else m[0],
                   markdown)  # fmt: skip
 
@@ -198,7 +214,7 @@ def exercise_targets(numbers: list[str]) -> dict[str, str]:
 def instructors_page(guide: str, notebooks: list[Path], targets: dict[str, str]) -> str:
     """The instructor's guide as a page of the book: `08_tpu_kernel` and "notebook 08" link to
     the notebook, a checker's name to its entry on the exercise pages (`targets`)."""
-    pages = {p.name[:2]: f"notebooks/{p.name}" for p in notebooks}
+    pages = {p.name[:2]: f"notebooks/{p.name}" for p in notebooks if not is_appendix(p)}
     return link_prose(link_notebook_names(guide, notebooks), targets, pages)
 
 
@@ -297,8 +313,8 @@ def toc(notebooks: list[Path], exercises: list[str], modules: list[str]) -> dict
 
 
 def write_book(executed: Path, source: Path) -> None:
-    notebooks = sorted(executed.glob("[0-9][0-9]_*.ipynb"))
-    course = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    notebooks = sorted(executed.glob(COURSE_GLOB))  # the lessons, each appendix after its own
+    course = sorted((ROOT / "notebooks").glob(COURSE_GLOB))
     missing = sorted({p.name for p in course} - {p.name for p in notebooks})
     if missing:
         raise ValueError(f"{executed} lacks the executed {missing}: run them with "
@@ -317,14 +333,14 @@ def write_book(executed: Path, source: Path) -> None:
     for module in modules:
         (source / "reference" / f"{module}.md").write_text(module_page(module))
     numbers = []
-    for path in notebooks:
+    for path in [p for p in notebooks if not is_appendix(p)]:
         if list((ROOT / "minilib" / "exercises").glob(f"ex{path.name[:2]}_*.py")):
             numbers.append(path.name[:2])
             page = exercise_page(path.name[:2], path)
             (source / "exercises" / f"{path.name[:2]}.md").write_text(page)
 
     targets = link_targets(modules)
-    pages = {p.name[:2]: f"./{p.name}" for p in notebooks}
+    pages = {p.name[:2]: f"./{p.name}" for p in notebooks if not is_appendix(p)}
     for path in notebooks:
         nb = book_notebook(path, targets, pages)
         (source / "notebooks" / path.name).write_text(json.dumps(nb))

@@ -80,8 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
         description=comparison.COMMAND_DESCRIPTION,
     )
     comparison.add_arguments(compile_parser)
-    compile_parser.set_defaults(run=comparison.run)
+    compile_parser.set_defaults(run=run_compile)
     return parser
+
+
+def run_compile(args) -> int:
+    """`python -m minilib compile`: the levers table with `--levers`, else the comparison."""
+    if args.levers:
+        from minilib.tpu import lever_costs
+
+        return lever_costs.run(args)
+    return comparison.run(args)
 
 
 def main(argv: list[str] | None = None) -> int:

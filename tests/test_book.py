@@ -123,7 +123,7 @@ def test_the_instructors_guide_is_a_page_of_the_book(tmp_path):
     import re
     import shutil
 
-    for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"):
+    for path in (ROOT / "notebooks").glob(book.COURSE_GLOB):
         shutil.copy(path, tmp_path / path.name)
     source = tmp_path / "source"
     book.write_book(tmp_path, source)

@@ -157,7 +157,7 @@ def forward_uses(notebooks: list[tuple[str, dict]], terms: list[Term]) -> list[s
 
 
 def course() -> list[tuple[str, dict]]:
-    paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    paths = sorted(NOTEBOOKS.glob("[0-9][0-9]*_*.ipynb"))  # an appendix (09a_) after its lesson
     return [(path.name[:2], json.loads(path.read_text())) for path in paths]
 
 
@@ -214,10 +214,13 @@ def test_an_entry_without_its_notebook_is_named():
 
 
 def test_each_term_is_in_the_prose_of_the_notebook_said_to_introduce_it(terms):
-    notebooks = dict(course())
+    prose_of = {}  # a notebook's number: its prose, and its appendix's (09: 09_ and 09a_)
+    for number, nb in course():
+        cells = "\n".join(cell_prose(cell) for cell in nb["cells"])
+        prose_of[number] = prose_of.get(number, "") + "\n" + cells
     missing = []
     for term in terms:
-        prose = "\n".join(cell_prose(cell) for cell in notebooks[term.notebook]["cells"])
+        prose = prose_of[term.notebook]
         if not any(spelling_pattern(s).search(prose) for s in term.spellings):
             missing.append(f"{term.name} (notebook {term.notebook})")
     assert not missing, f"not in the notebook the glossary names: {missing}"

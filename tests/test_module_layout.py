@@ -72,7 +72,7 @@ LAYERS = [
      "explore.kernel_schedule", "explore.playground", "perf.bench", "perf.tpu_bench",
      "tpu.kernel_costs",
      "tpu.comparison", "tpu.block_times", "tpu.at_defaults", "tpu.suite", "tpu.listing",
-     "tpu.sinks", "tpu.recorded",
+     "tpu.sinks", "tpu.recorded", "tpu.lever_costs", "explore.levers",
      "doctor", "__main__", "engine", "engine.*", "exercises", "exercises.*", "explore", "tpu",
      "perf", ""),
 ]  # fmt: skip

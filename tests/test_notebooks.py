@@ -31,6 +31,10 @@ from time_limit import Cost
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
+# An appendix goes deeper than its lesson: `09a_...` beside `09_...`, read after it. It runs top
+# to bottom like a lesson, with no exercise of its own.
+APPENDICES = sorted(NOTEBOOK_DIR.glob("[0-9][0-9][a-z]_*.ipynb"))
+ALL_NOTEBOOKS = sorted(NOTEBOOKS + APPENDICES)
 # A notebook must cost under four minutes, top to bottom, cost as tests/time_limit.py counts it:
 # the smaller of its wall-clock and CPU seconds (the kernel's, reaped), so that a machine busy
 # or slow that day does not fail it. On an idle 2-core machine notebook 10, the longest, took
@@ -86,7 +90,7 @@ def test_there_are_ten_numbered_notebooks():
     assert numbers == [f"{i:02d}" for i in range(len(NOTEBOOKS))], "numbers must run 00, 01, ..."
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+@pytest.mark.parametrize("path", ALL_NOTEBOOKS, ids=_ids(ALL_NOTEBOOKS))
 def test_outputs_are_stripped(path):
     """Committed notebooks carry no outputs, execution counts or widget state."""
     nb = json.loads(path.read_text(encoding="utf-8"))
@@ -121,12 +125,29 @@ def test_notebook_shape(path):
     assert None not in ids and len(set(ids)) == len(ids), f"{path.name}: a cell id missing or twice"
 
 
+@pytest.mark.parametrize("path", APPENDICES, ids=_ids(APPENDICES))
+def test_appendix_shape(path):
+    """An appendix opens with its title and the shared setup cell, and links to its lesson,
+    which links to it."""
+    cells = _cells(path)
+    number = path.name.split("_")[0]  # "09a"
+    lesson = next(p for p in NOTEBOOKS if p.name.startswith(f"{number[:2]}_"))
+    first_code = next(c for c in cells if c["cell_type"] == "code")
+    assert cell_source(cells[0]).startswith(f"# {number} ")
+    assert cell_source(first_code) == cell_source(_first_code_cell(NOTEBOOKS[0]))
+    assert f"]({lesson.name})" in cell_source(cells[0]), f"{path.name} links its lesson"
+    lesson_text = "\n".join(cell_source(c) for c in _cells(lesson))
+    assert f"]({path.name})" in lesson_text, f"{lesson.name} links its appendix"
+    ids = [c.get("id") for c in cells]
+    assert None not in ids and len(set(ids)) == len(ids), f"{path.name}: a cell id missing or twice"
+
+
 # What a cell prints when it compares an answer with a reference: "max |minilib - JAX| = ...",
 # "max |error|", "max error", "max difference", "engine == dense".
 PRINTED_COMPARISON = re.compile(r"max \||max (abs )?error|max difference|== dense", re.IGNORECASE)
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+@pytest.mark.parametrize("path", ALL_NOTEBOOKS, ids=_ids(ALL_NOTEBOOKS))
 def test_every_printed_comparison_is_asserted(path):
     """A cell that prints how far an answer is from a reference also asserts it: through
     `minilib.parity.parity_error` (which raises over the tolerance, or on NaN) or an `assert`.
@@ -259,7 +280,7 @@ def slowest_cells(nb) -> list[tuple[float, int]]:
 
 
 @pytest.mark.notebooks
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+@pytest.mark.parametrize("path", ALL_NOTEBOOKS, ids=_ids(ALL_NOTEBOOKS))
 def test_notebook_runs(path, kernel_manager_factory, record_property):
     import nbformat
     from nbclient import NotebookClient

@@ -20,7 +20,7 @@ from prose_claims import (
     source,
     unclaimed_comparisons,
 )
-from test_notebooks import EXECUTED_DIR, NOTEBOOKS, _ids
+from test_notebooks import ALL_NOTEBOOKS, EXECUTED_DIR, _ids
 
 CLAIM = """<!-- claim: between two and two and a half times
 cell: loops
@@ -133,7 +133,7 @@ def _cells(path):
     return json.loads(path.read_text(encoding="utf-8"))["cells"]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+@pytest.mark.parametrize("path", ALL_NOTEBOOKS, ids=_ids(ALL_NOTEBOOKS))
 def test_claims_are_well_formed(path):
     """Each claim names a phrase of its prose and an existing code cell, and stands alone;
     every comparative word carries a claim."""
@@ -148,7 +148,7 @@ def test_claims_are_well_formed(path):
     )
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+@pytest.mark.parametrize("path", ALL_NOTEBOOKS, ids=_ids(ALL_NOTEBOOKS))
 def test_executed_notebook_agrees_with_its_prose(path):
     """The claims of the notebook as last executed, with the committed prose: run
     `pytest tests/test_notebooks.py -k runs` first."""

@@ -9,6 +9,7 @@ explorer (ipywidgets 7 and 8):
   page_table.py       the paged KV cache: page pool, page table, wasted slots
   ragged_batch.py     a ragged batch: packed q rows, each sequence's causal mask
   kernel_schedule.py  the Pallas kernel's grid, KV blocks and double buffer
+  levers.py           the speed levers, one checkbox each: bundles per KV block, compiled
   playground.py       the validation playground
   mistakes.py         the common input mistakes, shared by the playground, notebook 05 and
                       the tests

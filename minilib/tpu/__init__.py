@@ -10,6 +10,7 @@ estimate read from the compiled program, never a timing. The chips' published fi
   dump_reader.py   what libtpu wrote down: per kernel, its loop, paths, ops, VMEM
   v3.py            vLLM's RPA v3 kernel, loaded from its published wheel
   kernel_costs.py  ours against JAX's and v3, compiled, per chip and config
+  lever_costs.py   what each speed lever buys, from Levers.off() to every lever, compiled
   block_times.py   a KV block's bundles and bytes as time, per chip (static)
   comparison.py    what we claim from it, its recorded figures, `python -m minilib compile`
   recorded.py      the notebooks' compile results, recorded for where nothing compiles

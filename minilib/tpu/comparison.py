@@ -37,6 +37,7 @@ from minilib.tpu.loop_paths import PATH_RULES
 # `add_arguments` and `run` are `python -m minilib compile`'s command line, not the library's.
 __all__ = [
     "CLAIMS",
+    "cell_from_record",
     "cell_record",
     "comparison_here_or_recorded",
     "record_comparison",
@@ -142,17 +143,30 @@ def recorded_comparison(path: Path = RECORDED) -> tuple[list[Cell], dict]:
     (['JAX', 'ours', 'v3'], '0.0.50.1')
     """
     record = json.loads(path.read_text())
-    cells = []
-    for c in record["cells"]:
-        stats = None
-        if c["name"] is not None:
-            stats = KernelStats(
-                c["name"], c["total_bundles"], c["bundles_per_kv_block"], c["vmem_bytes"],
-                c["spill_bytes"], (), loop_op_kinds=tuple(c["loop_op_kinds"].items()),
-                longest_path=c["longest_path"], interior_path=c["interior_path"],
-            )  # fmt: skip
-        cells.append(Cell(c["kernel"], c["chip"], c["config"], stats, c["missing"], c["note"]))
-    return cells, record
+    return [cell_from_record(c) for c in record["cells"]], record
+
+
+def cell_from_record(c: dict) -> Cell:
+    """The `Cell` of one recorded cell (`cell_record`), read back.
+
+    >>> cells, record = recorded_comparison()
+    >>> cell_from_record(record["cells"][0]) == cells[0]
+    True
+    """
+    stats = None
+    if c["name"] is not None:
+        stats = KernelStats(
+            c["name"],
+            c["total_bundles"],
+            c["bundles_per_kv_block"],
+            c["vmem_bytes"],
+            c["spill_bytes"],
+            (),
+            loop_op_kinds=tuple(c["loop_op_kinds"].items()),
+            longest_path=c["longest_path"],
+            interior_path=c["interior_path"],
+        )
+    return Cell(c["kernel"], c["chip"], c["config"], stats, c["missing"], c["note"])
 
 
 def comparison_here_or_recorded(chips=("v5e", "v6e")) -> tuple[list[Cell], str, str]:
@@ -312,6 +326,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--defaults",
         action="store_true",
         help="each kernel at its own default block sizes (minilib.tpu.at_defaults)",
+    )
+    parser.add_argument(
+        "--levers",
+        action="store_true",
+        help="our kernel with Levers.off(), then each lever added in turn, between rung 7 and "
+        "v3 (minilib.tpu.lever_costs); with --record, written to "
+        "minilib/tpu/recorded_levers.json for notebook 09",
     )
     parser.add_argument(
         "--workloads",

@@ -22,6 +22,7 @@ from ipywidgets.embed import embed_data  # noqa: E402
 from minilib.explore import kernel_schedule  # noqa: E402
 from minilib.explore.head_grouping import head_grouping_explorer  # noqa: E402
 from minilib.explore.kernel_schedule import kernel_schedule_explorer  # noqa: E402
+from minilib.explore.levers import levers_explorer  # noqa: E402
 from minilib.explore.page_table import page_table_explorer  # noqa: E402
 from minilib.explore.playground import validation_playground  # noqa: E402
 from minilib.explore.ragged_batch import ragged_batch_explorer  # noqa: E402
@@ -34,6 +35,7 @@ EXPLORERS = [
     ragged_batch_explorer,
     validation_playground,
     kernel_schedule_explorer,
+    levers_explorer,
 ]
 
 
@@ -168,6 +170,8 @@ def fuzz_values(control, rng, n: int) -> list:
     options = getattr(control, "options", None)
     if options:
         pool = list(options)
+    elif isinstance(control, widgets.Checkbox):
+        pool = [False, True]
     elif isinstance(control, widgets.IntText):
         pool = INT_INPUTS
     else:
