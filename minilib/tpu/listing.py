@@ -90,8 +90,8 @@ def _line(bundle, i: int, what: str) -> str:
     op = _ops(bundle)[i]
     place = SOURCE_LOC.search(op)
     op = re.sub(r"\s*/\*[^*]*loc\(.*?\*/", "", op)  # the source location, shortened below
-    if place:
-        op += f"  /* {short_path(place.group(1))}:{place.group(2)} */"
+    if place:  # its file: a line number would move with every edit of the file
+        op += f"  /* {short_path(place.group(1))} */"
     others = len(_ops(bundle)) - 1
     more = f"  ;; {others} more op{'s' * (others > 1)}" if others else ""
     tag = f"{bundle.tag}:" if bundle.tag else "  :"

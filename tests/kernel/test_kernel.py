@@ -348,7 +348,10 @@ def test_narrow_rows_match_jax_reference(name, padded):
     """head_dim 64 on the strided load, in rows of 64 lanes (`narrow_rows`), from a plain slot
     and from a padded one (bf16 only: an f32 or fp8 slot is never padded), in both kernels, run
     by plain `interpret=True`."""
-    asked = Levers.only("strided_kv_loads", "narrow_rows", *(["padded_slot"] if padded else []))
+    # fp8_as_stored: an fp8 cache reaches the strided load as words (no effect on the others)
+    asked = Levers.only(
+        "strided_kv_loads", "narrow_rows", "fp8_as_stored", *(["padded_slot"] if padded else [])
+    )
     batch, options, config = strided_case(name, asked)
     for kernel in kernels(config):
         assert kernel.levers.narrow_rows and kernel.levers.strided_kv_loads, kernel
